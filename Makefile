@@ -1,0 +1,34 @@
+# The two commands a new user runs: `make demo` and `make test`. Only python3 is needed.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format protos bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/stablewatch demo
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python -m pytest
+
+lint: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+protos: $(STAMP)
+	$(BIN)/python protos/generate.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/predicates.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,384 @@
+"""The Chandy–Lamport snapshot protocol for one process, as a pure state machine.
+
+Everything that affects the protocol lives in this module. It does no I/O, keeps no clock, starts
+no thread and draws no random number: the gRPC transport, the simulator and the tests feed it
+events and carry out the actions it returns, so all of them run exactly the same protocol.
+
+Theory of operation
+-------------------
+A *channel* is one direction between two processes, ``src -> dst``; the driver guarantees that
+its entries arrive reliably, in order and once. An entry is an :class:`AppMessage` or a
+:class:`Marker`.
+
+* **Recording.** A process records its local state for snapshot ``k`` when it first hears of
+  ``k``: from :meth:`SnapshotCore.start_snapshot` (the detector asked; any number of processes may
+  initiate the same ``k``) or from the first marker ``k`` on any inbound channel.
+* **Markers.** The same call that decides to record returns, in one action list, a
+  :class:`RecordState` and a marker ``k`` for every outbound channel. The driver captures the
+  application's state and hands it back with :meth:`SnapshotCore.record_state` before it feeds
+  any other event, so no send or delivery can slip between the recording and the markers: that
+  is what makes the step atomic. Until then every other call raises :class:`LocalProtocolError`.
+* **Channel states.** Once ``k`` is recorded, every application message that arrives on an
+  inbound channel is recorded for ``k`` until marker ``k`` arrives on that channel. The channel
+  the first marker came on is empty. A channel that opens after the recording is recorded from
+  its first message; an outbound channel opened (:meth:`SnapshotCore.open_outbound`) while ``k``
+  is still running gets marker ``k`` before anything else, and a report of ``n = 0``.
+* **Proof counts.** For each outbound channel the part carries ``n``, the messages sent before
+  the marker; for each inbound channel ``m``, the messages received before recording. The
+  detector checks ``m + len(recorded) == n`` for every channel.
+* **Concurrency.** Every snapshot id has its own recording; one message may be recorded for
+  several snapshots at once.
+* **Bound.** A snapshot whose recorded bytes pass ``max_recorded_bytes`` fails with a reason
+  (:class:`SnapshotFailed`) and stops recording, instead of growing without limit.
+* **Parts.** The process reports its contribution as :class:`ReportPart` actions: one when it
+  records (state and outbound counts), then one per inbound channel when its marker arrives. The
+  detector merges them and decides completion; :meth:`SnapshotCore.finish_snapshot` then lets the
+  core forget ``k`` (late markers of a finished snapshot are ignored).
+
+Errors say whose fault they are: :class:`LocalProtocolError` for misuse by the driver,
+:class:`RemoteProtocolError` for a peer that broke the protocol (for example two markers of one
+snapshot on one channel).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from stablewatch.v1 import (
+    InboundChannelState,
+    LocalSnapshotPart,
+    LocalState,
+    OutboundCount,
+    RecordedMessage,
+)
+
+__all__ = [
+    "Action",
+    "AppMessage",
+    "Entry",
+    "LocalProtocolError",
+    "Marker",
+    "RecordState",
+    "RemoteProtocolError",
+    "ReportPart",
+    "SendEntry",
+    "SnapshotCore",
+    "SnapshotFailed",
+    "apply_recording",
+]
+
+DEFAULT_MAX_RECORDED_BYTES = 64 * 1024 * 1024
+# Bytes charged per counter entry of a recorded message, so counters-only messages are bounded too.
+_COUNTER_COST = 16
+# How many finished snapshot ids are remembered, to ignore their late markers.
+_FINISHED_MEMORY = 4096
+
+
+class LocalProtocolError(Exception):
+    """The driver misused the core (a call out of order, a send to itself)."""
+
+
+class RemoteProtocolError(Exception):
+    """A peer broke the protocol (for example a second marker of one snapshot on one channel)."""
+
+
+# Entries are NamedTuples rather than dataclasses: one is built per message on the hot path.
+class AppMessage(NamedTuple):
+    """An application message: opaque payload, units in transit, and whether it can wake anyone."""
+
+    payload: bytes
+    counters: Mapping[str, int] | None = None
+    no_wake: bool = False
+
+
+class Marker(NamedTuple):
+    """The marker of snapshot ``snapshot_id``."""
+
+    snapshot_id: int
+
+
+Entry = AppMessage | Marker
+
+
+@dataclass(frozen=True, slots=True)
+class SendEntry:
+    """Put ``entry`` on the outbound channel to ``dst``, after everything already queued there."""
+
+    dst: str
+    entry: Entry
+
+
+@dataclass(frozen=True, slots=True)
+class RecordState:
+    """Capture the application's state now and pass it to ``record_state(snapshot_id, ...)``."""
+
+    snapshot_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class ReportPart:
+    """Send this piece of the local snapshot to the detector."""
+
+    part: LocalSnapshotPart
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotFailed:
+    """This process cannot contribute to ``snapshot_id``; the detector should abort it."""
+
+    snapshot_id: int
+    reason: str
+
+
+Action = SendEntry | RecordState | ReportPart | SnapshotFailed
+
+_NOTHING: tuple[Action, ...] = ()
+
+
+@dataclass(slots=True)
+class _Recording:
+    """What one process keeps for one snapshot between recording and finish."""
+
+    snapshot_id: int
+    received_at_record: dict[str, int]  # m per inbound channel
+    recorded: dict[str, list[RecordedMessage]] = field(default_factory=dict)
+    closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
+    recorded_bytes: int = 0
+    failed: bool = False
+
+
+class SnapshotCore:
+    """The protocol state of one process. See the module docstring for the rules it follows."""
+
+    def __init__(
+        self,
+        process_id: str,
+        outbound: Iterable[str] = (),
+        *,
+        max_recorded_bytes: int = DEFAULT_MAX_RECORDED_BYTES,
+    ) -> None:
+        if not process_id:
+            raise LocalProtocolError("process_id must be a non-empty string")
+        if max_recorded_bytes <= 0:
+            raise LocalProtocolError(f"max_recorded_bytes must be positive, got {max_recorded_bytes}")
+        self.process_id = process_id
+        self.max_recorded_bytes = max_recorded_bytes
+        self._sent: dict[str, int] = {}  # application messages sent per outbound channel
+        self._received: dict[str, int] = {}  # application messages received per inbound channel
+        self._arrivals = 0  # application messages received on all channels
+        self._recordings: dict[int, _Recording] = {}
+        self._finished: set[int] = set()
+        self._finished_order: deque[int] = deque()
+        # Ids older than the finished ones forgotten from memory count as finished too.
+        self._forgotten_below = 0
+        self._awaiting_state: int | None = None
+        for dst in outbound:
+            self._check_peer(dst)
+            self._sent.setdefault(dst, 0)
+
+    # -- what the driver can ask ---------------------------------------------------------------
+
+    @property
+    def outbound_channels(self) -> list[str]:
+        """Destinations of the outbound channels, in the order markers are sent on them."""
+        return sorted(self._sent)
+
+    @property
+    def active_snapshots(self) -> list[int]:
+        """Snapshots recorded here and not yet finished."""
+        return sorted(self._recordings)
+
+    def sent_count(self, dst: str) -> int:
+        """Application messages sent so far on ``self -> dst``."""
+        return self._sent.get(dst, 0)
+
+    def received_count(self, src: str) -> int:
+        """Application messages received so far on ``src -> self``."""
+        return self._received.get(src, 0)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def open_outbound(self, dst: str) -> tuple[Action, ...]:
+        """Declare the channel ``self -> dst``; running snapshots put their markers on it first."""
+        self._check_ready()
+        self._check_peer(dst)
+        if dst in self._sent:
+            return _NOTHING
+        self._sent[dst] = 0
+        return self._markers_for_new_channel(dst)
+
+    def send(self, dst: str, message: AppMessage) -> None:
+        """Count ``message`` as sent on ``self -> dst``; the driver puts it on that channel next.
+
+        The channel must be open (constructor or :meth:`open_outbound`), so that the markers of
+        running snapshots are already on it.
+        """
+        self._check_ready()
+        count = self._sent.get(dst)
+        if count is None:
+            raise LocalProtocolError(
+                f"channel {self.process_id} -> {dst} is not open: call open_outbound first"
+            )
+        self._sent[dst] = count + 1
+
+    def start_snapshot(self, snapshot_id: int) -> tuple[Action, ...]:
+        """The detector asks this process to take part in ``snapshot_id`` (idempotent)."""
+        self._check_ready()
+        if snapshot_id in self._recordings or snapshot_id in self._finished:
+            return _NOTHING
+        if snapshot_id < self._forgotten_below:
+            return _NOTHING
+        return self._begin_recording(snapshot_id, first_marker_from=None)
+
+    def record_state(self, snapshot_id: int, state: LocalState) -> tuple[Action, ...]:
+        """Hand over the state captured for the :class:`RecordState` action just returned."""
+        if self._awaiting_state != snapshot_id:
+            expected = "no state" if self._awaiting_state is None else f"snapshot {self._awaiting_state}"
+            raise LocalProtocolError(f"record_state({snapshot_id}) called, but the core awaits {expected}")
+        self._awaiting_state = None
+        recording = self._recordings[snapshot_id]
+        part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
+        part.state.CopyFrom(state)
+        part.outbound.extend(
+            OutboundCount(dst=dst, sent_before_marker=self._sent[dst]) for dst in self.outbound_channels
+        )
+        part.inbound.extend(self._inbound_state(recording, src) for src in sorted(recording.closed))
+        return (ReportPart(part),)
+
+    def receive_message(self, src: str, message: AppMessage) -> tuple[Action, ...]:
+        """An application message arrived on ``src -> self``; the driver delivers it after this call."""
+        self._check_ready()
+        count = self._received.get(src)
+        if count is None:
+            self._check_peer(src)
+            count = 0
+        self._received[src] = count + 1
+        self._arrivals += 1
+        if not self._recordings:
+            return _NOTHING
+        failures: list[Action] = []
+        recorded: RecordedMessage | None = None
+        size = len(message.payload) + _COUNTER_COST * len(message.counters or ())
+        for recording in self._recordings.values():
+            if recording.failed or src in recording.closed:
+                continue
+            if recorded is None:
+                recorded = RecordedMessage(
+                    payload=message.payload,
+                    counters=message.counters or {},
+                    no_wake=message.no_wake,
+                    receive_index=self._arrivals,
+                )
+            recording.recorded.setdefault(src, []).append(recorded)
+            recording.recorded_bytes += size
+            if recording.recorded_bytes > self.max_recorded_bytes:
+                failures.append(self._fail(recording, "recorded bytes exceeded the bound"))
+        return tuple(failures)
+
+    def receive_marker(self, src: str, snapshot_id: int) -> tuple[Action, ...]:
+        """Marker ``snapshot_id`` arrived on ``src -> self``."""
+        self._check_ready()
+        if src not in self._received:
+            self._check_peer(src)
+            self._received[src] = 0
+        if snapshot_id in self._finished or snapshot_id < self._forgotten_below:
+            return _NOTHING
+        recording = self._recordings.get(snapshot_id)
+        if recording is None:
+            return self._begin_recording(snapshot_id, first_marker_from=src)
+        if src in recording.closed:
+            channel = f"{src} -> {self.process_id}"
+            raise RemoteProtocolError(f"second marker of snapshot {snapshot_id} on channel {channel}")
+        recording.closed.add(src)
+        if recording.failed:
+            return _NOTHING
+        part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
+        part.inbound.append(self._inbound_state(recording, src))
+        return (ReportPart(part),)
+
+    def receive(self, src: str, entry: Entry) -> tuple[Action, ...]:
+        """Either kind of entry arrived on ``src -> self`` (dispatches to the two methods above)."""
+        if isinstance(entry, Marker):
+            return self.receive_marker(src, entry.snapshot_id)
+        return self.receive_message(src, entry)
+
+    def finish_snapshot(self, snapshot_id: int) -> None:
+        """The detector completed or aborted ``snapshot_id``: forget it and ignore its late markers."""
+        self._check_ready()
+        self._recordings.pop(snapshot_id, None)
+        if snapshot_id in self._finished:
+            return
+        self._finished.add(snapshot_id)
+        self._finished_order.append(snapshot_id)
+        if len(self._finished_order) > _FINISHED_MEMORY:
+            forgotten = self._finished_order.popleft()
+            self._finished.discard(forgotten)
+            self._forgotten_below = max(self._forgotten_below, forgotten + 1)
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _check_ready(self) -> None:
+        if self._awaiting_state is not None:
+            raise LocalProtocolError(
+                f"record_state({self._awaiting_state}, ...) must be called before any other event"
+            )
+
+    def _check_peer(self, peer: str) -> None:
+        if not peer:
+            raise LocalProtocolError("a channel needs a non-empty peer id")
+        if peer == self.process_id:
+            raise LocalProtocolError(f"process {self.process_id} cannot have a channel to itself")
+
+    def _begin_recording(self, snapshot_id: int, first_marker_from: str | None) -> tuple[Action, ...]:
+        recording = _Recording(snapshot_id=snapshot_id, received_at_record=dict(self._received))
+        if first_marker_from is not None:
+            recording.closed.add(first_marker_from)
+        self._recordings[snapshot_id] = recording
+        self._awaiting_state = snapshot_id
+        markers = [SendEntry(dst, Marker(snapshot_id)) for dst in self.outbound_channels]
+        return (RecordState(snapshot_id), *markers)
+
+    def _markers_for_new_channel(self, dst: str) -> tuple[Action, ...]:
+        """Markers (and n = 0 reports) that a channel opening mid-snapshot must carry first."""
+        actions: list[Action] = []
+        for snapshot_id, recording in sorted(self._recordings.items()):
+            actions.append(SendEntry(dst, Marker(snapshot_id)))
+            if not recording.failed:
+                part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
+                part.outbound.append(OutboundCount(dst=dst, sent_before_marker=0))
+                actions.append(ReportPart(part))
+        return tuple(actions)
+
+    def _inbound_state(self, recording: _Recording, src: str) -> InboundChannelState:
+        return InboundChannelState(
+            src=src,
+            received_before_recording=recording.received_at_record.get(src, 0),
+            messages=recording.recorded.pop(src, ()),
+        )
+
+    def _fail(self, recording: _Recording, reason: str) -> SnapshotFailed:
+        recording.failed = True
+        recording.recorded.clear()
+        return SnapshotFailed(
+            recording.snapshot_id,
+            f"process {self.process_id}: {reason} ({recording.recorded_bytes} > {self.max_recorded_bytes})",
+        )
+
+
+def apply_recording(
+    core: SnapshotCore, actions: Sequence[Action], capture: Callable[[int], LocalState]
+) -> list[Action]:
+    """Carry out every :class:`RecordState` in ``actions`` with ``capture`` and splice in the result.
+
+    A convenience for drivers that can capture the application's state synchronously.
+    """
+    resolved: list[Action] = []
+    for action in actions:
+        if isinstance(action, RecordState):
+            resolved.extend(core.record_state(action.snapshot_id, capture(action.snapshot_id)))
+        else:
+            resolved.append(action)
+    return resolved

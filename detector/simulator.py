@@ -1,0 +1,180 @@
+"""A deterministic discrete-time simulator of a token bank, driving the real protocol core.
+
+Each process runs a :class:`~stablewatch.agents.core.SnapshotCore`; the simulator plays the
+network (per-link FIFO queues with delivery times) and the detector (an
+:class:`~stablewatch.detector.assembly.Assembler` over every process). Its timing follows the COS
+418 rules exactly (see ``shared/conformance/cos418/README.md``):
+
+* a message sent at time ``t`` is due at ``t + 1 + d``, ``d`` the next value of the delay source;
+  one value per token send when the event is read, and one per outbound link, in destination
+  order, each time a process records and sends markers;
+* a tick advances time by one, then each source (in id order) delivers at most one due message,
+  the oldest on the first of its links (in destination order) that has one due;
+* after the last event it ticks until every snapshot is complete, then 6 more ticks.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+from stablewatch.agents.core import (
+    Action,
+    AppMessage,
+    Entry,
+    Marker,
+    RecordState,
+    ReportPart,
+    SendEntry,
+    SnapshotCore,
+    SnapshotFailed,
+)
+from stablewatch.detector.assembly import Assembler, Completed
+from stablewatch.detector.cos418 import TOKENS, Send, SnapshotEvent, Tick, Topology, TraceError, TraceEvent
+from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
+
+__all__ = ["Simulation", "random_delays", "tape_delays"]
+
+# Ticks after every snapshot is complete, as the COS 418 harness does.
+_SETTLE_TICKS = 6
+
+
+def tape_delays(delays: Sequence[int], source: str = "delay tape") -> Iterator[int]:
+    """Delays read from a tape, in order; running out is an error rather than a silent wrap."""
+    yield from delays
+    raise TraceError(source, 0, f"the delay tape ran out after {len(delays)} values")
+
+
+def random_delays(seed: int, bound: int = 5) -> Iterator[int]:
+    """Seeded pseudo-random delays in ``[0, bound)``, like the COS 418 harness's ``rand.Intn(5)``."""
+    generator = random.Random(seed)
+    while True:
+        yield generator.randrange(bound)
+
+
+@dataclass(slots=True)
+class _InTransit:
+    due: int
+    entry: Entry
+
+
+@dataclass
+class Simulation:
+    """One run of a topology through a script of events."""
+
+    topology: Topology
+    delays: Iterator[int]
+    events_source: str = "events"
+    max_recorded_bytes: int | None = None
+    now: int = 0
+    balances: dict[str, int] = field(init=False)
+    completed: list[GlobalSnapshot] = field(init=False, default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.balances = dict(self.topology.balances)
+        options = {} if self.max_recorded_bytes is None else {"max_recorded_bytes": self.max_recorded_bytes}
+        self._cores = {
+            process: SnapshotCore(process, self.topology.links[process], **options)
+            for process in self.topology.processes
+        }
+        self._links: dict[str, dict[str, deque[_InTransit]]] = {
+            src: {dst: deque() for dst in dsts} for src, dsts in self.topology.links.items()
+        }
+        self._assembler = Assembler()
+        self._next_snapshot_id = 0
+        self.failures: list[SnapshotFailed] = []
+
+    # -- the script ----------------------------------------------------------------------------
+
+    def run(self, events: Sequence[TraceEvent]) -> list[GlobalSnapshot]:
+        """Play ``events``, then tick until every snapshot is complete; return them by id."""
+        for event in events:
+            if isinstance(event, Send):
+                self.send(event.src, event.dst, event.tokens, line=event.line)
+            elif isinstance(event, SnapshotEvent):
+                self.start_snapshot(event.process)
+            elif isinstance(event, Tick):
+                for _ in range(event.steps):
+                    self.tick()
+        self.finish()
+        return sorted(self.completed, key=lambda snapshot: snapshot.snapshot_id)
+
+    def send(self, src: str, dst: str, tokens: int, line: int = 0) -> None:
+        """``src`` sends ``tokens`` to ``dst``: debited now, credited on delivery."""
+        if self.balances[src] < tokens:
+            raise TraceError(
+                self.events_source, line, f"{src} sends {tokens} tokens but has only {self.balances[src]}"
+            )
+        self.balances[src] -= tokens
+        message = AppMessage(b"", {TOKENS: tokens})
+        self._cores[src].send(dst, message)
+        self._enqueue(src, dst, message)
+
+    def start_snapshot(self, initiator: str) -> int:
+        """``initiator`` starts the next snapshot id; every process is a member."""
+        snapshot_id = self._next_snapshot_id
+        self._next_snapshot_id += 1
+        self._assembler.begin(snapshot_id, self.topology.processes)
+        self._apply(initiator, self._cores[initiator].start_snapshot(snapshot_id))
+        return snapshot_id
+
+    def tick(self) -> None:
+        """Advance time by one and deliver at most one due message per source."""
+        self.now += 1
+        for src in self.topology.processes:
+            for dst, queue in self._links[src].items():
+                if queue and queue[0].due <= self.now:
+                    self._deliver(src, dst, queue.popleft().entry)
+                    break
+
+    def finish(self) -> None:
+        """Tick until every snapshot is complete, then settle for a few more ticks."""
+        while self._assembler.running:
+            if not any(queue for links in self._links.values() for queue in links.values()):
+                stuck = [f"{k}: {self._assembler.missing(k)}" for k in self._assembler.running]
+                raise TraceError(self.events_source, 0, "snapshot cannot complete: " + "; ".join(stuck))
+            self.tick()
+        for _ in range(_SETTLE_TICKS):
+            self.tick()
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _enqueue(self, src: str, dst: str, entry: Entry) -> None:
+        self._links[src][dst].append(_InTransit(self.now + 1 + next(self.delays), entry))
+
+    def _deliver(self, src: str, dst: str, entry: Entry) -> None:
+        core = self._cores[dst]
+        if isinstance(entry, Marker):
+            self._apply(dst, core.receive_marker(src, entry.snapshot_id))
+            return
+        self._apply(dst, core.receive_message(src, entry))
+        self.balances[dst] += (entry.counters or {}).get(TOKENS, 0)
+
+    def _apply(self, process: str, actions: Sequence[Action]) -> None:
+        """Carry out a core's actions for ``process``, in order."""
+        pending = deque(actions)
+        while pending:
+            action = pending.popleft()
+            if isinstance(action, RecordState):
+                state = LocalState(counters={TOKENS: self.balances[process]})
+                pending.extendleft(reversed(self._cores[process].record_state(action.snapshot_id, state)))
+            elif isinstance(action, SendEntry):
+                self._enqueue(process, action.dst, action.entry)
+            elif isinstance(action, ReportPart):
+                self._report(action.part)
+            elif isinstance(action, SnapshotFailed):
+                self.failures.append(action)
+                if self._assembler.fail(action.snapshot_id, process, action.reason) is not None:
+                    self._finish_everywhere(action.snapshot_id)
+
+    def _report(self, part: LocalSnapshotPart) -> None:
+        outcome = self._assembler.add_part(part, sender=part.process_id)
+        if isinstance(outcome, Completed):
+            self.completed.append(outcome.snapshot)
+            self._finish_everywhere(outcome.snapshot.snapshot_id)
+
+    def _finish_everywhere(self, snapshot_id: int) -> None:
+        for core in self._cores.values():
+            core.finish_snapshot(snapshot_id)

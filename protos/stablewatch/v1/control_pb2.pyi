@@ -1,0 +1,111 @@
+from stablewatch.v1 import snapshot_pb2 as _snapshot_pb2
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Register(_message.Message):
+    __slots__ = ("process_id", "address", "incarnation", "agent_version")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    process_id: str
+    address: str
+    incarnation: int
+    agent_version: str
+    def __init__(self, process_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
+
+class Heartbeat(_message.Message):
+    __slots__ = ("sequence",)
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+
+class SnapshotFailure(_message.Message):
+    __slots__ = ("snapshot_id", "process_id", "reason")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    process_id: str
+    reason: str
+    def __init__(self, snapshot_id: _Optional[int] = ..., process_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class Pong(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    def __init__(self, nonce: _Optional[int] = ...) -> None: ...
+
+class AgentMessage(_message.Message):
+    __slots__ = ("register", "heartbeat", "part", "failure", "pong")
+    REGISTER_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    PART_FIELD_NUMBER: _ClassVar[int]
+    FAILURE_FIELD_NUMBER: _ClassVar[int]
+    PONG_FIELD_NUMBER: _ClassVar[int]
+    register: Register
+    heartbeat: Heartbeat
+    part: _snapshot_pb2.LocalSnapshotPart
+    failure: SnapshotFailure
+    pong: Pong
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., part: _Optional[_Union[_snapshot_pb2.LocalSnapshotPart, _Mapping]] = ..., failure: _Optional[_Union[SnapshotFailure, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ...) -> None: ...
+
+class Registered(_message.Message):
+    __slots__ = ("detector_id", "heartbeat_interval_ms")
+    DETECTOR_ID_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    detector_id: str
+    heartbeat_interval_ms: int
+    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+
+class Refused(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class StartSnapshot(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    def __init__(self, snapshot_id: _Optional[int] = ...) -> None: ...
+
+class AbortSnapshot(_message.Message):
+    __slots__ = ("snapshot_id", "reason")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    reason: str
+    def __init__(self, snapshot_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class SnapshotDone(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    def __init__(self, snapshot_id: _Optional[int] = ...) -> None: ...
+
+class Ping(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: int
+    def __init__(self, nonce: _Optional[int] = ...) -> None: ...
+
+class DetectorMessage(_message.Message):
+    __slots__ = ("registered", "refused", "start", "abort", "done", "ping")
+    REGISTERED_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    PING_FIELD_NUMBER: _ClassVar[int]
+    registered: Registered
+    refused: Refused
+    start: StartSnapshot
+    abort: AbortSnapshot
+    done: SnapshotDone
+    ping: Ping
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., done: _Optional[_Union[SnapshotDone, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,98 @@
+import datetime
+
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from stablewatch.v1 import state_pb2 as _state_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RecordedMessage(_message.Message):
+    __slots__ = ("payload", "counters", "no_wake", "receive_index")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    PAYLOAD_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    NO_WAKE_FIELD_NUMBER: _ClassVar[int]
+    RECEIVE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    payload: bytes
+    counters: _containers.ScalarMap[str, int]
+    no_wake: bool
+    receive_index: int
+    def __init__(self, payload: _Optional[bytes] = ..., counters: _Optional[_Mapping[str, int]] = ..., no_wake: _Optional[bool] = ..., receive_index: _Optional[int] = ...) -> None: ...
+
+class OutboundCount(_message.Message):
+    __slots__ = ("dst", "sent_before_marker")
+    DST_FIELD_NUMBER: _ClassVar[int]
+    SENT_BEFORE_MARKER_FIELD_NUMBER: _ClassVar[int]
+    dst: str
+    sent_before_marker: int
+    def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ...) -> None: ...
+
+class InboundChannelState(_message.Message):
+    __slots__ = ("src", "received_before_recording", "messages")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    received_before_recording: int
+    messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
+    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ...) -> None: ...
+
+class LocalSnapshotPart(_message.Message):
+    __slots__ = ("snapshot_id", "process_id", "state", "outbound", "inbound")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTBOUND_FIELD_NUMBER: _ClassVar[int]
+    INBOUND_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    process_id: str
+    state: _state_pb2.LocalState
+    outbound: _containers.RepeatedCompositeFieldContainer[OutboundCount]
+    inbound: _containers.RepeatedCompositeFieldContainer[InboundChannelState]
+    def __init__(self, snapshot_id: _Optional[int] = ..., process_id: _Optional[str] = ..., state: _Optional[_Union[_state_pb2.LocalState, _Mapping]] = ..., outbound: _Optional[_Iterable[_Union[OutboundCount, _Mapping]]] = ..., inbound: _Optional[_Iterable[_Union[InboundChannelState, _Mapping]]] = ...) -> None: ...
+
+class ProcessSnapshot(_message.Message):
+    __slots__ = ("process_id", "state")
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    process_id: str
+    state: _state_pb2.LocalState
+    def __init__(self, process_id: _Optional[str] = ..., state: _Optional[_Union[_state_pb2.LocalState, _Mapping]] = ...) -> None: ...
+
+class ChannelSnapshot(_message.Message):
+    __slots__ = ("src", "dst", "sent_before_marker", "received_before_recording", "messages")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    SENT_BEFORE_MARKER_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    src: str
+    dst: str
+    sent_before_marker: int
+    received_before_recording: int
+    messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ...) -> None: ...
+
+class GlobalSnapshot(_message.Message):
+    __slots__ = ("snapshot_id", "processes", "channels", "started_at", "completed_at")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESSES_FIELD_NUMBER: _ClassVar[int]
+    CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    processes: _containers.RepeatedCompositeFieldContainer[ProcessSnapshot]
+    channels: _containers.RepeatedCompositeFieldContainer[ChannelSnapshot]
+    started_at: _timestamp_pb2.Timestamp
+    completed_at: _timestamp_pb2.Timestamp
+    def __init__(self, snapshot_id: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessSnapshot, _Mapping]]] = ..., channels: _Optional[_Iterable[_Union[ChannelSnapshot, _Mapping]]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., completed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...

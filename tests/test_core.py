@@ -1,0 +1,581 @@
+"""Scripted unit tests of the sans-I/O protocol core: feed events, check the actions returned."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from stablewatch.agents.core import (
+    Action,
+    AppMessage,
+    Entry,
+    LocalProtocolError,
+    Marker,
+    RecordState,
+    RemoteProtocolError,
+    ReportPart,
+    SendEntry,
+    SnapshotCore,
+    SnapshotFailed,
+    apply_recording,
+)
+from stablewatch.detector.assembly import Assembler, Completed
+from stablewatch.v1 import GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
+
+TOKENS = "tokens"
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def balance(tokens: int) -> LocalState:
+    """A local state holding ``tokens`` tokens."""
+    return LocalState(counters={TOKENS: tokens})
+
+
+def token(payload: bytes, tokens: int = 1) -> AppMessage:
+    """An application message carrying ``tokens`` tokens."""
+    return AppMessage(payload, {TOKENS: tokens})
+
+
+def record(core: SnapshotCore, actions: Sequence[Action], state: LocalState | None = None) -> list[Action]:
+    """Carry out the RecordState in ``actions`` with ``state`` (an empty one by default)."""
+    return apply_recording(core, actions, lambda _snapshot_id: state or LocalState())
+
+
+def parts(actions: Sequence[Action]) -> list[LocalSnapshotPart]:
+    """The local snapshot parts among ``actions``, in order."""
+    return [action.part for action in actions if isinstance(action, ReportPart)]
+
+
+def only_part(actions: Sequence[Action]) -> LocalSnapshotPart:
+    """The one part among ``actions``."""
+    found = parts(actions)
+    assert len(found) == 1, f"expected one part, got {actions}"
+    return found[0]
+
+
+def markers(actions: Sequence[Action]) -> list[tuple[str, int]]:
+    """(destination, snapshot id) of every marker among ``actions``, in order."""
+    return [
+        (action.dst, action.entry.snapshot_id)
+        for action in actions
+        if isinstance(action, SendEntry) and isinstance(action.entry, Marker)
+    ]
+
+
+def outbound_counts(part: LocalSnapshotPart) -> dict[str, int]:
+    """n per destination reported in ``part``."""
+    return {count.dst: count.sent_before_marker for count in part.outbound}
+
+
+def inbound(part: LocalSnapshotPart, src: str) -> InboundChannelState:
+    """The state of channel ``src -> part.process_id`` in ``part``."""
+    found = [channel for channel in part.inbound if channel.src == src]
+    assert len(found) == 1, f"expected the channel from {src} once in {part}"
+    return found[0]
+
+
+def payloads(channel: InboundChannelState) -> list[bytes]:
+    """The payloads recorded on ``channel``, in order."""
+    return [message.payload for message in channel.messages]
+
+
+def recording_core(
+    process: str = "p", outbound: Sequence[str] = ("q",), snapshot_id: int = 1
+) -> SnapshotCore:
+    """A core that has started and recorded ``snapshot_id``."""
+    core = SnapshotCore(process, outbound)
+    record(core, core.start_snapshot(snapshot_id))
+    return core
+
+
+class Network:
+    """Cores joined by FIFO channels, with an Assembler as the detector; every step is explicit.
+
+    Balances are debited on send and credited on delivery; the state recorded is the balance.
+    """
+
+    def __init__(self, links: dict[str, list[str]], balances: dict[str, int]) -> None:
+        self.balances = dict(balances)
+        self.cores = {process: SnapshotCore(process, links.get(process, ())) for process in balances}
+        self.queues: dict[tuple[str, str], deque[Entry]] = {}
+        self.assembler = Assembler()
+        self.completed: dict[int, GlobalSnapshot] = {}
+
+    def begin(self, snapshot_id: int) -> None:
+        """The detector begins collecting ``snapshot_id`` from every process."""
+        self.assembler.begin(snapshot_id, self.balances)
+
+    def start(self, process: str, snapshot_id: int) -> list[Action]:
+        """The detector tells ``process`` to start ``snapshot_id``."""
+        return self._apply(process, self.cores[process].start_snapshot(snapshot_id))
+
+    def open(self, src: str, dst: str) -> list[Action]:
+        """``src`` opens its channel to ``dst``."""
+        return self._apply(src, self.cores[src].open_outbound(dst))
+
+    def send(self, src: str, dst: str, payload: bytes, tokens: int = 1) -> None:
+        """``src`` sends ``tokens`` to ``dst``."""
+        self.balances[src] -= tokens
+        message = token(payload, tokens)
+        self.cores[src].send(dst, message)
+        self.queues.setdefault((src, dst), deque()).append(message)
+
+    def deliver(self, src: str, dst: str) -> list[Action]:
+        """Deliver the oldest entry on ``src -> dst``; returns the receiver's resolved actions."""
+        entry = self.queues[(src, dst)].popleft()
+        actions = self._apply(dst, self.cores[dst].receive(src, entry))
+        if isinstance(entry, AppMessage):
+            self.balances[dst] += (entry.counters or {}).get(TOKENS, 0)
+        return actions
+
+    def _apply(self, process: str, actions: Sequence[Action]) -> list[Action]:
+        core = self.cores[process]
+        resolved = apply_recording(core, actions, lambda _k: balance(self.balances[process]))
+        for action in resolved:
+            if isinstance(action, SendEntry):
+                self.queues.setdefault((process, action.dst), deque()).append(action.entry)
+            elif isinstance(action, ReportPart):
+                outcome = self.assembler.add_part(action.part, sender=process)
+                if isinstance(outcome, Completed):
+                    self.completed[outcome.snapshot.snapshot_id] = outcome.snapshot
+                    for other in self.cores.values():
+                        other.finish_snapshot(outcome.snapshot.snapshot_id)
+        return resolved
+
+
+def assert_proof_holds(snapshot: GlobalSnapshot) -> None:
+    """Every channel of ``snapshot`` satisfies m + len(recorded) == n."""
+    for channel in snapshot.channels:
+        assert channel.received_before_recording + len(channel.messages) == channel.sent_before_marker
+
+
+# -- recording and markers ------------------------------------------------------------------------
+
+
+def test_start_snapshot_records_then_puts_markers_on_every_outbound_channel_in_sorted_order() -> None:
+    core = SnapshotCore("p", ["c", "a", "b"])
+    actions = core.start_snapshot(7)
+    assert actions == (
+        RecordState(7),
+        SendEntry("a", Marker(7)),
+        SendEntry("b", Marker(7)),
+        SendEntry("c", Marker(7)),
+    )
+    assert core.outbound_channels == ["a", "b", "c"]
+
+
+def test_record_state_reports_state_and_outbound_counts() -> None:
+    core = SnapshotCore("p", ["a", "b"])
+    core.send("a", token(b"1"))
+    core.send("a", token(b"2"))
+    core.send("b", token(b"3"))
+    core.start_snapshot(1)
+    part = only_part(core.record_state(1, balance(5)))
+    assert part.snapshot_id == 1
+    assert part.process_id == "p"
+    assert part.state == balance(5)
+    assert [(count.dst, count.sent_before_marker) for count in part.outbound] == [("a", 2), ("b", 1)]
+    assert list(part.inbound) == []  # started by the detector: no channel closed yet
+    assert core.active_snapshots == [1]
+
+
+def test_first_marker_records_and_its_channel_is_empty() -> None:
+    core = SnapshotCore("p", ["b", "a"])
+    core.receive_message("a", token(b"early"))
+    core.receive_message("a", token(b"early2"))
+    core.send("b", token(b"out"))
+    actions = core.receive_marker("a", 3)
+    assert actions == (RecordState(3), SendEntry("a", Marker(3)), SendEntry("b", Marker(3)))
+    part = only_part(core.record_state(3, balance(1)))
+    assert part.state == balance(1)
+    assert outbound_counts(part) == {"a": 0, "b": 1}
+    channel = inbound(part, "a")
+    assert channel.received_before_recording == 2
+    assert list(channel.messages) == []
+    # Later messages on the closed channel are not part of the snapshot.
+    assert core.receive_message("a", token(b"late")) == ()
+
+
+def test_receive_dispatches_markers_and_messages() -> None:
+    core = SnapshotCore("p", ["q"])
+    assert core.receive("q", token(b"m")) == ()
+    assert core.received_count("q") == 1
+    assert core.receive("q", Marker(1)) == (RecordState(1), SendEntry("q", Marker(1)))
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        pytest.param(lambda core: core.send("q", token(b"m")), id="send"),
+        pytest.param(lambda core: core.receive_message("q", token(b"m")), id="receive_message"),
+        pytest.param(lambda core: core.receive_marker("q", 2), id="receive_marker"),
+        pytest.param(lambda core: core.receive("q", Marker(1)), id="receive"),
+        pytest.param(lambda core: core.start_snapshot(2), id="start_snapshot"),
+        pytest.param(lambda core: core.open_outbound("r"), id="open_outbound"),
+        pytest.param(lambda core: core.finish_snapshot(1), id="finish_snapshot"),
+    ],
+)
+def test_every_event_before_record_state_is_a_local_error(event: Callable[[SnapshotCore], object]) -> None:
+    core = SnapshotCore("p", ["q"])
+    core.start_snapshot(1)
+    with pytest.raises(LocalProtocolError, match=r"record_state\(1"):
+        event(core)
+    # The refused event changed nothing: the recording still completes as if it never happened.
+    part = only_part(core.record_state(1, balance(4)))
+    assert outbound_counts(part) == {"q": 0}
+    assert core.received_count("q") == 0
+    assert core.outbound_channels == ["q"]
+
+
+def test_record_state_with_a_wrong_id_or_nothing_awaited_is_a_local_error() -> None:
+    core = SnapshotCore("p", ["q"])
+    with pytest.raises(LocalProtocolError, match="awaits no state"):
+        core.record_state(1, LocalState())
+    core.start_snapshot(1)
+    with pytest.raises(LocalProtocolError, match="awaits snapshot 1"):
+        core.record_state(2, LocalState())
+    assert only_part(core.record_state(1, LocalState())).snapshot_id == 1
+    with pytest.raises(LocalProtocolError, match="awaits no state"):
+        core.record_state(1, LocalState())
+
+
+# -- channel states and proof counts --------------------------------------------------------------
+
+
+def test_messages_between_recording_and_marker_are_recorded_and_after_it_not() -> None:
+    core = SnapshotCore("p", ["q"])
+    core.receive_message("q", token(b"before"))
+    part = only_part(record(core, core.start_snapshot(1), balance(0)))
+    assert list(part.inbound) == []
+    assert core.receive_message("q", token(b"in1", 2)) == ()
+    assert core.receive_message("q", AppMessage(b"in2", no_wake=True)) == ()
+    channel = inbound(only_part(core.receive_marker("q", 1)), "q")
+    assert channel.received_before_recording == 1
+    assert payloads(channel) == [b"in1", b"in2"]
+    assert dict(channel.messages[0].counters) == {TOKENS: 2}
+    assert not channel.messages[0].no_wake
+    assert channel.messages[1].no_wake
+    assert dict(channel.messages[1].counters) == {}
+    assert [message.receive_index for message in channel.messages] == [2, 3]
+    assert core.receive_message("q", token(b"after")) == ()
+    assert core.received_count("q") == 4
+
+
+def test_counts_n_and_m_per_channel() -> None:
+    core = SnapshotCore("p", ["a", "b"])
+    for _ in range(3):
+        core.send("a", token(b"x"))
+    core.receive_message("a", token(b"y"))
+    core.receive_message("b", token(b"y"))
+    core.receive_message("b", token(b"y"))
+    part = only_part(record(core, core.start_snapshot(1)))
+    assert outbound_counts(part) == {"a": 3, "b": 0}
+    core.send("a", token(b"after marker"))  # not counted in this snapshot's n
+    core.receive_message("b", token(b"z"))
+    from_a = inbound(only_part(core.receive_marker("a", 1)), "a")
+    from_b = inbound(only_part(core.receive_marker("b", 1)), "b")
+    assert (from_a.received_before_recording, payloads(from_a)) == (1, [])
+    assert (from_b.received_before_recording, payloads(from_b)) == (2, [b"z"])
+    assert core.sent_count("a") == 4
+
+
+def test_concurrent_snapshots_record_one_message_in_both() -> None:
+    core = SnapshotCore("p", ["a", "b"])
+    record(core, core.start_snapshot(1))
+    record(core, core.receive_marker("b", 2))
+    assert core.active_snapshots == [1, 2]
+    core.receive_message("a", token(b"shared"))
+    core.receive_message("b", token(b"only-1"))  # b -> p is closed for 2, open for 1
+    for_1_from_a = inbound(only_part(core.receive_marker("a", 1)), "a")
+    for_2_from_a = inbound(only_part(core.receive_marker("a", 2)), "a")
+    for_1_from_b = inbound(only_part(core.receive_marker("b", 1)), "b")
+    assert payloads(for_1_from_a) == [b"shared"]
+    assert payloads(for_2_from_a) == [b"shared"]
+    assert payloads(for_1_from_b) == [b"only-1"]
+    assert for_1_from_b.received_before_recording == 0
+
+
+def test_concurrent_snapshots_each_put_their_own_marker_after_earlier_messages() -> None:
+    core = SnapshotCore("p", ["q"])
+    record(core, core.start_snapshot(1))
+    core.send("q", token(b"m"))
+    part = only_part(record(core, core.start_snapshot(2)))
+    assert outbound_counts(part) == {"q": 1}  # sent after marker 1, before marker 2
+
+
+def test_several_initiators_of_one_snapshot() -> None:
+    core = SnapshotCore("p", ["q"])
+    record(core, core.start_snapshot(1))
+    assert core.start_snapshot(1) == ()  # the detector's start arrives twice
+    # The other initiator's marker closes the channel instead of starting over.
+    assert only_part(core.receive_marker("q", 1)).inbound[0].src == "q"
+    other = SnapshotCore("p", ["q"])
+    record(other, other.receive_marker("q", 5))
+    assert other.start_snapshot(5) == ()  # the start arrives after a marker
+    assert other.active_snapshots == [5]
+
+
+# -- channels that open during a snapshot ---------------------------------------------------------
+
+
+def test_inbound_channel_opening_after_recording_is_recorded_from_its_first_message() -> None:
+    core = recording_core("p", ["q"], snapshot_id=1)
+    core.receive_message("new", token(b"first"))
+    core.receive_message("new", token(b"second"))
+    channel = inbound(only_part(core.receive_marker("new", 1)), "new")
+    assert channel.received_before_recording == 0
+    assert payloads(channel) == [b"first", b"second"]
+
+
+def test_open_outbound_during_snapshots_sends_their_markers_first_with_n_zero() -> None:
+    core = recording_core("p", ["q"], snapshot_id=2)
+    record(core, core.start_snapshot(1))
+    actions = core.open_outbound("r")
+    assert markers(actions) == [("r", 1), ("r", 2)]
+    assert isinstance(actions[0], SendEntry)  # the marker is the first entry on the channel
+    new_parts = parts(actions)
+    assert [(part.snapshot_id, part.process_id) for part in new_parts] == [(1, "p"), (2, "p")]
+    for part in new_parts:
+        assert outbound_counts(part) == {"r": 0}
+        assert not part.HasField("state")
+    assert core.open_outbound("r") == ()  # already open
+    assert core.open_outbound("q") == ()
+    assert core.outbound_channels == ["q", "r"]
+
+
+def test_open_outbound_without_running_snapshots_reports_nothing() -> None:
+    core = SnapshotCore("p")
+    assert core.open_outbound("q") == ()
+    core.send("q", token(b"m"))
+    assert core.sent_count("q") == 1
+
+
+def test_send_on_a_channel_that_is_not_open_is_a_local_error() -> None:
+    core = recording_core("p", ["q"], snapshot_id=1)
+    with pytest.raises(LocalProtocolError, match=r"channel p -> r is not open: call open_outbound first"):
+        core.send("r", token(b"m"))
+    assert core.sent_count("r") == 0
+    assert core.outbound_channels == ["q"]
+
+
+def drain(net: Network) -> None:
+    """Deliver everything in flight, one channel after another in name order."""
+    while any(net.queues.values()):
+        for channel in sorted(net.queues):
+            if net.queues[channel]:
+                net.deliver(*channel)
+
+
+def test_open_outbound_on_a_new_channel_during_a_snapshot_lets_the_snapshot_complete() -> None:
+    net = Network({"q": ["p"]}, {"p": 5, "q": 5})
+    net.begin(1)
+    net.start("p", 1)
+    net.start("q", 1)
+    assert markers(net.open("p", "q")) == [("q", 1)]
+    net.send("p", "q", b"after the marker")
+    drain(net)
+    snapshot = net.completed[1]
+    assert_proof_holds(snapshot)
+    assert [(c.src, c.dst, c.sent_before_marker, len(c.messages)) for c in snapshot.channels] == [
+        ("p", "q", 0, 0),
+        ("q", "p", 0, 0),
+    ]
+
+
+# -- errors and forgetting ------------------------------------------------------------------------
+
+
+def test_second_marker_of_one_snapshot_on_one_channel_is_a_remote_error() -> None:
+    core = SnapshotCore("p", ["q"])
+    record(core, core.receive_marker("q", 1))
+    with pytest.raises(RemoteProtocolError, match=r"second marker of snapshot 1 on channel q -> p"):
+        core.receive_marker("q", 1)
+    record(core, core.start_snapshot(2))
+    core.receive_marker("q", 2)
+    with pytest.raises(RemoteProtocolError):
+        core.receive("q", Marker(2))
+
+
+def test_finish_snapshot_forgets_it_and_ignores_late_markers() -> None:
+    core = SnapshotCore("p", ["a", "b"])
+    record(core, core.start_snapshot(1))
+    record(core, core.start_snapshot(2))
+    core.finish_snapshot(1)
+    assert core.active_snapshots == [2]
+    core.receive_message("a", token(b"m"))
+    assert core.receive_marker("a", 1) == ()  # late marker: no new recording, no part
+    assert core.start_snapshot(1) == ()
+    assert core.active_snapshots == [2]
+    assert payloads(inbound(only_part(core.receive_marker("a", 2)), "a")) == [b"m"]
+    core.finish_snapshot(2)
+    core.finish_snapshot(2)  # idempotent
+    core.finish_snapshot(9)  # never seen: its markers are ignored from now on
+    assert core.receive_marker("b", 9) == ()
+    assert core.active_snapshots == []
+
+
+def test_recorded_bytes_bound_fails_only_that_snapshot() -> None:
+    core = SnapshotCore("p", ["q"], max_recorded_bytes=40)
+    record(core, core.start_snapshot(1))
+    assert core.receive_message("q", AppMessage(b"x" * 30)) == ()
+    record(core, core.start_snapshot(2))  # starts after 30 bytes were recorded for snapshot 1
+    (failed,) = core.receive_message("q", AppMessage(b"y" * 20))
+    assert isinstance(failed, SnapshotFailed)
+    assert failed.snapshot_id == 1
+    assert "process p" in failed.reason
+    assert "bound" in failed.reason
+    assert "50 > 40" in failed.reason
+    # Snapshot 1 records nothing more and reports nothing; snapshot 2 goes on.
+    assert core.receive_message("q", AppMessage(b"z")) == ()
+    assert core.receive_marker("q", 1) == ()
+    channel = inbound(only_part(core.receive_marker("q", 2)), "q")
+    assert payloads(channel) == [b"y" * 20, b"z"]
+    assert core.active_snapshots == [1, 2]  # the detector aborts 1, then finishes it
+    core.finish_snapshot(1)
+    assert core.active_snapshots == [2]
+
+
+def test_recorded_bytes_bound_counts_counters_too() -> None:
+    core = SnapshotCore("p", ["q"], max_recorded_bytes=40)
+    record(core, core.start_snapshot(1))
+    assert core.receive_message("q", AppMessage(b"", {"a": 1, "b": 2})) == ()  # 32 bytes
+    (failed,) = core.receive_message("q", AppMessage(b"", {"a": 1}))
+    assert failed == SnapshotFailed(1, failed.reason)
+
+
+def test_failed_snapshot_still_puts_markers_on_a_new_channel_but_reports_nothing() -> None:
+    core = SnapshotCore("p", ["q"], max_recorded_bytes=1)
+    record(core, core.start_snapshot(1))
+    assert len(core.receive_message("q", AppMessage(b"xx"))) == 1
+    assert core.open_outbound("r") == (SendEntry("r", Marker(1)),)
+
+
+@pytest.mark.parametrize(
+    "misuse",
+    [
+        pytest.param(lambda: SnapshotCore(""), id="empty-process-id"),
+        pytest.param(lambda: SnapshotCore("p", ["p"]), id="outbound-to-itself"),
+        pytest.param(lambda: SnapshotCore("p", [""]), id="empty-outbound"),
+        pytest.param(lambda: SnapshotCore("p", max_recorded_bytes=0), id="zero-bound"),
+        pytest.param(lambda: SnapshotCore("p").send("p", token(b"m")), id="send-to-itself"),
+        pytest.param(lambda: SnapshotCore("p").send("", token(b"m")), id="send-to-empty"),
+        pytest.param(lambda: SnapshotCore("p").open_outbound("p"), id="open-to-itself"),
+        pytest.param(lambda: SnapshotCore("p").open_outbound(""), id="open-to-empty"),
+    ],
+)
+def test_self_channels_and_empty_ids_are_local_errors(misuse: Callable[[], object]) -> None:
+    with pytest.raises(LocalProtocolError):
+        misuse()
+
+
+@pytest.mark.parametrize(
+    "receive",
+    [
+        pytest.param(lambda core: core.receive_message("p", token(b"m")), id="message-from-itself"),
+        pytest.param(lambda core: core.receive_message("", token(b"m")), id="message-from-empty"),
+        pytest.param(lambda core: core.receive_marker("p", 1), id="marker-from-itself"),
+        pytest.param(lambda core: core.receive_marker("", 1), id="marker-from-empty"),
+    ],
+)
+def test_receiving_from_itself_or_an_empty_id_is_a_local_error(
+    receive: Callable[[SnapshotCore], object],
+) -> None:
+    with pytest.raises(LocalProtocolError):
+        receive(SnapshotCore("p", ["q"]))
+
+
+def test_apply_recording_splices_the_recorded_part_in_place() -> None:
+    core = SnapshotCore("p", ["a", "b"])
+    captured: list[int] = []
+
+    def capture(snapshot_id: int) -> LocalState:
+        captured.append(snapshot_id)
+        return balance(9)
+
+    resolved = apply_recording(core, core.start_snapshot(4), capture)
+    assert captured == [4]
+    assert [type(action) for action in resolved] == [ReportPart, SendEntry, SendEntry]
+    assert only_part(resolved).state == balance(9)
+    assert markers(resolved) == [("a", 4), ("b", 4)]
+    assert apply_recording(core, (), capture) == []
+    assert apply_recording(core, [SendEntry("a", Marker(4))], capture) == [SendEntry("a", Marker(4))]
+    assert captured == [4]
+
+
+# -- hand-checked classic examples ----------------------------------------------------------------
+
+
+def test_two_process_example_p1_records_message_in_flight() -> None:
+    """P2 sends M to P1; P1 records and sends its marker; M reaches P1 after P1 recorded."""
+    net = Network({"P1": ["P2"], "P2": ["P1"]}, {"P1": 10, "P2": 10})
+    net.begin(1)
+    net.send("P2", "P1", b"M", tokens=3)
+    p1_actions = net.start("P1", 1)
+    assert markers(p1_actions) == [("P2", 1)]
+    p1_part = only_part(p1_actions)
+    assert p1_part.state == balance(10)
+    assert outbound_counts(p1_part) == {"P2": 0}
+
+    assert net.deliver("P2", "P1") == []  # M arrives after P1 recorded: recorded, nothing reported yet
+    p2_actions = net.deliver("P1", "P2")  # the marker: P2 records, P1 -> P2 is empty
+    assert markers(p2_actions) == [("P1", 1)]
+    p2_part = only_part(p2_actions)
+    assert p2_part.state == balance(7)
+    assert outbound_counts(p2_part) == {"P1": 1}
+    assert (inbound(p2_part, "P1").received_before_recording, payloads(inbound(p2_part, "P1"))) == (0, [])
+
+    p1_channel = inbound(only_part(net.deliver("P2", "P1")), "P2")
+    assert payloads(p1_channel) == [b"M"]
+    assert p1_channel.received_before_recording + len(p1_channel.messages) == 1  # m + len == n
+
+    snapshot = net.completed[1]
+    assert_proof_holds(snapshot)
+    assert [channel.src + "->" + channel.dst for channel in snapshot.channels] == ["P1->P2", "P2->P1"]
+    in_flight = snapshot.channels[1]
+    assert (in_flight.sent_before_marker, in_flight.received_before_recording) == (1, 0)
+    assert [message.payload for message in in_flight.messages] == [b"M"]
+    total = sum(process.state.counters[TOKENS] for process in snapshot.processes)
+    total += sum(m.counters[TOKENS] for channel in snapshot.channels for m in channel.messages)
+    assert total == 20
+
+
+def test_token_received_before_the_marker_is_in_the_balance_not_the_channel() -> None:
+    net = Network({"P1": ["P2"], "P2": ["P1"]}, {"P1": 5, "P2": 0})
+    net.begin(1)
+    net.send("P1", "P2", b"token")
+    net.start("P1", 1)
+    assert net.deliver("P1", "P2") == []  # P2 has not recorded: the token goes into its balance
+    p2_part = only_part(net.deliver("P1", "P2"))
+    assert p2_part.state == balance(1)
+    channel = inbound(p2_part, "P1")
+    assert (channel.received_before_recording, payloads(channel)) == (1, [])
+    net.deliver("P2", "P1")
+    snapshot = net.completed[1]
+    assert_proof_holds(snapshot)
+    assert all(len(channel.messages) == 0 for channel in snapshot.channels)
+    assert {p.process_id: p.state.counters[TOKENS] for p in snapshot.processes} == {"P1": 4, "P2": 1}
+
+
+def test_token_received_after_recording_and_before_the_marker_is_in_the_channel() -> None:
+    net = Network({"P1": ["P2"], "P2": ["P1"]}, {"P1": 5, "P2": 0})
+    net.begin(1)
+    net.send("P1", "P2", b"token", tokens=2)
+    net.start("P2", 1)  # P2 records with balance 0 while the token is on its way
+    net.start("P1", 1)  # P1 records after sending: n = 1 on P1 -> P2
+    assert net.deliver("P1", "P2") == []
+    channel = inbound(only_part(net.deliver("P1", "P2")), "P1")
+    assert (channel.received_before_recording, payloads(channel)) == (0, [b"token"])
+    net.deliver("P2", "P1")
+    snapshot = net.completed[1]
+    assert_proof_holds(snapshot)
+    balances = {p.process_id: p.state.counters[TOKENS] for p in snapshot.processes}
+    assert balances == {"P1": 3, "P2": 0}
+    assert (
+        sum(balances.values())
+        + sum(m.counters[TOKENS] for channel in snapshot.channels for m in channel.messages)
+        == 5
+    )

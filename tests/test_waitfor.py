@@ -1,0 +1,246 @@
+"""The wait-for graph of a snapshot: nodes, models, the process-over-tasks rule, the in-flight rule."""
+
+import pytest
+
+from stablewatch.detector.deadlock import AND, OR
+from stablewatch.detector.waitfor import (
+    build_wait_for,
+    find_deadlock,
+    label,
+    to_dot,
+    to_proto,
+    waking_channels,
+)
+from stablewatch.v1 import (
+    WAIT_MODEL_AND,
+    WAIT_MODEL_OR,
+    ChannelSnapshot,
+    GlobalSnapshot,
+    LocalState,
+    ProcessSnapshot,
+    RecordedMessage,
+    Wait,
+    WaitModel,
+    WaitNode,
+)
+
+
+def node(text: str) -> WaitNode:
+    process, _, task = text.partition("/")
+    return WaitNode(process=process, task=task)
+
+
+def wait(targets: str, task: str = "", model: WaitModel = WAIT_MODEL_AND) -> Wait:
+    return Wait(task=task, targets=[node(t) for t in targets.split()], model=model)
+
+
+def proc(pid: str, *waits: Wait, active: bool = False) -> ProcessSnapshot:
+    return ProcessSnapshot(process_id=pid, state=LocalState(active=active, waits=waits))
+
+
+def chan(src: str, dst: str, *no_wake: bool) -> ChannelSnapshot:
+    messages = [RecordedMessage(payload=b"m", no_wake=flag) for flag in no_wake]
+    return ChannelSnapshot(src=src, dst=dst, sent_before_marker=len(messages), messages=messages)
+
+
+def snapshot(*processes: ProcessSnapshot, channels: tuple[ChannelSnapshot, ...] = ()) -> GlobalSnapshot:
+    return GlobalSnapshot(snapshot_id=7, processes=processes, channels=channels)
+
+
+def three_cycle(*channels: ChannelSnapshot) -> GlobalSnapshot:
+    return snapshot(proc("P1", wait("P2")), proc("P2", wait("P3")), proc("P3", wait("P1")), channels=channels)
+
+
+def test_processes_waiting_in_a_cycle() -> None:
+    wf = build_wait_for(three_cycle())
+    assert wf.snapshot_id == 7
+    assert sorted(wf.graph.edges) == [
+        (("P1", ""), ("P2", "")),
+        (("P2", ""), ("P3", "")),
+        (("P3", ""), ("P1", "")),
+    ]
+    assert all(m == AND for _, m in wf.graph.nodes(data="model"))
+    found = find_deadlock(wf)
+    assert found.deadlocked == [("P1", ""), ("P2", ""), ("P3", "")]
+    assert found.cycle == [("P1", ""), ("P2", ""), ("P3", "")]
+    assert found.knot == []
+    assert found.empty_channels == [("P2", "P1"), ("P3", "P2"), ("P1", "P3")]
+
+
+def test_cycle_is_rotated_to_its_smallest_node() -> None:
+    wf = build_wait_for(snapshot(proc("Z", wait("B")), proc("B", wait("C")), proc("C", wait("B"))))
+    assert find_deadlock(wf).cycle == [("B", ""), ("C", "")]
+
+
+def test_tasks_are_nodes() -> None:
+    # P1/a -> P2/x -> P1/b -> P1/a: two tasks of P1 in a cycle with a task of P2.
+    s = snapshot(
+        proc("P1", wait("P2/x", task="a"), wait("P1/a", task="b"), active=True),
+        proc("P2", wait("P1/b", task="x"), active=True),
+    )
+    found = find_deadlock(build_wait_for(s))
+    assert found.deadlocked == [("P1", "a"), ("P1", "b"), ("P2", "x")]
+    assert found.cycle == [("P1", "a"), ("P2", "x"), ("P1", "b")]
+    # P1/b -> P1/a stays inside P1: no channel.
+    assert found.empty_channels == [("P2", "P1"), ("P1", "P2")]
+
+
+def test_a_task_that_waits_on_nothing_is_free() -> None:
+    s = snapshot(proc("P1", wait("P2/idle", task="a")), proc("P2", wait("P1/a", task="busy")))
+    assert find_deadlock(build_wait_for(s)).deadlocked == []
+
+
+def test_unknown_target_is_free() -> None:
+    assert find_deadlock(build_wait_for(snapshot(proc("P1", wait("ghost"))))).deadlocked == []
+
+
+def test_passive_process_is_an_or_waiter_over_its_tasks() -> None:
+    # P2 waits on P1 itself; P1 is passive, its tasks a and b both wait on P2.
+    s = snapshot(proc("P1", wait("P2", task="a"), wait("P2", task="b")), proc("P2", wait("P1")))
+    wf = build_wait_for(s)
+    assert wf.graph.nodes["P1", ""]["model"] == OR
+    assert set(wf.graph.successors(("P1", ""))) == {("P1", "a"), ("P1", "b")}
+    assert find_deadlock(wf).deadlocked == [("P1", ""), ("P1", "a"), ("P1", "b"), ("P2", "")]
+
+
+def test_passive_process_progresses_if_one_task_can() -> None:
+    s = snapshot(proc("P1", wait("P2", task="a"), wait("P3", task="b")), proc("P2", wait("P1")))
+    assert find_deadlock(build_wait_for(s)).deadlocked == []
+
+
+def test_active_process_with_waiting_tasks_is_free() -> None:
+    s = snapshot(proc("P1", wait("P2", task="a"), active=True), proc("P2", wait("P1")))
+    wf = build_wait_for(s)
+    assert "model" not in wf.graph.nodes["P1", ""]
+    assert find_deadlock(wf).deadlocked == []
+
+
+def test_own_wait_beats_the_task_rule() -> None:
+    s = snapshot(proc("P1", wait("P2"), wait("P3", task="a")), proc("P2", wait("P1")))
+    wf = build_wait_for(s)
+    assert list(wf.graph.successors(("P1", ""))) == [("P2", "")]
+    assert find_deadlock(wf).deadlocked == [("P1", ""), ("P2", "")]
+
+
+@pytest.mark.parametrize(
+    ("models", "merged"),
+    [
+        ((WAIT_MODEL_OR, WAIT_MODEL_OR), OR),
+        ((WAIT_MODEL_OR, WAIT_MODEL_AND), AND),
+        ((WAIT_MODEL_OR, WaitModel.WAIT_MODEL_UNSPECIFIED), AND),
+        ((WAIT_MODEL_AND, WAIT_MODEL_AND), AND),
+    ],
+)
+def test_waits_of_one_waiter_merge(models: tuple[WaitModel, WaitModel], merged: str) -> None:
+    s = snapshot(proc("P1", wait("P2", model=models[0]), wait("P3 P2", model=models[1])))
+    wf = build_wait_for(s)
+    assert wf.graph.nodes["P1", ""]["model"] == merged
+    assert sorted(wf.graph.successors(("P1", ""))) == [("P2", ""), ("P3", "")]
+
+
+def test_unspecified_model_is_and() -> None:
+    s = snapshot(proc("P1", wait("P2 P3", model=WaitModel.WAIT_MODEL_UNSPECIFIED)), proc("P2", wait("P1")))
+    assert find_deadlock(build_wait_for(s)).deadlocked == [("P1", ""), ("P2", "")]
+
+
+def test_or_knot_from_a_snapshot() -> None:
+    s = snapshot(
+        proc("P1", wait("P2 P3", model=WAIT_MODEL_OR)),
+        proc("P2", wait("P1", model=WAIT_MODEL_OR)),
+        proc("P3", wait("P1", model=WAIT_MODEL_OR)),
+        proc("P4", wait("P1 P5", model=WAIT_MODEL_OR)),
+        proc("P5", wait("P4", model=WAIT_MODEL_OR)),
+    )
+    found = find_deadlock(build_wait_for(s))
+    assert len(found.deadlocked) == 5
+    assert found.knot == [("P1", ""), ("P2", ""), ("P3", "")]
+
+
+def test_message_in_flight_prevents_a_false_deadlock() -> None:
+    wf = build_wait_for(three_cycle(chan("P2", "P1", False)))
+    assert wf.discounted == ((("P1", ""), ("P2", "")),)
+    assert not wf.graph.has_edge(("P1", ""), ("P2", ""))
+    assert find_deadlock(wf).deadlocked == []
+
+
+def test_heartbeat_in_flight_does_not_prevent_the_deadlock() -> None:
+    wf = build_wait_for(three_cycle(chan("P2", "P1", True, True)))
+    assert wf.discounted == ()
+    assert find_deadlock(wf).deadlocked == [("P1", ""), ("P2", ""), ("P3", "")]
+    assert waking_channels(three_cycle(chan("P2", "P1", True, False))) == {("P2", "P1")}
+
+
+def test_message_in_the_other_direction_does_not_count() -> None:
+    wf = build_wait_for(three_cycle(chan("P1", "P2", False)))
+    assert find_deadlock(wf).deadlocked == [("P1", ""), ("P2", ""), ("P3", "")]
+
+
+def test_in_flight_rule_discounts_every_task_of_the_receiver() -> None:
+    s = snapshot(
+        proc("P1", wait("P2/x", task="a"), wait("P2/x", task="b")),
+        proc("P2", wait("P1/a P1/b", task="x")),
+        channels=(chan("P2", "P1", False),),
+    )
+    wf = build_wait_for(s)
+    assert set(wf.discounted) == {(("P1", "a"), ("P2", "x")), (("P1", "b"), ("P2", "x"))}
+    assert find_deadlock(wf).deadlocked == []
+
+
+@pytest.mark.parametrize("into_cycle", [True, False])
+def test_ten_thousand_long_chain_of_processes(into_cycle: bool) -> None:
+    n = 10_000
+    processes = [proc(f"P{i}", wait(f"P{i + 1}")) for i in range(n)]
+    processes.append(proc(f"P{n}", wait("P0" if into_cycle else "free")))
+    wf = build_wait_for(snapshot(*processes))
+    found = find_deadlock(wf)
+    assert len(found.deadlocked) == (n + 1 if into_cycle else 0)
+    assert len(found.cycle) == (n + 1 if into_cycle else 0)
+    assert len(to_proto(wf, found).edges) == n + 1
+    dot = to_dot(wf, found)
+    assert dot.count("fontcolor=red") == dot.count("penwidth=2") == (n + 1 if into_cycle else 0)
+
+
+def test_to_proto() -> None:
+    s = snapshot(
+        proc("P1", wait("P2 P3", model=WAIT_MODEL_OR)),
+        proc("P2", wait("P1")),
+        channels=(chan("P3", "P1", False),),
+    )
+    message = to_proto(build_wait_for(s))
+    assert message.snapshot_id == 7
+    assert [(n.process, n.task) for n in message.nodes] == [("P1", ""), ("P2", ""), ("P3", "")]
+    edges = {(e.waiter.process, e.target.process): (e.model, e.discounted) for e in message.edges}
+    assert edges == {
+        ("P1", "P2"): (WAIT_MODEL_OR, False),
+        ("P2", "P1"): (WAIT_MODEL_AND, False),
+        ("P1", "P3"): (WAIT_MODEL_OR, True),
+    }
+    evidence = message.deadlock
+    assert [n.process for n in evidence.deadlocked] == ["P1", "P2"]
+    assert [n.process for n in evidence.cycle] == ["P1", "P2"]
+    assert [n.process for n in evidence.knot] == ["P1", "P2"]
+    assert [(c.src, c.dst) for c in evidence.empty_channels] == [("P2", "P1"), ("P1", "P2")]
+
+
+def test_to_dot() -> None:
+    s = snapshot(
+        proc("P1", wait("P2")),
+        proc("P2", wait('q"x', model=WAIT_MODEL_OR), wait("P1", task="t")),
+        proc("P3", wait("P2")),
+        channels=(chan("P2", "P3", False),),
+    )
+    dot = to_dot(build_wait_for(s))
+    assert dot.startswith('digraph "waitfor 7" {')
+    assert '"P1" [color=red, fontcolor=red];' not in dot  # P2 is an OR waiter with a free target
+    assert '"P2" [shape=diamond];' in dot
+    assert '"q\\"x";' in dot
+    assert '"P3" -> "P2" [style=dashed, color=grey, label="in flight"];' in dot
+
+    dot = to_dot(build_wait_for(three_cycle()))
+    assert '"P1" [color=red, fontcolor=red];' in dot
+    assert '"P3" -> "P1" [color=red, penwidth=2];' in dot
+
+
+def test_label() -> None:
+    assert label(("P1", "")) == "P1"
+    assert label(("P1", "t")) == "P1/t"
