@@ -30,6 +30,9 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   several snapshots at once.
 * **Bound.** A snapshot whose recorded bytes pass ``max_recorded_bytes`` fails with a reason
   (:class:`SnapshotFailed`) and stops recording, instead of growing without limit.
+* **Restarts.** When the process at the other end of a channel restarts, the two ends' counts
+  start again (:meth:`SnapshotCore.reset_outbound`, :meth:`SnapshotCore.reset_inbound`) and the
+  snapshots running across the restart fail: their counts can no longer be proved.
 * **Parts.** The process reports its contribution as :class:`ReportPart` actions: one when it
   records (state and outbound counts), then one per inbound channel when its marker arrives. The
   detector merges them and decides completion; :meth:`SnapshotCore.finish_snapshot` then lets the
@@ -42,6 +45,7 @@ snapshot on one channel).
 
 from __future__ import annotations
 
+import operator
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -52,7 +56,6 @@ from stablewatch.v1 import (
     LocalSnapshotPart,
     LocalState,
     OutboundCount,
-    RecordedMessage,
 )
 
 __all__ = [
@@ -136,6 +139,8 @@ class SnapshotFailed:
 Action = SendEntry | RecordState | ReportPart | SnapshotFailed
 
 _NOTHING: tuple[Action, ...] = ()
+_payload = operator.attrgetter("payload")
+_counters = operator.attrgetter("counters")
 
 
 @dataclass(slots=True)
@@ -144,7 +149,9 @@ class _Recording:
 
     snapshot_id: int
     received_at_record: dict[str, int]  # m per inbound channel
-    recorded: dict[str, list[RecordedMessage]] = field(default_factory=dict)
+    # Per inbound channel: runs of messages with the arrival index of each run's first message.
+    # Protobuf objects are built once, when the channel's marker arrives.
+    recorded: dict[str, list[tuple[Sequence[AppMessage], int]]] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
     recorded_bytes: int = 0
     failed: bool = False
@@ -210,18 +217,17 @@ class SnapshotCore:
         self._sent[dst] = 0
         return self._markers_for_new_channel(dst)
 
-    def send(self, dst: str, message: AppMessage) -> None:
-        """Count ``message`` as sent on ``self -> dst``; the driver puts it on that channel next.
+    def send(self, dst: str) -> None:
+        """An application message is sent on ``self -> dst``; the driver puts it on that channel next.
 
         The channel must be open (constructor or :meth:`open_outbound`), so that the markers of
-        running snapshots are already on it.
+        running snapshots are already on it. Only the count matters to the protocol, not the content.
         """
-        self._check_ready()
+        if self._awaiting_state is not None:  # _check_ready, inlined: this runs for every message
+            self._check_ready()
         count = self._sent.get(dst)
         if count is None:
-            raise LocalProtocolError(
-                f"channel {self.process_id} -> {dst} is not open: call open_outbound first"
-            )
+            raise LocalProtocolError(f"channel {self.process_id} -> {dst} is not open: call open_outbound first")
         self._sent[dst] = count + 1
 
     def start_snapshot(self, snapshot_id: int) -> tuple[Action, ...]:
@@ -259,24 +265,23 @@ class SnapshotCore:
         self._arrivals += 1
         if not self._recordings:
             return _NOTHING
-        failures: list[Action] = []
-        recorded: RecordedMessage | None = None
-        size = len(message.payload) + _COUNTER_COST * len(message.counters or ())
-        for recording in self._recordings.values():
-            if recording.failed or src in recording.closed:
-                continue
-            if recorded is None:
-                recorded = RecordedMessage(
-                    payload=message.payload,
-                    counters=message.counters or {},
-                    no_wake=message.no_wake,
-                    receive_index=self._arrivals,
-                )
-            recording.recorded.setdefault(src, []).append(recorded)
-            recording.recorded_bytes += size
-            if recording.recorded_bytes > self.max_recorded_bytes:
-                failures.append(self._fail(recording, "recorded bytes exceeded the bound"))
-        return tuple(failures)
+        return self._record(src, (message,), self._arrivals)
+
+    def receive_messages(self, src: str, messages: Sequence[AppMessage]) -> tuple[Action, ...]:
+        """A run of application messages arrived on ``src -> self``, in order (no marker among them).
+
+        The same as :meth:`receive_message` for each, in one call (the transport's hot path).
+        """
+        self._check_ready()
+        if src not in self._received:
+            self._check_peer(src)
+            self._received[src] = 0
+        first = self._arrivals + 1
+        self._received[src] += len(messages)
+        self._arrivals += len(messages)
+        if not self._recordings:
+            return _NOTHING
+        return self._record(src, messages, first)
 
     def receive_marker(self, src: str, snapshot_id: int) -> tuple[Action, ...]:
         """Marker ``snapshot_id`` arrived on ``src -> self``."""
@@ -305,6 +310,30 @@ class SnapshotCore:
             return self.receive_marker(src, entry.snapshot_id)
         return self.receive_message(src, entry)
 
+    def reset_outbound(self, dst: str, in_transit: int) -> tuple[Action, ...]:
+        """The receiver on ``self -> dst`` restarted and will see only ``in_transit`` of our messages.
+
+        Its counts start again, so ours must too; running snapshots that counted this channel can
+        no longer prove it and fail.
+        """
+        self._check_ready()
+        if dst not in self._sent:
+            raise LocalProtocolError(f"channel {self.process_id} -> {dst} is not open")
+        self._sent[dst] = in_transit
+        reason = f"channel {self.process_id} -> {dst} restarted (its receiver restarted)"
+        return self._fail_running(reason)
+
+    def reset_inbound(self, src: str) -> tuple[Action, ...]:
+        """The sender on ``src -> self`` restarted: its counts start again from zero, so do ours.
+
+        Running snapshots still recording that channel can no longer prove it and fail.
+        """
+        self._check_ready()
+        self._check_peer(src)
+        self._received[src] = 0
+        reason = f"channel {src} -> {self.process_id} restarted (its sender restarted)"
+        return self._fail_running(reason, unless_closed=src)
+
     def finish_snapshot(self, snapshot_id: int) -> None:
         """The detector completed or aborted ``snapshot_id``: forget it and ignore its late markers."""
         self._check_ready()
@@ -322,15 +351,30 @@ class SnapshotCore:
 
     def _check_ready(self) -> None:
         if self._awaiting_state is not None:
-            raise LocalProtocolError(
-                f"record_state({self._awaiting_state}, ...) must be called before any other event"
-            )
+            raise LocalProtocolError(f"record_state({self._awaiting_state}, ...) must be called before any other event")
 
     def _check_peer(self, peer: str) -> None:
         if not peer:
             raise LocalProtocolError("a channel needs a non-empty peer id")
         if peer == self.process_id:
             raise LocalProtocolError(f"process {self.process_id} cannot have a channel to itself")
+
+    def _record(self, src: str, messages: Sequence[AppMessage], first_arrival: int) -> tuple[Action, ...]:
+        """Record a run of messages from ``src`` for every snapshot still recording that channel."""
+        failures: list[Action] = []
+        size = 0
+        for recording in self._recordings.values():
+            if recording.failed or src in recording.closed:
+                continue
+            if not size:
+                size = sum(map(len, map(_payload, messages)))
+                size += _COUNTER_COST * sum(map(len, filter(None, map(_counters, messages))))
+            recording.recorded.setdefault(src, []).append((messages, first_arrival))
+            recording.recorded_bytes += size
+            if recording.recorded_bytes > self.max_recorded_bytes:
+                bound = f"({recording.recorded_bytes} > {self.max_recorded_bytes})"
+                failures.append(self._fail(recording, f"recorded bytes exceeded the bound {bound}"))
+        return tuple(failures)
 
     def _begin_recording(self, snapshot_id: int, first_marker_from: str | None) -> tuple[Action, ...]:
         recording = _Recording(snapshot_id=snapshot_id, received_at_record=dict(self._received))
@@ -353,19 +397,30 @@ class SnapshotCore:
         return tuple(actions)
 
     def _inbound_state(self, recording: _Recording, src: str) -> InboundChannelState:
-        return InboundChannelState(
-            src=src,
-            received_before_recording=recording.received_at_record.get(src, 0),
-            messages=recording.recorded.pop(src, ()),
+        state = InboundChannelState(src=src, received_before_recording=recording.received_at_record.get(src, 0))
+        add = state.messages.add
+        for run, first_arrival in recording.recorded.pop(src, ()):
+            for index, message in enumerate(run, start=first_arrival):
+                if message.counters or message.no_wake:
+                    add(
+                        payload=message.payload, counters=message.counters, no_wake=message.no_wake, receive_index=index
+                    )
+                else:
+                    add(payload=message.payload, receive_index=index)
+        return state
+
+    def _fail_running(self, reason: str, unless_closed: str | None = None) -> tuple[Action, ...]:
+        """Fail every running snapshot (but those whose marker on ``unless_closed`` already came)."""
+        return tuple(
+            self._fail(recording, reason)
+            for recording in self._recordings.values()
+            if not recording.failed and (unless_closed is None or unless_closed not in recording.closed)
         )
 
     def _fail(self, recording: _Recording, reason: str) -> SnapshotFailed:
         recording.failed = True
         recording.recorded.clear()
-        return SnapshotFailed(
-            recording.snapshot_id,
-            f"process {self.process_id}: {reason} ({recording.recorded_bytes} > {self.max_recorded_bytes})",
-        )
+        return SnapshotFailed(recording.snapshot_id, f"process {self.process_id}: {reason}")
 
 
 def apply_recording(

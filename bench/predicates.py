@@ -73,9 +73,7 @@ def main() -> None:
     args = parser.parse_args()
 
     console = Console()
-    table = Table(
-        title=f"deadlock vs networkx SCC, {args.nodes:,} + {args.chain:,} nodes, {args.edges:,} edges"
-    )
+    table = Table(title=f"deadlock vs networkx SCC, {args.nodes:,} + {args.chain:,} nodes, {args.edges:,} edges")
     for column in ("graph", "what", "best s", "median s", "result"):
         table.add_column(column, justify="left" if column in ("graph", "what") else "right")
     shapes = {}

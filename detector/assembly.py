@@ -223,8 +223,7 @@ class Assembler:
 def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
     snapshot = GlobalSnapshot(snapshot_id=pending.snapshot_id)
     snapshot.processes.extend(
-        ProcessSnapshot(process_id=process, state=pending.states[process])
-        for process in sorted(pending.states)
+        ProcessSnapshot(process_id=process, state=pending.states[process]) for process in sorted(pending.states)
     )
     for (src, dst), sent in sorted(pending.sent.items()):
         channel = pending.inbound[(src, dst)]

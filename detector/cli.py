@@ -35,9 +35,7 @@ EXIT_BAD_INPUT = 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="stablewatch", description="Detect stable properties with snapshots."
-    )
+    parser = argparse.ArgumentParser(prog="stablewatch", description="Detect stable properties with snapshots.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     simulate = commands.add_parser(
@@ -46,9 +44,7 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--topology", type=Path, required=True, help=".top file")
     simulate.add_argument("--events", type=Path, required=True, help=".events file")
     delays = simulate.add_mutually_exclusive_group()
-    delays.add_argument(
-        "--delays", type=Path, help="delay tape, one integer a line (reproduces COS 418 runs)"
-    )
+    delays.add_argument("--delays", type=Path, help="delay tape, one integer a line (reproduces COS 418 runs)")
     delays.add_argument("--seed", type=int, default=0, help="seed for random delays 0-4 (default 0)")
     simulate.add_argument("--out", type=Path, required=True, help="folder for <snapshot id>.snap files")
     simulate.add_argument("--expected", type=Path, help="folder or path prefix of expected .snap files")
@@ -66,9 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "simulate":
             delays = (
-                tape_delays(parse_delays(args.delays), str(args.delays))
-                if args.delays
-                else random_delays(args.seed)
+                tape_delays(parse_delays(args.delays), str(args.delays)) if args.delays else random_delays(args.seed)
             )
             return _simulate(args.topology, args.events, delays, args.out, args.expected, args.json, console)
         if args.command == "demo":

@@ -208,9 +208,7 @@ def parse_snap(path: str | Path) -> SnapFile:
             tokens = _integer(path, number, words[2][len("token(") : -1], "a token count", 0)
             snap.messages.append((words[0], words[1], tokens))
         else:
-            raise TraceError(
-                path, number, f"expected 'ID tokens' or 'SRC DST token(N)', got {' '.join(words)!r}"
-            )
+            raise TraceError(path, number, f"expected 'ID tokens' or 'SRC DST token(N)', got {' '.join(words)!r}")
     return snap
 
 

@@ -63,9 +63,7 @@ def to_result(name: str, value: object) -> PredicateResult:
         holds = value
     if not isinstance(holds, bool):
         raise TypeError(f"returned {type(holds).__name__} where a bool was due; {_SHAPES}")
-    result = PredicateResult(
-        name=name, holds=holds, summary=summary or ("holds" if holds else "does not hold")
-    )
+    result = PredicateResult(name=name, holds=holds, summary=summary or ("holds" if holds else "does not hold"))
     if details is not None:
         result.details.update(details)
     return result

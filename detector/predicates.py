@@ -146,9 +146,7 @@ def _conservation_result(
     drift = observed - expected
     result = PredicateResult(name=f"conservation({counter})", holds=drift == 0)
     result.conservation.CopyFrom(
-        ConservationEvidence(
-            counter=counter, expected=expected, observed=observed, drift=drift, holdings=holdings
-        )
+        ConservationEvidence(counter=counter, expected=expected, observed=observed, drift=drift, holdings=holdings)
     )
     if baseline:
         result.summary = f"{counter}: baseline set to {observed}"
@@ -157,9 +155,7 @@ def _conservation_result(
     else:
         largest = sorted(holdings, key=lambda h: -abs(h.amount))[:_SHOWN]
         where = ", ".join(f"{_where(h)} {h.amount}" for h in largest) or "nowhere"
-        result.summary = (
-            f"{counter}: observed {observed}, expected {expected} (drift {drift:+d}); held by {where}"
-        )
+        result.summary = f"{counter}: observed {observed}, expected {expected} (drift {drift:+d}); held by {where}"
     return result
 
 
@@ -198,9 +194,7 @@ class Evaluator:
     state, so use one evaluator per monitored system, from one thread.
     """
 
-    def __init__(
-        self, expected_totals: Mapping[str, int] | None = None, plugins: Sequence[UserPredicate] = ()
-    ) -> None:
+    def __init__(self, expected_totals: Mapping[str, int] | None = None, plugins: Sequence[UserPredicate] = ()) -> None:
         self._expected: dict[str, int] = dict(expected_totals or {})
         self._plugins = tuple(plugins)
 

@@ -104,12 +104,10 @@ class Simulation:
     def send(self, src: str, dst: str, tokens: int, line: int = 0) -> None:
         """``src`` sends ``tokens`` to ``dst``: debited now, credited on delivery."""
         if self.balances[src] < tokens:
-            raise TraceError(
-                self.events_source, line, f"{src} sends {tokens} tokens but has only {self.balances[src]}"
-            )
+            raise TraceError(self.events_source, line, f"{src} sends {tokens} tokens but has only {self.balances[src]}")
         self.balances[src] -= tokens
         message = AppMessage(b"", {TOKENS: tokens})
-        self._cores[src].send(dst, message)
+        self._cores[src].send(dst)
         self._enqueue(src, dst, message)
 
     def start_snapshot(self, initiator: str) -> int:

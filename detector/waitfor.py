@@ -218,8 +218,6 @@ def to_dot(wf: WaitFor, deadlock: Deadlock | None = None) -> str:
         style = " [color=red, penwidth=2]" if (u, v) in cycle_edges else ""
         lines.append(f"  {_quote(label(u))} -> {_quote(label(v))}{style};")
     for u, v in wf.discounted:
-        lines.append(
-            f'  {_quote(label(u))} -> {_quote(label(v))} [style=dashed, color=grey, label="in flight"];'
-        )
+        lines.append(f'  {_quote(label(u))} -> {_quote(label(v))} [style=dashed, color=grey, label="in flight"];')
     lines.append("}")
     return "\n".join(lines) + "\n"

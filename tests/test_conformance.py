@@ -52,9 +52,7 @@ def test_every_snapshot_conserves_tokens(
         assert conservation and conservation[0]["holds"] is True
 
 
-def test_a_wrong_expectation_is_reported(
-    cos418: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_a_wrong_expectation_is_reported(cos418: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     wrong = tmp_path / "expected"
     wrong.mkdir()
     (wrong / "0.snap").write_text("0\nN1 1\nN2 0\nN1 N2 token(1)\n")

@@ -83,9 +83,7 @@ def payloads(channel: InboundChannelState) -> list[bytes]:
     return [message.payload for message in channel.messages]
 
 
-def recording_core(
-    process: str = "p", outbound: Sequence[str] = ("q",), snapshot_id: int = 1
-) -> SnapshotCore:
+def recording_core(process: str = "p", outbound: Sequence[str] = ("q",), snapshot_id: int = 1) -> SnapshotCore:
     """A core that has started and recorded ``snapshot_id``."""
     core = SnapshotCore(process, outbound)
     record(core, core.start_snapshot(snapshot_id))
@@ -121,7 +119,7 @@ class Network:
         """``src`` sends ``tokens`` to ``dst``."""
         self.balances[src] -= tokens
         message = token(payload, tokens)
-        self.cores[src].send(dst, message)
+        self.cores[src].send(dst)
         self.queues.setdefault((src, dst), deque()).append(message)
 
     def deliver(self, src: str, dst: str) -> list[Action]:
@@ -170,9 +168,9 @@ def test_start_snapshot_records_then_puts_markers_on_every_outbound_channel_in_s
 
 def test_record_state_reports_state_and_outbound_counts() -> None:
     core = SnapshotCore("p", ["a", "b"])
-    core.send("a", token(b"1"))
-    core.send("a", token(b"2"))
-    core.send("b", token(b"3"))
+    core.send("a")
+    core.send("a")
+    core.send("b")
     core.start_snapshot(1)
     part = only_part(core.record_state(1, balance(5)))
     assert part.snapshot_id == 1
@@ -187,7 +185,7 @@ def test_first_marker_records_and_its_channel_is_empty() -> None:
     core = SnapshotCore("p", ["b", "a"])
     core.receive_message("a", token(b"early"))
     core.receive_message("a", token(b"early2"))
-    core.send("b", token(b"out"))
+    core.send("b")
     actions = core.receive_marker("a", 3)
     assert actions == (RecordState(3), SendEntry("a", Marker(3)), SendEntry("b", Marker(3)))
     part = only_part(core.record_state(3, balance(1)))
@@ -210,7 +208,7 @@ def test_receive_dispatches_markers_and_messages() -> None:
 @pytest.mark.parametrize(
     "event",
     [
-        pytest.param(lambda core: core.send("q", token(b"m")), id="send"),
+        pytest.param(lambda core: core.send("q"), id="send"),
         pytest.param(lambda core: core.receive_message("q", token(b"m")), id="receive_message"),
         pytest.param(lambda core: core.receive_marker("q", 2), id="receive_marker"),
         pytest.param(lambda core: core.receive("q", Marker(1)), id="receive"),
@@ -268,13 +266,13 @@ def test_messages_between_recording_and_marker_are_recorded_and_after_it_not() -
 def test_counts_n_and_m_per_channel() -> None:
     core = SnapshotCore("p", ["a", "b"])
     for _ in range(3):
-        core.send("a", token(b"x"))
+        core.send("a")
     core.receive_message("a", token(b"y"))
     core.receive_message("b", token(b"y"))
     core.receive_message("b", token(b"y"))
     part = only_part(record(core, core.start_snapshot(1)))
     assert outbound_counts(part) == {"a": 3, "b": 0}
-    core.send("a", token(b"after marker"))  # not counted in this snapshot's n
+    core.send("a")  # not counted in this snapshot's n
     core.receive_message("b", token(b"z"))
     from_a = inbound(only_part(core.receive_marker("a", 1)), "a")
     from_b = inbound(only_part(core.receive_marker("b", 1)), "b")
@@ -302,7 +300,7 @@ def test_concurrent_snapshots_record_one_message_in_both() -> None:
 def test_concurrent_snapshots_each_put_their_own_marker_after_earlier_messages() -> None:
     core = SnapshotCore("p", ["q"])
     record(core, core.start_snapshot(1))
-    core.send("q", token(b"m"))
+    core.send("q")
     part = only_part(record(core, core.start_snapshot(2)))
     assert outbound_counts(part) == {"q": 1}  # sent after marker 1, before marker 2
 
@@ -350,14 +348,14 @@ def test_open_outbound_during_snapshots_sends_their_markers_first_with_n_zero() 
 def test_open_outbound_without_running_snapshots_reports_nothing() -> None:
     core = SnapshotCore("p")
     assert core.open_outbound("q") == ()
-    core.send("q", token(b"m"))
+    core.send("q")
     assert core.sent_count("q") == 1
 
 
 def test_send_on_a_channel_that_is_not_open_is_a_local_error() -> None:
     core = recording_core("p", ["q"], snapshot_id=1)
     with pytest.raises(LocalProtocolError, match=r"channel p -> r is not open: call open_outbound first"):
-        core.send("r", token(b"m"))
+        core.send("r")
     assert core.sent_count("r") == 0
     assert core.outbound_channels == ["q"]
 
@@ -461,8 +459,8 @@ def test_failed_snapshot_still_puts_markers_on_a_new_channel_but_reports_nothing
         pytest.param(lambda: SnapshotCore("p", ["p"]), id="outbound-to-itself"),
         pytest.param(lambda: SnapshotCore("p", [""]), id="empty-outbound"),
         pytest.param(lambda: SnapshotCore("p", max_recorded_bytes=0), id="zero-bound"),
-        pytest.param(lambda: SnapshotCore("p").send("p", token(b"m")), id="send-to-itself"),
-        pytest.param(lambda: SnapshotCore("p").send("", token(b"m")), id="send-to-empty"),
+        pytest.param(lambda: SnapshotCore("p").send("p"), id="send-to-itself"),
+        pytest.param(lambda: SnapshotCore("p").send(""), id="send-to-empty"),
         pytest.param(lambda: SnapshotCore("p").open_outbound("p"), id="open-to-itself"),
         pytest.param(lambda: SnapshotCore("p").open_outbound(""), id="open-to-empty"),
     ],
@@ -575,7 +573,5 @@ def test_token_received_after_recording_and_before_the_marker_is_in_the_channel(
     balances = {p.process_id: p.state.counters[TOKENS] for p in snapshot.processes}
     assert balances == {"P1": 3, "P2": 0}
     assert (
-        sum(balances.values())
-        + sum(m.counters[TOKENS] for channel in snapshot.channels for m in channel.messages)
-        == 5
+        sum(balances.values()) + sum(m.counters[TOKENS] for channel in snapshot.channels for m in channel.messages) == 5
     )

@@ -72,9 +72,7 @@ def test_no_deadlock_result() -> None:
 def test_long_cycle_summary_is_abbreviated() -> None:
     n = 50
     result = deadlock(snapshot(*(proc(f"P{i:02}", f"P{(i + 1) % n:02}") for i in range(n))))
-    assert (
-        result.summary == "50 nodes deadlocked: cycle P00 -> P01 -> P02 -> P03 -> P04 -> ... (45 more) -> P00"
-    )
+    assert result.summary == "50 nodes deadlocked: cycle P00 -> P01 -> P02 -> P03 -> P04 -> ... (45 more) -> P00"
 
 
 # --- termination ------------------------------------------------------------------------------

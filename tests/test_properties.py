@@ -112,9 +112,7 @@ class Run:
         scenario = self.scenario
         options = {} if self.max_recorded_bytes is None else {"max_recorded_bytes": self.max_recorded_bytes}
         self.cores = {
-            process: SnapshotCore(
-                process, [d for s, d in sorted(scenario.declared) if s == process], **options
-            )
+            process: SnapshotCore(process, [d for s, d in sorted(scenario.declared) if s == process], **options)
             for process in scenario.processes
         }
         self.balances = dict(zip(scenario.processes, scenario.balances, strict=True))
@@ -153,7 +151,7 @@ class Run:
         self.sent_log[link].append(message_id)
         self.sent_ids[src].add(message_id)
         message = AppMessage(message_id, {TOKENS: tokens})
-        self.cores[src].send(dst, message)
+        self.cores[src].send(dst)
         self.queues[link].append(message)
 
     def deliver(self, link: Link) -> None:

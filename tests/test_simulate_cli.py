@@ -83,9 +83,7 @@ def test_a_disconnected_process_makes_the_snapshot_fail_with_a_reason(
     assert "snapshot cannot complete" in capsys.readouterr().err
 
 
-def test_snap_files_and_predicates_for_concurrent_snapshots(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_snap_files_and_predicates_for_concurrent_snapshots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     events = "send A B 2\nsnapshot A\nsend A B 1\nsnapshot C\ntick\nsend B C 1\ntick 3\nsnapshot B\n"
     top, ev = _write(tmp_path, TOPOLOGY, events)
     assert _simulate(top, ev, tmp_path / "out", "--seed", "7", "--json") == 0

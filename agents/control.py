@@ -1,0 +1,345 @@
+"""The agent side of the control stream: one ``Control.Attach`` stream from the agent to the detector.
+
+The agent dials the detector and keeps a single bidirectional stream open. On it the agent sends
+``Register`` first and then heartbeats, its local snapshot parts, snapshot failures and ``Pong``
+replies; the detector answers ``Registered`` (or ``Refused``) and then sends ``StartSnapshot``,
+``AbortSnapshot``, ``SnapshotDone`` and ``Ping``. This module only carries those messages; the
+protocol itself lives in :mod:`stablewatch.agents.core`.
+
+What the agent promises, and what :class:`ControlClient` guarantees for it:
+
+* **Never in the service's way.** Every public method returns at once and never raises because of
+  the detector: while the detector is down or slow, parts are refused (``report_part`` returns
+  False) or dropped from a bounded queue, and the detector aborts those snapshots by its deadline.
+* **In order.** ``on_start`` callbacks run one at a time, in the order the detector sent them, and
+  ``on_finish(k)`` runs after an earlier ``on_start(k)`` has returned. Outgoing messages are sent in
+  the order they were queued. A ``Ping`` is answered at once, even while an ``on_start`` runs.
+* **Forget on loss.** When the stream breaks, queued messages are dropped and ``on_finish(k)`` is
+  called for every snapshot started through this client and not yet finished: the detector aborts
+  them, so the agent must not keep recording them. Starts still waiting to run are skipped.
+* **Reconnect.** The client retries with exponential backoff and jitter, capped at
+  ``backoff_max``, until :meth:`ControlClient.stop`. A ``Refused`` registration (the same process
+  id may still be attached through a previous, dying stream) is retried the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal, NoReturn
+
+import grpc
+
+from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
+from stablewatch.v1.control_pb2 import Heartbeat, Pong, Register, SnapshotFailure
+from stablewatch.v1.control_pb2_grpc import ControlStub
+
+__all__ = ["EVENTS", "ControlClient"]
+
+_log = logging.getLogger(__name__)
+
+#: The kinds passed to ``on_event(kind, detail)``.
+EVENTS = (
+    "connected",  # registered; detail: the detector id
+    "disconnected",  # a registered stream ended; detail: why
+    "refused",  # the detector refused the registration; detail: its reason
+    "unreachable",  # the attempt failed before registering; detail: why
+    "dropped",  # an outgoing message was dropped; detail: its kind
+    "callback-error",  # on_start or on_finish raised; detail: the exception
+)
+
+DEFAULT_MAX_QUEUED = 10_000
+# A detector that accepts the stream but never answers Register is treated as down.
+_REGISTER_TIMEOUT = 10.0
+
+_Job = tuple[Literal["start", "finish", "lost"], int, int]  # (kind, snapshot id, stream generation)
+
+
+class ControlClient:
+    """Keeps one ``Control.Attach`` stream to the detector at ``target`` open for ``process_id``.
+
+    ``on_start(k)`` is awaited when the detector asks to start snapshot ``k``; ``on_finish(k)`` is
+    called when the detector says ``k`` is done or aborted, and for every open snapshot when the
+    stream is lost. ``on_event(kind, detail)`` reports connection changes (see :data:`EVENTS`).
+    All methods must be called on the event loop that runs the client.
+    """
+
+    def __init__(
+        self,
+        process_id: str,
+        address: str,
+        target: str,
+        *,
+        on_start: Callable[[int], Awaitable[None]],
+        on_finish: Callable[[int], None],
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+        incarnation: int = 0,
+        agent_version: str = "",
+        heartbeat_interval: float = 1.0,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        on_event: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self.process_id = process_id
+        self._register = Register(
+            process_id=process_id, address=address, incarnation=incarnation, agent_version=agent_version
+        )
+        self._target = target
+        self._credentials = credentials
+        # grpc's own reconnect backoff (1 s up to 120 s by default) would otherwise delay our retries.
+        options = {
+            "grpc.initial_reconnect_backoff_ms": max(1, int(backoff_initial * 1000)),
+            "grpc.max_reconnect_backoff_ms": max(1, int(backoff_max * 1000)),
+        }
+        options.update(dict(channel_options))
+        self._channel_options = list(options.items())
+        self._on_start = on_start
+        self._on_finish = on_finish
+        self._on_event = on_event
+        self._heartbeat_interval = heartbeat_interval
+        self._backoff_initial = backoff_initial
+        self._backoff_max = backoff_max
+        self._max_queued = max_queued
+
+        self._channel: grpc.aio.Channel | None = None
+        self._run_task: asyncio.Task[None] | None = None
+        self._jobs_task: asyncio.Task[None] | None = None
+        self._jobs: asyncio.Queue[_Job] = asyncio.Queue()
+        self._outbox: asyncio.Queue[AgentMessage] | None = None  # set exactly while registered
+        self._connected = asyncio.Event()
+        self._generation = 0  # bumped when a registered stream is lost; stale starts are skipped
+        self._open: set[int] = set()  # snapshots passed to on_start and not yet to on_finish
+        self._heartbeats = 0
+        self._dropped = 0
+
+    # -- public API -------------------------------------------------------------------------------
+
+    @property
+    def dropped(self) -> int:
+        """Outgoing messages lost: the queue was full, or they were still queued when the stream broke."""
+        return self._dropped
+
+    @property
+    def connected(self) -> bool:
+        """Whether the detector has accepted the registration on the current stream."""
+        return self._outbox is not None
+
+    async def start(self) -> None:
+        """Start connecting in the background and return at once; calling it again does nothing."""
+        if self._run_task is not None:
+            return
+        if self._credentials is None:
+            self._channel = grpc.aio.insecure_channel(self._target, options=self._channel_options)
+        else:
+            self._channel = grpc.aio.secure_channel(self._target, self._credentials, options=self._channel_options)
+        self._jobs_task = asyncio.create_task(self._run_jobs(), name=f"control-jobs-{self.process_id}")
+        self._run_task = asyncio.create_task(self._run(), name=f"control-{self.process_id}")
+
+    async def stop(self) -> None:
+        """Close the stream and the channel and cancel every task; open snapshots get ``on_finish``.
+
+        An ``on_start`` still running is cancelled.
+        """
+        for task in (self._run_task, self._jobs_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._run_task = self._jobs_task = None
+        self._jobs = asyncio.Queue()
+        for snapshot_id in sorted(self._open):
+            self._finish(snapshot_id)
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+    async def wait_connected(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for a registered stream; return whether there is one."""
+        try:
+            await asyncio.wait_for(self._connected.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def report_part(self, part: LocalSnapshotPart) -> bool:
+        """Queue ``part`` for the detector; False (and dropped) when not connected or the queue is full."""
+        if self._outbox is None:  # spare the copy into an AgentMessage
+            return False
+        return self._send(AgentMessage(part=part), "part")
+
+    def report_failure(self, snapshot_id: int, reason: str) -> bool:
+        """Tell the detector this process cannot take part in ``snapshot_id``; False when dropped."""
+        failure = SnapshotFailure(snapshot_id=snapshot_id, process_id=self.process_id, reason=reason)
+        return self._send(AgentMessage(failure=failure), "failure")
+
+    # -- connection loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        delay = self._backoff_initial
+        while True:
+            registered = False
+            try:
+                registered = await self._attach()
+            except TimeoutError:
+                self._event("unreachable", f"no answer to Register within {_REGISTER_TIMEOUT} s")
+            except Exception as exc:
+                self._event("unreachable", _describe(exc))
+            if registered:
+                delay = self._backoff_initial
+            # Jitter keeps a fleet of agents from reconnecting to a restarted detector in lockstep.
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, self._backoff_max)
+
+    async def _attach(self) -> bool:
+        """Run one stream until it ends; return whether the detector accepted the registration."""
+        assert self._channel is not None
+        call = ControlStub(self._channel).Attach()
+        try:
+            await call.write(AgentMessage(register=self._register))
+            reply = await asyncio.wait_for(call.read(), _REGISTER_TIMEOUT)
+            if reply is grpc.aio.EOF:
+                self._event("unreachable", "the detector closed the stream before registering")
+                return False
+            kind = reply.WhichOneof("kind")
+            if kind == "refused":
+                _log.warning("detector refused %s: %s", self.process_id, reply.refused.reason)
+                self._event("refused", reply.refused.reason)
+                return False
+            if kind != "registered":
+                self._event("unreachable", f"expected Registered, got {kind}")
+                return False
+            interval_ms = reply.registered.heartbeat_interval_ms
+            interval = interval_ms / 1000 if interval_ms else self._heartbeat_interval
+            outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(self._max_queued)
+            self._outbox = outbox
+            self._connected.set()
+            self._event("connected", reply.registered.detector_id)
+            try:
+                reason = await self._serve(call, outbox, interval)
+            finally:
+                self._lose(outbox)
+            self._event("disconnected", reason)
+            return True
+        finally:
+            call.cancel()
+
+    async def _serve(
+        self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[AgentMessage], interval: float
+    ) -> str:
+        """Read, write and heartbeat until one of them stops; return why the stream ended."""
+        tasks = [
+            asyncio.create_task(self._read(call)),
+            asyncio.create_task(self._write(call, outbox)),
+            asyncio.create_task(self._heartbeat(interval)),
+        ]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        task = done.pop()
+        if task.cancelled():  # a read or write of a call cancelled locally (channel closed) ends so
+            return "the call was cancelled"
+        return _describe(task.exception()) if task.exception() else task.result()
+
+    def _lose(self, outbox: asyncio.Queue[AgentMessage]) -> None:
+        """Drop what was queued and have the job runner finish every open snapshot."""
+        self._outbox = None
+        self._connected.clear()
+        self._dropped += outbox.qsize()
+        self._generation += 1
+        self._jobs.put_nowait(("lost", 0, self._generation))
+
+    async def _read(self, call: grpc.aio.StreamStreamCall) -> str:
+        while True:
+            message: DetectorMessage = await call.read()
+            if message is grpc.aio.EOF:
+                return "the detector closed the stream"
+            kind = message.WhichOneof("kind")
+            if kind == "start":
+                self._jobs.put_nowait(("start", message.start.snapshot_id, self._generation))
+            elif kind == "abort":
+                self._jobs.put_nowait(("finish", message.abort.snapshot_id, self._generation))
+            elif kind == "done":
+                self._jobs.put_nowait(("finish", message.done.snapshot_id, self._generation))
+            elif kind == "ping":
+                self._send(AgentMessage(pong=Pong(nonce=message.ping.nonce)), "pong")
+            elif kind == "refused":
+                return f"refused: {message.refused.reason}"
+            # Anything else (a repeated Registered, a kind newer than this agent) is ignored.
+
+    async def _write(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[AgentMessage]) -> NoReturn:
+        while True:
+            await call.write(await outbox.get())
+
+    async def _heartbeat(self, interval: float) -> NoReturn:
+        while True:
+            await asyncio.sleep(interval)
+            self._heartbeats += 1
+            self._send(AgentMessage(heartbeat=Heartbeat(sequence=self._heartbeats)), "heartbeat")
+
+    def _send(self, message: AgentMessage, kind: str) -> bool:
+        outbox = self._outbox
+        if outbox is None:
+            return False
+        try:
+            outbox.put_nowait(message)
+        except asyncio.QueueFull:
+            self._dropped += 1
+            self._event("dropped", kind)
+            return False
+        return True
+
+    # -- callbacks --------------------------------------------------------------------------------
+
+    async def _run_jobs(self) -> None:
+        """Run start and finish callbacks one at a time, in the order the detector sent them."""
+        while True:
+            kind, snapshot_id, generation = await self._jobs.get()
+            if kind == "start":
+                if generation != self._generation:
+                    continue  # its stream is gone: the detector aborts it
+                self._open.add(snapshot_id)
+                try:
+                    await self._on_start(snapshot_id)
+                except Exception as exc:
+                    _log.exception("on_start(%d) failed", snapshot_id)
+                    self._event("callback-error", _describe(exc))
+                    self.report_failure(snapshot_id, f"the agent could not start: {_describe(exc)}")
+            elif kind == "finish":
+                self._finish(snapshot_id)
+            else:
+                for open_id in sorted(self._open):
+                    self._finish(open_id)
+
+    def _finish(self, snapshot_id: int) -> None:
+        self._open.discard(snapshot_id)
+        try:
+            self._on_finish(snapshot_id)
+        except Exception as exc:
+            _log.exception("on_finish(%d) failed", snapshot_id)
+            self._event("callback-error", _describe(exc))
+
+    def _event(self, kind: str, detail: str) -> None:
+        if kind == "disconnected":
+            _log.warning("control stream of %s lost: %s", self.process_id, detail)
+        elif kind == "unreachable":  # repeats every backoff period while the detector is down
+            _log.debug("detector unreachable for %s: %s", self.process_id, detail)
+        if self._on_event is None:
+            return
+        try:
+            self._on_event(kind, detail)
+        except Exception:
+            _log.exception("on_event(%r, %r) failed", kind, detail)
+
+
+def _describe(exc: BaseException | None) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return repr(exc)

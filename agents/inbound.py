@@ -1,0 +1,115 @@
+"""The receiving end of every channel into one agent: the ``Peer`` gRPC service.
+
+Each sender opens one stream per channel. The first frame carries a hello naming the channel;
+every frame carries consecutive entries from a sequence number. Entries this agent already has
+(a sender resending after a reconnect) are dropped; a frame that skips ahead is refused, because
+accepting it would lose what lies between. Each frame is acknowledged, cumulatively, once its
+entries have been delivered.
+
+The per-channel sequence state lives here, not in the gRPC server, so it survives a restart of the
+server (for example to reload certificates). A hello with a new sender incarnation means the
+sender restarted: its sequence numbers and counts start again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from stablewatch.agents.core import Entry
+from stablewatch.agents.frames import FrameError, decode
+from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
+
+__all__ = ["InboundChannels"]
+
+_STATUS = {
+    "no_hello": grpc.StatusCode.INVALID_ARGUMENT,
+    "unknown_channel": grpc.StatusCode.FAILED_PRECONDITION,
+    "sequence_gap": grpc.StatusCode.OUT_OF_RANGE,
+    "malformed": grpc.StatusCode.INVALID_ARGUMENT,
+}
+
+
+@dataclass(slots=True)
+class _Expected:
+    sender_incarnation: int
+    next_seq: int
+
+
+class InboundChannels(channel_pb2_grpc.PeerServicer):
+    """Accepts channel streams for ``process_id`` and hands their new entries to ``deliver``.
+
+    ``deliver(src, entries, only_messages)`` is told when a run holds no marker, for its fast path.
+    """
+
+    def __init__(
+        self,
+        process_id: str,
+        incarnation: int,
+        *,
+        lock: asyncio.Lock,
+        deliver: Callable[[str, list[Entry], bool], Awaitable[None]],
+        on_sender_restart: Callable[[str], None],
+        metrics: AgentMetrics,
+    ) -> None:
+        self._process_id = process_id
+        self._incarnation = incarnation
+        # The agent's delivery lock: deduplication, delivery and recording never interleave.
+        self._lock = lock
+        self._deliver = deliver
+        self._on_sender_restart = on_sender_restart
+        self._metrics = metrics
+        self._expected: dict[str, _Expected] = {}
+
+    async def Channel(
+        self, request_iterator: AsyncIterator[ChannelFrame], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[ChannelAck]:
+        """One channel's stream: frames in, cumulative acknowledgements out."""
+        src, sender_incarnation = "", 0
+        try:
+            async for frame in request_iterator:
+                entries = decode(frame)
+                async with self._lock:
+                    if not src:
+                        src, sender_incarnation = self._hello(frame)
+                    expected = self._expect(src, sender_incarnation)
+                    skip = expected.next_seq - frame.first_seq
+                    if skip < 0:
+                        raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
+                    if skip < len(entries):
+                        only_messages = not frame.markers
+                        await self._deliver(src, entries[skip:] if skip else entries, only_messages)
+                        expected.next_seq = frame.first_seq + len(entries)
+                    next_seq = expected.next_seq
+                yield ChannelAck(next_seq=next_seq, receiver_incarnation=self._incarnation)
+        except FrameError as error:
+            self._metrics.frame_rejected(error.reason)
+            channel = f"{src or '?'} -> {self._process_id}"
+            await context.abort(_STATUS[error.reason], f"channel {channel}: {error}")
+
+    def _hello(self, frame: ChannelFrame) -> tuple[str, int]:
+        """Check the first frame's hello and set up (or reset) the channel it names."""
+        if not frame.HasField("hello"):
+            raise FrameError("no_hello", "the first frame of a stream must carry a hello")
+        hello = frame.hello
+        if hello.dst != self._process_id:
+            raise FrameError("unknown_channel", f"channel {hello.src} -> {hello.dst} does not end here")
+        if not hello.src or hello.src == self._process_id:
+            raise FrameError("unknown_channel", f"a channel cannot come from {hello.src!r}")
+        known = self._expected.get(hello.src)
+        if known is None or known.sender_incarnation != hello.sender_incarnation:
+            if known is not None:
+                self._on_sender_restart(hello.src)
+            self._expected[hello.src] = _Expected(hello.sender_incarnation, frame.first_seq)
+        return hello.src, hello.sender_incarnation
+
+    def _expect(self, src: str, sender_incarnation: int) -> _Expected:
+        expected = self._expected[src]
+        if expected.sender_incarnation != sender_incarnation:
+            # A stream of an earlier incarnation of the sender: what it carries is stale.
+            raise FrameError("unknown_channel", "superseded by a stream of a newer sender incarnation")
+        return expected

@@ -1,0 +1,255 @@
+"""The sending end of one channel ``src -> dst``: a window of entries over a gRPC stream.
+
+Entries (messages and markers, in the order the core produced them) wait in a buffer until the
+receiver acknowledges them. A writer sends them in frames over one ``Peer.Channel`` stream; a
+reader takes cumulative acknowledgements and drops what they cover. When the stream breaks, the
+sender reconnects with backoff and sends again everything not yet acknowledged; the receiver
+drops what it already has by sequence number. So the channel is FIFO and exactly-once.
+
+The buffer is bounded: :meth:`OutboundChannel.has_space` tells the agent when to hold back the
+application (markers are always accepted, so recording never blocks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import itertools
+import random
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import grpc
+
+from stablewatch.agents.core import Marker
+from stablewatch.agents.frames import ENTRY_OVERHEAD, Outgoing, encode
+from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.v1 import ChannelAck, ChannelFrame, ChannelHello, channel_pb2_grpc
+
+__all__ = ["ChannelSettings", "OutboundChannel"]
+
+
+class ChannelSettings:
+    """Limits and timings shared by every channel of an agent."""
+
+    def __init__(
+        self,
+        *,
+        window_entries: int = 1024,
+        window_bytes: int = 16 * 1024 * 1024,
+        max_frame_entries: int = 512,
+        max_frame_bytes: int = 1024 * 1024,
+        backoff_initial: float = 0.05,
+        backoff_max: float = 2.0,
+    ) -> None:
+        if min(window_entries, window_bytes, max_frame_entries, max_frame_bytes) <= 0:
+            raise ValueError("channel windows and frame limits must be positive")
+        self.window_entries = window_entries
+        self.window_bytes = window_bytes
+        self.max_frame_entries = max_frame_entries
+        self.max_frame_bytes = max_frame_bytes
+        self.backoff_initial = backoff_initial
+        self.backoff_max = backoff_max
+
+
+class OutboundChannel:
+    """One directed channel to a peer agent; runs its own connection task."""
+
+    def __init__(
+        self,
+        src: str,
+        dst: str,
+        target: str,
+        *,
+        incarnation: int,
+        settings: ChannelSettings,
+        metrics: AgentMetrics,
+        on_receiver_restart: Callable[[int], None],
+        credentials: grpc.ChannelCredentials | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self.src, self.dst, self.target = src, dst, target
+        self._settings = settings
+        self._max_entries = settings.window_entries
+        self._max_bytes = settings.window_bytes
+        self._metrics = metrics
+        # Called with the number of application messages the restarted receiver will get.
+        self._on_receiver_restart = on_receiver_restart
+        self._credentials = credentials
+        self._options = list(channel_options)
+        self._hello = ChannelHello(src=src, dst=dst, sender_incarnation=incarnation)
+        # The window: _entries[_head:] are unacknowledged; the first has sequence number _acked.
+        # _sizes runs beside _entries (window bytes of each entry), so sums are C-level slices.
+        self._entries: list[Outgoing] = []
+        self._sizes: list[int] = []
+        self._head = 0
+        self._acked = 0
+        self._next_to_write = 0  # index into _entries
+        self._written_high = 0  # highest index ever written: below it a write is a retransmission
+        self._window_bytes = 0
+        self._receiver_incarnation: int | None = None
+        self._data = asyncio.Event()
+        self._space = asyncio.Event()
+        self._space.set()
+        self._closed = False
+        self._task: asyncio.Task[None] | None = None
+        self._grpc_channel: grpc.aio.Channel | None = None
+        self.last_error = ""
+
+    # -- what the agent uses -------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the connection task on the running loop."""
+        self._task = asyncio.get_running_loop().create_task(self._run(), name=f"channel {self.src}->{self.dst}")
+
+    async def close(self) -> None:
+        """Stop sending; entries not acknowledged are dropped."""
+        self._closed = True
+        self._data.set()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._grpc_channel is not None:
+            await self._grpc_channel.close()
+
+    @property
+    def unacknowledged(self) -> int:
+        """Entries in the window (written or not) that the receiver has not acknowledged."""
+        return len(self._entries) - self._head
+
+    def has_space(self) -> bool:
+        """Whether the application may add a message without passing the window."""
+        return len(self._entries) - self._head < self._max_entries and self._window_bytes < self._max_bytes
+
+    async def wait_for_space(self) -> None:
+        """Wait until :meth:`has_space` (backpressure for the application's sends)."""
+        while not self.has_space():
+            self._space.clear()
+            await self._space.wait()
+            if self._closed:
+                raise ConnectionError(f"channel {self.src} -> {self.dst} is closed")
+
+    def push(self, entry: Outgoing, size: int) -> None:
+        """Append an entry of ``size`` window bytes (see ``entry_size``) after everything in the channel."""
+        self._entries.append(entry)
+        self._sizes.append(size)
+        self._window_bytes += size
+        if not self._data.is_set():
+            self._data.set()
+
+    # -- the connection ------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        backoff = self._settings.backoff_initial
+        while not self._closed:
+            acked_before = self._acked
+            try:
+                await self._stream()
+            except asyncio.CancelledError:
+                raise
+            except grpc.aio.AioRpcError as error:
+                self.last_error = f"{error.code().name}: {error.details()}"
+            except (ConnectionError, grpc.RpcError) as error:
+                self.last_error = str(error)
+            if self._closed:
+                return
+            if self._acked > acked_before:  # the stream made progress: start backing off afresh
+                backoff = self._settings.backoff_initial
+            self._next_to_write = self._head  # resend everything not acknowledged
+            self._metrics.reconnected(self.dst)
+            await asyncio.sleep(backoff * (0.5 + random.random()))
+            backoff = min(backoff * 2, self._settings.backoff_max)
+
+    def _channel(self) -> grpc.aio.Channel:
+        if self._grpc_channel is None:
+            if self._credentials is None:
+                self._grpc_channel = grpc.aio.insecure_channel(self.target, options=self._options)
+            else:
+                self._grpc_channel = grpc.aio.secure_channel(self.target, self._credentials, options=self._options)
+        return self._grpc_channel
+
+    async def _stream(self) -> None:
+        call = channel_pb2_grpc.PeerStub(self._channel()).Channel()
+        reader = asyncio.get_running_loop().create_task(self._read_acks(call))
+        try:
+            # The hello goes out at once, so the receiver's incarnation is known before any data.
+            await call.write(encode(self._acked + self._next_to_write - self._head, (), self._hello))
+            while True:
+                if self._next_to_write == len(self._entries):
+                    self._data.clear()
+                    waiter = asyncio.ensure_future(self._data.wait())
+                    await asyncio.wait((waiter, reader), return_when=asyncio.FIRST_COMPLETED)
+                    waiter.cancel()
+                    if reader.done() or self._closed:
+                        break
+                    continue
+                await call.write(self._next_frame())
+        finally:
+            if not reader.done():
+                call.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            call.cancel()
+
+    def _next_frame(self) -> ChannelFrame:
+        start = self._next_to_write
+        end = min(len(self._entries), start + self._settings.max_frame_entries)
+        # Cut the frame at max_frame_bytes; a single larger entry still goes, alone.
+        fitting = bisect.bisect_right(
+            list(itertools.accumulate(self._sizes[start:end])), self._settings.max_frame_bytes
+        )
+        end = start + max(1, fitting)
+        batch = self._entries[start:end]
+        first_seq = self._acked + start - self._head
+        frame = encode(first_seq, batch)
+        self._next_to_write = end
+        if start < self._written_high:
+            self._metrics.retransmitted(self.dst, min(end, self._written_high) - start)
+        if end > self._written_high:  # count what goes out for the first time
+            fresh_from = max(start, self._written_high)
+            markers = sum(1 for marker in frame.markers if marker.position >= fresh_from - start)
+            entries = end - fresh_from
+            nbytes = sum(self._sizes[fresh_from:end]) - ENTRY_OVERHEAD * entries
+            self._metrics.sent(self.dst, entries - markers, nbytes)
+            if markers:
+                self._metrics.markers_sent(markers)
+            self._written_high = end
+        return frame
+
+    async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
+        async for ack in call:
+            self._acknowledge(ack)
+
+    def _acknowledge(self, ack: ChannelAck) -> None:
+        if self._receiver_incarnation != ack.receiver_incarnation:
+            if self._receiver_incarnation is not None:
+                # A new receiver gets exactly what is still in the window, from the next entry on.
+                in_window = self._entries[self._head :]
+                self._on_receiver_restart(sum(1 for entry in in_window if type(entry) is not Marker))
+            self._receiver_incarnation = ack.receiver_incarnation
+        covered = ack.next_seq - self._acked
+        if covered < 0 or covered > self._next_to_write - self._head:
+            raise ConnectionError(
+                f"channel {self.src} -> {self.dst}: acknowledgement of {ack.next_seq} outside the window "
+                f"[{self._acked}, {self._acked + self._next_to_write - self._head}]"
+            )
+        if covered:
+            end = self._head + covered
+            self._window_bytes -= sum(self._sizes[self._head : end])
+            self._head = end
+            self._acked = ack.next_seq
+            self._compact()
+        self._metrics.window(self.dst, len(self._entries) - self._head, self._window_bytes)
+        if self.has_space():
+            self._space.set()
+
+    def _compact(self) -> None:
+        """Drop acknowledged entries from the front now and then (amortised O(1) per entry)."""
+        if self._head > 4096 and self._head * 2 > len(self._entries):
+            del self._entries[: self._head]
+            del self._sizes[: self._head]
+            self._next_to_write -= self._head
+            self._written_high -= self._head
+            self._head = 0

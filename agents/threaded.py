@@ -1,0 +1,101 @@
+"""The agent for threaded (synchronous) services: an :class:`Agent` on its own event-loop thread.
+
+Every call hops onto the agent's loop and waits for the result, so the guarantees of
+:class:`~stablewatch.agents.agent.Agent` hold unchanged. The message handler runs on the agent's
+thread: keep it short, or hand the work to the service's own threads (and report that queued
+work in the local state).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Mapping
+from typing import Any, TypeVar
+
+from stablewatch.agents.agent import Agent, MessageHandler
+from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.state import LocalStateKeeper
+
+__all__ = ["ThreadedAgent"]
+
+T = TypeVar("T")
+
+
+class ThreadedAgent:
+    """Runs an :class:`Agent` (same arguments) on a background thread; its methods block."""
+
+    def __init__(self, process_id: str, *, call_timeout: float = 30.0, **agent_options: Any) -> None:
+        self.agent = Agent(process_id, **agent_options)
+        self._call_timeout = call_timeout
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"stablewatch-agent-{process_id}", daemon=True
+        )
+
+    def start(self) -> None:
+        """Start the agent's thread, listen for peers and dial the detector."""
+        self._thread.start()
+        self._call(self.agent.start())
+
+    def stop(self) -> None:
+        """Stop the agent and its thread."""
+        if not self._thread.is_alive():
+            return
+        try:
+            self._call(self.agent.stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(self._call_timeout)
+            self._loop.close()
+
+    def __enter__(self) -> ThreadedAgent:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def process_id(self) -> str:
+        return self.agent.process_id
+
+    @property
+    def address(self) -> str:
+        return self.agent.address
+
+    @property
+    def state(self) -> LocalStateKeeper:
+        """The local state; thread-safe, so service threads may change it directly."""
+        return self.agent.state
+
+    @property
+    def metrics(self) -> AgentMetrics:
+        return self.agent.metrics
+
+    def on_message(self, handler: MessageHandler) -> MessageHandler:
+        """Register the handler; it runs on the agent's thread."""
+        return self.agent.on_message(handler)
+
+    def send(
+        self,
+        dest: str,
+        payload: bytes,
+        *,
+        counters: Mapping[str, int] | None = None,
+        wakes: bool = True,
+        timeout: float | None = None,
+    ) -> None:
+        """Send, blocking while the channel's window is full (up to ``timeout`` seconds)."""
+        self._call(self.agent.send(dest, payload, counters=counters, wakes=wakes), timeout)
+
+    def start_snapshot(self, snapshot_id: int | None = None) -> int:
+        """Record this process for a snapshot and send its markers (see :meth:`Agent.start_snapshot`)."""
+        return self._call(self.agent.start_snapshot(snapshot_id))
+
+    def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        if threading.current_thread() is self._thread:
+            coroutine.close()
+            raise RuntimeError("a ThreadedAgent method was called from its own handler; use the Agent's async API")
+        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
+        return future.result(self._call_timeout if timeout is None else timeout)

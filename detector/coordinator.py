@@ -1,0 +1,236 @@
+"""The detector's side of the control streams: membership and one-hop snapshots.
+
+Agents dial in on ``Control.Attach`` and register. A snapshot begins with the agents attached at
+that moment as its members: the coordinator tells all of them at once (a one-hop snapshot: every
+marker crosses one channel), feeds their parts to the :class:`Assembler`, and answers when the
+snapshot is complete or gives up on it: at its deadline, when a member is lost, when a member
+fails, or when a part proves the cut inconsistent, always with the reason.
+
+Parts are never trusted: each rejected one is reported to ``on_rejected`` with its reason. A
+process id that is attached from elsewhere is refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from stablewatch.detector.assembly import Assembler, Completed, PartRejected
+from stablewatch.v1 import (
+    AgentMessage,
+    DetectorMessage,
+    GlobalSnapshot,
+    LocalSnapshotPart,
+    control_pb2,
+    control_pb2_grpc,
+)
+
+__all__ = ["Coordinator", "Member", "SnapshotAborted"]
+
+
+class SnapshotAborted(Exception):
+    """A snapshot was given up; ``reason`` says why."""
+
+    def __init__(self, snapshot_id: int, reason: str) -> None:
+        super().__init__(f"snapshot {snapshot_id} aborted: {reason}")
+        self.snapshot_id = snapshot_id
+        self.reason = reason
+
+
+@dataclass
+class Member:
+    """An attached agent."""
+
+    process_id: str
+    address: str
+    incarnation: int
+    attached_at: float  # wall-clock seconds
+    last_heartbeat: float  # wall-clock seconds
+    outbox: asyncio.Queue[DetectorMessage] = field(repr=False, default_factory=asyncio.Queue)
+    pongs: dict[int, asyncio.Future[None]] = field(repr=False, default_factory=dict)
+
+    def send(self, message: DetectorMessage) -> None:
+        self.outbox.put_nowait(message)
+
+
+@dataclass
+class _Running:
+    members: frozenset[str]
+    result: asyncio.Future[GlobalSnapshot]
+
+
+class Coordinator(control_pb2_grpc.ControlServicer):
+    """Serves ``Control.Attach`` and runs snapshots over the attached agents."""
+
+    def __init__(
+        self,
+        *,
+        detector_id: str = "stablewatch",
+        heartbeat_interval: float = 1.0,
+        first_snapshot_id: int = 1,
+        on_rejected: Callable[[PartRejected], None] | None = None,
+        on_membership: Callable[[], None] | None = None,
+    ) -> None:
+        self.detector_id = detector_id
+        self.heartbeat_interval = heartbeat_interval
+        self.members: dict[str, Member] = {}
+        self._assembler = Assembler()
+        self._running: dict[int, _Running] = {}
+        self._next_id = first_snapshot_id
+        self._nonces = iter(range(1, 1 << 63))
+        self._on_rejected = on_rejected or (lambda rejected: None)
+        self._on_membership = on_membership or (lambda: None)
+
+    # -- snapshots -----------------------------------------------------------------------------
+
+    def begin_snapshot(self) -> tuple[int, asyncio.Future[GlobalSnapshot]]:
+        """Tell every attached agent to record; returns the id and a future of the global snapshot.
+
+        The future fails with :class:`SnapshotAborted` when the snapshot is given up.
+        """
+        if not self.members:
+            raise SnapshotAborted(self._next_id, "no agent is attached")
+        snapshot_id = self._next_id
+        self._next_id += 1
+        members = frozenset(self.members)
+        self._assembler.begin(snapshot_id, members)
+        result = asyncio.get_running_loop().create_future()
+        self._running[snapshot_id] = _Running(members, result)
+        start = DetectorMessage(start=control_pb2.StartSnapshot(snapshot_id=snapshot_id))
+        for member in self.members.values():
+            member.send(start)
+        return snapshot_id, result
+
+    async def snapshot(self, timeout: float) -> GlobalSnapshot:
+        """Take one snapshot of every attached agent, aborting it after ``timeout`` seconds."""
+        snapshot_id, result = self.begin_snapshot()
+        try:
+            return await asyncio.wait_for(asyncio.shield(result), timeout)
+        except TimeoutError:
+            self.abort(snapshot_id, f"deadline of {timeout:g}s passed, {self._assembler.missing(snapshot_id)}")
+            return await result  # raises SnapshotAborted
+
+    def abort(self, snapshot_id: int, reason: str) -> None:
+        """Give up a running snapshot: tell its members, fail its future."""
+        if self._assembler.abort(snapshot_id, reason) is not None:
+            self._finish(snapshot_id, SnapshotAborted(snapshot_id, reason))
+
+    @property
+    def running(self) -> list[int]:
+        return sorted(self._running)
+
+    def missing(self, snapshot_id: int) -> str:
+        return self._assembler.missing(snapshot_id)
+
+    async def ping_all(self, timeout: float) -> float:
+        """Send a no-op to every member and wait for every reply: the broadcast round trip, in seconds."""
+        members = list(self.members.values())
+        nonce = next(self._nonces)
+        loop = asyncio.get_running_loop()
+        waits = []
+        started = time.perf_counter()
+        for member in members:
+            member.pongs[nonce] = loop.create_future()
+            waits.append(member.pongs[nonce])
+            member.send(DetectorMessage(ping=control_pb2.Ping(nonce=nonce)))
+        try:
+            await asyncio.wait_for(asyncio.gather(*waits), timeout)
+        finally:
+            for member in members:
+                member.pongs.pop(nonce, None)
+        return time.perf_counter() - started
+
+    # -- the control service -------------------------------------------------------------------
+
+    async def Attach(
+        self, request_iterator: AsyncIterator[AgentMessage], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[DetectorMessage]:
+        """One agent's control stream: registration first, then parts, failures, heartbeats, pongs."""
+        first = await anext(aiter(request_iterator), None)
+        if first is None or first.WhichOneof("kind") != "register" or not first.register.process_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Register")
+        register = first.register
+        if register.process_id in self.members:
+            reason = f"process id {register.process_id} is already attached"
+            yield DetectorMessage(refused=control_pb2.Refused(reason=reason))
+            return
+        now = time.time()
+        member = Member(register.process_id, register.address, register.incarnation, now, now)
+        self.members[member.process_id] = member
+        self._on_membership()
+        interval_ms = round(self.heartbeat_interval * 1000)
+        registered = control_pb2.Registered(detector_id=self.detector_id, heartbeat_interval_ms=interval_ms)
+        member.send(DetectorMessage(registered=registered))
+        reader = asyncio.ensure_future(self._read(member, request_iterator))
+        getter: asyncio.Future[DetectorMessage] | None = None
+        try:
+            while True:
+                getter = asyncio.ensure_future(member.outbox.get())
+                done, _ = await asyncio.wait((getter, reader), return_when=asyncio.FIRST_COMPLETED)
+                if getter not in done:
+                    break
+                yield getter.result()
+        finally:
+            for task in (getter, reader):
+                if task is not None:
+                    task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await reader
+            self._lose(member)
+
+    async def _read(self, member: Member, request_iterator: AsyncIterator[AgentMessage]) -> None:
+        async for message in request_iterator:
+            kind = message.WhichOneof("kind")
+            if kind == "part":
+                self._add_part(message.part, member.process_id)
+            elif kind == "heartbeat":
+                member.last_heartbeat = time.time()
+            elif kind == "failure":
+                failure = message.failure
+                if failure.snapshot_id in self._running:
+                    self.abort(failure.snapshot_id, f"process {member.process_id} failed: {failure.reason}")
+            elif kind == "pong":
+                waiter = member.pongs.get(message.pong.nonce)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+
+    def _add_part(self, part: LocalSnapshotPart, sender: str) -> None:
+        try:
+            outcome = self._assembler.add_part(part, sender=sender)
+        except PartRejected as rejected:
+            self._on_rejected(rejected)
+            if rejected.aborted is not None:
+                self._finish(rejected.aborted.snapshot_id, SnapshotAborted(part.snapshot_id, rejected.aborted.reason))
+            return
+        if isinstance(outcome, Completed):
+            self._finish(outcome.snapshot.snapshot_id, outcome.snapshot)
+
+    def _finish(self, snapshot_id: int, outcome: GlobalSnapshot | SnapshotAborted) -> None:
+        running = self._running.pop(snapshot_id, None)
+        if running is None:
+            return
+        if isinstance(outcome, SnapshotAborted):
+            message = DetectorMessage(abort=control_pb2.AbortSnapshot(snapshot_id=snapshot_id, reason=outcome.reason))
+            running.result.set_exception(outcome)
+            running.result.exception()  # the caller may have stopped waiting: no "never retrieved" noise
+        else:
+            message = DetectorMessage(done=control_pb2.SnapshotDone(snapshot_id=snapshot_id))
+            running.result.set_result(outcome)
+        for process in running.members:
+            member = self.members.get(process)
+            if member is not None:
+                member.send(message)
+
+    def _lose(self, member: Member) -> None:
+        if self.members.get(member.process_id) is not member:
+            return
+        del self.members[member.process_id]
+        self._on_membership()
+        for snapshot_id, running in list(self._running.items()):
+            if member.process_id in running.members:
+                self.abort(snapshot_id, f"member {member.process_id} detached")

@@ -1,0 +1,427 @@
+"""Tests of the agent's control stream against a minimal in-test detector on a loopback port."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from types import ModuleType
+from typing import Any
+
+import grpc
+import pytest
+
+from stablewatch.agents import control
+from stablewatch.agents.control import ControlClient
+from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
+from stablewatch.v1.control_pb2 import AbortSnapshot, Ping, Refused, Registered, SnapshotDone, StartSnapshot
+from stablewatch.v1.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
+
+TEST_TIMEOUT = 20.0
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s")
+        await asyncio.sleep(0.005)
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    """Run an async test body on a fresh event loop, under a hard timeout."""
+
+    async def body() -> None:
+        await asyncio.wait_for(test(), TEST_TIMEOUT)
+
+    asyncio.run(body())
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on, for a detector that starts later."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class FakeDetector(ControlServicer):
+    """Records every stream's messages and sends what the test tells it to on the latest stream."""
+
+    def __init__(self, refuse: int = 0, heartbeat_interval_ms: int = 0) -> None:
+        self.refuse = refuse
+        self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.registrations: list[AgentMessage] = []
+        self.received: list[AgentMessage] = []  # everything after Register, over all streams
+        self._outbox: asyncio.Queue[DetectorMessage] | None = None
+
+    async def Attach(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        first = await context.read()
+        self.registrations.append(first)
+        if self.refuse > 0:
+            self.refuse -= 1
+            await context.write(DetectorMessage(refused=Refused(reason="attached elsewhere")))
+            return
+        outbox: asyncio.Queue[DetectorMessage] = asyncio.Queue()
+        self._outbox = outbox
+        registered = Registered(detector_id="fake", heartbeat_interval_ms=self.heartbeat_interval_ms)
+        await context.write(DetectorMessage(registered=registered))
+
+        async def write() -> None:
+            while True:
+                await context.write(await outbox.get())
+
+        writer = asyncio.create_task(write())
+        try:
+            while (message := await context.read()) is not grpc.aio.EOF:
+                self.received.append(message)
+        finally:
+            writer.cancel()
+
+    def send(self, message: DetectorMessage) -> None:
+        """Send ``message`` on the latest accepted stream."""
+        assert self._outbox is not None, "no agent attached"
+        self._outbox.put_nowait(message)
+
+    def of_kind(self, kind: str) -> list[Any]:
+        """The received messages of one kind ("part", "heartbeat", ...), unwrapped, in order."""
+        return [getattr(m, kind) for m in self.received if m.WhichOneof("kind") == kind]
+
+
+async def serve(detector: FakeDetector, port: int = 0) -> tuple[grpc.aio.Server, int]:
+    """Start ``detector`` on 127.0.0.1 (``port`` 0: one the OS picks); return the server and its port."""
+    server = grpc.aio.server()
+    add_ControlServicer_to_server(detector, server)
+    bound = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, bound
+
+
+class Agent:
+    """What the service would do with the callbacks: remember what was started and finished."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+        self.finished: list[int] = []
+        self.events: list[tuple[str, str]] = []
+
+    async def on_start(self, snapshot_id: int) -> None:
+        self.started.append(snapshot_id)
+
+    def on_finish(self, snapshot_id: int) -> None:
+        self.finished.append(snapshot_id)
+
+    def on_event(self, kind: str, detail: str) -> None:
+        self.events.append((kind, detail))
+
+    def client(self, port: int, **kwargs: Any) -> ControlClient:
+        options: dict[str, Any] = {"backoff_initial": 0.01, "backoff_max": 0.1, "heartbeat_interval": 60.0}
+        options.update(kwargs)
+        return ControlClient(
+            "p1",
+            "127.0.0.1:7001",
+            f"127.0.0.1:{port}",
+            on_start=options.pop("on_start", self.on_start),
+            on_finish=self.on_finish,
+            on_event=self.on_event,
+            **options,
+        )
+
+
+def part(snapshot_id: int, index: int) -> LocalSnapshotPart:
+    """A part told apart from the others of its snapshot by ``index`` (in its process id)."""
+    return LocalSnapshotPart(snapshot_id=snapshot_id, process_id=f"p1-{index}")
+
+
+def start(k: int) -> DetectorMessage:
+    """The detector's StartSnapshot ``k``."""
+    return DetectorMessage(start=StartSnapshot(snapshot_id=k))
+
+
+# -- tests ----------------------------------------------------------------------------------------
+
+
+def test_registers_with_its_fields_and_sends_heartbeats_at_the_detectors_interval() -> None:
+    async def body() -> None:
+        detector = FakeDetector(heartbeat_interval_ms=10)
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port, incarnation=3, agent_version="1.2.3")
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            assert client.connected
+            assert agent.events[-1] == ("connected", "fake")
+            register = detector.registrations[0].register
+            assert (register.process_id, register.address) == ("p1", "127.0.0.1:7001")
+            assert (register.incarnation, register.agent_version) == (3, "1.2.3")
+            await eventually(lambda: len(detector.of_kind("heartbeat")) >= 3)
+            sequences = [h.sequence for h in detector.of_kind("heartbeat")]
+            assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+def test_heartbeats_at_its_own_interval_when_the_detector_sets_none() -> None:
+    async def body() -> None:
+        detector = FakeDetector(heartbeat_interval_ms=0)
+        server, port = await serve(detector)
+        client = Agent().client(port, heartbeat_interval=0.01)
+        await client.start()
+        try:
+            await eventually(lambda: len(detector.of_kind("heartbeat")) >= 3)
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_order() -> None:
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+        release = asyncio.Event()
+
+        async def on_start(snapshot_id: int) -> None:
+            agent.started.append(snapshot_id)
+            if snapshot_id == 1:
+                await release.wait()
+            for i in range(3):
+                assert client.report_part(part(snapshot_id, i))
+
+        client = agent.client(port, on_start=on_start)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            for k in (1, 2, 3):
+                detector.send(start(k))
+            detector.send(DetectorMessage(ping=Ping(nonce=42)))
+            # The Pong comes back while on_start(1) is still blocked, and nothing else has started.
+            await eventually(lambda: [p.nonce for p in detector.of_kind("pong")] == [42])
+            assert agent.started == [1]
+            release.set()
+            await eventually(lambda: len(detector.of_kind("part")) == 9)
+            assert agent.started == [1, 2, 3]
+            received = [(p.snapshot_id, p.process_id) for p in detector.of_kind("part")]
+            assert received == [(k, f"p1-{i}") for k in (1, 2, 3) for i in range(3)]
+            assert client.report_failure(3, "too big")
+            await eventually(lambda: len(detector.of_kind("failure")) == 1)
+            failure = detector.of_kind("failure")[0]
+            assert (failure.snapshot_id, failure.process_id, failure.reason) == (3, "p1", "too big")
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+def test_abort_and_done_call_on_finish_after_the_start() -> None:
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            detector.send(start(5))
+            detector.send(start(6))
+            detector.send(DetectorMessage(abort=AbortSnapshot(snapshot_id=5, reason="deadline")))
+            detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=6)))
+            detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=9)))  # started by a marker only
+            await eventually(lambda: agent.finished == [5, 6, 9])
+            assert agent.started == [5, 6]
+        finally:
+            await client.stop()
+            await server.stop(None)
+        assert agent.finished == [5, 6, 9]  # nothing was open at stop
+
+    run(body)
+
+
+def test_detector_down_at_start_then_up_later() -> None:
+    async def body() -> None:
+        port = free_port()
+        agent = Agent()
+        client = agent.client(port)
+        began = time.monotonic()
+        await client.start()
+        try:
+            assert time.monotonic() - began < 0.5
+            assert not client.connected
+            assert not client.report_part(part(1, 0))
+            assert not client.report_failure(1, "no detector")
+            assert not await client.wait_connected(0.05)
+            await eventually(lambda: any(kind == "unreachable" for kind, _ in agent.events))
+
+            detector = FakeDetector()
+            server, _ = await serve(detector, port)
+            try:
+                assert await client.wait_connected(10)
+                assert client.report_part(part(1, 0))
+                await eventually(lambda: len(detector.of_kind("part")) == 1)
+            finally:
+                await server.stop(None)
+        finally:
+            await client.stop()
+
+    run(body)
+
+
+def test_lost_stream_finishes_open_snapshots_and_reconnects_to_a_new_detector() -> None:
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            for k in (7, 8):
+                detector.send(start(k))
+            detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=8)))
+            await eventually(lambda: agent.finished == [8])
+
+            await server.stop(None)
+            await eventually(lambda: agent.finished == [8, 7])
+            assert not client.connected
+            assert not client.report_part(part(7, 0))
+            assert any(kind == "disconnected" for kind, _ in agent.events)
+
+            second = FakeDetector()
+            server, _ = await serve(second, port)
+            assert await client.wait_connected(10)
+            assert len(second.registrations) == 1
+            second.send(start(9))
+            await eventually(lambda: agent.started == [7, 8, 9])
+            assert client.report_part(part(9, 0))
+            await eventually(lambda: len(second.of_kind("part")) == 1)
+        finally:
+            await client.stop()
+            await server.stop(None)
+        assert agent.finished == [8, 7, 9]  # stop forgets the snapshot still open
+
+    run(body)
+
+
+def test_refused_registration_is_retried() -> None:
+    async def body() -> None:
+        detector = FakeDetector(refuse=2)
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            assert len(detector.registrations) == 3
+            refusals = [event for event in agent.events if event[0] == "refused"]
+            assert refusals == [("refused", "attached elsewhere")] * 2
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+def test_full_queue_drops_without_blocking() -> None:
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port, max_queued=10)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            # No await in between, so the writer cannot drain the queue.
+            results = [client.report_part(part(1, i)) for i in range(15)]
+            assert results == [True] * 10 + [False] * 5
+            assert client.dropped == 5
+            assert agent.events.count(("dropped", "part")) == 5
+            await eventually(lambda: len(detector.of_kind("part")) == 10)
+            assert [p.process_id for p in detector.of_kind("part")] == [f"p1-{i}" for i in range(10)]
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+def test_failing_callback_reports_a_failure_and_the_client_carries_on() -> None:
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+
+        async def on_start(snapshot_id: int) -> None:
+            agent.started.append(snapshot_id)
+            if snapshot_id == 1:
+                raise RuntimeError("boom")
+
+        client = agent.client(port, on_start=on_start)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            detector.send(start(1))
+            detector.send(start(2))
+            await eventually(lambda: agent.started == [1, 2])
+            await eventually(lambda: len(detector.of_kind("failure")) == 1)
+            assert detector.of_kind("failure")[0].snapshot_id == 1
+            assert "boom" in detector.of_kind("failure")[0].reason
+            assert client.connected
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+@pytest.mark.parametrize("detector_up", [True, False])
+def test_stop_leaves_no_tasks_behind(detector_up: bool) -> None:
+    async def body() -> None:
+        baseline = asyncio.all_tasks()  # this test and the runner's wait_for
+        detector = FakeDetector()
+        server, port = await serve(detector) if detector_up else (None, free_port())
+        agent = Agent()
+        blocked = asyncio.Event()
+
+        async def on_start(snapshot_id: int) -> None:
+            agent.started.append(snapshot_id)
+            await blocked.wait()  # still running when stop() comes
+
+        client = agent.client(port, on_start=on_start, heartbeat_interval=0.01)
+        await client.start()
+        try:
+            if detector_up:
+                assert await client.wait_connected(10)
+                detector.send(start(4))
+                await eventually(lambda: agent.started == [4])
+            else:
+                await eventually(lambda: any(kind == "unreachable" for kind, _ in agent.events))
+            await client.stop()
+            await client.stop()  # idempotent
+            assert not client.connected
+            assert agent.finished == ([4] if detector_up else [])
+            # At once, nothing of the client's; once the server is gone too (it cleans up its side
+            # of the cancelled stream in its own time), nothing but this test.
+            assert not [task for task in asyncio.all_tasks() if runs_code_of(task, control)]
+        finally:
+            await client.stop()
+            if server is not None:
+                await server.stop(None)
+        await eventually(lambda: asyncio.all_tasks() == baseline)
+
+    run(body)
+
+
+def runs_code_of(task: asyncio.Task[Any], module: ModuleType) -> bool:
+    """Whether ``task`` runs a coroutine defined in ``module``."""
+    code = getattr(task.get_coro(), "cr_code", None)
+    return code is not None and code.co_filename == module.__file__
