@@ -276,7 +276,10 @@ class ControlClient:
 
     async def _write(self, call: grpc.aio.StreamStreamCall, outbox: asyncio.Queue[AgentMessage]) -> NoReturn:
         while True:
-            await call.write(await outbox.get())
+            message = await outbox.get()
+            if message.WhichOneof("kind") == "part":
+                _merge_queued_parts(message.part, outbox)
+            await call.write(message)
 
     async def _heartbeat(self, interval: float) -> NoReturn:
         while True:
@@ -337,6 +340,16 @@ class ControlClient:
             self._on_event(kind, detail)
         except Exception:
             _log.exception("on_event(%r, %r) failed", kind, detail)
+
+
+def _merge_queued_parts(part: LocalSnapshotPart, outbox: asyncio.Queue[AgentMessage]) -> None:
+    """Fold the parts of the same snapshot queued right behind ``part`` into it: one write, not many.
+
+    Only the run at the head of the queue is merged, so the order of messages is kept.
+    """
+    queued = outbox._queue  # type: ignore[attr-defined]  # peeking is not in Queue's public API
+    while queued and queued[0].WhichOneof("kind") == "part" and queued[0].part.snapshot_id == part.snapshot_id:
+        part.MergeFrom(outbox.get_nowait().part)
 
 
 def _describe(exc: BaseException | None) -> str:

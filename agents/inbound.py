@@ -69,27 +69,34 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         self, request_iterator: AsyncIterator[ChannelFrame], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ChannelAck]:
         """One channel's stream: frames in, cumulative acknowledgements out."""
-        src, sender_incarnation = "", 0
+        channel: list[tuple[str, int]] = []  # (src, sender incarnation) once the hello is read
         try:
             async for frame in request_iterator:
                 entries = decode(frame)
-                async with self._lock:
-                    if not src:
-                        src, sender_incarnation = self._hello(frame)
-                    expected = self._expect(src, sender_incarnation)
-                    skip = expected.next_seq - frame.first_seq
-                    if skip < 0:
-                        raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
-                    if skip < len(entries):
-                        only_messages = not frame.markers
-                        await self._deliver(src, entries[skip:] if skip else entries, only_messages)
-                        expected.next_seq = frame.first_seq + len(entries)
-                    next_seq = expected.next_seq
+                # Shielded: a stream cancelled mid-frame (a break, a server restart) must not leave
+                # a frame half delivered, or the sender's resend would deliver its start twice.
+                accepting = asyncio.ensure_future(self._accept(frame, entries, channel))
+                next_seq = await asyncio.shield(accepting)
                 yield ChannelAck(next_seq=next_seq, receiver_incarnation=self._incarnation)
         except FrameError as error:
             self._metrics.frame_rejected(error.reason)
-            channel = f"{src or '?'} -> {self._process_id}"
-            await context.abort(_STATUS[error.reason], f"channel {channel}: {error}")
+            where = f"{channel[0][0] if channel else '?'} -> {self._process_id}"
+            await context.abort(_STATUS[error.reason], f"channel {where}: {error}")
+
+    async def _accept(self, frame: ChannelFrame, entries: list[Entry], channel: list[tuple[str, int]]) -> int:
+        """Deliver the entries of ``frame`` not delivered before; returns the next expected sequence number."""
+        async with self._lock:
+            if not channel:
+                channel.append(self._hello(frame))
+            src, sender_incarnation = channel[0]
+            expected = self._expect(src, sender_incarnation)
+            skip = expected.next_seq - frame.first_seq
+            if skip < 0:
+                raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
+            if skip < len(entries):
+                await self._deliver(src, entries[skip:] if skip else entries, not frame.markers)
+                expected.next_seq = frame.first_seq + len(entries)
+            return expected.next_seq
 
     def _hello(self, frame: ChannelFrame) -> tuple[str, int]:
         """Check the first frame's hello and set up (or reset) the channel it names."""

@@ -77,7 +77,13 @@ class OutboundChannel:
         # Called with the number of application messages the restarted receiver will get.
         self._on_receiver_restart = on_receiver_restart
         self._credentials = credentials
-        self._options = list(channel_options)
+        # gRPC's own reconnect backoff (1 s growing to 120 s) would override ours: align it.
+        self._options = [
+            ("grpc.initial_reconnect_backoff_ms", max(1, round(settings.backoff_initial * 1000))),
+            ("grpc.min_reconnect_backoff_ms", max(1, round(settings.backoff_initial * 1000))),
+            ("grpc.max_reconnect_backoff_ms", max(1, round(settings.backoff_max * 1000))),
+            *channel_options,
+        ]
         self._hello = ChannelHello(src=src, dst=dst, sender_incarnation=incarnation)
         # The window: _entries[_head:] are unacknowledged; the first has sequence number _acked.
         # _sizes runs beside _entries (window bytes of each entry), so sums are C-level slices.

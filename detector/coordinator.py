@@ -30,16 +30,25 @@ from stablewatch.v1 import (
     control_pb2_grpc,
 )
 
-__all__ = ["Coordinator", "Member", "SnapshotAborted"]
+__all__ = ["ABORT_KINDS", "Coordinator", "Member", "NoAgents", "SnapshotAborted"]
+
+
+#: Why snapshots are aborted, in a bounded set (safe as a metric label).
+ABORT_KINDS = ("deadline", "member_detached", "member_failed", "inconsistent", "no_members", "shutdown")
+
+
+class NoAgents(Exception):
+    """A snapshot was requested while no agent is attached."""
 
 
 class SnapshotAborted(Exception):
-    """A snapshot was given up; ``reason`` says why."""
+    """A snapshot was given up; ``reason`` says why, ``kind`` is one of :data:`ABORT_KINDS`."""
 
-    def __init__(self, snapshot_id: int, reason: str) -> None:
+    def __init__(self, snapshot_id: int, reason: str, kind: str) -> None:
         super().__init__(f"snapshot {snapshot_id} aborted: {reason}")
         self.snapshot_id = snapshot_id
         self.reason = reason
+        self.kind = kind
 
 
 @dataclass
@@ -88,15 +97,19 @@ class Coordinator(control_pb2_grpc.ControlServicer):
 
     # -- snapshots -----------------------------------------------------------------------------
 
-    def begin_snapshot(self) -> tuple[int, asyncio.Future[GlobalSnapshot]]:
+    def begin_snapshot(self, snapshot_id: int | None = None) -> tuple[int, asyncio.Future[GlobalSnapshot]]:
         """Tell every attached agent to record; returns the id and a future of the global snapshot.
 
-        The future fails with :class:`SnapshotAborted` when the snapshot is given up.
+        Ids must increase; by default the next after the last one. The future fails with
+        :class:`SnapshotAborted` when the snapshot is given up.
         """
+        if snapshot_id is None:
+            snapshot_id = self._next_id
+        if snapshot_id < self._next_id:
+            raise ValueError(f"snapshot id {snapshot_id} is not above the last one ({self._next_id - 1})")
+        self._next_id = snapshot_id + 1
         if not self.members:
-            raise SnapshotAborted(self._next_id, "no agent is attached")
-        snapshot_id = self._next_id
-        self._next_id += 1
+            raise SnapshotAborted(snapshot_id, "no agent is attached", "no_members")
         members = frozenset(self.members)
         self._assembler.begin(snapshot_id, members)
         result = asyncio.get_running_loop().create_future()
@@ -112,13 +125,14 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         try:
             return await asyncio.wait_for(asyncio.shield(result), timeout)
         except TimeoutError:
-            self.abort(snapshot_id, f"deadline of {timeout:g}s passed, {self._assembler.missing(snapshot_id)}")
+            missing = self._assembler.missing(snapshot_id)
+            self.abort(snapshot_id, f"deadline of {timeout:g}s passed, {missing}", "deadline")
             return await result  # raises SnapshotAborted
 
-    def abort(self, snapshot_id: int, reason: str) -> None:
+    def abort(self, snapshot_id: int, reason: str, kind: str) -> None:
         """Give up a running snapshot: tell its members, fail its future."""
         if self._assembler.abort(snapshot_id, reason) is not None:
-            self._finish(snapshot_id, SnapshotAborted(snapshot_id, reason))
+            self._finish(snapshot_id, SnapshotAborted(snapshot_id, reason, kind))
 
     @property
     def running(self) -> list[int]:
@@ -144,6 +158,20 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             for member in members:
                 member.pongs.pop(nonce, None)
         return time.perf_counter() - started
+
+    def detach(self, process_id: str) -> None:
+        """End a member's stream (its snapshots abort as it leaves); used for silent members."""
+        member = self.members.get(process_id)
+        if member is not None:
+            member.send(DetectorMessage())
+            self._lose(member)
+
+    def expire_silent(self, now: float, timeout: float) -> list[str]:
+        """Detach every member whose last heartbeat is older than ``timeout`` seconds."""
+        silent = [m.process_id for m in self.members.values() if now - m.last_heartbeat > timeout]
+        for process_id in silent:
+            self.detach(process_id)
+        return silent
 
     # -- the control service -------------------------------------------------------------------
 
@@ -174,7 +202,10 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 done, _ = await asyncio.wait((getter, reader), return_when=asyncio.FIRST_COMPLETED)
                 if getter not in done:
                     break
-                yield getter.result()
+                message = getter.result()
+                if not message.WhichOneof("kind"):  # detach(): end this stream
+                    break
+                yield message
         finally:
             for task in (getter, reader):
                 if task is not None:
@@ -193,7 +224,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             elif kind == "failure":
                 failure = message.failure
                 if failure.snapshot_id in self._running:
-                    self.abort(failure.snapshot_id, f"process {member.process_id} failed: {failure.reason}")
+                    reason = f"process {member.process_id} failed: {failure.reason}"
+                    self.abort(failure.snapshot_id, reason, "member_failed")
             elif kind == "pong":
                 waiter = member.pongs.get(message.pong.nonce)
                 if waiter is not None and not waiter.done():
@@ -204,8 +236,14 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             outcome = self._assembler.add_part(part, sender=sender)
         except PartRejected as rejected:
             self._on_rejected(rejected)
+            if rejected.reason in ("late", "unknown_snapshot") and sender in self.members:
+                # The agent still records a snapshot we are done with (a resent marker after a
+                # restart, say): tell it to forget, or it would record until its bound.
+                abort = control_pb2.AbortSnapshot(snapshot_id=part.snapshot_id, reason=rejected.detail)
+                self.members[sender].send(DetectorMessage(abort=abort))
             if rejected.aborted is not None:
-                self._finish(rejected.aborted.snapshot_id, SnapshotAborted(part.snapshot_id, rejected.aborted.reason))
+                aborted = SnapshotAborted(part.snapshot_id, rejected.aborted.reason, "inconsistent")
+                self._finish(rejected.aborted.snapshot_id, aborted)
             return
         if isinstance(outcome, Completed):
             self._finish(outcome.snapshot.snapshot_id, outcome.snapshot)
@@ -233,4 +271,4 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self._on_membership()
         for snapshot_id, running in list(self._running.items()):
             if member.process_id in running.members:
-                self.abort(snapshot_id, f"member {member.process_id} detached")
+                self.abort(snapshot_id, f"member {member.process_id} detached", "member_detached")

@@ -25,7 +25,16 @@ import networkx as nx
 AND = "and"
 OR = "or"
 
-__all__ = ["AND", "OR", "and_deadlock", "deadlock_cycle", "deadlock_knot", "deadlocked_nodes", "or_deadlock"]
+__all__ = [
+    "AND",
+    "OR",
+    "and_deadlock",
+    "count_deadlocks",
+    "deadlock_cycle",
+    "deadlock_knot",
+    "deadlocked_nodes",
+    "or_deadlock",
+]
 
 
 def deadlocked_nodes(G: nx.DiGraph, model: str | None = "model", default: str = AND) -> set[Hashable]:
@@ -144,3 +153,23 @@ def deadlock_knot(G: nx.DiGraph, deadlocked: Iterable[Hashable]) -> set[Hashable
     [1, 2]
     """
     return set().union(*nx.attracting_components(G.subgraph(deadlocked)))
+
+
+def count_deadlocks(G: nx.DiGraph, deadlocked: Iterable[Hashable]) -> int:
+    """Return how many separate deadlocks `deadlocked` holds: wait cycles that share no node.
+
+    Counts the strongly connected components of the deadlocked subgraph that contain a cycle
+    (more than one node, or a self-loop); chains leading into them are not counted again.
+
+    Complexity: O(V' + E') for the V' deadlocked nodes and the E' edges among them.
+
+    >>> G = nx.DiGraph([(0, 1), (1, 0), (2, 3), (3, 2), (4, 0)])
+    >>> count_deadlocks(G, deadlocked_nodes(G))
+    2
+    """
+    sub = G.subgraph(deadlocked)
+    return sum(
+        1
+        for component in nx.strongly_connected_components(sub)
+        if len(component) > 1 or any(sub.has_edge(n, n) for n in component)
+    )

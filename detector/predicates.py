@@ -197,6 +197,9 @@ class Evaluator:
     def __init__(self, expected_totals: Mapping[str, int] | None = None, plugins: Sequence[UserPredicate] = ()) -> None:
         self._expected: dict[str, int] = dict(expected_totals or {})
         self._plugins = tuple(plugins)
+        #: The wait-for graph and deadlock found by the latest evaluation (for graphs and metrics).
+        self.last_wait_for: WaitFor | None = None
+        self.last_deadlock: Deadlock | None = None
 
     @property
     def expected_totals(self) -> dict[str, int]:
@@ -211,7 +214,9 @@ class Evaluator:
         new = {name for name in holdings if name not in self._expected}
         for name in new:
             self._expected[name] = sum(h.amount for h in holdings[name])
-        results = [deadlock(snapshot), termination(snapshot)]
+        self.last_wait_for = build_wait_for(snapshot)
+        self.last_deadlock = find_deadlock(self.last_wait_for)
+        results = [deadlock_result(self.last_wait_for, self.last_deadlock), termination(snapshot)]
         results += _conservation_results(holdings, self._expected, new)
         results += [predicate(snapshot) for predicate in self._plugins]
         return results

@@ -14,7 +14,7 @@ import pytest
 
 from stablewatch.agents import control
 from stablewatch.agents.control import ControlClient
-from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
+from stablewatch.v1 import AgentMessage, DetectorMessage, InboundChannelState, LocalSnapshotPart
 from stablewatch.v1.control_pb2 import AbortSnapshot, Ping, Refused, Registered, SnapshotDone, StartSnapshot
 from stablewatch.v1.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
 
@@ -132,8 +132,11 @@ class Agent:
 
 
 def part(snapshot_id: int, index: int) -> LocalSnapshotPart:
-    """A part told apart from the others of its snapshot by ``index`` (in its process id)."""
-    return LocalSnapshotPart(snapshot_id=snapshot_id, process_id=f"p1-{index}")
+    """A part told apart from the others of its snapshot by ``index`` (the source of its one channel).
+
+    Parts of one snapshot queued back to back may be merged into one message, in order.
+    """
+    return LocalSnapshotPart(snapshot_id=snapshot_id, process_id="p1", inbound=[InboundChannelState(src=f"q{index}")])
 
 
 def start(k: int) -> DetectorMessage:
@@ -208,10 +211,10 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
             await eventually(lambda: [p.nonce for p in detector.of_kind("pong")] == [42])
             assert agent.started == [1]
             release.set()
-            await eventually(lambda: len(detector.of_kind("part")) == 9)
+            await eventually(lambda: sum(len(p.inbound) for p in detector.of_kind("part")) == 9)
             assert agent.started == [1, 2, 3]
-            received = [(p.snapshot_id, p.process_id) for p in detector.of_kind("part")]
-            assert received == [(k, f"p1-{i}") for k in (1, 2, 3) for i in range(3)]
+            received = [(p.snapshot_id, c.src) for p in detector.of_kind("part") for c in p.inbound]
+            assert received == [(k, f"q{i}") for k in (1, 2, 3) for i in range(3)]
             assert client.report_failure(3, "too big")
             await eventually(lambda: len(detector.of_kind("failure")) == 1)
             failure = detector.of_kind("failure")[0]
@@ -345,8 +348,9 @@ def test_full_queue_drops_without_blocking() -> None:
             assert results == [True] * 10 + [False] * 5
             assert client.dropped == 5
             assert agent.events.count(("dropped", "part")) == 5
-            await eventually(lambda: len(detector.of_kind("part")) == 10)
-            assert [p.process_id for p in detector.of_kind("part")] == [f"p1-{i}" for i in range(10)]
+            channels = lambda: [c.src for p in detector.of_kind("part") for c in p.inbound]  # noqa: E731
+            await eventually(lambda: len(channels()) == 10)
+            assert channels() == [f"q{i}" for i in range(10)]  # the first ten, in order (merged)
         finally:
             await client.stop()
             await server.stop(None)

@@ -1,0 +1,103 @@
+"""Prometheus metrics of the detector, named by Prometheus conventions.
+
+Labels are bounded: predicate names (the built-ins, configured plugins and one per conserved
+counter), counter names, abort kinds and rejection reasons. Snapshot and process ids are never
+label values: the latest snapshot id is a gauge value, not a label.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from stablewatch.detector.assembly import REJECTION_REASONS
+from stablewatch.detector.coordinator import ABORT_KINDS
+from stablewatch.v1 import GlobalSnapshot, PredicateResult
+
+__all__ = ["DetectorMetrics"]
+
+# From a one-hop snapshot on loopback (milliseconds) to a slow member at its deadline (seconds).
+_DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class DetectorMetrics:
+    """The detector's metrics in ``registry`` (a new private one by default)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry()
+        r = self.registry
+        self.predicate_value = Gauge(
+            "stablewatch_predicate_value", "Value of each predicate on the latest complete snapshot (1 holds)",
+            ["predicate"], registry=r,
+        )  # fmt: skip
+        self.deadlocked_nodes = Gauge(
+            "stablewatch_deadlocked_nodes", "Wait-for nodes deadlocked in the latest complete snapshot", registry=r
+        )
+        self.deadlock_cycles = Gauge(
+            "stablewatch_deadlock_cycles",
+            "Separate deadlocks (wait cycles or knots) in the latest complete snapshot",
+            registry=r,
+        )
+        self.snapshots = Counter("stablewatch_snapshots", "Snapshots by outcome", ["outcome"], registry=r)
+        self.aborts = Counter(
+            "stablewatch_snapshot_aborts", "Aborted snapshots by kind of reason", ["kind"], registry=r
+        )
+        self.duration = Histogram(
+            "stablewatch_snapshot_duration_seconds", "Time from a snapshot's start to its completion",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.last_completed = Gauge(
+            "stablewatch_last_completed_snapshot_timestamp_seconds",
+            "Unix time when the latest snapshot completed",
+            registry=r,
+        )
+        self.last_snapshot_id = Gauge(
+            "stablewatch_last_completed_snapshot_id", "Id of the latest complete snapshot", registry=r
+        )
+        self.in_flight_messages = Gauge(
+            "stablewatch_in_flight_messages", "Messages recorded in flight in the latest complete snapshot", registry=r
+        )
+        self.recorded_bytes = Gauge(
+            "stablewatch_recorded_bytes", "Payload bytes recorded in flight in the latest complete snapshot",
+            registry=r,
+        )  # fmt: skip
+        self.counter_total = Gauge(
+            "stablewatch_counter_total", "Observed total of each conserved counter", ["counter"], registry=r
+        )
+        self.conservation_drift = Gauge(
+            "stablewatch_conservation_drift", "Observed minus expected total of each counter", ["counter"], registry=r
+        )
+        self.agents_attached = Gauge("stablewatch_agents_attached", "Agents attached to the detector", registry=r)
+        self.rejected_parts = Counter(
+            "stablewatch_rejected_parts", "Local snapshot parts rejected, by reason", ["reason"], registry=r
+        )
+        for reason in REJECTION_REASONS:
+            self.rejected_parts.labels(reason)
+        for kind in ABORT_KINDS:
+            self.aborts.labels(kind)
+        for outcome in ("completed", "aborted"):
+            self.snapshots.labels(outcome)
+
+    def completed(
+        self, snapshot: GlobalSnapshot, results: list[PredicateResult], seconds: float, finished_at: float
+    ) -> None:
+        """Publish one complete snapshot's results."""
+        self.snapshots.labels("completed").inc()
+        self.duration.observe(seconds)
+        self.last_completed.set(finished_at)
+        self.last_snapshot_id.set(snapshot.snapshot_id)
+        messages = [m for channel in snapshot.channels for m in channel.messages]
+        self.in_flight_messages.set(len(messages))
+        self.recorded_bytes.set(sum(len(m.payload) for m in messages))
+        for result in results:
+            self.predicate_value.labels(result.name).set(1 if result.holds and not result.error else 0)
+            if result.name == "deadlock":
+                self.deadlocked_nodes.set(len(result.deadlock.deadlocked))
+            kind = result.WhichOneof("evidence")
+            if kind == "conservation":
+                evidence = result.conservation
+                self.counter_total.labels(evidence.counter).set(evidence.observed)
+                self.conservation_drift.labels(evidence.counter).set(evidence.drift)
+
+    def aborted(self, kind: str) -> None:
+        self.snapshots.labels("aborted").inc()
+        self.aborts.labels(kind).inc()

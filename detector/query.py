@@ -1,0 +1,121 @@
+"""The query API (``stablewatch.v1.Query``): a thin gRPC servicer over :class:`~.service.Detector`.
+
+Errors carry standard status codes with a message: NOT_FOUND for an unknown snapshot,
+INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION when no agent is attached or a snapshot
+has no state to show (aborted).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, NoReturn
+
+import grpc
+
+from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
+from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
+
+if TYPE_CHECKING:
+    from stablewatch.detector.service import Detector
+
+__all__ = ["QueryService", "outcome_name"]
+
+DEFAULT_PAGE_SIZE = 50
+MAX_PAGE_SIZE = 1000
+MAX_TRIGGER_TIMEOUT_MS = 10 * 60 * 1000
+
+
+async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    await context.abort(code, message)
+    raise AssertionError("unreachable")  # context.abort raises
+
+
+class QueryService(query_pb2_grpc.QueryServicer):
+    """Translates Query RPCs into calls on the detector."""
+
+    def __init__(self, detector: Detector) -> None:
+        self._detector = detector
+
+    async def GetLatestResults(self, request, context) -> SnapshotResults:
+        latest = self._detector.latest()
+        if latest is None:
+            await _fail(context, grpc.StatusCode.NOT_FOUND, "no snapshot has completed yet")
+        return latest
+
+    async def GetSnapshotResults(self, request, context) -> SnapshotResults:
+        snapshot_id = await self._snapshot_id(request, context)
+        results = self._detector.store.results(snapshot_id)
+        if results is None:
+            await _fail(context, grpc.StatusCode.NOT_FOUND, f"snapshot {snapshot_id} is not known")
+        return results
+
+    async def ListSnapshots(self, request, context) -> query_pb2.ListSnapshotsResponse:
+        if request.page_size > MAX_PAGE_SIZE:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE_SIZE}")
+        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        before = None
+        if request.page_token:
+            if not request.page_token.isdigit():
+                await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad page_token {request.page_token!r}")
+            before = int(request.page_token)
+        page = self._detector.store.list(page_size + 1, before)
+        response = query_pb2.ListSnapshotsResponse(snapshots=page[:page_size])
+        if len(page) > page_size:
+            response.next_page_token = str(page[page_size - 1].snapshot_id)
+        return response
+
+    async def GetSnapshot(self, request, context) -> GlobalSnapshot:
+        snapshot_id = await self._snapshot_id(request, context)
+        snapshot = self._detector.store.snapshot(snapshot_id)
+        if snapshot is None:
+            await self._missing(snapshot_id, context)
+        return snapshot
+
+    async def GetWaitForGraph(self, request, context) -> WaitForGraph:
+        snapshot_id = await self._snapshot_id(request, context)
+        graph = self._detector.wait_for_graph(snapshot_id)
+        if graph is None:
+            await self._missing(snapshot_id, context)
+        return graph
+
+    async def TriggerSnapshot(self, request, context) -> SnapshotResults:
+        from stablewatch.detector.service import NoAgents
+
+        if request.timeout_ms > MAX_TRIGGER_TIMEOUT_MS:
+            await _fail(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_ms must be at most {MAX_TRIGGER_TIMEOUT_MS}"
+            )
+        try:
+            return await self._detector.take_snapshot(request.timeout_ms / 1000 or None)
+        except NoAgents as error:
+            await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
+
+    async def ListMembers(self, request, context) -> query_pb2.ListMembersResponse:
+        return query_pb2.ListMembersResponse(members=self._detector.members())
+
+    async def Watch(self, request, context) -> AsyncIterator[WatchEvent]:
+        async for event in self._detector.watch():
+            if request.changes_only:
+                if not event.changes:
+                    continue
+                event = WatchEvent(changes=event.changes, snapshot_id=event.snapshot_id)
+            yield event
+
+    @staticmethod
+    async def _snapshot_id(request: query_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext) -> int:
+        if request.snapshot_id == 0:
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "snapshot_id is required (ids start at 1)")
+        return request.snapshot_id
+
+    async def _missing(self, snapshot_id: int, context: grpc.aio.ServicerContext) -> NoReturn:
+        summary = self._detector.store.summary(snapshot_id)
+        if summary is None:
+            await _fail(context, grpc.StatusCode.NOT_FOUND, f"snapshot {snapshot_id} is not known")
+        reason = f": {summary.abort_reason}" if summary.abort_reason else ""
+        message = f"snapshot {snapshot_id} is {outcome_name(summary.outcome)}{reason}"
+        await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def outcome_name(outcome: int) -> str:
+    """A snapshot outcome as a word: running, completed, aborted."""
+    return query_pb2.SnapshotOutcome.Name(outcome).removeprefix("SNAPSHOT_OUTCOME_").lower()

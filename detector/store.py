@@ -1,0 +1,402 @@
+"""The detector's embedded store: snapshot outcomes, global snapshots and predicate results in SQLite.
+
+One file, ``<data_dir>/stablewatch.sqlite3``, opened in WAL mode with ``synchronous=NORMAL`` and
+used from the detector's event loop thread only. Every call is one small transaction, so it is
+quick enough to make from the loop.
+
+Theory of operation:
+
+* A snapshot's life is ``allocate_id`` -> ``begin`` (a RUNNING row) -> ``complete`` or ``abort``.
+  Ids come from a counter in the ``meta`` table, persisted as soon as it is bumped; it only grows,
+  so an id is never handed out twice, even when its row was never written or was deleted by
+  retention. ``begin`` with an id from elsewhere raises the counter to at least that id.
+* A completed snapshot keeps its ``GlobalSnapshot`` as a serialized protobuf blob, and each
+  predicate result as a row of ``results`` (name, holds, blob), so that the history of one
+  predicate is an index scan.
+* A RUNNING row found when the store opens belongs to a detector that is gone: it is marked
+  ABORTED with the reason ``"detector restarted"``.
+* ``apply_retention`` deletes finished snapshots beyond ``max_snapshots`` (oldest first) and those
+  that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted.
+
+The schema is versioned (``meta.schema_version``); a file written by a newer stablewatch is
+refused with :class:`StoreError` rather than misread. Durability: with ``synchronous=NORMAL`` a
+commit survives a crash of the process, though the last commits may be lost on power loss.
+"""
+
+from __future__ import annotations
+
+import math
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from types import TracebackType
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from stablewatch.v1 import GlobalSnapshot, PredicateResult
+from stablewatch.v1.query_pb2 import (
+    SNAPSHOT_OUTCOME_ABORTED,
+    SNAPSHOT_OUTCOME_COMPLETED,
+    SNAPSHOT_OUTCOME_RUNNING,
+    SnapshotOutcome,
+    SnapshotResults,
+    SnapshotSummary,
+)
+
+__all__ = ["DB_FILENAME", "RESTART_REASON", "SCHEMA_VERSION", "Store", "StoreError"]
+
+#: The database file inside the data directory.
+DB_FILENAME = "stablewatch.sqlite3"
+#: The schema this code reads and writes.
+SCHEMA_VERSION = 1
+#: Why a snapshot left RUNNING by an earlier process was aborted.
+RESTART_REASON = "detector restarted"
+
+_MAX_ID = 2**63 - 1  # SQLite integers are signed 64-bit
+_BUSY_TIMEOUT_MS = 2000  # only another process holding the file can make us wait
+
+_SCHEMA = """
+CREATE TABLE meta (
+    key TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE snapshots (
+    id INTEGER PRIMARY KEY,
+    outcome TEXT NOT NULL CHECK (outcome IN ('running', 'completed', 'aborted')),
+    abort_reason TEXT NOT NULL DEFAULT '',
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    processes INTEGER NOT NULL,  -- members at begin, len(snapshot.processes) once completed
+    channels INTEGER NOT NULL DEFAULT 0,
+    messages_in_flight INTEGER NOT NULL DEFAULT 0,
+    snapshot BLOB  -- GlobalSnapshot, set once completed
+);
+CREATE INDEX snapshots_by_outcome ON snapshots (outcome, id);
+CREATE INDEX snapshots_by_finished ON snapshots (finished_at);
+CREATE TABLE results (
+    snapshot_id INTEGER NOT NULL REFERENCES snapshots (id) ON DELETE CASCADE,
+    position INTEGER NOT NULL,  -- order of the results as evaluated
+    name TEXT NOT NULL,
+    holds INTEGER NOT NULL,
+    result BLOB NOT NULL,  -- PredicateResult
+    PRIMARY KEY (snapshot_id, position)
+) WITHOUT ROWID;
+CREATE INDEX results_by_name ON results (name, snapshot_id);
+"""
+
+_OUTCOMES: dict[str, SnapshotOutcome] = {
+    "running": SNAPSHOT_OUTCOME_RUNNING,
+    "completed": SNAPSHOT_OUTCOME_COMPLETED,
+    "aborted": SNAPSHOT_OUTCOME_ABORTED,
+}
+
+_SUMMARY_COLUMNS = "id, outcome, abort_reason, started_at, finished_at, processes, channels, messages_in_flight"
+
+
+class StoreError(Exception):
+    """The store cannot be opened or used: unwritable path, foreign or newer file. Names the file."""
+
+
+def _timestamp(seconds: float) -> Timestamp:
+    ts = Timestamp()
+    ts.FromNanoseconds(round(seconds * 1e9))
+    return ts
+
+
+def _summary(row: tuple) -> SnapshotSummary:
+    snapshot_id, outcome, reason, started_at, finished_at, processes, channels, in_flight = row
+    summary = SnapshotSummary(
+        snapshot_id=snapshot_id,
+        outcome=_OUTCOMES[outcome],
+        abort_reason=reason,
+        started_at=_timestamp(started_at),
+        processes=processes,
+        channels=channels,
+        messages_in_flight=in_flight,
+    )
+    if finished_at is not None:
+        summary.finished_at.CopyFrom(_timestamp(finished_at))
+    return summary
+
+
+def _check_id(snapshot_id: int) -> None:
+    if not 1 <= snapshot_id <= _MAX_ID:
+        raise ValueError(f"snapshot id {snapshot_id} is out of range 1..{_MAX_ID}")
+
+
+def _check_time(name: str, seconds: float) -> None:
+    if not math.isfinite(seconds):
+        raise ValueError(f"{name} must be a finite number of unix seconds, not {seconds!r}")
+
+
+class Store:
+    """Snapshot outcomes, global snapshots and predicate results, kept in ``data_dir``.
+
+    Not thread-safe: use it from one thread (the detector's event loop).
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        max_snapshots: int | None = 10_000,
+        max_age_seconds: float | None = 7 * 86400,
+    ) -> None:
+        if max_snapshots is not None and max_snapshots < 0:
+            raise ValueError(f"max_snapshots must be >= 0 or None, not {max_snapshots}")
+        if max_age_seconds is not None and not (max_age_seconds >= 0 and math.isfinite(max_age_seconds)):
+            raise ValueError(f"max_age_seconds must be >= 0 or None, not {max_age_seconds}")
+        self.max_snapshots = max_snapshots
+        self.max_age_seconds = max_age_seconds
+        self.path = Path(data_dir) / DB_FILENAME
+        try:
+            Path(data_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the data directory {data_dir}: {exc.strerror or exc}") from exc
+        try:
+            self._db = sqlite3.connect(self.path, isolation_level=None)
+        except sqlite3.Error as exc:
+            raise self._open_error(exc) from exc
+        try:
+            self._prepare()
+        except BaseException as exc:
+            self._db.close()
+            if isinstance(exc, sqlite3.Error):
+                raise self._open_error(exc) from exc
+            raise
+
+    def _open_error(self, exc: sqlite3.Error) -> StoreError:
+        hint = ""
+        if getattr(exc, "sqlite_errorname", "").startswith(("SQLITE_CANTOPEN", "SQLITE_READONLY", "SQLITE_PERM")):
+            hint = " (the data directory and the file must be writable by the detector)"
+        return StoreError(f"cannot open the store {self.path}: {exc}{hint}")
+
+    # -- opening ----------------------------------------------------------------------------------
+
+    def _prepare(self) -> None:
+        """Check or create the schema, and abort the snapshots a previous process left running."""
+        db = self._db
+        db.execute(f"PRAGMA busy_timeout = {_BUSY_TIMEOUT_MS}")
+        version = self._schema_version()  # read before writing anything: a newer file stays untouched
+        if version is not None and version > SCHEMA_VERSION:
+            raise StoreError(
+                f"the store {self.path} has schema version {version}, newer than this stablewatch "
+                f"supports ({SCHEMA_VERSION}); upgrade stablewatch or use another data directory"
+            )
+        db.execute("PRAGMA foreign_keys = ON")
+        db.execute("PRAGMA journal_mode = WAL")
+        db.execute("PRAGMA synchronous = NORMAL")
+        with self._write():
+            if self._schema_version() is None:
+                for statement in _SCHEMA.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.executemany(
+                    "INSERT INTO meta (key, value) VALUES (?, ?)",
+                    [("schema_version", SCHEMA_VERSION), ("last_id", 0)],
+                )
+            db.execute(
+                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, finished_at = ? WHERE outcome = 'running'",
+                (RESTART_REASON, time.time()),
+            )
+
+    def _schema_version(self) -> int | None:
+        """The file's schema version; None for an empty file; StoreError for a file that is not ours."""
+        tables = {name for (name,) in self._db.execute("SELECT name FROM sqlite_schema WHERE type = 'table'")}
+        if not tables:
+            return None
+        row = None
+        if "meta" in tables:
+            row = self._db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone()
+        if row is None:
+            raise StoreError(f"{self.path} is an SQLite database but not a stablewatch store (no schema version)")
+        return int(row[0])
+
+    @contextmanager
+    def _write(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction: everything inside commits together or not at all."""
+        self._db.execute("BEGIN IMMEDIATE")
+        try:
+            yield self._db
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:
+                self._db.execute("ROLLBACK")
+            raise
+
+    # -- writing ----------------------------------------------------------------------------------
+
+    def allocate_id(self) -> int:
+        """A new snapshot id, above every id handed out before (also by earlier processes); persisted now."""
+        (snapshot_id,) = self._db.execute(
+            "UPDATE meta SET value = value + 1 WHERE key = 'last_id' RETURNING value"
+        ).fetchone()
+        return int(snapshot_id)
+
+    def begin(self, snapshot_id: int, started_at: float, members: int) -> None:
+        """Record that snapshot `snapshot_id` started at `started_at` with `members` processes (RUNNING)."""
+        _check_id(snapshot_id)
+        _check_time("started_at", started_at)
+        if members < 0:
+            raise ValueError(f"members must be >= 0, not {members}")
+        with self._write() as db:
+            if db.execute("SELECT 1 FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone():
+                raise ValueError(f"snapshot {snapshot_id} already exists in {self.path}")
+            db.execute(
+                "INSERT INTO snapshots (id, outcome, started_at, processes) VALUES (?, 'running', ?, ?)",
+                (snapshot_id, started_at, members),
+            )
+            db.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'last_id'", (snapshot_id,))
+
+    def complete(
+        self, snapshot: GlobalSnapshot, results: Sequence[PredicateResult], finished_at: float
+    ) -> SnapshotResults:
+        """Store the completed `snapshot` and its predicate `results`; return them with their summary.
+
+        Raises KeyError for an id never begun, ValueError for one that is no longer RUNNING.
+        """
+        snapshot_id = snapshot.snapshot_id
+        _check_time("finished_at", finished_at)
+        in_flight = sum(len(channel.messages) for channel in snapshot.channels)
+        blob = snapshot.SerializeToString(deterministic=True)
+        rows = [
+            (snapshot_id, position, result.name, result.holds, result.SerializeToString(deterministic=True))
+            for position, result in enumerate(results)
+        ]
+        with self._write() as db:
+            self._require_running(snapshot_id, "complete")
+            db.execute(
+                "UPDATE snapshots SET outcome = 'completed', finished_at = ?, processes = ?, channels = ?, "
+                "messages_in_flight = ?, snapshot = ? WHERE id = ?",
+                (finished_at, len(snapshot.processes), len(snapshot.channels), in_flight, blob, snapshot_id),
+            )
+            db.executemany(
+                "INSERT INTO results (snapshot_id, position, name, holds, result) VALUES (?, ?, ?, ?, ?)", rows
+            )
+            summary = self._summary_row(snapshot_id)
+        return SnapshotResults(snapshot=_summary(summary), results=results)
+
+    def abort(self, snapshot_id: int, reason: str, finished_at: float) -> SnapshotSummary:
+        """Mark RUNNING snapshot `snapshot_id` ABORTED for `reason`; return its summary.
+
+        Raises KeyError for an id never begun, ValueError for one that is no longer RUNNING.
+        """
+        _check_time("finished_at", finished_at)
+        with self._write() as db:
+            self._require_running(snapshot_id, "abort")
+            db.execute(
+                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, finished_at = ? WHERE id = ?",
+                (reason, finished_at, snapshot_id),
+            )
+            row = self._summary_row(snapshot_id)
+        return _summary(row)
+
+    def _require_running(self, snapshot_id: int, action: str) -> None:
+        row = None
+        if snapshot_id <= _MAX_ID:
+            row = self._db.execute("SELECT outcome FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+        if row is None:
+            raise KeyError(f"cannot {action} snapshot {snapshot_id}: it was never begun (or was deleted by retention)")
+        if row[0] != "running":
+            raise ValueError(f"cannot {action} snapshot {snapshot_id}: it is already {row[0]}")
+
+    def apply_retention(self, now: float) -> int:
+        """Delete finished snapshots beyond ``max_snapshots`` (oldest first) or that finished more than
+        ``max_age_seconds`` before `now`; return how many were deleted. RUNNING rows stay; ids are not reused.
+        """
+        _check_time("now", now)
+        deleted = 0
+        with self._write() as db:
+            if self.max_age_seconds is not None:
+                deleted += db.execute(
+                    "DELETE FROM snapshots WHERE outcome != 'running' AND finished_at < ?",
+                    (now - self.max_age_seconds,),
+                ).rowcount
+            if self.max_snapshots is not None:
+                # Every row counts towards the bound; only finished ones can be deleted to meet it.
+                deleted += db.execute(
+                    "DELETE FROM snapshots WHERE outcome != 'running' AND id <= "
+                    "(SELECT id FROM snapshots ORDER BY id DESC LIMIT 1 OFFSET ?)",
+                    (self.max_snapshots,),
+                ).rowcount
+        return deleted
+
+    # -- reading ----------------------------------------------------------------------------------
+
+    def _summary_row(self, snapshot_id: int) -> tuple | None:
+        if snapshot_id > _MAX_ID:  # a uint64 id no row can have
+            return None
+        return self._db.execute(f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE id = ?", (snapshot_id,)).fetchone()
+
+    def _results_of(self, summary: SnapshotSummary) -> SnapshotResults:
+        blobs = self._db.execute(
+            "SELECT result FROM results WHERE snapshot_id = ? ORDER BY position", (summary.snapshot_id,)
+        )
+        return SnapshotResults(snapshot=summary, results=[PredicateResult.FromString(blob) for (blob,) in blobs])
+
+    def summary(self, snapshot_id: int) -> SnapshotSummary | None:
+        """The summary of snapshot `snapshot_id` in any outcome, or None if the store does not hold it."""
+        row = self._summary_row(snapshot_id)
+        return None if row is None else _summary(row)
+
+    def results(self, snapshot_id: int) -> SnapshotResults | None:
+        """Summary and predicate results of `snapshot_id` (no results unless completed), or None."""
+        summary = self.summary(snapshot_id)
+        return None if summary is None else self._results_of(summary)
+
+    def snapshot(self, snapshot_id: int) -> GlobalSnapshot | None:
+        """The global snapshot `snapshot_id` if it completed and is still held, else None."""
+        if snapshot_id > _MAX_ID:
+            return None
+        row = self._db.execute(
+            "SELECT snapshot FROM snapshots WHERE id = ? AND outcome = 'completed'", (snapshot_id,)
+        ).fetchone()
+        return None if row is None else GlobalSnapshot.FromString(row[0])
+
+    def latest_results(self) -> SnapshotResults | None:
+        """Summary and results of the newest COMPLETED snapshot, or None if there is none."""
+        row = self._db.execute(
+            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE outcome = 'completed' ORDER BY id DESC LIMIT 1"
+        ).fetchone()
+        return None if row is None else self._results_of(_summary(row))
+
+    def list(self, page_size: int, before_id: int | None = None) -> list[SnapshotSummary]:
+        """Up to `page_size` summaries, newest first, of snapshots with an id below `before_id` (if given).
+
+        For the next page pass the last id returned as `before_id`.
+        """
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, not {page_size}")
+        # Every id is at most _MAX_ID, and a larger before_id cannot be bound as an SQLite integer.
+        below = "id <= ?" if before_id is None or before_id > _MAX_ID else "id < ?"
+        before = _MAX_ID if before_id is None else min(before_id, _MAX_ID)
+        rows = self._db.execute(
+            f"SELECT {_SUMMARY_COLUMNS} FROM snapshots WHERE {below} ORDER BY id DESC LIMIT ?", (before, page_size)
+        )
+        return [_summary(row) for row in rows]
+
+    def predicate_history(self, name: str, limit: int) -> list[tuple[int, bool]]:
+        """``(snapshot_id, holds)`` of predicate `name` in up to `limit` completed snapshots, newest first."""
+        if limit < 0:
+            raise ValueError(f"limit must be >= 0, not {limit}")
+        rows = self._db.execute(
+            "SELECT snapshot_id, holds FROM results WHERE name = ? ORDER BY snapshot_id DESC, position DESC LIMIT ?",
+            (name, limit),
+        )
+        return [(int(snapshot_id), bool(holds)) for snapshot_id, holds in rows]
+
+    # -- closing ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the database; further calls fail. Closing twice is harmless."""
+        self._db.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()

@@ -1,0 +1,527 @@
+"""Unit tests of the detector's SQLite store: round trips, ids across restarts, retention, errors."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from google.protobuf.struct_pb2 import Struct
+
+from stablewatch.detector.store import DB_FILENAME, RESTART_REASON, SCHEMA_VERSION, Store, StoreError
+from stablewatch.v1 import (
+    WAIT_MODEL_AND,
+    ChannelRef,
+    ChannelSnapshot,
+    ConservationEvidence,
+    CounterHolding,
+    DeadlockEvidence,
+    GlobalSnapshot,
+    LocalState,
+    PredicateResult,
+    ProcessSnapshot,
+    RecordedMessage,
+    TerminationEvidence,
+    Wait,
+    WaitNode,
+)
+from stablewatch.v1.query_pb2 import (
+    SNAPSHOT_OUTCOME_ABORTED,
+    SNAPSHOT_OUTCOME_COMPLETED,
+    SNAPSHOT_OUTCOME_RUNNING,
+    SnapshotSummary,
+)
+
+T0 = 1_700_000_000.25  # exactly representable, so timestamps compare exactly
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def global_snapshot(snapshot_id: int) -> GlobalSnapshot:
+    """Two processes waiting on each other, one token in flight each way and a free-form attribute."""
+    attributes = Struct()
+    attributes.update({"role": "bank", "shards": [1, 2], "ok": True})
+    a = LocalState(
+        active=False,
+        waits=[Wait(targets=[WaitNode(process="b")], model=WAIT_MODEL_AND)],
+        counters={"tokens": 7},
+        attributes=attributes,
+    )
+    b = LocalState(waits=[Wait(task="t1", targets=[WaitNode(process="a")])], counters={"tokens": 3})
+    snapshot = GlobalSnapshot(
+        snapshot_id=snapshot_id,
+        processes=[ProcessSnapshot(process_id="a", state=a), ProcessSnapshot(process_id="b", state=b)],
+        channels=[
+            ChannelSnapshot(
+                src="a",
+                dst="b",
+                sent_before_marker=5,
+                received_before_recording=3,
+                messages=[
+                    RecordedMessage(payload=b"x", counters={"tokens": 1}, receive_index=4),
+                    RecordedMessage(payload=b"\x00\xff", no_wake=True, receive_index=6),
+                ],
+            ),
+            ChannelSnapshot(
+                src="b",
+                dst="a",
+                sent_before_marker=2,
+                received_before_recording=1,
+                messages=[
+                    RecordedMessage(payload=b"y", counters={"tokens": 2}),
+                ],
+            ),
+            ChannelSnapshot(src="a", dst="c"),
+        ],
+    )
+    snapshot.started_at.FromNanoseconds(1_700_000_000_123_456_789)
+    snapshot.completed_at.FromNanoseconds(1_700_000_001_000_000_001)
+    return snapshot
+
+
+def predicate_results(deadlock: bool = True) -> list[PredicateResult]:
+    """One result of each evidence kind, including a failed user predicate."""
+    details = Struct()
+    details.update({"worst": "a", "score": 0.5})
+    nodes = [WaitNode(process="a"), WaitNode(process="b", task="t1")]
+    return [
+        PredicateResult(
+            name="deadlock",
+            holds=deadlock,
+            summary="2 nodes deadlocked" if deadlock else "no deadlock",
+            deadlock=DeadlockEvidence(
+                deadlocked=nodes if deadlock else [],
+                cycle=nodes if deadlock else [],
+                empty_channels=[ChannelRef(src="b", dst="a")] if deadlock else [],
+            ),
+        ),
+        PredicateResult(
+            name="conservation(tokens)",
+            holds=False,
+            summary="drift -1",
+            conservation=ConservationEvidence(
+                counter="tokens",
+                expected=14,
+                observed=13,
+                drift=-1,
+                holdings=[
+                    CounterHolding(process="a", amount=7),
+                    CounterHolding(channel=ChannelRef(src="a", dst="b"), amount=1),
+                ],
+            ),
+        ),
+        PredicateResult(name="termination", holds=False, termination=TerminationEvidence(active_processes=["b"])),
+        PredicateResult(name="user.score", holds=True, details=details),
+        PredicateResult(name="user.broken", holds=False, error="ZeroDivisionError: division by zero"),
+    ]
+
+
+def completed(store: Store, when: float = T0, *, deadlock: bool = True) -> int:
+    """Allocate, begin and complete a snapshot that finished at `when`; return its id."""
+    snapshot_id = store.allocate_id()
+    store.begin(snapshot_id, when - 1.0, members=2)
+    store.complete(global_snapshot(snapshot_id), predicate_results(deadlock), when)
+    return snapshot_id
+
+
+def aborted(store: Store, when: float = T0, reason: str = "deadline of 5s passed") -> int:
+    """Allocate, begin and abort a snapshot that finished at `when`; return its id."""
+    snapshot_id = store.allocate_id()
+    store.begin(snapshot_id, when - 1.0, members=3)
+    store.abort(snapshot_id, reason, when)
+    return snapshot_id
+
+
+def ids(summaries: list[SnapshotSummary]) -> list[int]:
+    return [s.snapshot_id for s in summaries]
+
+
+@pytest.fixture
+def store(tmp_path: Path):
+    with Store(tmp_path / "data") as store:
+        yield store
+
+
+# -- round trips ----------------------------------------------------------------------------------
+
+
+def test_creates_the_data_directory_and_a_wal_database(tmp_path: Path) -> None:
+    data = tmp_path / "a" / "b"
+    Store(data).close()
+    db = sqlite3.connect(data / DB_FILENAME)
+    try:
+        assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchone() == (SCHEMA_VERSION,)
+    finally:
+        db.close()
+
+
+def test_completed_snapshot_and_results_round_trip(tmp_path: Path) -> None:
+    snapshot, results = global_snapshot(1), predicate_results()
+    with Store(tmp_path) as store:
+        snapshot_id = store.allocate_id()
+        assert snapshot_id == 1
+        store.begin(snapshot_id, T0, members=2)
+        returned = store.complete(snapshot, results, T0 + 2.5)
+
+        summary = returned.snapshot
+        assert summary.snapshot_id == 1
+        assert summary.outcome == SNAPSHOT_OUTCOME_COMPLETED
+        assert summary.abort_reason == ""
+        assert summary.started_at.ToNanoseconds() == round(T0 * 1e9)
+        assert summary.finished_at.ToNanoseconds() == round((T0 + 2.5) * 1e9)
+        assert (summary.processes, summary.channels, summary.messages_in_flight) == (2, 3, 3)
+        assert list(returned.results) == results
+
+        assert store.snapshot(1) == snapshot
+        assert store.results(1) == returned
+        assert store.summary(1) == summary
+        assert store.latest_results() == returned
+    with Store(tmp_path) as store:  # and the same after a reopen
+        assert store.snapshot(1) == snapshot
+        assert store.results(1) == returned
+
+
+def test_running_and_aborted_summaries(store: Store) -> None:
+    store.begin(1, T0, members=4)
+    running = store.summary(1)
+    assert running is not None
+    assert running.outcome == SNAPSHOT_OUTCOME_RUNNING
+    assert running.processes == 4
+    assert not running.HasField("finished_at")
+    assert store.snapshot(1) is None
+
+    summary = store.abort(1, "member b failed", T0 + 1)
+    assert summary.outcome == SNAPSHOT_OUTCOME_ABORTED
+    assert summary.abort_reason == "member b failed"
+    assert summary.finished_at.ToNanoseconds() == round((T0 + 1) * 1e9)
+    assert store.summary(1) == summary
+    results = store.results(1)
+    assert results is not None and results.snapshot == summary and list(results.results) == []
+    assert store.snapshot(1) is None
+
+
+def test_unknown_ids_read_as_none(store: Store) -> None:
+    assert store.summary(42) is None
+    assert store.results(42) is None
+    assert store.snapshot(42) is None
+    assert store.summary(2**64 - 1) is None  # a uint64 id beyond what SQLite can hold
+    assert store.latest_results() is None
+    assert store.list(10) == []
+    assert store.predicate_history("deadlock", 10) == []
+
+
+# -- ids ------------------------------------------------------------------------------------------
+
+
+def test_ids_increase_across_restarts_including_unused_ones(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        assert [store.allocate_id() for _ in range(3)] == [1, 2, 3]
+        store.begin(2, T0, members=1)  # 1 and 3 are never written
+    with Store(tmp_path) as store:
+        assert store.allocate_id() == 4
+        store.begin(10, T0, members=1)  # an id chosen elsewhere raises the sequence
+        assert store.allocate_id() == 11
+    with Store(tmp_path) as store:
+        assert store.allocate_id() == 12
+
+
+def test_begin_refuses_an_existing_or_invalid_id(store: Store) -> None:
+    store.begin(1, T0, members=1)
+    with pytest.raises(ValueError, match="snapshot 1 already exists"):
+        store.begin(1, T0, members=1)
+    with pytest.raises(ValueError, match="out of range"):
+        store.begin(0, T0, members=1)
+    with pytest.raises(ValueError, match="finite"):
+        store.begin(2, float("nan"), members=1)
+    with pytest.raises(ValueError, match="members"):
+        store.begin(2, T0, members=-1)
+
+
+# -- restarts -------------------------------------------------------------------------------------
+
+
+def test_running_snapshots_are_aborted_on_reopen(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        done = completed(store)
+        store.begin(store.allocate_id(), T0, members=2)
+        running = store.allocate_id()
+        store.begin(running, T0, members=2)
+    with Store(tmp_path) as store:
+        for snapshot_id in (running - 1, running):
+            summary = store.summary(snapshot_id)
+            assert summary is not None
+            assert summary.outcome == SNAPSHOT_OUTCOME_ABORTED
+            assert summary.abort_reason == RESTART_REASON == "detector restarted"
+            assert summary.HasField("finished_at")
+        assert store.summary(done).outcome == SNAPSHOT_OUTCOME_COMPLETED
+        with pytest.raises(ValueError, match="already aborted"):
+            store.complete(global_snapshot(running), [], T0)
+
+
+# -- queries --------------------------------------------------------------------------------------
+
+
+def test_latest_results_skips_aborted_and_running(store: Store) -> None:
+    first = completed(store, deadlock=True)
+    aborted(store)
+    store.begin(store.allocate_id(), T0, members=2)
+    latest = store.latest_results()
+    assert latest is not None
+    assert latest.snapshot.snapshot_id == first
+    assert list(latest.results) == predicate_results(deadlock=True)
+
+    second = completed(store, deadlock=False)
+    assert store.latest_results().snapshot.snapshot_id == second
+
+
+def test_list_pages_newest_first(store: Store) -> None:
+    made = [completed(store), aborted(store), completed(store), aborted(store), completed(store)]
+    assert made == [1, 2, 3, 4, 5]
+    assert ids(store.list(2)) == [5, 4]
+    assert ids(store.list(2, before_id=4)) == [3, 2]
+    assert ids(store.list(2, before_id=2)) == [1]
+    assert ids(store.list(2, before_id=1)) == []
+    assert ids(store.list(100)) == [5, 4, 3, 2, 1]
+    assert ids(store.list(3, before_id=2**64 - 1)) == [5, 4, 3]
+    assert [s.outcome for s in store.list(2)] == [SNAPSHOT_OUTCOME_COMPLETED, SNAPSHOT_OUTCOME_ABORTED]
+    store.begin(2**63 - 1, T0, members=1)  # the largest id SQLite can hold
+    assert ids(store.list(2)) == [2**63 - 1, 5]
+    assert ids(store.list(2, before_id=2**64 - 1)) == [2**63 - 1, 5]
+    assert ids(store.list(2, before_id=2**63 - 1)) == [5, 4]
+    with pytest.raises(ValueError, match="page_size"):
+        store.list(0)
+
+
+def test_predicate_history_newest_first(store: Store) -> None:
+    completed(store, deadlock=False)
+    completed(store, deadlock=True)
+    aborted(store)
+    completed(store, deadlock=False)
+    assert store.predicate_history("deadlock", 10) == [(4, False), (2, True), (1, False)]
+    assert store.predicate_history("deadlock", 2) == [(4, False), (2, True)]
+    assert store.predicate_history("user.score", 1) == [(4, True)]
+    assert store.predicate_history("no such predicate", 10) == []
+    assert store.predicate_history("deadlock", 0) == []
+    with pytest.raises(ValueError, match="limit"):
+        store.predicate_history("deadlock", -1)
+
+
+# -- errors ---------------------------------------------------------------------------------------
+
+
+def test_unknown_ids_in_complete_and_abort_raise_key_error(store: Store) -> None:
+    with pytest.raises(KeyError, match="snapshot 9"):
+        store.complete(global_snapshot(9), predicate_results(), T0)
+    with pytest.raises(KeyError, match="snapshot 9"):
+        store.abort(9, "deadline", T0)
+    with pytest.raises(KeyError):
+        store.complete(global_snapshot(2**64 - 1), [], T0)
+    assert store.list(10) == []
+
+
+def test_a_finished_snapshot_cannot_finish_again(store: Store) -> None:
+    done = completed(store)
+    before = store.results(done)
+    with pytest.raises(ValueError, match=f"snapshot {done}: it is already completed"):
+        store.complete(global_snapshot(done), predicate_results(deadlock=False), T0 + 5)
+    with pytest.raises(ValueError, match="already completed"):
+        store.abort(done, "late", T0 + 5)
+    assert store.results(done) == before  # nothing was half written
+
+    gone = aborted(store)
+    with pytest.raises(ValueError, match="already aborted"):
+        store.complete(global_snapshot(gone), predicate_results(), T0 + 5)
+    with pytest.raises(ValueError, match="already aborted"):
+        store.abort(gone, "again", T0 + 5)
+
+
+def test_a_failed_complete_leaves_the_snapshot_running(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.begin(1, T0, members=2)
+        # Make the second result row fail inside the transaction, after the snapshot row was updated.
+        db = sqlite3.connect(tmp_path / DB_FILENAME)
+        db.execute(
+            "CREATE TRIGGER boom BEFORE INSERT ON results WHEN NEW.name = 'boom' BEGIN SELECT RAISE(ABORT, 'boom'); END"
+        )
+        db.commit()
+        db.close()
+        results = [PredicateResult(name="fine", holds=True), PredicateResult(name="boom")]
+        with pytest.raises(sqlite3.IntegrityError, match="boom"):
+            store.complete(global_snapshot(1), results, T0 + 1)
+        assert store.summary(1).outcome == SNAPSHOT_OUTCOME_RUNNING
+        assert store.snapshot(1) is None
+        assert store.predicate_history("fine", 10) == []
+        store.abort(1, "could not store the results", T0 + 2)  # the store is still usable
+
+
+# -- retention ------------------------------------------------------------------------------------
+
+
+def test_retention_by_count_deletes_oldest_first(tmp_path: Path) -> None:
+    with Store(tmp_path, max_snapshots=3, max_age_seconds=None) as store:
+        for _ in range(5):
+            completed(store)
+        aborted(store)
+        assert store.apply_retention(now=T0) == 3
+        assert ids(store.list(10)) == [6, 5, 4]
+        assert store.snapshot(1) is None and store.results(1) is None
+        assert store.predicate_history("deadlock", 10) == [(5, True), (4, True)]  # results went with them
+        assert store.apply_retention(now=T0) == 0
+        assert store.allocate_id() == 7
+
+
+def test_retention_never_deletes_running_rows(tmp_path: Path) -> None:
+    with Store(tmp_path, max_snapshots=2, max_age_seconds=60) as store:
+        store.begin(store.allocate_id(), T0 - 10_000, members=2)  # id 1: old and still running
+        for _ in range(3):
+            completed(store, T0)
+        store.begin(store.allocate_id(), T0, members=2)  # id 5: the newest, running
+        # The bound counts every row; only finished ones can go.
+        assert store.apply_retention(now=T0 + 10_000) == 3
+        assert ids(store.list(10)) == [5, 1]
+        assert [s.outcome for s in store.list(10)] == [SNAPSHOT_OUTCOME_RUNNING, SNAPSHOT_OUTCOME_RUNNING]
+        store.complete(global_snapshot(1), predicate_results(), T0 + 10_001)  # still completes after retention
+
+
+def test_retention_by_age(tmp_path: Path) -> None:
+    with Store(tmp_path, max_snapshots=None, max_age_seconds=100) as store:
+        first = completed(store, T0)
+        second = aborted(store, T0 + 50)
+        third = completed(store, T0 + 100)
+        store.begin(store.allocate_id(), T0 - 1_000, members=1)  # running: never deleted by age
+        assert store.apply_retention(now=T0 + 149) == 1
+        assert store.summary(first) is None
+        assert store.summary(second) is not None
+        assert store.apply_retention(now=T0 + 200) == 1  # exactly max_age old is kept
+        assert store.summary(third) is not None
+        assert store.apply_retention(now=T0 + 10_000) == 1
+        assert ids(store.list(10)) == [4]
+
+
+def test_ids_are_not_reused_after_retention_empties_the_store(tmp_path: Path) -> None:
+    with Store(tmp_path, max_snapshots=0, max_age_seconds=None) as store:
+        for _ in range(3):
+            completed(store)
+        assert store.apply_retention(now=T0) == 3
+        assert store.list(10) == []
+    with Store(tmp_path) as store:
+        assert store.allocate_id() == 4
+
+
+def test_retention_without_bounds_deletes_nothing(tmp_path: Path) -> None:
+    with Store(tmp_path, max_snapshots=None, max_age_seconds=None) as store:
+        completed(store, 0.0)
+        assert store.apply_retention(now=T0) == 0
+
+
+def test_retention_bounds_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="max_snapshots"):
+        Store(tmp_path, max_snapshots=-1)
+    with pytest.raises(ValueError, match="max_age_seconds"):
+        Store(tmp_path, max_age_seconds=float("inf"))
+
+
+# -- files we must not use ------------------------------------------------------------------------
+
+
+def test_newer_schema_version_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        store.begin(store.allocate_id(), T0, members=1)
+    db = sqlite3.connect(tmp_path / DB_FILENAME)
+    with db:
+        db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION + 1,))
+    db.close()
+
+    with pytest.raises(StoreError, match=f"schema version {SCHEMA_VERSION + 1}") as raised:
+        Store(tmp_path)
+    assert str(tmp_path / DB_FILENAME) in str(raised.value)
+
+    db = sqlite3.connect(tmp_path / DB_FILENAME)
+    try:  # the running row was not touched by the refused open
+        assert db.execute("SELECT outcome FROM snapshots").fetchall() == [("running",)]
+    finally:
+        db.close()
+
+
+def test_foreign_files_are_refused(tmp_path: Path) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    db = sqlite3.connect(other / DB_FILENAME)
+    db.execute("CREATE TABLE t (x)")
+    db.close()
+    with pytest.raises(StoreError, match="not a stablewatch store") as raised:
+        Store(other)
+    assert str(other / DB_FILENAME) in str(raised.value)
+
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / DB_FILENAME).write_bytes(b"this is not an SQLite database, not even close" * 100)
+    with pytest.raises(StoreError, match="cannot open the store") as raised:
+        Store(garbage)
+    assert str(garbage / DB_FILENAME) in str(raised.value)
+
+
+def test_data_directory_that_cannot_be_created(tmp_path: Path) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StoreError, match="cannot create the data directory") as raised:
+        Store(blocker / "data")
+    assert str(blocker / "data") in str(raised.value)
+
+
+def test_database_path_that_cannot_be_opened(tmp_path: Path) -> None:
+    (tmp_path / DB_FILENAME).mkdir()  # a directory where the database file should be
+    with pytest.raises(StoreError, match="cannot open the store") as raised:
+        Store(tmp_path)
+    assert str(tmp_path / DB_FILENAME) in str(raised.value) and "writable" in str(raised.value)
+
+
+def skip_unless_permissions_apply(directory: Path) -> None:
+    """Skip when this process may write where permissions say it may not (root, CAP_DAC_OVERRIDE)."""
+    probe = directory / "probe"
+    try:
+        probe.write_text("")
+    except PermissionError:
+        return
+    probe.unlink()
+    pytest.skip("this process ignores file permissions (root); run as another user to test read-only paths")
+
+
+def test_read_only_data_directory(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    data.chmod(0o555)
+    try:
+        skip_unless_permissions_apply(data)
+        with pytest.raises(StoreError, match="cannot open the store") as raised:
+            Store(data)
+        assert str(data / DB_FILENAME) in str(raised.value) and "writable" in str(raised.value)
+    finally:
+        data.chmod(0o755)
+
+
+def test_read_only_database_file(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    Store(data).close()
+    for leftover in data.glob(DB_FILENAME + "-*"):
+        leftover.unlink()
+    (data / DB_FILENAME).chmod(0o444)
+    data.chmod(0o555)
+    try:
+        skip_unless_permissions_apply(data)
+        with pytest.raises(StoreError, match="cannot open the store") as raised:
+            Store(data)
+        assert str(data / DB_FILENAME) in str(raised.value) and "writable" in str(raised.value)
+    finally:
+        data.chmod(0o755)
+        (data / DB_FILENAME).chmod(0o644)
+
+
+def test_closed_store_refuses_calls(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.close()
+    store.close()  # harmless
+    with pytest.raises(sqlite3.ProgrammingError):
+        store.allocate_id()
