@@ -235,6 +235,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         try:
             outcome = self._assembler.add_part(part, sender=sender)
         except PartRejected as rejected:
+            if rejected.reason == "late" and _only_empty_channels(part):
+                return  # a channel that opened after the cut: nothing on it belongs to the snapshot
             self._on_rejected(rejected)
             if rejected.reason in ("late", "unknown_snapshot") and sender in self.members:
                 # The agent still records a snapshot we are done with (a resent marker after a
@@ -272,3 +274,15 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         for snapshot_id, running in list(self._running.items()):
             if member.process_id in running.members:
                 self.abort(snapshot_id, f"member {member.process_id} detached", "member_detached")
+
+
+def _only_empty_channels(part: LocalSnapshotPart) -> bool:
+    """Whether a part only reports channels with nothing before their marker (n = 0, m = 0, empty).
+
+    Such reports come from channels opened while a snapshot ran, and can arrive after it completed.
+    """
+    return (
+        not part.HasField("state")
+        and all(count.sent_before_marker == 0 for count in part.outbound)
+        and all(channel.received_before_recording == 0 and not channel.messages for channel in part.inbound)
+    )
