@@ -64,6 +64,7 @@ class DetectorConfig:
     jitter: float = 0.1  # each interval is stretched or shrunk by up to this fraction
     deadline: float = 5.0  # a snapshot not complete by then is aborted
     max_concurrent: int = 2  # scheduled snapshots running at once
+    min_members: int = 1  # scheduled snapshots wait until this many agents are attached
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 5.0  # a member silent this long is detached
     expected_totals: dict[str, int] = field(default_factory=dict)  # conservation; others: baseline
@@ -246,7 +247,8 @@ class Detector:
         while True:
             stretch = 1 + config.jitter * (2 * self._random.random() - 1)
             await asyncio.sleep(config.interval * stretch)
-            if not self.coordinator.members or len(self._snapshot_tasks) >= config.max_concurrent:
+            attached = len(self.coordinator.members)
+            if attached < max(1, config.min_members) or len(self._snapshot_tasks) >= config.max_concurrent:
                 continue
             task = asyncio.ensure_future(self.take_snapshot())
             self._snapshot_tasks.add(task)

@@ -1,0 +1,271 @@
+"""The live demo: three detectors watching three small systems of real services, on this machine.
+
+* a token bank (three branches moving tokens): conservation holds in every snapshot;
+* dining philosophers (five seats): they eat for a while, then deadlock; the deadlock is
+  reported with its cycle, the empty channels along it, and a picture of the wait-for graph;
+* a distributed job (three workers): termination is detected once, and only once, it is true.
+
+Every service is its own OS process embedding the agent (``stablewatch.examples``); the detectors
+run in this process, each with its own gRPC API, /metrics endpoint and SQLite store. The demo
+ends when all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C) and stops
+every process it started.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+from stablewatch.detector.plugins import load_predicate
+from stablewatch.detector.query import outcome_name
+from stablewatch.detector.service import Detector, DetectorConfig
+from stablewatch.detector.waitfor import build_wait_for, find_deadlock, label, to_dot
+from stablewatch.v1 import PredicateResult
+from stablewatch.v1.query_pb2 import SnapshotResults
+
+__all__ = ["DemoReport", "run_demo"]
+
+BANK = ["A", "B", "C"]
+SEATS = ["P0", "P1", "P2", "P3", "P4"]
+WORKERS = ["W1", "W2", "W3"]
+TOKENS_PER_BRANCH = 1000
+
+
+@dataclass
+class _System:
+    """One monitored system: its detector, its processes and what was seen so far."""
+
+    name: str
+    module: str
+    ids: list[str]
+    options: list[str]
+    detector: Detector
+    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    completed: int = 0
+    aborted: int = 0
+    latest: SnapshotResults | None = None
+    first_seen: dict[str, float] = field(default_factory=dict)  # predicate -> elapsed s when first true
+    conservation_broken: bool = False
+
+    def observe(self, results: SnapshotResults, elapsed: float) -> None:
+        if outcome_name(results.snapshot.outcome) != "completed":
+            self.aborted += 1
+            return
+        self.completed += 1
+        self.latest = results
+        for result in results.results:
+            if result.holds and not result.error:
+                self.first_seen.setdefault(result.name, elapsed)
+            if result.name.startswith("conservation(") and not result.holds:
+                self.conservation_broken = True
+
+
+@dataclass
+class DemoReport:
+    """What the demo found, as printed by ``stablewatch demo --json``."""
+
+    snapshots_completed: int
+    deadlock_detected: bool
+    deadlock_cycle: list[str]
+    termination_detected: bool
+    conservation_ok: bool
+    seconds: float
+    bank_totals: dict[str, int]
+    graph_file: str | None
+    systems: dict[str, dict[str, object]]
+
+
+async def run_demo(duration: float, data_dir: Path | None, console: Console, live: bool) -> DemoReport:
+    """Run the demo for at most ``duration`` seconds; see the module docstring."""
+    work = Path(tempfile.mkdtemp(prefix="stablewatch-demo-")) if data_dir is None else data_dir
+    work.mkdir(parents=True, exist_ok=True)
+    systems = [
+        _system("bank", "bank", BANK, ["--branches", ",".join(BANK), "--tokens", str(TOKENS_PER_BRANCH)], work),
+        _system("philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work),
+        _system("job", "job", WORKERS, ["--workers", ",".join(WORKERS), "--tasks", "30"], work),
+    ]
+    started = time.monotonic()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(signum, stop.set)
+    watchers: list[asyncio.Task[None]] = []
+    try:
+        for system in systems:
+            await system.detector.start()
+            watchers.append(asyncio.ensure_future(_follow(system, started)))
+            _launch(system, work)
+        await _show(systems, started, duration, stop, console, live)
+        report = _report(systems, time.monotonic() - started, work)
+    finally:
+        for task in watchers:
+            task.cancel()
+        for system in systems:
+            _terminate(system.processes)
+        for system in systems:
+            await system.detector.stop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.remove_signal_handler(signum)
+    return report
+
+
+def _system(name: str, module: str, ids: list[str], options: list[str], work: Path) -> _System:
+    config = DetectorConfig(
+        data_dir=work / name / "data",
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        interval=0.2,
+        deadline=2.0,
+        heartbeat_interval=0.5,
+        heartbeat_timeout=5.0,
+        min_members=len(ids),  # a cut of only some members would miss their tokens or work
+        expected_totals={"tokens": TOKENS_PER_BRANCH * len(ids)} if name == "bank" else {},
+    )
+    plugins = [load_predicate("stablewatch.examples.job:all_tasks_done")] if name == "job" else []
+    return _System(name, module, ids, options, Detector(config, plugins=plugins))
+
+
+def _launch(system: _System, work: Path) -> None:
+    peers = work / system.name / "peers"
+    peers.mkdir(parents=True, exist_ok=True)
+    logs = work / system.name / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    for pid in system.ids:
+        command = [sys.executable, "-m", f"stablewatch.examples.{system.module}", "--id", pid]
+        command += [*system.options, "--peers-dir", str(peers), "--detector", system.detector.address]
+        with (logs / f"{pid}.log").open("wb") as log:
+            system.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT))
+
+
+async def _follow(system: _System, started: float) -> None:
+    async for event in system.detector.watch():
+        system.observe(event.results, time.monotonic() - started)
+
+
+def _done(systems: list[_System]) -> bool:
+    bank, philosophers, job = systems
+    return bank.completed >= 20 and "deadlock" in philosophers.first_seen and "termination" in job.first_seen
+
+
+async def _show(
+    systems: list[_System], started: float, duration: float, stop: asyncio.Event, console: Console, live: bool
+) -> None:
+    """Refresh the live view until every outcome is seen, time is up, or Ctrl-C."""
+    deadline = started + duration
+    with Live(_view(systems, started, duration), console=console, refresh_per_second=4, transient=False) as view:
+        if not live:
+            view.stop()
+        while not stop.is_set() and time.monotonic() < deadline and not _done(systems):
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.25)
+            if live:
+                view.update(_view(systems, started, duration))
+        if _done(systems):  # one more look so the view shows the final state
+            view.update(_view(systems, started, duration))
+
+
+def _view(systems: list[_System], started: float, duration: float) -> Group:
+    elapsed = time.monotonic() - started
+    table = Table(title=f"stablewatch demo — {elapsed:4.1f} s of at most {duration:g} s")
+    for column in ("system", "members", "snapshots", "aborted", "predicates (latest complete snapshot)"):
+        table.add_column(column)
+    for system in systems:
+        members = f"{len(system.detector.coordinator.members)}/{len(system.ids)}"
+        cells = Text()
+        for result in system.latest.results if system.latest else []:
+            cells.append_text(_verdict(result))
+            cells.append("  ")
+        table.add_row(system.name, members, str(system.completed), str(system.aborted), cells)
+    lines = [table]
+    for system in systems:
+        for name, at in sorted(system.first_seen.items(), key=lambda item: item[1]):
+            if name in ("deadlock", "termination"):
+                lines.append(Text(f"  {system.name}: {name} first reported at {at:.1f} s", style="bold"))
+    return Group(*lines)
+
+
+def _verdict(result: PredicateResult) -> Text:
+    alarming = (result.name == "deadlock" and result.holds) or (
+        result.name.startswith("conservation(") and not result.holds
+    )
+    style = "red bold" if alarming else "green" if result.holds else "dim"
+    return Text(f"{result.name}={'yes' if result.holds else 'no'}", style=style)
+
+
+def _terminate(processes: list[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
+    for process in processes:
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+def _report(systems: list[_System], seconds: float, work: Path) -> DemoReport:
+    bank, philosophers, job = systems
+    cycle: list[str] = []
+    graph_file = None
+    deadlock_id = _first_deadlock(philosophers)
+    if deadlock_id is not None:
+        snapshot = philosophers.detector.store.snapshot(deadlock_id)
+        assert snapshot is not None
+        wait_for = build_wait_for(snapshot)
+        found = find_deadlock(wait_for)
+        cycle = [label(node) for node in found.cycle]
+        dot = work / "philosophers-deadlock.dot"
+        dot.write_text(to_dot(wait_for, found))
+        graph_file = str(dot)
+        if shutil.which("dot"):
+            png = dot.with_suffix(".png")
+            subprocess.run(["dot", "-Tpng", str(dot), "-o", str(png)], check=False, timeout=30)
+            graph_file = str(png) if png.exists() else graph_file
+    totals: dict[str, int] = {}
+    if bank.latest is not None:
+        for result in bank.latest.results:
+            if result.WhichOneof("evidence") == "conservation":
+                totals[result.conservation.counter] = result.conservation.observed
+    return DemoReport(
+        snapshots_completed=sum(system.completed for system in systems),
+        deadlock_detected="deadlock" in philosophers.first_seen,
+        deadlock_cycle=cycle,
+        termination_detected="termination" in job.first_seen,
+        conservation_ok=bank.completed > 0 and not bank.conservation_broken,
+        seconds=round(seconds, 2),
+        bank_totals=totals,
+        graph_file=graph_file,
+        systems={
+            system.name: {
+                "address": system.detector.address,
+                "metrics": system.detector.metrics_url,
+                "data_dir": str(system.detector.config.data_dir),
+                "snapshots_completed": system.completed,
+                "snapshots_aborted": system.aborted,
+                "first_seen_seconds": {name: round(at, 2) for name, at in system.first_seen.items()},
+            }
+            for system in systems
+        },
+    )
+
+
+def _first_deadlock(system: _System) -> int | None:
+    history = system.detector.store.predicate_history("deadlock", limit=100_000)
+    deadlocked = [snapshot_id for snapshot_id, holds in history if holds]
+    return min(deadlocked) if deadlocked else None
