@@ -82,6 +82,7 @@ class Agent:
         tls: TlsConfig | None = None,
         metrics_registry: prometheus_client.CollectorRegistry | None = None,
         metrics_port: int | None = None,
+        metrics_address: str = "127.0.0.1",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_recorded_bytes: int | None = None,
         channel_settings: ChannelSettings | None = None,
@@ -92,6 +93,7 @@ class Agent:
         self.state = LocalStateKeeper()
         self.metrics = AgentMetrics(metrics_registry)
         self._metrics_port = metrics_port
+        self._metrics_bind = metrics_address
         self._metrics_server: Any = None
         self._listen = listen
         self._advertise = advertise
@@ -138,7 +140,7 @@ class Agent:
         )
         await self._start_server()
         if self._metrics_port is not None:
-            self._metrics_server, _ = self.metrics.serve_http(self._metrics_port)
+            self._metrics_server, _ = self.metrics.serve_http(self._metrics_port, self._metrics_bind)
         if self._detector is not None:
             self._control = ControlClient(
                 self.process_id,
@@ -196,7 +198,7 @@ class Agent:
         """Where /metrics is served (host:port), when ``metrics_port`` was given."""
         if self._metrics_server is None:
             return None
-        return f"127.0.0.1:{self._metrics_server.server_port}"
+        return f"{self._metrics_bind}:{self._metrics_server.server_port}"
 
     @property
     def detector_connected(self) -> bool:
