@@ -12,8 +12,9 @@ It prints ``{"event": "ready", "addresses": {...}}`` and then takes one command 
 * ``{"cmd": "ring", "order": ["a0", ...], "hold": 0.001}``: a mutex token goes round the ring
   ``order`` (across processes); an agent waits on its predecessor until the token reaches it,
   holds it for ``hold`` seconds, passes it on and waits again; the first agent starts with it;
-* ``{"cmd": "waits"}``: replies ``{"event": "waits", "waits": {"a3": ["a2"], ...}}``, each agent's
-  current waits (what a naive detector polls);
+* ``{"cmd": "waits"}``: replies ``{"event": "waits", "waits": {"a3": ["a2"], ...}, "passes": 17,
+  "t": <time.monotonic()>}``, each agent's current waits (what a naive detector polls), how many
+  times this host's agents have passed the ring's token on so far, and when the reply was made;
 * ``{"cmd": "exit"}``.
 """
 
@@ -51,6 +52,7 @@ class Host:
         self.current_waits: dict[str, list[str]] = {}
         self.ring_next: dict[str, str] = {}
         self.ring_hold = 0.0
+        self.passes = 0  # token passes made by this host's agents
         for pid, agent in self.agents.items():
             agent.on_message(self._handler(pid))
 
@@ -71,6 +73,7 @@ class Host:
         # Passing the token and waiting for it again is one step: no snapshot falls between.
         await self.agents[pid].send(successor, b"token")
         self._wait(pid, predecessor)
+        self.passes += 1
 
     def _wait(self, pid: str, on: str) -> None:
         self._unwait(pid)
@@ -134,9 +137,10 @@ class Host:
                 if order[0] in self.agents:
                     task = asyncio.ensure_future(self._pass_token(order[0]))
                     self.tasks.add(task)
+                    task.add_done_callback(self.tasks.discard)
                 emit(event="ring")
             elif cmd == "waits":
-                emit(event="waits", waits=self.current_waits)
+                emit(event="waits", waits=self.current_waits, passes=self.passes, t=time.monotonic())
             elif cmd == "exit":
                 break
         for task in [*self.tasks, *([self.traffic] if self.traffic else [])]:

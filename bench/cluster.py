@@ -58,7 +58,16 @@ class Host:
 class Cluster:
     """``agents`` agents spread over ``processes`` host processes, attached to an in-process detector."""
 
-    def __init__(self, agents: int, processes: int, *, interval: float | None = None, deadline: float = 5.0) -> None:
+    def __init__(
+        self,
+        agents: int,
+        processes: int,
+        *,
+        interval: float | None = None,
+        deadline: float = 5.0,
+        max_concurrent: int = 4,
+        seed: int | None = None,
+    ) -> None:
         self.ids = [f"a{i}" for i in range(agents)]
         self.processes = processes
         self.folder = tempfile.TemporaryDirectory(prefix="stablewatch-bench-")
@@ -68,14 +77,23 @@ class Cluster:
             metrics_port=0,
             interval=interval,
             deadline=deadline,
-            max_concurrent=4,
+            max_concurrent=max_concurrent,
             max_snapshots=100_000,
+            seed=seed,
         )
         self.detector = Detector(config)
         self.hosts: list[Host] = []
         self.host_of: dict[str, Host] = {}
 
     async def __aenter__(self) -> Cluster:
+        try:
+            await self._start()
+        except BaseException:
+            await self.__aexit__(None, None, None)  # no host process left behind
+            raise
+        return self
+
+    async def _start(self) -> None:
         await self.detector.start()
         groups = [self.ids[i :: self.processes] for i in range(self.processes)]
         for n, group in enumerate(groups):
@@ -95,7 +113,6 @@ class Cluster:
             self.hosts.append(host)
             for pid in group:
                 self.host_of[pid] = host
-        return self
 
     async def connect(self, links: dict[str, list[str]]) -> None:
         """Exchange addresses, set each agent's neighbours, and wait until all have attached."""
@@ -114,14 +131,21 @@ class Cluster:
         return [await host.ask(cmd, event, **fields) for host in self.hosts]
 
     async def __aexit__(self, *exc_info: object) -> None:
-        for host in self.hosts:
-            if host.process.returncode is None:
-                try:
-                    await host.send("exit")
-                    await asyncio.wait_for(host.process.wait(), 20)
-                except (OSError, TimeoutError):
-                    host.process.kill()
-                    await host.process.wait()
+        async def finish(host: Host) -> None:
+            try:
+                await asyncio.wait_for(host.process.wait(), 20)
+            except TimeoutError:
+                host.process.kill()
+                await host.process.wait()
+
+        # Tell every host to exit first, then wait for them together: each takes a few seconds.
+        running = [host for host in self.hosts if host.process.returncode is None]
+        for host in running:
+            try:
+                await host.send("exit")
+            except OSError:
+                host.process.kill()
+        await asyncio.gather(*(finish(host) for host in running))
         await self.detector.stop()
         self.folder.cleanup()
 
