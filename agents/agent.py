@@ -385,7 +385,8 @@ class Agent:
 
     async def _start_server(self) -> None:
         assert self._inbound is not None
-        server = grpc.aio.server(options=self._grpc_options)
+        # No port sharing: a second agent on the same port must fail, not split the traffic.
+        server = grpc.aio.server(options=[*self._grpc_options, ("grpc.so_reuseport", 0)])
         channel_pb2_grpc.add_PeerServicer_to_server(self._inbound, server)
         if self._tls is None:
             port = server.add_insecure_port(self._listen)

@@ -51,6 +51,7 @@ class Host:
         self.wait_tokens: dict[str, int] = {}
         self.current_waits: dict[str, list[str]] = {}
         self.ring_next: dict[str, str] = {}
+        self.ring_ready = asyncio.Event()  # the token may arrive before this host hears of the ring
         self.ring_hold = 0.0
         self.passes = 0  # token passes made by this host's agents
         for pid, agent in self.agents.items():
@@ -67,6 +68,7 @@ class Host:
         return handle
 
     async def _pass_token(self, pid: str) -> None:
+        await self.ring_ready.wait()
         await asyncio.sleep(self.ring_hold)
         successor = self.ring_next[pid]
         predecessor = next(p for p, n in self.ring_next.items() if n == pid)
@@ -131,6 +133,7 @@ class Host:
                 order = command["order"]
                 self.ring_next = {pid: order[(i + 1) % len(order)] for i, pid in enumerate(order)}
                 self.ring_hold = command["hold"]
+                self.ring_ready.set()
                 for i, pid in enumerate(order):
                     if pid in self.agents and i > 0:
                         self._wait(pid, order[i - 1])

@@ -1,17 +1,38 @@
-"""The ``stablewatch`` command line."""
+"""The ``stablewatch`` command line.
+
+* ``simulate``, ``demo``: play a COS 418 trace through the protocol core (no services needed).
+* ``detector``: run the detector service until SIGINT or SIGTERM.
+* ``status``, ``snapshot``, ``watch``, ``graph``: ask a running detector, through its query API
+  (:mod:`stablewatch.detector.client`). Human output uses rich; ``--json`` prints one JSON object
+  (``watch``: one per line), errors included.
+
+Exit statuses: 0 success, 1 the detector is unreachable or refused (or a simulation differs from
+the expected snapshots), 2 bad flags or input, 3 ``snapshot`` was aborted.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import contextlib
+import dataclasses
 import json
+import logging
+import math
+import shutil
+import signal
+import subprocess
 import sys
-from collections.abc import Iterator, Sequence
-from importlib import resources
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
+import grpc
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
+from rich.live import Live
 
+from stablewatch.detector.client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, DetectorClient, DetectorError
 from stablewatch.detector.cos418 import (
     TOKENS,
     TraceError,
@@ -24,14 +45,31 @@ from stablewatch.detector.cos418 import (
     parse_topology,
     snap_from_snapshot,
 )
+from stablewatch.detector.demo import run_demo
+from stablewatch.detector.plugins import PluginError, UserPredicate, entry_point_predicates, load_predicate
 from stablewatch.detector.predicates import Evaluator
-from stablewatch.detector.render import snapshot_report
+from stablewatch.detector.query import outcome_name
+from stablewatch.detector.render import (
+    WatchView,
+    demo_summary,
+    members_table,
+    proto_dict,
+    results_report,
+    snapshot_report,
+    wait_for_dot,
+)
+from stablewatch.detector.service import Detector, DetectorConfig
 from stablewatch.detector.simulator import Simulation, random_delays, tape_delays
+from stablewatch.detector.store import StoreError
+from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_COMPLETED, SnapshotResults, WatchEvent
 
 __all__ = ["main"]
 
 EXIT_MISMATCH = 1
-EXIT_BAD_INPUT = 2
+EXIT_ERROR = 1  # the detector is unreachable, refused the request, or cannot start
+EXIT_BAD_INPUT = 2  # argparse exits with it too
+EXIT_ABORTED = 3  # `snapshot`: the snapshot was aborted
+EXIT_INTERRUPTED = 130  # Ctrl-C, except in `watch` where it is the normal way out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,8 +88,76 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--expected", type=Path, help="folder or path prefix of expected .snap files")
     simulate.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
-    demo = commands.add_parser("demo", help="simulate the bundled token-bank trace and show the results")
-    demo.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    demo = commands.add_parser(
+        "demo", help="live demo: a token bank, dining philosophers and a terminating job, each watched by a detector"
+    )
+    demo.add_argument("--duration", type=_positive, default=60.0, metavar="S", help="stop after S seconds at most (60)")
+    demo.add_argument("--data-dir", type=Path, help="where the detectors keep their data (default: a temporary folder)")
+    demo.add_argument("--json", action="store_true", help="no live view; print one JSON object at the end")
+
+    config = DetectorConfig()
+    detector = commands.add_parser(
+        "detector",
+        help="run the detector: scheduled snapshots, predicates, the query API, /metrics",
+        description="Run the detector until SIGINT or SIGTERM. Agents attach to --listen, and the "
+        "status, snapshot, watch and graph commands query it there.",
+    )
+    add = detector.add_argument
+    add("--listen", type=_address, default=config.listen, metavar="HOST:PORT", help="gRPC address (%(default)s)")
+    add("--data-dir", type=Path, default=Path("stablewatch-data"), metavar="DIR", help="store folder (%(default)s)")
+    add("--metrics-port", type=_metrics_port, default=config.metrics_port, metavar="N",
+        help="/metrics port on the --listen host (%(default)s; 0: any free port; -1 or none: off)")  # fmt: skip
+    add("--interval", type=_interval, default=config.interval, metavar="S",
+        help="seconds between scheduled snapshots (%(default)s; 0 or off: only on demand)")  # fmt: skip
+    add("--jitter", type=_fraction, default=config.jitter, metavar="F",
+        help="stretch or shrink each interval by up to this fraction (%(default)s)")  # fmt: skip
+    add("--deadline", type=_positive, default=config.deadline, metavar="S",
+        help="abort a snapshot not complete after S seconds (%(default)s)")  # fmt: skip
+    add("--max-concurrent", type=_positive_int, default=config.max_concurrent, metavar="N",
+        help="scheduled snapshots running at once (%(default)s)")  # fmt: skip
+    add("--min-members", type=_positive_int, default=config.min_members, metavar="N",
+        help="scheduled snapshots wait until N agents are attached (default %(default)s)")  # fmt: skip
+    add("--heartbeat-timeout", type=_positive, default=config.heartbeat_timeout, metavar="S",
+        help="detach an agent silent this long (%(default)s); agents beat every S/3 s, at most 1 s")  # fmt: skip
+    add("--expect", type=_expected_total, action="append", default=[], metavar="COUNTER=TOTAL",
+        help="expected total of a conserved counter (repeatable; default: the first snapshot's)")  # fmt: skip
+    add("--predicate", type=_predicate, action="append", default=[], metavar="MODULE:FUNCTION",
+        help="a user predicate (repeatable); `stablewatch.predicates` entry points are always loaded")  # fmt: skip
+    add("--keep", type=_keep, default=config.max_snapshots, metavar="N",
+        help="keep the newest N snapshots (%(default)s; none: no limit)")  # fmt: skip
+    add("--keep-days", type=_keep_days, default=7.0, metavar="D",
+        help="delete snapshots older than D days (%(default)s; none: no limit)")  # fmt: skip
+    add("--json", action="store_true", help='print {"event": "ready", "address": ..., "metrics": ...} when serving')
+
+    # The query commands share --detector and --json; --timeout bounds every call.
+    query = argparse.ArgumentParser(add_help=False)
+    query.add_argument("--detector", type=_address, default=DEFAULT_ADDRESS, metavar="HOST:PORT",
+                       help="the detector's gRPC address (%(default)s)")  # fmt: skip
+    query.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    timeout = argparse.ArgumentParser(add_help=False)
+    timeout.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT, metavar="S",
+                         help="give up on the detector after S seconds (%(default)s)")  # fmt: skip
+
+    commands.add_parser("status", parents=[query, timeout], help="attached agents and the latest predicate values")
+
+    snapshot = commands.add_parser(
+        "snapshot",
+        parents=[query],
+        help="take a snapshot now and show its results",
+        description="Take a snapshot now. Exit status 0 if it completed, 3 if it was aborted, 1 on errors.",
+    )
+    snapshot.add_argument("--timeout", type=_positive, metavar="S",
+                          help="abort the snapshot after S seconds (default: the detector's --deadline)")  # fmt: skip
+
+    watch = commands.add_parser("watch", parents=[query, timeout], help="follow predicate values live")
+    watch.add_argument("--changes-only", action="store_true", help="only snapshots that change a predicate's value")
+    watch.add_argument("--count", type=_positive_int, metavar="N", help="stop after N events")
+
+    graph = commands.add_parser("graph", parents=[query, timeout], help="a snapshot's wait-for graph (DOT, PNG, SVG)")
+    graph.add_argument("--snapshot", type=_positive_int, metavar="ID", help="snapshot id (default: the latest)")
+    graph.add_argument("--format", choices=("dot", "png", "svg"), default="dot",
+                       help="DOT text, or an image drawn by Graphviz (%(default)s)")  # fmt: skip
+    graph.add_argument("--out", type=Path, metavar="FILE", help="write to FILE instead of stdout")
     return parser
 
 
@@ -59,6 +165,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stablewatch`` console script."""
     args = _parser().parse_args(argv)
     console = Console()
+    if args.command == "detector":
+        return _detector(args)
+    if args.command in _QUERIES:
+        return _query(args, console)
     try:
         if args.command == "simulate":
             delays = (
@@ -66,21 +176,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return _simulate(args.topology, args.events, delays, args.out, args.expected, args.json, console)
         if args.command == "demo":
-            traces = resources.files("stablewatch.detector") / "traces"
-            with resources.as_file(traces) as folder:
-                return _simulate(
-                    folder / "bank.top",
-                    folder / "bank.events",
-                    random_delays(0),
-                    None,
-                    None,
-                    args.json,
-                    console,
-                )
+            return _demo(args, console)
     except TraceError as error:
         print(f"stablewatch: {error}", file=sys.stderr)
         return EXIT_BAD_INPUT
     return 0
+
+
+# -- demo ---------------------------------------------------------------------------------------------------
+
+
+def _demo(args: argparse.Namespace, console: Console) -> int:
+    report = asyncio.run(run_demo(args.duration, args.data_dir, console, live=not args.json))
+    found = report.deadlock_detected and report.termination_detected and report.conservation_ok
+    if args.json:
+        print(json.dumps(dataclasses.asdict(report)))
+        return 0 if found else 1
+    console.print()
+    console.print(demo_summary(report))
+    return 0 if found else 1
+
+
+# -- simulate, demo -----------------------------------------------------------------------------------------
 
 
 def _simulate(
@@ -130,6 +247,310 @@ def _simulate(
             if not differences:
                 console.print(f"[green]all {len(expected_snaps)} expected snapshots match[/]")
     return EXIT_MISMATCH if differences else 0
+
+
+# -- detector -----------------------------------------------------------------------------------------------
+
+
+def _detector(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    host = args.listen.rpartition(":")[0]
+    config = DetectorConfig(
+        data_dir=args.data_dir,
+        listen=args.listen,
+        metrics_port=args.metrics_port,
+        metrics_address=host.removeprefix("[").removesuffix("]"),
+        interval=args.interval,
+        jitter=args.jitter,
+        deadline=args.deadline,
+        max_concurrent=args.max_concurrent,
+        min_members=args.min_members,
+        heartbeat_interval=min(1.0, args.heartbeat_timeout / 3),
+        heartbeat_timeout=args.heartbeat_timeout,
+        expected_totals=dict(args.expect),
+        max_snapshots=args.keep,
+        max_age_seconds=None if args.keep_days is None else args.keep_days * 86400,
+    )
+    detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
+    try:
+        asyncio.run(_serve(detector, args.json))
+    except _CannotStart as error:
+        print(f"stablewatch: the detector cannot start: {error}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:  # while starting, or a second Ctrl-C while stopping
+        return EXIT_INTERRUPTED
+    return 0
+
+
+class _CannotStart(Exception):
+    """The detector cannot listen, serve /metrics or open its store; the message says why."""
+
+
+async def _serve(detector: Detector, as_json: bool) -> None:
+    """Run `detector` until SIGINT or SIGTERM, then stop it."""
+    log = logging.getLogger("stablewatch.detector")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        await detector.start()
+    except (OSError, RuntimeError, StoreError) as error:  # grpc raises RuntimeError for an address it cannot bind
+        with contextlib.suppress(Exception):
+            await detector.stop()
+        message = str(error)
+        if isinstance(error, OSError) and error.errno is not None:  # from prometheus-client's HTTP server
+            message = f"/metrics on {detector.config.metrics_address}:{detector.config.metrics_port}: {error.strerror}"
+        raise _CannotStart(message) from error
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await detector.stop()
+        raise
+    log.info("gRPC (agent control, query API, health, reflection) on %s", detector.address)
+    log.info("metrics on %s", detector.metrics_url or "nothing: /metrics is off")
+    if as_json:
+        print(json.dumps({"event": "ready", "address": detector.address, "metrics": detector.metrics_url}), flush=True)
+    await stop.wait()
+    for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal ends the process at once
+        loop.remove_signal_handler(signum)
+    log.info("stopping")
+    await detector.stop()
+
+
+# -- status, snapshot, watch, graph -------------------------------------------------------------------------
+
+
+class _CommandError(Exception):
+    """A query command cannot do what was asked (exit 1); the message says why."""
+
+
+def _query(args: argparse.Namespace, console: Console) -> int:
+    """Run a query command; the detector's errors exit 1 with the message (also as JSON with --json)."""
+    try:
+        with DetectorClient(args.detector, timeout=args.timeout or DEFAULT_TIMEOUT) as client:
+            return _QUERIES[args.command](client, args, console)
+    except (DetectorError, _CommandError) as error:
+        print(f"stablewatch: {error}", file=sys.stderr)
+        if args.json:
+            code = getattr(error, "code", None)
+            _print_json({"error": str(error), "code": code.name if code else None})
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 0 if args.command == "watch" else EXIT_INTERRUPTED
+
+
+def _status(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
+    members = client.members()
+    latest = _latest_or_none(client)
+    if args.json:
+        _print_json(
+            {
+                "detector": client.address,
+                "members": [proto_dict(member) for member in members],
+                "latest": None if latest is None else proto_dict(latest),
+            }
+        )
+    else:
+        console.print(members_table(members) if members else "[dim]no agent is attached[/]")
+        console.print(results_report(latest) if latest else "[dim]no snapshot has completed yet[/]")
+    return 0
+
+
+def _snapshot(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
+    if args.json:
+        results = client.trigger_snapshot(args.timeout)
+    else:
+        with console.status(f"taking a snapshot of the agents attached to {client.address}…"):
+            results = client.trigger_snapshot(args.timeout)
+    summary = results.snapshot
+    if args.json:
+        _print_json(
+            {
+                "detector": client.address,
+                "snapshot_id": summary.snapshot_id,
+                "outcome": outcome_name(summary.outcome),
+                "abort_reason": summary.abort_reason,
+                "results": proto_dict(results),
+            }
+        )
+        if summary.outcome != SNAPSHOT_OUTCOME_COMPLETED:  # for whoever reads the script's stderr
+            print(f"stablewatch: snapshot {summary.snapshot_id} aborted: {summary.abort_reason}", file=sys.stderr)
+    else:
+        console.print(results_report(results))  # the summary line gives an abort's reason
+    return 0 if summary.outcome == SNAPSHOT_OUTCOME_COMPLETED else EXIT_ABORTED
+
+
+def _watch(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
+    client.members()  # fails within --timeout when the detector is not there; the stream has no deadline
+    view = WatchView()
+    events = client.watch(args.changes_only)
+    live = None if args.json else Live(view.render(), console=console, auto_refresh=False)
+    try:
+        if live is not None:
+            live.start(refresh=True)
+        for seen, event in enumerate(events, 1):
+            if live is None:
+                _print_json(_watch_json(event))
+            else:
+                view.update(event)
+                live.update(view.render(), refresh=True)
+            if seen == args.count:
+                return 0
+    finally:
+        events.close()
+        if live is not None:
+            live.stop()
+    raise _CommandError(f"the detector at {client.address} ended the stream (it is shutting down)")
+
+
+def _graph(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
+    if args.format != "dot" and shutil.which("dot") is None:
+        raise _CommandError(
+            f"--format {args.format} needs Graphviz's `dot` command: install graphviz "
+            "(e.g. `apt install graphviz`, `brew install graphviz`) or use --format dot"
+        )
+    if args.format != "dot" and args.out is None and (args.json or sys.stdout.isatty()):
+        raise _CommandError(f"--format {args.format} needs --out FILE here (or redirect stdout to a file)")
+    snapshot_id = args.snapshot or client.latest_results().snapshot.snapshot_id
+    graph = client.wait_for_graph(snapshot_id)
+    dot = wait_for_dot(graph)
+    data = dot.encode() if args.format == "dot" else _graphviz(dot, args.format)
+    if args.out is not None:
+        try:
+            args.out.write_bytes(data)
+        except OSError as error:
+            raise _CommandError(f"cannot write {args.out}: {error.strerror or error}") from None
+    if args.json:
+        written = None if args.out is None else str(args.out)
+        _print_json({"snapshot_id": snapshot_id, "out": written, "dot": dot, "graph": proto_dict(graph)})
+    elif args.out is None:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    else:
+        console.print(f"wrote the wait-for graph of snapshot {snapshot_id} to {args.out}", highlight=False)
+    return 0
+
+
+_QUERIES: dict[str, Callable[[DetectorClient, argparse.Namespace, Console], int]] = {
+    "status": _status,
+    "snapshot": _snapshot,
+    "watch": _watch,
+    "graph": _graph,
+}
+
+
+def _print_json(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def _latest_or_none(client: DetectorClient) -> SnapshotResults | None:
+    try:
+        return client.latest_results()
+    except DetectorError as error:
+        if error.code == grpc.StatusCode.NOT_FOUND:
+            return None
+        raise
+
+
+def _watch_json(event: WatchEvent) -> dict[str, Any]:
+    outcome = outcome_name(event.results.snapshot.outcome) if event.HasField("results") else None
+    return {"outcome": outcome, **proto_dict(event)}
+
+
+def _graphviz(dot: str, image_format: str) -> bytes:
+    try:
+        drawn = subprocess.run(["dot", f"-T{image_format}"], input=dot.encode(), capture_output=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise _CommandError(f"Graphviz's `dot` failed: {error}") from None
+    if drawn.returncode != 0:
+        raise _CommandError(f"Graphviz's `dot` failed: {drawn.stderr.decode(errors='replace').strip()}")
+    return drawn.stdout
+
+
+# -- argument types (argparse turns their ArgumentTypeError into exit status 2 and the message) -------------
+
+_OFF = ("none", "off")
+
+
+def _address(text: str) -> str:
+    """``HOST:PORT`` (an IPv6 host in brackets); port 0 lets the system pick one."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, e.g. 127.0.0.1:50051, not {text!r}")
+    return text
+
+
+def _number(text: str, *, integer: bool = False) -> float:
+    try:
+        value = int(text) if integer else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {'an integer' if integer else 'a number'}, not {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, not {text!r}")
+    return value
+
+
+def _positive(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(_number(text, integer=True))
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = _number(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 0 and below 1, not {text}")
+    return value
+
+
+def _interval(text: str) -> float | None:
+    if text.lower() in _OFF or _number(text) == 0:
+        return None
+    return _positive(text)
+
+
+def _metrics_port(text: str) -> int | None:
+    if text.lower() in _OFF or text == "-1":
+        return None
+    port = int(_number(text, integer=True))
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, or -1/none for no /metrics, not {text}")
+    return port
+
+
+def _keep(text: str) -> int | None:
+    if text.lower() in _OFF:
+        return None
+    count = int(_number(text, integer=True))
+    if count < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, or none, not {text}")
+    return count
+
+
+def _keep_days(text: str) -> float | None:
+    return None if text.lower() in _OFF else _positive(text)
+
+
+def _expected_total(text: str) -> tuple[str, int]:
+    counter, sep, total = text.partition("=")
+    if not sep or not counter.strip():
+        raise argparse.ArgumentTypeError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
+    return counter.strip(), int(_number(total.strip(), integer=True))
+
+
+def _predicate(spec: str) -> UserPredicate:
+    try:
+        return load_predicate(spec)
+    except PluginError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 if __name__ == "__main__":

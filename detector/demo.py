@@ -167,22 +167,19 @@ async def _show(
 ) -> None:
     """Refresh the live view until every outcome is seen, time is up, or Ctrl-C."""
     deadline = started + duration
-    with Live(_view(systems, started, duration), console=console, refresh_per_second=4, transient=False) as view:
-        if not live:
-            view.stop()
+    view = Live(_view(systems, started, duration), console=console, refresh_per_second=4) if live else None
+    with view if view is not None else contextlib.nullcontext():
         while not stop.is_set() and time.monotonic() < deadline and not _done(systems):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
-            if live:
+            if view is not None:
                 view.update(_view(systems, started, duration))
-        if _done(systems):  # one more look so the view shows the final state
-            view.update(_view(systems, started, duration))
 
 
 def _view(systems: list[_System], started: float, duration: float) -> Group:
     elapsed = time.monotonic() - started
     table = Table(title=f"stablewatch demo — {elapsed:4.1f} s of at most {duration:g} s")
-    for column in ("system", "members", "snapshots", "aborted", "predicates (latest complete snapshot)"):
+    for column in ("system", "members", "snapshots", "aborted", "predicates (latest complete snapshot)", "gRPC API"):
         table.add_column(column)
     for system in systems:
         members = f"{len(system.detector.coordinator.members)}/{len(system.ids)}"
@@ -190,8 +187,9 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
         for result in system.latest.results if system.latest else []:
             cells.append_text(_verdict(result))
             cells.append("  ")
-        table.add_row(system.name, members, str(system.completed), str(system.aborted), cells)
-    lines = [table]
+        where = system.detector.address
+        table.add_row(system.name, members, str(system.completed), str(system.aborted), cells, where)
+    lines = [table, Text(f"metrics: {', '.join(s.detector.metrics_url or '-' for s in systems)}", style="dim")]
     for system in systems:
         for name, at in sorted(system.first_seen.items(), key=lambda item: item[1]):
             if name in ("deadlock", "termination"):

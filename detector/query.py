@@ -7,6 +7,7 @@ has no state to show (aborted).
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, NoReturn
 
@@ -86,7 +87,9 @@ class QueryService(query_pb2_grpc.QueryServicer):
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_ms must be at most {MAX_TRIGGER_TIMEOUT_MS}"
             )
         try:
-            return await self._detector.take_snapshot(request.timeout_ms / 1000 or None)
+            # Shielded: a caller that hangs up must not cancel the snapshot half-way.
+            taking = asyncio.ensure_future(self._detector.take_snapshot(request.timeout_ms / 1000 or None))
+            return await asyncio.shield(taking)
         except NoAgents as error:
             await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
 

@@ -1,16 +1,47 @@
-"""Human output: predicate results and snapshots as rich tables."""
+"""Human output: predicate results, snapshots and the detector's answers as rich tables, JSON and DOT."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
 
+from google.protobuf.json_format import MessageToDict
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.v1 import GlobalSnapshot, PredicateResult
+from stablewatch.detector.query import outcome_name
+from stablewatch.detector.waitfor import label
+from stablewatch.v1 import WAIT_MODEL_OR, GlobalSnapshot, PredicateResult, WaitForGraph, WaitNode
+from stablewatch.v1.query_pb2 import (
+    SNAPSHOT_OUTCOME_COMPLETED,
+    Member,
+    SnapshotResults,
+    SnapshotSummary,
+    WatchEvent,
+)
 
-__all__ = ["is_alarming", "snapshot_report"]
+if TYPE_CHECKING:
+    from stablewatch.detector.demo import DemoReport
+
+__all__ = [
+    "WatchView",
+    "demo_summary",
+    "format_time",
+    "is_alarming",
+    "members_table",
+    "predicate_table",
+    "proto_dict",
+    "results_report",
+    "snapshot_report",
+    "summary_line",
+    "wait_for_dot",
+]
 
 
 def is_alarming(result: PredicateResult) -> bool:
@@ -61,3 +92,207 @@ def snapshot_report(entries: Sequence[tuple[GlobalSnapshot, Sequence[PredicateRe
             summary = result.error or result.summary
             notes.append(Text(f"  #{snapshot.snapshot_id} {result.name}: {summary}", style=style))
     return Group(table, *notes)
+
+
+# -- the detector's query API: results, members, the watch table, the wait-for graph -------------------------
+
+
+def proto_dict(message: Message) -> dict[str, Any]:
+    """``message`` as the JSON object the CLI prints: proto field names, every plain field (false and
+    zero included), and 64-bit integers as numbers where JSON can hold them exactly."""
+    return MessageToDict(
+        message,
+        preserving_proto_field_name=True,
+        always_print_fields_with_no_presence=True,
+        unquote_int64_if_possible=True,
+    )
+
+
+def format_time(timestamp: Timestamp) -> str:
+    """A protobuf timestamp as local time to the millisecond; ``-`` when unset."""
+    if not timestamp.seconds and not timestamp.nanos:
+        return "-"
+    moment = datetime.fromtimestamp(timestamp.ToNanoseconds() / 1e9).astimezone()
+    return moment.isoformat(sep=" ", timespec="milliseconds")
+
+
+def _duration(summary: SnapshotSummary) -> str:
+    if not summary.HasField("finished_at") or not summary.HasField("started_at"):
+        return ""
+    seconds = (summary.finished_at.ToNanoseconds() - summary.started_at.ToNanoseconds()) / 1e9
+    return f" in {seconds * 1000:.1f} ms" if seconds < 1 else f" in {seconds:.2f} s"
+
+
+def summary_line(summary: SnapshotSummary) -> Text:
+    """One line about a snapshot: id, outcome, when, its size, and why it was aborted."""
+    outcome = outcome_name(summary.outcome)
+    style = {"completed": "green", "aborted": "red", "running": "yellow"}.get(outcome, "")
+    line = Text(f"snapshot #{summary.snapshot_id} ")
+    line.append(outcome, style=style)
+    when = summary.finished_at if summary.HasField("finished_at") else summary.started_at
+    line.append(f" at {format_time(when)}{_duration(summary)}")
+    if summary.outcome == SNAPSHOT_OUTCOME_COMPLETED:
+        line.append(
+            f": {summary.processes} processes, {summary.channels} channels, "
+            f"{summary.messages_in_flight} messages in flight"
+        )
+    if summary.abort_reason:
+        line.append(f": {summary.abort_reason}", style="red")
+    return line
+
+
+def predicate_table(results: Sequence[PredicateResult], title: str | None = None) -> Table:
+    """One row per predicate: its name, its value (bad news in red) and its summary."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("predicate")
+    table.add_column("value")
+    table.add_column("summary", overflow="fold")
+    for result in results:
+        table.add_row(result.name, _verdict(result), result.error or result.summary)
+    return table
+
+
+def results_report(results: SnapshotResults) -> Group:
+    """A snapshot's summary line, then its predicate table (when it has results)."""
+    parts: list[Any] = [summary_line(results.snapshot)]
+    if results.results:
+        parts.append(predicate_table(results.results))
+    return Group(*parts)
+
+
+def members_table(members: Sequence[Member], now: float | None = None) -> Table:
+    """The attached agents: process id, address, when attached, how long since the last heartbeat."""
+    now = time.time() if now is None else now
+    table = Table(title=f"{len(members)} agent{'' if len(members) == 1 else 's'} attached", title_justify="left")
+    table.add_column("process")
+    table.add_column("address")
+    table.add_column("attached")
+    table.add_column("last heartbeat", justify="right")
+    for member in members:
+        age = now - member.last_heartbeat.ToNanoseconds() / 1e9
+        table.add_row(member.process_id, member.address, format_time(member.attached_at), f"{max(age, 0):.1f} s ago")
+    return table
+
+
+@dataclass
+class WatchRow:
+    """What the watch table knows of one predicate."""
+
+    holds: bool
+    summary: str = ""
+    error: str = ""
+    since: int = 0  # the snapshot where the value last changed (0: no change seen yet)
+    changed_at: int = 0  # the event number of the last change
+
+
+@dataclass
+class WatchView:
+    """The state behind ``stablewatch watch``: predicate values, updated event by event."""
+
+    rows: dict[str, WatchRow] = field(default_factory=dict)
+    events: int = 0
+    last: Text = field(default_factory=lambda: Text("waiting for the next snapshot…", style="dim"))
+
+    def update(self, event: WatchEvent) -> None:
+        """Apply one watch event (full or changes only)."""
+        self.events += 1
+        if event.HasField("results"):
+            self.last = summary_line(event.results.snapshot)
+            for result in event.results.results:
+                row = self.rows.setdefault(result.name, WatchRow(result.holds))
+                row.holds, row.summary, row.error = result.holds, result.summary, result.error
+        else:
+            changed = ", ".join(f"{c.name} became {'yes' if c.holds else 'no'}" for c in event.changes)
+            self.last = Text(f"snapshot #{event.snapshot_id}: {changed or 'no change'}")
+        for change in event.changes:
+            row = self.rows.setdefault(change.name, WatchRow(change.holds))
+            row.holds = change.holds
+            row.since = event.snapshot_id
+            row.changed_at = self.events
+
+    def render(self) -> Group:
+        table = Table(title=f"predicates ({self.events} events)", title_justify="left")
+        table.add_column("predicate")
+        table.add_column("value")
+        table.add_column("since", justify="right")
+        table.add_column("summary", overflow="fold")
+        for name, row in self.rows.items():
+            fresh = row.changed_at == self.events
+            result = PredicateResult(name=name, holds=row.holds, error=row.error)
+            verdict = _verdict(result)
+            if fresh:
+                verdict.stylize("reverse")
+            table.add_row(
+                Text(name, style="bold" if fresh else ""),
+                verdict,
+                f"#{row.since}" if row.since else "",
+                row.error or row.summary,
+                style="on grey15" if fresh else None,
+            )
+        return Group(self.last, table)
+
+
+def _dot_quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _node_label(node: WaitNode) -> str:
+    return label((node.process, node.task))
+
+
+def wait_for_dot(graph: WaitForGraph) -> str:
+    """Graphviz DOT for a ``WaitForGraph`` message, drawn as :func:`~.waitfor.to_dot` draws a ``WaitFor``:
+    deadlocked nodes and the deadlock cycle in red, OR waiters as diamonds, edges set aside by the
+    in-flight rule dashed grey."""
+    dead = {_node_label(node) for node in graph.deadlock.deadlocked}
+    cycle = [_node_label(node) for node in graph.deadlock.cycle]
+    cycle_edges = set(zip(cycle, cycle[1:] + cycle[:1], strict=True))
+    or_waiters = {_node_label(edge.waiter) for edge in graph.edges if edge.model == WAIT_MODEL_OR}
+    lines = [f"digraph {_dot_quote(f'waitfor {graph.snapshot_id}')} {{", "  node [shape=box];"]
+    for node in graph.nodes:
+        name = _node_label(node)
+        style = ["shape=diamond"] if name in or_waiters else []
+        if name in dead:
+            style.append("color=red, fontcolor=red")
+        lines.append(f"  {_dot_quote(name)}" + (f" [{', '.join(style)}]" if style else "") + ";")
+    for discounted in (False, True):  # counted edges first, as to_dot writes them
+        for edge in graph.edges:
+            if edge.discounted != discounted:
+                continue
+            u, v = _node_label(edge.waiter), _node_label(edge.target)
+            if discounted:
+                style = ' [style=dashed, color=grey, label="in flight"]'
+            else:
+                style = " [color=red, penwidth=2]" if (u, v) in cycle_edges else ""
+            lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)}{style};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def demo_summary(report: DemoReport) -> Group:
+    """What the live demo found: the deadlock with its evidence, termination, the bank's totals."""
+    lines: list[Text] = []
+    if report.deadlock_detected:
+        cycle = " -> ".join([*report.deadlock_cycle, report.deadlock_cycle[0]]) if report.deadlock_cycle else "?"
+        lines.append(Text(f"deadlock among the philosophers: cycle {cycle}", style="red bold"))
+        lines.append(Text("  every channel along the cycle was empty: no message in flight could wake anyone"))
+        if report.graph_file:
+            lines.append(Text(f"  wait-for graph: {report.graph_file}"))
+    else:
+        lines.append(Text("no deadlock was reported among the philosophers in time", style="yellow"))
+    job = report.systems.get("job", {}).get("first_seen_seconds", {})
+    if report.termination_detected:
+        lines.append(
+            Text(f"the job terminated: detected {job.get('termination', 0):.1f} s into the demo", style="green")
+        )
+    else:
+        lines.append(Text("the job's termination was not detected in time", style="yellow"))
+    totals = ", ".join(f"{name} = {total}" for name, total in sorted(report.bank_totals.items())) or "none"
+    verdict = "conserved in every snapshot" if report.conservation_ok else "NOT conserved"
+    lines.append(Text(f"bank totals: {totals} ({verdict})", style="green" if report.conservation_ok else "red"))
+    lines.append(Text(f"{report.snapshots_completed} snapshots completed in {report.seconds:.1f} s"))
+    for name, system in report.systems.items():
+        lines.append(
+            Text(f"  {name}: gRPC API {system['address']}, metrics {system['metrics']}, data {system['data_dir']}")
+        )
+    return Group(*lines)

@@ -115,7 +115,8 @@ class Detector:
         self._evaluator = Evaluator({**_baseline(self._latest), **config.expected_totals}, self._plugins)
         if self._latest is not None:
             self._last_values = {r.name: r.holds for r in self._latest.results}
-        self._server = grpc.aio.server()
+        # Without this, gRPC lets a second detector bind the same port and split the agents.
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         control_pb2_grpc.add_ControlServicer_to_server(self.coordinator, self._server)
         query_pb2_grpc.add_QueryServicer_to_server(QueryService(self), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -141,18 +142,18 @@ class Detector:
         self._tasks.append(asyncio.ensure_future(self._watch_heartbeats()))
         if config.interval is not None:
             self._tasks.append(asyncio.ensure_future(self._schedule()))
-        _log.info("detector listening on %s, data in %s", self.address, config.data_dir)
+        _log.debug("detector listening on %s, data in %s", self.address, config.data_dir)
 
     async def stop(self) -> None:
         """Stop the schedule, end watch streams, stop serving and close the store."""
-        for task in self._tasks:
-            task.cancel()
+        for task in (*self._tasks, *self._snapshot_tasks):
+            task.cancel()  # a running snapshot is aborted and stored as such (see take_snapshot)
         for task in (*self._tasks, *self._snapshot_tasks):
             with contextlib.suppress(asyncio.CancelledError, SnapshotAborted, NoAgents):
                 await task
         self._tasks.clear()
-        for queue in self._watchers:
-            queue.put_nowait(None)
+        for queue in list(self._watchers):
+            _end_watch(queue)
         self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace=0.5)
@@ -197,6 +198,12 @@ class Detector:
         try:
             _, future = self.coordinator.begin_snapshot(snapshot_id)
             snapshot = await self._await_snapshot(snapshot_id, future, deadline or self.config.deadline)
+        except asyncio.CancelledError:
+            # The caller gave up (shutdown): abort it everywhere rather than leave it running.
+            self.coordinator.abort(snapshot_id, "the detector stopped it", "shutdown")
+            store.abort(snapshot_id, "the detector stopped it", time.time())
+            self.metrics.aborted("shutdown")
+            raise
         except SnapshotAborted as aborted:
             summary = store.abort(snapshot_id, aborted.reason, time.time())
             self.metrics.aborted(aborted.kind)
@@ -213,7 +220,8 @@ class Detector:
         if evaluator.last_wait_for is not None and evaluator.last_deadlock is not None:
             found = evaluator.last_deadlock
             self.metrics.deadlock_cycles.set(count_deadlocks(evaluator.last_wait_for.graph, found.deadlocked))
-        self._latest = results
+        if self._latest is None or snapshot_id > self._latest.snapshot.snapshot_id:
+            self._latest = results  # a slow older snapshot must not replace a newer one
         self._publish(results, self._changes(predicate_results))
         if snapshot_id % _RETENTION_EVERY == 0:
             store.apply_retention(finished)
@@ -305,9 +313,7 @@ class Detector:
                 queue.put_nowait(event)
             except asyncio.QueueFull:  # a watcher this far behind is cut off: its stream ends
                 self._watchers.discard(queue)
-                while not queue.empty():
-                    queue.get_nowait()
-                queue.put_nowait(None)
+                _end_watch(queue)
 
     # -- callbacks from the coordinator --------------------------------------------------------
 
@@ -317,6 +323,13 @@ class Detector:
 
     def _membership_changed(self) -> None:
         self.metrics.agents_attached.set(len(self.coordinator.members))
+
+
+def _end_watch(queue: asyncio.Queue[WatchEvent | None]) -> None:
+    """End a watch stream: drop what it has not read yet and queue the end."""
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(None)
 
 
 def _baseline(latest: SnapshotResults | None) -> dict[str, int]:

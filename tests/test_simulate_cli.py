@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,11 @@ def test_the_same_seed_gives_the_same_snapshots(tmp_path: Path, capsys: pytest.C
     assert runs[0] == runs[1]
 
 
-def test_demo_runs_the_bundled_trace(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["demo", "--json"]) == 0
+def test_the_bundled_sample_trace_conserves_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    traces = resources.files("stablewatch.detector") / "traces"
+    with resources.as_file(traces) as folder:
+        argv = ["simulate", "--topology", str(folder / "bank.top"), "--events", str(folder / "bank.events")]
+        assert main([*argv, "--out", str(tmp_path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["snapshots"]) == 3
     for snapshot in report["snapshots"]:

@@ -1,0 +1,126 @@
+"""A thin synchronous client of the detector's query API, for the CLI and for scripts.
+
+Every unary call has a deadline (``timeout`` seconds, 5 by default), so an unreachable or hung
+detector is reported within it rather than waited on forever. gRPC failures become
+:class:`DetectorError`, whose message says what went wrong in words a user can act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from types import TracebackType
+from typing import TypeVar
+
+import grpc
+
+from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
+from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
+
+__all__ = ["DEFAULT_ADDRESS", "DEFAULT_TIMEOUT", "DetectorClient", "DetectorError"]
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+DEFAULT_TIMEOUT = 5.0
+# How much longer than the snapshot's own deadline TriggerSnapshot may take to answer.
+_TRIGGER_SLACK = 5.0
+# With no deadline given, the detector uses its own; the client then waits up to the API's maximum.
+_TRIGGER_MAX = 600.0
+
+Request = TypeVar("Request")
+Response = TypeVar("Response")
+
+
+class DetectorError(Exception):
+    """A query failed; ``code`` is the gRPC status code (None when unknown)."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class DetectorClient:
+    """Calls ``stablewatch.v1.Query`` on the detector at ``address`` (host:port)."""
+
+    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self.address = address
+        self.timeout = timeout
+        self._channel = grpc.insecure_channel(address)
+        self._stub = query_pb2_grpc.QueryStub(self._channel)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> DetectorClient:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def latest_results(self) -> SnapshotResults:
+        """Results of the newest complete snapshot (NOT_FOUND before the first one)."""
+        return self._call(self._stub.GetLatestResults, query_pb2.GetLatestResultsRequest())
+
+    def snapshot_results(self, snapshot_id: int) -> SnapshotResults:
+        return self._call(self._stub.GetSnapshotResults, query_pb2.GetSnapshotRequest(snapshot_id=snapshot_id))
+
+    def list_snapshots(self, page_size: int = 0, page_token: str = "") -> query_pb2.ListSnapshotsResponse:
+        request = query_pb2.ListSnapshotsRequest(page_size=page_size, page_token=page_token)
+        return self._call(self._stub.ListSnapshots, request)
+
+    def snapshot(self, snapshot_id: int) -> GlobalSnapshot:
+        return self._call(self._stub.GetSnapshot, query_pb2.GetSnapshotRequest(snapshot_id=snapshot_id))
+
+    def wait_for_graph(self, snapshot_id: int) -> WaitForGraph:
+        return self._call(self._stub.GetWaitForGraph, query_pb2.GetSnapshotRequest(snapshot_id=snapshot_id))
+
+    def members(self) -> list[query_pb2.Member]:
+        return list(self._call(self._stub.ListMembers, query_pb2.ListMembersRequest()).members)
+
+    def trigger_snapshot(self, deadline: float | None = None) -> SnapshotResults:
+        """Take a snapshot now and return its results, completed or aborted.
+
+        ``deadline`` (seconds) is the snapshot's own; None leaves the detector's configured one.
+        The call itself may take that long plus a few seconds.
+        """
+        request = query_pb2.TriggerSnapshotRequest(timeout_ms=0 if deadline is None else max(1, round(deadline * 1000)))
+        wait = (_TRIGGER_MAX if deadline is None else deadline) + _TRIGGER_SLACK
+        return self._call(self._stub.TriggerSnapshot, request, wait)
+
+    def watch(self, changes_only: bool = False) -> Iterator[WatchEvent]:
+        """Every new result as the detector publishes it, until it ends the stream.
+
+        The stream has no deadline; closing the iterator (or an exception such as
+        KeyboardInterrupt while it waits) cancels it.
+        """
+        call = self._stub.Watch(query_pb2.WatchRequest(changes_only=changes_only))
+        try:
+            yield from call
+        except grpc.RpcError as error:
+            raise self._error(error) from None
+        finally:
+            call.cancel()
+
+    # -- errors ----------------------------------------------------------------------------------
+
+    def _call(self, method: Callable[..., Response], request: Request, timeout: float | None = None) -> Response:
+        timeout = self.timeout if timeout is None else timeout
+        try:
+            return method(request, timeout=timeout)
+        except grpc.RpcError as error:
+            raise self._error(error, timeout) from None
+
+    def _error(self, error: grpc.RpcError, timeout: float | None = None) -> DetectorError:
+        code = error.code() if isinstance(error, grpc.Call) else None
+        details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
+        if code == grpc.StatusCode.UNAVAILABLE:
+            message = f"cannot reach the detector at {self.address} ({details}); is `stablewatch detector` running?"
+        elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            message = f"the detector at {self.address} did not answer within {timeout:g} s"
+        elif code == grpc.StatusCode.UNIMPLEMENTED:
+            message = f"{self.address} does not serve the stablewatch query API ({details})"
+        else:
+            message = details
+        return DetectorError(message, code)
