@@ -36,7 +36,7 @@ class ChannelSettings:
     def __init__(
         self,
         *,
-        window_entries: int = 1024,
+        window_entries: int = 4096,
         window_bytes: int = 16 * 1024 * 1024,
         max_frame_entries: int = 512,
         max_frame_bytes: int = 1024 * 1024,
