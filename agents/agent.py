@@ -75,7 +75,7 @@ class Agent:
         *,
         listen: str = "127.0.0.1:0",
         advertise: str | None = None,
-        peers: PeerResolver | None = None,
+        peers: PeerResolver | None = None,  # id -> "host:port", or a callable resolving an id
         detector: str | None = None,
         handler: MessageHandler | None = None,
         state_provider: Callable[[], LocalState] | None = None,
@@ -297,11 +297,18 @@ class Agent:
         self._carry_out(self._core.open_outbound(dest))
         return channel
 
-    def _resolve(self, dest: str) -> str:
-        try:
-            return self._peers(dest) if callable(self._peers) else self._peers[dest]
-        except KeyError:
-            raise LookupError(f"no address known for peer {dest!r}") from None
+    def _resolve(self, dest: str) -> Callable[[], str]:
+        """How to find ``dest``, asked again at every connection attempt (peers move when they restart).
+
+        A map must know ``dest`` at the first send (a typo should fail at once); a resolver callable
+        may not know it yet: the channel keeps trying, with backoff.
+        """
+        peers = self._peers
+        if callable(peers):
+            return lambda: peers(dest)
+        if dest not in peers:
+            raise LookupError(f"no address known for peer {dest!r}")
+        return lambda: peers[dest]
 
     def _client_options(self) -> list[tuple[str, Any]]:
         return self._grpc_options + (self._tls.channel_options() if self._tls else [])

@@ -60,7 +60,7 @@ class OutboundChannel:
         self,
         src: str,
         dst: str,
-        target: str,
+        target: str | Callable[[], str],
         *,
         incarnation: int,
         settings: ChannelSettings,
@@ -69,7 +69,11 @@ class OutboundChannel:
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
-        self.src, self.dst, self.target = src, dst, target
+        self.src, self.dst = src, dst
+        # A callable target is asked again at every connection attempt: a peer that is not known
+        # yet, or that restarted elsewhere, is found when it (re)appears.
+        self._resolve = target if callable(target) else lambda: target
+        self.target = ""
         self._settings = settings
         self._max_entries = settings.window_entries
         self._max_bytes = settings.window_bytes
@@ -168,16 +172,24 @@ class OutboundChannel:
             await asyncio.sleep(backoff * (0.5 + random.random()))
             backoff = min(backoff * 2, self._settings.backoff_max)
 
-    def _channel(self) -> grpc.aio.Channel:
+    async def _channel(self) -> grpc.aio.Channel:
+        try:
+            target = self._resolve()
+        except LookupError as error:
+            raise ConnectionError(f"no address for peer {self.dst}: {error}") from None
+        if self._grpc_channel is not None and target != self.target:
+            await self._grpc_channel.close()
+            self._grpc_channel = None
         if self._grpc_channel is None:
+            self.target = target
             if self._credentials is None:
-                self._grpc_channel = grpc.aio.insecure_channel(self.target, options=self._options)
+                self._grpc_channel = grpc.aio.insecure_channel(target, options=self._options)
             else:
-                self._grpc_channel = grpc.aio.secure_channel(self.target, self._credentials, options=self._options)
+                self._grpc_channel = grpc.aio.secure_channel(target, self._credentials, options=self._options)
         return self._grpc_channel
 
     async def _stream(self) -> None:
-        call = channel_pb2_grpc.PeerStub(self._channel()).Channel()
+        call = channel_pb2_grpc.PeerStub(await self._channel()).Channel()
         reader = asyncio.get_running_loop().create_task(self._read_acks(call))
         try:
             # The hello goes out at once, so the receiver's incarnation is known before any data.
