@@ -1,10 +1,13 @@
-"""Shared fixtures: where the COS 418 conformance traces live."""
+"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from certs import make_certs
+from detector_stub import StubDetector
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT.parent / "shared" / "conformance" / "cos418"
@@ -17,3 +20,23 @@ def cos418() -> Path:
     if not DELAY_TAPE.is_file():
         pytest.skip(f"COS 418 conformance traces not found at {CONFORMANCE}")
     return CONFORMANCE
+
+
+@pytest.fixture(scope="session")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A throwaway CA with server, client and node certificates (see certs.make_certs)."""
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="session")
+def foreign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Certificates from another CA, which the servers and agents under test do not trust."""
+    return make_certs(tmp_path_factory.mktemp("foreign"))
+
+
+@pytest.fixture
+def detector() -> Iterator[StubDetector]:
+    """A StubDetector (the real coordinator on its own thread), stopped after the test."""
+    stub = StubDetector()
+    yield stub
+    stub.stop()

@@ -16,7 +16,6 @@ from typing import TypeVar
 
 import grpc
 import pytest
-from certs import make_certs
 from nodes import Node, connect_all, wait_quiet
 from tcp_proxy import TcpProxy
 
@@ -29,17 +28,6 @@ TIMEOUT = 20.0
 TOKENS = 100
 RECONNECTS = "stablewatch_agent_reconnects_total"
 RECEIVED = "stablewatch_agent_messages_received_total"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture(scope="module")
-def foreign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Certificates from another CA, which the agents under test do not trust."""
-    return make_certs(tmp_path_factory.mktemp("foreign"))
 
 
 class WithoutClientCertificate(TlsConfig):

@@ -14,13 +14,6 @@ TOKENS = 100
 
 
 @pytest.fixture
-def detector() -> Iterator[StubDetector]:
-    stub = StubDetector()
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
 def start_nodes() -> Iterator[callable]:
     started: list[Node] = []
 

@@ -109,13 +109,6 @@ async def async_poll(condition: Callable[[], T], what: str, timeout: float = 10.
 
 
 @pytest.fixture
-def detector() -> Iterator[StubDetector]:
-    stub = StubDetector()
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
 def start_nodes() -> Iterator[Callable[..., list[Node]]]:
     started: list[Node] = []
 

@@ -83,13 +83,6 @@ class Cluster:
 
 
 @pytest.fixture
-def detector() -> Iterator[StubDetector]:
-    stub = StubDetector()
-    yield stub
-    stub.stop()
-
-
-@pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[Cluster]:
     started = Cluster(tmp_path)
     yield started

@@ -8,23 +8,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from certs import make_certs
 
 from stablewatch.agents.tls import TlsConfig, channel_credentials, server_credentials
 
 TIMEOUT = 10.0  # seconds, for every RPC and server stop
 METHOD = "/stablewatch.test.Echo/Echo"
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    return make_certs(tmp_path_factory.mktemp("certs"))
-
-
-@pytest.fixture(scope="module")
-def foreign(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Certificates from another CA, which the server does not trust."""
-    return make_certs(tmp_path_factory.mktemp("foreign"))
 
 
 async def _echo(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
