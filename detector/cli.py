@@ -94,6 +94,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--duration", type=_positive, default=60.0, metavar="S", help="stop after S seconds at most (60)")
     demo.add_argument("--data-dir", type=Path, help="where the detectors keep their data (default: a temporary folder)")
     demo.add_argument("--json", action="store_true", help="no live view; print one JSON object at the end")
+    demo.add_argument(
+        "--stay", action="store_true", help="keep running for the whole duration, to query the detectors meanwhile"
+    )
 
     config = DetectorConfig()
     detector = commands.add_parser(
@@ -187,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    report = asyncio.run(run_demo(args.duration, args.data_dir, console, live=not args.json))
+    report = asyncio.run(run_demo(args.duration, args.data_dir, console, live=not args.json, stay=args.stay))
     found = report.deadlock_detected and report.termination_detected and report.conservation_ok
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))

@@ -88,8 +88,14 @@ class DemoReport:
     systems: dict[str, dict[str, object]]
 
 
-async def run_demo(duration: float, data_dir: Path | None, console: Console, live: bool) -> DemoReport:
-    """Run the demo for at most ``duration`` seconds; see the module docstring."""
+async def run_demo(
+    duration: float, data_dir: Path | None, console: Console, live: bool, stay: bool = False
+) -> DemoReport:
+    """Run the demo for at most ``duration`` seconds; see the module docstring.
+
+    With ``stay`` it runs the whole ``duration`` (or until Ctrl-C) even once everything is seen,
+    so the detectors can be queried meanwhile (``stablewatch status --detector ...``).
+    """
     work = Path(tempfile.mkdtemp(prefix="stablewatch-demo-")) if data_dir is None else data_dir
     work.mkdir(parents=True, exist_ok=True)
     systems = [
@@ -109,7 +115,7 @@ async def run_demo(duration: float, data_dir: Path | None, console: Console, liv
             await system.detector.start()
             watchers.append(asyncio.ensure_future(_follow(system, started)))
             _launch(system, work)
-        await _show(systems, started, duration, stop, console, live)
+        await _show(systems, started, duration, stop, console, live, stay)
         report = _report(systems, time.monotonic() - started, work)
     finally:
         for task in watchers:
@@ -163,13 +169,19 @@ def _done(systems: list[_System]) -> bool:
 
 
 async def _show(
-    systems: list[_System], started: float, duration: float, stop: asyncio.Event, console: Console, live: bool
+    systems: list[_System],
+    started: float,
+    duration: float,
+    stop: asyncio.Event,
+    console: Console,
+    live: bool,
+    stay: bool,
 ) -> None:
     """Refresh the live view until every outcome is seen, time is up, or Ctrl-C."""
     deadline = started + duration
     view = Live(_view(systems, started, duration), console=console, refresh_per_second=4) if live else None
     with view if view is not None else contextlib.nullcontext():
-        while not stop.is_set() and time.monotonic() < deadline and not _done(systems):
+        while not stop.is_set() and time.monotonic() < deadline and (stay or not _done(systems)):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
             if view is not None:
