@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
+from polling import async_poll
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 
 FAST = ChannelSettings(backoff_initial=0.01, backoff_max=0.1)
-
-
-async def eventually(condition, what: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
 
 
 def test_a_peer_unknown_at_first_send_is_reached_once_it_resolves() -> None:
@@ -34,9 +26,9 @@ def test_a_peer_unknown_at_first_send_is_reached_once_it_resolves() -> None:
         await b.start()
         try:
             await a.send("B", b"early")  # accepted and kept while B cannot be found
-            await eventually(lambda: "no address for peer B" in a._outbound["B"].last_error, "a failed lookup")
+            await async_poll(lambda: "no address for peer B" in a._outbound["B"].last_error, "a failed lookup")
             directory["B"] = b.address
-            await eventually(lambda: got == [b"early"], "the delivery once B resolves")
+            await async_poll(lambda: got == [b"early"], "the delivery once B resolves")
         finally:
             await a.stop()
             await b.stop()
@@ -58,14 +50,14 @@ def test_a_peer_that_restarts_elsewhere_is_found_again() -> None:
         await first.start()
         directory["B"] = first.address
         await a.send("B", b"one")
-        await eventually(lambda: got == [b"one"], "the first delivery")
+        await async_poll(lambda: got == [b"one"], "the first delivery")
         await first.stop()
         second = Agent("B", handler=handler)  # a new incarnation, on another port
         await second.start()
         directory["B"] = second.address
         try:
             await a.send("B", b"two")
-            await eventually(lambda: got == [b"one", b"two"], "the delivery to the new address")
+            await async_poll(lambda: got == [b"one", b"two"], "the delivery to the new address")
         finally:
             await a.stop()
             await second.stop()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
@@ -19,6 +18,7 @@ import pytest
 from nodes import Node, connect_all, wait_quiet
 from tcp_proxy import TcpProxy
 
+from polling import async_poll
 from stablewatch.agents import Agent, ChannelSettings, TlsConfig
 from stablewatch.agents.tls import channel_credentials
 
@@ -35,15 +35,6 @@ class WithoutClientCertificate(TlsConfig):
 
     def channel_credentials(self) -> grpc.ChannelCredentials:
         return channel_credentials(self.ca_file)
-
-
-async def async_poll(condition: Callable[[], T], what: str, timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.005)
-    return value
 
 
 def run(coroutine) -> None:

@@ -21,6 +21,7 @@ from detector_stub import SnapshotAborted, StubDetector
 from nodes import Node, connect_all, wait_quiet
 from tcp_proxy import TcpProxy
 
+from polling import async_poll, poll
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, MessageTooLarge
 from stablewatch.v1 import GlobalSnapshot
 
@@ -34,16 +35,6 @@ RECEIVED = "stablewatch_agent_messages_received_total"
 
 
 # -- helpers ------------------------------------------------------------------------------------
-
-
-def poll(condition: Callable[[], T], what: str, timeout: float = 10.0, interval: float = 0.002) -> T:
-    """``condition()`` once it is truthy; fails with ``what`` after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(interval)
-    return value
 
 
 def break_repeatedly(proxy: TcpProxy, times: int, progress: Callable[[], int]) -> None:
@@ -94,15 +85,6 @@ def assert_clean(stats: list[dict[str, Any]], total: int | None = None) -> None:
 def run(coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
     """Run an in-process scenario with a bound on its duration."""
     return asyncio.run(asyncio.wait_for(coroutine, timeout))
-
-
-async def async_poll(condition: Callable[[], T], what: str, timeout: float = 10.0) -> T:
-    deadline = time.monotonic() + timeout
-    while not (value := condition()):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
-        await asyncio.sleep(0.002)
-    return value
 
 
 # -- fixtures -----------------------------------------------------------------------------------

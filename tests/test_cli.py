@@ -16,9 +16,8 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import pytest
 from nodes import Node, connect_all, wait_quiet
 from rich.console import Console
 
+from polling import poll
 from stablewatch.detector.cli import main
 from stablewatch.detector.client import DetectorClient
 from stablewatch.detector.render import WatchView, wait_for_dot
@@ -70,14 +70,6 @@ METRICS = (
     "stablewatch_agents_attached",
     "stablewatch_rejected_parts_total",
 )
-
-
-def poll(condition: Callable[[], bool], what: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def stablewatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:

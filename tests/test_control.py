@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
+from polling import async_poll
 from stablewatch.agents import control
 from stablewatch.agents.control import ControlClient
 from stablewatch.v1 import AgentMessage, DetectorMessage, InboundChannelState, LocalSnapshotPart
@@ -21,15 +22,6 @@ from stablewatch.v1.control_pb2_grpc import ControlServicer, add_ControlServicer
 TEST_TIMEOUT = 20.0
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-async def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> None:
-    """Poll ``predicate`` until it holds; fail after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s")
-        await asyncio.sleep(0.005)
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -161,7 +153,7 @@ def test_registers_with_its_fields_and_sends_heartbeats_at_the_detectors_interva
             register = detector.registrations[0].register
             assert (register.process_id, register.address) == ("p1", "127.0.0.1:7001")
             assert (register.incarnation, register.agent_version) == (3, "1.2.3")
-            await eventually(lambda: len(detector.of_kind("heartbeat")) >= 3)
+            await async_poll(lambda: len(detector.of_kind("heartbeat")) >= 3)
             sequences = [h.sequence for h in detector.of_kind("heartbeat")]
             assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
         finally:
@@ -178,7 +170,7 @@ def test_heartbeats_at_its_own_interval_when_the_detector_sets_none() -> None:
         client = Agent().client(port, heartbeat_interval=0.01)
         await client.start()
         try:
-            await eventually(lambda: len(detector.of_kind("heartbeat")) >= 3)
+            await async_poll(lambda: len(detector.of_kind("heartbeat")) >= 3)
         finally:
             await client.stop()
             await server.stop(None)
@@ -208,15 +200,15 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
                 detector.send(start(k))
             detector.send(DetectorMessage(ping=Ping(nonce=42)))
             # The Pong comes back while on_start(1) is still blocked, and nothing else has started.
-            await eventually(lambda: [p.nonce for p in detector.of_kind("pong")] == [42])
+            await async_poll(lambda: [p.nonce for p in detector.of_kind("pong")] == [42])
             assert agent.started == [1]
             release.set()
-            await eventually(lambda: sum(len(p.inbound) for p in detector.of_kind("part")) == 9)
+            await async_poll(lambda: sum(len(p.inbound) for p in detector.of_kind("part")) == 9)
             assert agent.started == [1, 2, 3]
             received = [(p.snapshot_id, c.src) for p in detector.of_kind("part") for c in p.inbound]
             assert received == [(k, f"q{i}") for k in (1, 2, 3) for i in range(3)]
             assert client.report_failure(3, "too big")
-            await eventually(lambda: len(detector.of_kind("failure")) == 1)
+            await async_poll(lambda: len(detector.of_kind("failure")) == 1)
             failure = detector.of_kind("failure")[0]
             assert (failure.snapshot_id, failure.process_id, failure.reason) == (3, "p1", "too big")
         finally:
@@ -240,7 +232,7 @@ def test_abort_and_done_call_on_finish_after_the_start() -> None:
             detector.send(DetectorMessage(abort=AbortSnapshot(snapshot_id=5, reason="deadline")))
             detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=6)))
             detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=9)))  # started by a marker only
-            await eventually(lambda: agent.finished == [5, 6, 9])
+            await async_poll(lambda: agent.finished == [5, 6, 9])
             assert agent.started == [5, 6]
         finally:
             await client.stop()
@@ -263,14 +255,14 @@ def test_detector_down_at_start_then_up_later() -> None:
             assert not client.report_part(part(1, 0))
             assert not client.report_failure(1, "no detector")
             assert not await client.wait_connected(0.05)
-            await eventually(lambda: any(kind == "unreachable" for kind, _ in agent.events))
+            await async_poll(lambda: any(kind == "unreachable" for kind, _ in agent.events))
 
             detector = FakeDetector()
             server, _ = await serve(detector, port)
             try:
                 assert await client.wait_connected(10)
                 assert client.report_part(part(1, 0))
-                await eventually(lambda: len(detector.of_kind("part")) == 1)
+                await async_poll(lambda: len(detector.of_kind("part")) == 1)
             finally:
                 await server.stop(None)
         finally:
@@ -291,10 +283,10 @@ def test_lost_stream_finishes_open_snapshots_and_reconnects_to_a_new_detector() 
             for k in (7, 8):
                 detector.send(start(k))
             detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=8)))
-            await eventually(lambda: agent.finished == [8])
+            await async_poll(lambda: agent.finished == [8])
 
             await server.stop(None)
-            await eventually(lambda: agent.finished == [8, 7])
+            await async_poll(lambda: agent.finished == [8, 7])
             assert not client.connected
             assert not client.report_part(part(7, 0))
             assert any(kind == "disconnected" for kind, _ in agent.events)
@@ -304,9 +296,9 @@ def test_lost_stream_finishes_open_snapshots_and_reconnects_to_a_new_detector() 
             assert await client.wait_connected(10)
             assert len(second.registrations) == 1
             second.send(start(9))
-            await eventually(lambda: agent.started == [7, 8, 9])
+            await async_poll(lambda: agent.started == [7, 8, 9])
             assert client.report_part(part(9, 0))
-            await eventually(lambda: len(second.of_kind("part")) == 1)
+            await async_poll(lambda: len(second.of_kind("part")) == 1)
         finally:
             await client.stop()
             await server.stop(None)
@@ -349,7 +341,7 @@ def test_full_queue_drops_without_blocking() -> None:
             assert client.dropped == 5
             assert agent.events.count(("dropped", "part")) == 5
             channels = lambda: [c.src for p in detector.of_kind("part") for c in p.inbound]  # noqa: E731
-            await eventually(lambda: len(channels()) == 10)
+            await async_poll(lambda: len(channels()) == 10)
             assert channels() == [f"q{i}" for i in range(10)]  # the first ten, in order (merged)
         finally:
             await client.stop()
@@ -375,8 +367,8 @@ def test_failing_callback_reports_a_failure_and_the_client_carries_on() -> None:
             assert await client.wait_connected(10)
             detector.send(start(1))
             detector.send(start(2))
-            await eventually(lambda: agent.started == [1, 2])
-            await eventually(lambda: len(detector.of_kind("failure")) == 1)
+            await async_poll(lambda: agent.started == [1, 2])
+            await async_poll(lambda: len(detector.of_kind("failure")) == 1)
             assert detector.of_kind("failure")[0].snapshot_id == 1
             assert "boom" in detector.of_kind("failure")[0].reason
             assert client.connected
@@ -406,9 +398,9 @@ def test_stop_leaves_no_tasks_behind(detector_up: bool) -> None:
             if detector_up:
                 assert await client.wait_connected(10)
                 detector.send(start(4))
-                await eventually(lambda: agent.started == [4])
+                await async_poll(lambda: agent.started == [4])
             else:
-                await eventually(lambda: any(kind == "unreachable" for kind, _ in agent.events))
+                await async_poll(lambda: any(kind == "unreachable" for kind, _ in agent.events))
             await client.stop()
             await client.stop()  # idempotent
             assert not client.connected
@@ -420,7 +412,7 @@ def test_stop_leaves_no_tasks_behind(detector_up: bool) -> None:
             await client.stop()
             if server is not None:
                 await server.stop(None)
-        await eventually(lambda: asyncio.all_tasks() == baseline)
+        await async_poll(lambda: asyncio.all_tasks() == baseline)
 
     run(body)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 import urllib.request
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
@@ -14,6 +13,7 @@ import grpc
 import pytest
 from nodes import Node, connect_all
 
+from polling import poll
 from stablewatch.detector.query import outcome_name
 from stablewatch.detector.service import Detector, DetectorConfig
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart, LocalState, control_pb2, control_pb2_grpc
@@ -59,14 +59,6 @@ def running(tmp_path: Path) -> Iterator[Running]:
     service = Running(config)
     yield service
     service.stop()
-
-
-def poll(condition, what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class RawAgent:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -21,6 +20,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from polling import poll
 from stablewatch.agents import Agent
 from stablewatch.detector.client import DetectorClient, DetectorError
 from stablewatch.detector.service import Detector, DetectorConfig
@@ -31,14 +31,6 @@ pytestmark = pytest.mark.timeout(60)
 
 T = TypeVar("T")
 TOKENS = 100
-
-
-def poll(condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out waiting for {what}")
-        time.sleep(0.01)
 
 
 class LoopDetector:

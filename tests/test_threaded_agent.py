@@ -3,20 +3,12 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 from detector_stub import StubDetector
 
+from polling import poll
 from stablewatch.agents import AppMessage, ThreadedAgent
-
-
-def poll(condition, what: str, timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.005)
 
 
 def test_threads_send_tokens_and_snapshots_conserve_them() -> None:
