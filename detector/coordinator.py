@@ -119,9 +119,12 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             member.send(start)
         return snapshot_id, result
 
-    async def snapshot(self, timeout: float) -> GlobalSnapshot:
-        """Take one snapshot of every attached agent, aborting it after ``timeout`` seconds."""
-        snapshot_id, result = self.begin_snapshot()
+    async def snapshot(self, timeout: float, snapshot_id: int | None = None) -> GlobalSnapshot:
+        """Take one snapshot of every attached agent, aborting it after ``timeout`` seconds.
+
+        Raises :class:`SnapshotAborted` (with its reason) when it cannot complete.
+        """
+        snapshot_id, result = self.begin_snapshot(snapshot_id)
         try:
             return await asyncio.wait_for(asyncio.shield(result), timeout)
         except TimeoutError:
@@ -137,9 +140,6 @@ class Coordinator(control_pb2_grpc.ControlServicer):
     @property
     def running(self) -> list[int]:
         return sorted(self._running)
-
-    def missing(self, snapshot_id: int) -> str:
-        return self._assembler.missing(snapshot_id)
 
     async def ping_all(self, timeout: float) -> float:
         """Send a no-op to every member and wait for every reply: the broadcast round trip, in seconds."""

@@ -33,7 +33,6 @@ from stablewatch.detector.query import QueryService
 from stablewatch.detector.store import Store
 from stablewatch.detector.waitfor import build_wait_for, find_deadlock, to_proto
 from stablewatch.v1 import (
-    GlobalSnapshot,
     PredicateResult,
     WaitForGraph,
     control_pb2,
@@ -196,8 +195,7 @@ class Detector:
         store.begin(snapshot_id, started, len(self.coordinator.members))
         clock = time.perf_counter()
         try:
-            _, future = self.coordinator.begin_snapshot(snapshot_id)
-            snapshot = await self._await_snapshot(snapshot_id, future, deadline or self.config.deadline)
+            snapshot = await self.coordinator.snapshot(deadline or self.config.deadline, snapshot_id)
         except asyncio.CancelledError:
             # The caller gave up (shutdown): abort it everywhere rather than leave it running.
             self.coordinator.abort(snapshot_id, "the detector stopped it", "shutdown")
@@ -226,14 +224,6 @@ class Detector:
         if snapshot_id % _RETENTION_EVERY == 0:
             store.apply_retention(finished)
         return results
-
-    async def _await_snapshot(self, snapshot_id: int, future: asyncio.Future[GlobalSnapshot], deadline: float):
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), deadline)
-        except TimeoutError:
-            missing = self.coordinator.missing(snapshot_id)
-            self.coordinator.abort(snapshot_id, f"deadline of {deadline:g}s passed, {missing}", "deadline")
-            return await future  # raises SnapshotAborted
 
     def _changes(self, results: Sequence[PredicateResult]) -> list[PredicateChange]:
         changes = []
