@@ -191,7 +191,7 @@ class LocalStateKeeper:
 
         Waits of the same task are merged into one ``Wait`` in order of registration: targets are
         concatenated without repeats; the model stays if all agree, else it is AND (the rule the
-        detector applies too, see :mod:`stablewatch.detector.waitfor`).
+        detector applies too, see :mod:`stablewatch.detector.evaluation.waitfor`).
         """
         with self._lock:
             active = self._active

@@ -29,7 +29,7 @@ import time
 import grpc
 
 from stablewatch.agents import Agent, AppMessage
-from stablewatch.detector.coordinator import Coordinator, SnapshotAborted
+from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc, control_pb2_grpc
 
 PAYLOAD = b"x" * 64

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from stablewatch.detector.service import Detector, DetectorConfig
+from stablewatch.detector.service.detector import Detector, DetectorConfig
 
 HOST_SCRIPT = Path(__file__).with_name("agent_host.py")
 

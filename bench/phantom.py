@@ -48,7 +48,7 @@ from cluster import Cluster, ring_links
 from rich.console import Console
 from rich.table import Table
 
-from stablewatch.detector.waitfor import build_wait_for, find_deadlock, to_dot
+from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, to_dot
 from stablewatch.v1 import query_pb2
 
 TOKEN = b"token"

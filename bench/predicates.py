@@ -26,7 +26,7 @@ import networkx as nx
 from rich.console import Console
 from rich.table import Table
 
-from stablewatch.detector.deadlock import deadlock_cycle, deadlocked_nodes
+from stablewatch.detector.evaluation.deadlock import deadlock_cycle, deadlocked_nodes
 
 
 def build_graph(nodes: int, edges: int, chain: int, seed: int, acyclic: bool = False) -> nx.DiGraph:

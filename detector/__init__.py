@@ -1,0 +1,15 @@
+"""The central detector, grouped into rooms that each do one thing.
+
+* :mod:`~stablewatch.detector.evaluation` — what a consistent cut proves: the wait-for graph,
+  deadlock, termination, conservation, user predicates, and :func:`evaluate`, the one pure
+  function from a global snapshot to its :class:`~stablewatch.v1.Evaluation`. No I/O.
+* :mod:`~stablewatch.detector.service` — the running detector: control streams and membership,
+  assembly of parts, the scheduler, the SQLite store, the query API, metrics, and the wiring.
+* :mod:`~stablewatch.detector.archive` — completed snapshots as day-partitioned Parquet tables:
+  the schema (shared with the Spark pipeline), the batched writer and the reader.
+* :mod:`~stablewatch.detector.sim` — the deterministic simulator and the COS 418 trace formats.
+* :mod:`~stablewatch.detector.cli` — the front door: the ``stablewatch`` command, the client of the
+  query API, the live demo and the human renderings.
+
+Dependencies point one way: evaluation ← service ← cli, evaluation ← archive ← service.
+"""

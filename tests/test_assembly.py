@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from stablewatch.detector.assembly import REJECTION_REASONS, Aborted, Assembler, Completed, PartRejected
+from stablewatch.detector.service.assembly import REJECTION_REASONS, Aborted, Assembler, Completed, PartRejected
 from stablewatch.v1 import (
     ChannelSnapshot,
     GlobalSnapshot,

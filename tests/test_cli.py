@@ -26,10 +26,10 @@ from nodes import Node, connect_all, wait_quiet
 from rich.console import Console
 
 from polling import poll
-from stablewatch.detector.cli import main
-from stablewatch.detector.client import DetectorClient
-from stablewatch.detector.render import WatchView, wait_for_dot
-from stablewatch.detector.waitfor import build_wait_for, to_dot, to_proto
+from stablewatch.detector.cli.client import DetectorClient
+from stablewatch.detector.cli.main import main
+from stablewatch.detector.cli.render import WatchView, wait_for_dot
+from stablewatch.detector.evaluation.waitfor import build_wait_for, to_dot, to_proto
 from stablewatch.v1 import (
     WAIT_MODEL_OR,
     ChannelSnapshot,
@@ -52,7 +52,7 @@ from stablewatch.v1.query_pb2 import (
 pytestmark = pytest.mark.timeout(60)
 
 _SCRIPT = Path(sys.executable).with_name("stablewatch")
-STABLEWATCH = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "stablewatch.detector.cli"]
+STABLEWATCH = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "stablewatch.detector.cli.main"]
 TOKENS = 100
 METRICS = (
     "stablewatch_predicate_value",

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from conftest import DELAY_TAPE
-from stablewatch.detector.cli import main
-from stablewatch.detector.cos418 import compare_snaps, parse_snap
+from stablewatch.detector.cli.main import main
+from stablewatch.detector.sim.cos418 import compare_snaps, parse_snap
 
 CASES = [
     "2nodes-simple",

@@ -21,7 +21,7 @@ from stablewatch.agents.core import (
     SnapshotFailed,
     apply_recording,
 )
-from stablewatch.detector.assembly import Assembler, Completed
+from stablewatch.detector.service.assembly import Assembler, Completed
 from stablewatch.v1 import GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
 
 TOKENS = "tokens"

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stablewatch.detector.deadlock import (
+from stablewatch.detector.evaluation.deadlock import (
     AND,
     OR,
     and_deadlock,

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from stablewatch.agents.metrics import AgentMetrics
-from stablewatch.detector.metrics import DetectorMetrics
-from stablewatch.detector.service import DetectorConfig
+from stablewatch.detector.service.detector import DetectorConfig
+from stablewatch.detector.service.metrics import DetectorMetrics
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read deploy/ (it belongs in the dev extra)")
 

@@ -14,8 +14,8 @@ import pytest
 from nodes import Node, connect_all
 
 from polling import poll
-from stablewatch.detector.query import outcome_name
-from stablewatch.detector.service import Detector, DetectorConfig
+from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart, LocalState, control_pb2, control_pb2_grpc
 
 T = TypeVar("T")

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from detector_stub import StubDetector
 
-from stablewatch.detector.plugins import load_predicate
-from stablewatch.detector.predicates import Evaluator
+from stablewatch.detector.evaluation.plugins import load_predicate
+from stablewatch.detector.evaluation.predicates import Evaluator
 from stablewatch.examples.job import total_tasks
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from stablewatch.detector.plugins import (
+from stablewatch.detector.evaluation.plugins import (
     GROUP,
     PluginError,
     UserPredicate,

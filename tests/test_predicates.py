@@ -2,8 +2,8 @@
 
 import pytest
 
-from stablewatch.detector.plugins import UserPredicate
-from stablewatch.detector.predicates import (
+from stablewatch.detector.evaluation.plugins import UserPredicate
+from stablewatch.detector.evaluation.predicates import (
     Evaluator,
     conservation,
     counter_holdings,

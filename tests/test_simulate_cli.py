@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from stablewatch.detector.cli import main
-from stablewatch.detector.cos418 import parse_snap
+from stablewatch.detector.cli.main import main
+from stablewatch.detector.sim.cos418 import parse_snap
 
 TOPOLOGY = "3\nA 5\nB 3\nC 2\nA B\nB C\nC A\n"
 
@@ -110,7 +110,7 @@ def test_the_same_seed_gives_the_same_snapshots(tmp_path: Path, capsys: pytest.C
 
 
 def test_the_bundled_sample_trace_conserves_tokens(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    traces = resources.files("stablewatch.detector") / "traces"
+    traces = resources.files("stablewatch.detector.sim.traces")
     with resources.as_file(traces) as folder:
         argv = ["simulate", "--topology", str(folder / "bank.top"), "--events", str(folder / "bank.events")]
         assert main([*argv, "--out", str(tmp_path), "--json"]) == 0

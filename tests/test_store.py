@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from google.protobuf.struct_pb2 import Struct
 
-from stablewatch.detector.store import DB_FILENAME, RESTART_REASON, SCHEMA_VERSION, Store, StoreError
+from stablewatch.detector.service.store import DB_FILENAME, RESTART_REASON, SCHEMA_VERSION, Store, StoreError
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     ChannelRef,

@@ -2,8 +2,8 @@
 
 import pytest
 
-from stablewatch.detector.deadlock import AND, OR
-from stablewatch.detector.waitfor import (
+from stablewatch.detector.evaluation.deadlock import AND, OR
+from stablewatch.detector.evaluation.waitfor import (
     build_wait_for,
     find_deadlock,
     label,

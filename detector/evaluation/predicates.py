@@ -11,8 +11,8 @@ evidence. All of them are stable properties: one that holds in a consistent cut 
 
 from collections.abc import Iterable, Mapping, Sequence
 
-from stablewatch.detector.plugins import UserPredicate
-from stablewatch.detector.waitfor import (
+from stablewatch.detector.evaluation.plugins import UserPredicate
+from stablewatch.detector.evaluation.waitfor import (
     Deadlock,
     WaitFor,
     build_wait_for,

@@ -17,7 +17,7 @@ from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_gr
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
 
 if TYPE_CHECKING:
-    from stablewatch.detector.service import Detector
+    from stablewatch.detector.service.detector import Detector
 
 __all__ = ["QueryService", "outcome_name"]
 
@@ -80,7 +80,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         return graph
 
     async def TriggerSnapshot(self, request, context) -> SnapshotResults:
-        from stablewatch.detector.service import NoAgents
+        from stablewatch.detector.service.detector import NoAgents
 
         if request.timeout_ms > MAX_TRIGGER_TIMEOUT_MS:
             await _fail(

@@ -16,7 +16,7 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   blocking. Heartbeats (``no_wake`` true) discount nothing. Discounted edges are kept apart, for
   reporting only.
 
-Deadlock is then graph reduction with each waiter's own model (:mod:`stablewatch.detector.deadlock`).
+Deadlock is then graph reduction with each waiter's own model (:mod:`stablewatch.detector.evaluation.deadlock`).
 """
 
 from collections.abc import Iterable
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from stablewatch.detector.deadlock import AND, OR, deadlock_cycle, deadlock_knot, deadlocked_nodes
+from stablewatch.detector.evaluation.deadlock import AND, OR, deadlock_cycle, deadlock_knot, deadlocked_nodes
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,

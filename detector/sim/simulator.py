@@ -2,7 +2,7 @@
 
 Each process runs a :class:`~stablewatch.agents.core.SnapshotCore`; the simulator plays the
 network (per-link FIFO queues with delivery times) and the detector (an
-:class:`~stablewatch.detector.assembly.Assembler` over every process). Its timing follows the COS
+:class:`~stablewatch.detector.service.assembly.Assembler` over every process). Its timing follows the COS
 418 rules exactly (see ``shared/conformance/cos418/README.md``):
 
 * a message sent at time ``t`` is due at ``t + 1 + d``, ``d`` the next value of the delay source;
@@ -31,8 +31,8 @@ from stablewatch.agents.core import (
     SnapshotCore,
     SnapshotFailed,
 )
-from stablewatch.detector.assembly import Assembler, Completed
-from stablewatch.detector.cos418 import TOKENS, Send, SnapshotEvent, Tick, Topology, TraceError, TraceEvent
+from stablewatch.detector.service.assembly import Assembler, Completed
+from stablewatch.detector.sim.cos418 import TOKENS, Send, SnapshotEvent, Tick, Topology, TraceError, TraceEvent
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 
 __all__ = ["Simulation", "random_delays", "tape_delays"]

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from stablewatch.detector.assembly import Assembler, Completed, PartRejected
+from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected
 from stablewatch.v1 import (
     AgentMessage,
     DetectorMessage,

@@ -23,15 +23,15 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stablewatch.detector.assembly import PartRejected
-from stablewatch.detector.coordinator import Coordinator, NoAgents, SnapshotAborted
-from stablewatch.detector.deadlock import count_deadlocks
-from stablewatch.detector.metrics import DetectorMetrics
-from stablewatch.detector.plugins import UserPredicate
-from stablewatch.detector.predicates import Evaluator
-from stablewatch.detector.query import QueryService
-from stablewatch.detector.store import Store
-from stablewatch.detector.waitfor import build_wait_for, find_deadlock, to_proto
+from stablewatch.detector.evaluation.deadlock import count_deadlocks
+from stablewatch.detector.evaluation.plugins import UserPredicate
+from stablewatch.detector.evaluation.predicates import Evaluator
+from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, to_proto
+from stablewatch.detector.service.assembly import PartRejected
+from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
+from stablewatch.detector.service.metrics import DetectorMetrics
+from stablewatch.detector.service.query import QueryService
+from stablewatch.detector.service.store import Store
 from stablewatch.v1 import (
     PredicateResult,
     WaitForGraph,

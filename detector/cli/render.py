@@ -15,8 +15,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.detector.query import outcome_name
-from stablewatch.detector.waitfor import label
+from stablewatch.detector.evaluation.waitfor import label
+from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import WAIT_MODEL_OR, GlobalSnapshot, PredicateResult, WaitForGraph, WaitNode
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_COMPLETED,
@@ -27,7 +27,7 @@ from stablewatch.v1.query_pb2 import (
 )
 
 if TYPE_CHECKING:
-    from stablewatch.detector.demo import DemoReport
+    from stablewatch.detector.cli.demo import DemoReport
 
 __all__ = [
     "WatchView",

@@ -3,7 +3,7 @@
 * ``simulate``, ``demo``: play a COS 418 trace through the protocol core (no services needed).
 * ``detector``: run the detector service until SIGINT or SIGTERM.
 * ``status``, ``snapshot``, ``watch``, ``graph``: ask a running detector, through its query API
-  (:mod:`stablewatch.detector.client`). Human output uses rich; ``--json`` prints one JSON object
+  (:mod:`stablewatch.detector.cli.client`). Human output uses rich; ``--json`` prints one JSON object
   (``watch``: one per line), errors included.
 
 Exit statuses: 0 success, 1 the detector is unreachable or refused (or a simulation differs from
@@ -32,8 +32,23 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.live import Live
 
-from stablewatch.detector.client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, DetectorClient, DetectorError
-from stablewatch.detector.cos418 import (
+from stablewatch.detector.cli.client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, DetectorClient, DetectorError
+from stablewatch.detector.cli.demo import run_demo
+from stablewatch.detector.cli.render import (
+    WatchView,
+    demo_summary,
+    members_table,
+    proto_dict,
+    results_report,
+    snapshot_report,
+    wait_for_dot,
+)
+from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, entry_point_predicates, load_predicate
+from stablewatch.detector.evaluation.predicates import Evaluator
+from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.query import outcome_name
+from stablewatch.detector.service.store import StoreError
+from stablewatch.detector.sim.cos418 import (
     TOKENS,
     TraceError,
     compare_snaps,
@@ -45,22 +60,7 @@ from stablewatch.detector.cos418 import (
     parse_topology,
     snap_from_snapshot,
 )
-from stablewatch.detector.demo import run_demo
-from stablewatch.detector.plugins import PluginError, UserPredicate, entry_point_predicates, load_predicate
-from stablewatch.detector.predicates import Evaluator
-from stablewatch.detector.query import outcome_name
-from stablewatch.detector.render import (
-    WatchView,
-    demo_summary,
-    members_table,
-    proto_dict,
-    results_report,
-    snapshot_report,
-    wait_for_dot,
-)
-from stablewatch.detector.service import Detector, DetectorConfig
-from stablewatch.detector.simulator import Simulation, random_delays, tape_delays
-from stablewatch.detector.store import StoreError
+from stablewatch.detector.sim.simulator import Simulation, random_delays, tape_delays
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_COMPLETED, SnapshotResults, WatchEvent
 
 __all__ = ["main"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stablewatch.detector.assembly import REJECTION_REASONS
-from stablewatch.detector.coordinator import ABORT_KINDS
+from stablewatch.detector.service.assembly import REJECTION_REASONS
+from stablewatch.detector.service.coordinator import ABORT_KINDS
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
 
 __all__ = ["DetectorMetrics"]

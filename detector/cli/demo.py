@@ -29,10 +29,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.detector.plugins import load_predicate
-from stablewatch.detector.query import outcome_name
-from stablewatch.detector.service import Detector, DetectorConfig
-from stablewatch.detector.waitfor import build_wait_for, find_deadlock, label, to_dot
+from stablewatch.detector.evaluation.plugins import load_predicate
+from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, label, to_dot
+from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import PredicateResult
 from stablewatch.v1.query_pb2 import SnapshotResults
 

@@ -1,0 +1,1 @@
+"""The front door: the ``stablewatch`` command, the query API client, the live demo and renderings."""

@@ -1,0 +1,1 @@
+"""The running detector: control streams, assembly, scheduling, the store, the query API and metrics."""

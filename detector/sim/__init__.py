@@ -1,0 +1,1 @@
+"""The deterministic simulator and the COS 418 trace formats it reads and writes."""

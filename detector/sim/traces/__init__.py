@@ -1,0 +1,1 @@
+"""Sample traces in the COS 418 formats, shipped with stablewatch (``stablewatch simulate``)."""
