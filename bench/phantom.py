@@ -48,7 +48,7 @@ from cluster import Cluster, ring_links
 from rich.console import Console
 from rich.table import Table
 
-from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, to_dot
+from stablewatch.detector.evaluation import evaluate, wait_for_dot
 from stablewatch.v1 import query_pb2
 
 TOKEN = b"token"
@@ -159,8 +159,7 @@ def explain_snapshot(cluster: Cluster, snapshot_id: int, why: str) -> str:
             f"  channel {channel.src}->{channel.dst}: n={channel.sent_before_marker} "
             f"m={channel.received_before_recording} in flight={recorded}"
         )
-    wait_for = build_wait_for(snapshot)
-    lines.append(to_dot(wait_for, find_deadlock(wait_for)))
+    lines.append(wait_for_dot(evaluate(snapshot).wait_for))
     return "\n".join(lines)
 
 

@@ -80,6 +80,7 @@ def expected_snapshot() -> GlobalSnapshot:
             ),
             ChannelSnapshot(src="b", dst="a", sent_before_marker=1, received_before_recording=1),
         ],
+        expected_members=["a", "b"],
     )
 
 
@@ -170,7 +171,17 @@ def test_channels_to_non_members_are_left_out_of_the_cut() -> None:
     outbound_only = LocalSnapshotPart(snapshot_id=SNAPSHOT, process_id="b")
     outbound_only.outbound.append(OutboundCount(dst="y", sent_before_marker=0))
     parts.insert(0, outbound_only)
-    assert feed(assembler, parts) == expected_snapshot()
+    expected = expected_snapshot()
+    expected.outside_peers[:] = ["x", "y"]  # kept, so that evaluation can see the cut is open
+    assert feed(assembler, parts) == expected
+
+
+def test_expected_members_travel_in_the_snapshot() -> None:
+    assembler = Assembler()
+    assembler.begin(SNAPSHOT, ["a", "b"], expected=["c"], expected_count=4)
+    snapshot = feed(assembler, good_parts())
+    assert list(snapshot.expected_members) == ["a", "b", "c"]
+    assert snapshot.expected_member_count == 4
 
 
 def test_missing_for_a_snapshot_that_is_not_running() -> None:

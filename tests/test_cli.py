@@ -28,8 +28,8 @@ from rich.console import Console
 from polling import poll
 from stablewatch.detector.cli.client import DetectorClient
 from stablewatch.detector.cli.main import main
-from stablewatch.detector.cli.render import WatchView, wait_for_dot
-from stablewatch.detector.evaluation.waitfor import build_wait_for, to_dot, to_proto
+from stablewatch.detector.cli.render import WatchView
+from stablewatch.detector.evaluation import evaluate, wait_for_dot
 from stablewatch.v1 import (
     WAIT_MODEL_OR,
     ChannelSnapshot,
@@ -428,7 +428,7 @@ def test_bad_flags_exit_2_from_the_console_script() -> None:
     assert "argument --deadline: expected a number, not 'soon'" in result.stderr
 
 
-def test_graph_dot_from_the_proto_matches_to_dot() -> None:
+def test_graph_dot_from_the_stored_graph() -> None:
     def process(pid: str, *waits: Wait, active: bool = False) -> ProcessSnapshot:
         return ProcessSnapshot(process_id=pid, state=LocalState(active=active, waits=waits))
 
@@ -449,9 +449,7 @@ def test_graph_dot_from_the_proto_matches_to_dot() -> None:
         # A message in flight on A -> G may wake G: G's wait on A is discounted.
         channels=[ChannelSnapshot(src="A", dst="G", sent_before_marker=1, messages=[RecordedMessage(payload=b"x")])],
     )
-    wait_for = build_wait_for(snapshot)
-    dot = wait_for_dot(to_proto(wait_for))
-    assert dot == to_dot(wait_for)
+    dot = wait_for_dot(evaluate(snapshot).wait_for)
     assert '"A" -> "B" [color=red, penwidth=2];' in dot
     assert '"C/worker" [shape=diamond, color=red, fontcolor=red];' in dot
     assert '"G" -> "A" [style=dashed, color=grey, label="in flight"];' in dot

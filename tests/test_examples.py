@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from detector_stub import StubDetector
 
+from stablewatch.detector.evaluation import evaluate
 from stablewatch.detector.evaluation.plugins import load_predicate
-from stablewatch.detector.evaluation.predicates import Evaluator
 from stablewatch.examples.job import total_tasks
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
 
@@ -123,14 +123,14 @@ def start_bank(cluster: Cluster, detector: StubDetector, *args: str) -> None:
 
 def test_bank_conserves_tokens_in_every_snapshot(detector: StubDetector, cluster: Cluster) -> None:
     start_bank(cluster, detector, "--seed", "1")
-    evaluator = Evaluator({"tokens": len(BRANCHES) * TOKENS})
+    totals = {"tokens": len(BRANCHES) * TOKENS}
     taken = in_flight = 0
     deadline = time.monotonic() + 30
     while taken < 50 or in_flight < 10:  # many snapshots, some of them catching tokens on the way
         assert time.monotonic() < deadline, f"{taken} snapshots, {in_flight} with tokens in flight"
         snapshot = detector.snapshot(timeout=10)
         taken += 1
-        results = by_name(evaluator.evaluate(snapshot))
+        results = by_name(evaluate(snapshot, totals).results)
         conservation = results["conservation(tokens)"]
         assert conservation.holds, conservation.summary
         assert conservation.conservation.drift == 0
@@ -142,13 +142,13 @@ def test_bank_conserves_tokens_in_every_snapshot(detector: StubDetector, cluster
 
 def test_bank_with_drops_fails_conservation(detector: StubDetector, cluster: Cluster) -> None:
     start_bank(cluster, detector, "--seed", "2", "--drop-rate", "0.5")
-    evaluator = Evaluator({"tokens": len(BRANCHES) * TOKENS})
+    totals = {"tokens": len(BRANCHES) * TOKENS}
     drifts: list[int] = []
     deadline = time.monotonic() + 30
     while len(drifts) < 3:  # until it fails, then a few more: the loss is stable
         assert time.monotonic() < deadline, "conservation never failed"
         snapshot = detector.snapshot(timeout=10)
-        conservation = by_name(evaluator.evaluate(snapshot))["conservation(tokens)"]
+        conservation = by_name(evaluate(snapshot, totals).results)["conservation(tokens)"]
         drift = conservation.conservation.drift
         # The branches report what they dropped, atomically with the loss: the drift is exactly that.
         assert drift == -attribute_sum(snapshot, "dropped")
@@ -170,11 +170,11 @@ def test_philosophers_deadlock_is_reported_once_real_and_stays(detector: StubDet
     args = ["--seats", ",".join(SEATS), "--deadlock-after", "2", "--seed", "3", "--detector", detector.address]
     cluster.start("philosophers", SEATS, *args)
     cluster.wait_attached(detector)
-    evaluator = Evaluator({"forks": len(SEATS)})
+    totals = {"forks": len(SEATS)}
 
     def take() -> tuple[GlobalSnapshot, dict[str, PredicateResult]]:
         snapshot = detector.snapshot(timeout=10)
-        results = by_name(evaluator.evaluate(snapshot))
+        results = by_name(evaluate(snapshot, totals).results)
         assert results["conservation(forks)"].holds, results["conservation(forks)"].summary
         return snapshot, results
 
@@ -225,14 +225,14 @@ def test_job_terminates_only_when_every_task_is_done(detector: StubDetector, clu
     args += ["--workers", ",".join(WORKERS), "--work-ms", "40", "--detector", detector.address]
     cluster.start("job", WORKERS, *args)
     cluster.wait_attached(detector)
-    evaluator = Evaluator(plugins=[load_predicate("stablewatch.examples.job:all_tasks_done")])
+    plugins = [load_predicate("stablewatch.examples.job:all_tasks_done")]
 
     terminated: list[bool] = []
     deadline = time.monotonic() + 40
     while terminated.count(True) < 3:  # until it terminates, then a few more: termination is stable
         assert time.monotonic() < deadline, f"no termination after {len(terminated)} snapshots"
         snapshot = detector.snapshot(timeout=10)
-        results = by_name(evaluator.evaluate(snapshot))
+        results = by_name(evaluate(snapshot, plugins=plugins).results)
         holds = results["termination"].holds
         done, created = attribute_sum(snapshot, "done"), attribute_sum(snapshot, "created")
         assert done <= created <= expected

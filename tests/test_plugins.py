@@ -105,7 +105,7 @@ def test_bad_import_paths_fail_at_load(spec: str) -> None:
 
 def test_exception_becomes_an_error_result() -> None:
     result = load_predicate(f"{__name__}:crashes")(SNAPSHOT)
-    assert not result.holds
+    assert not result.holds and result.unknown
     assert result.error == "ZeroDivisionError: division by zero"
     assert result.summary == "user predicate failed: ZeroDivisionError: division by zero"
 
@@ -113,7 +113,6 @@ def test_exception_becomes_an_error_result() -> None:
 @pytest.mark.parametrize(
     "value",
     [
-        None,
         1,
         "yes",
         (True, 3),
@@ -127,6 +126,13 @@ def test_wrong_shapes_become_error_results(value: object) -> None:
     result = UserPredicate("shape", lambda s: value)(SNAPSHOT)
     assert not result.holds
     assert result.error.startswith("TypeError: ")
+
+
+@pytest.mark.parametrize("value", [None, (None, "cannot tell"), {"holds": None, "summary": "cannot tell"}])
+def test_none_means_unknown(value: object) -> None:
+    result = UserPredicate("maybe", lambda s: value)(SNAPSHOT)
+    assert result.unknown and not result.holds and not result.error
+    assert result.summary in ("unknown", "cannot tell")
 
 
 def test_details_a_struct_cannot_hold_become_an_error_result() -> None:

@@ -1,10 +1,10 @@
-"""Built-in predicates and the Evaluator on hand-built global snapshots."""
+"""Built-in predicates and the one evaluation function on hand-built (closed) global snapshots."""
 
-import pytest
+from collections.abc import Mapping
 
+from stablewatch.detector.evaluation import evaluate, new_baselines
 from stablewatch.detector.evaluation.plugins import UserPredicate
 from stablewatch.detector.evaluation.predicates import (
-    Evaluator,
     conservation,
     counter_holdings,
     deadlock,
@@ -155,41 +155,47 @@ def test_configured_counter_that_vanished_is_reported() -> None:
     ]
 
 
-def test_conservation_needs_an_expected_total() -> None:
-    with pytest.raises(KeyError):
-        conservation(bank(1, 1, 1), {})
+def test_a_counter_without_an_expected_total_takes_a_baseline() -> None:
+    (result,) = conservation(bank(1, 1, 1), {})
+    assert result.holds and result.conservation.baseline
+    assert result.conservation.expected == 4  # 1 + 1 held, 2 in flight
 
 
-def test_evaluator_takes_the_baseline_from_the_first_snapshot() -> None:
-    evaluator = Evaluator()
-    first = by_name(evaluator.evaluate(bank(5, 2, 3)))["conservation(tokens)"]
-    assert first.holds
-    assert first.summary == "tokens: baseline set to 11"
-    assert evaluator.expected_totals == {"tokens": 11}
-
-    assert by_name(evaluator.evaluate(bank(0, 10, 0)))["conservation(tokens)"].holds
-    lost = by_name(evaluator.evaluate(bank(0, 7, 0)))["conservation(tokens)"]
-    assert not lost.holds
-    assert lost.conservation.drift == -3
+def _run(snapshots: list[GlobalSnapshot], totals: Mapping[str, int] | None = None) -> list[dict]:
+    """Evaluate in order, carrying baselines forward as the detector does."""
+    expected = dict(totals or {})
+    out = []
+    for s in snapshots:
+        evaluation = evaluate(s, expected)
+        expected.update(new_baselines(evaluation))
+        out.append(by_name(evaluation.results))
+    return out
 
 
-def test_evaluator_configured_totals_and_late_counters() -> None:
-    evaluator = Evaluator({"tokens": 12})
-    results = by_name(evaluator.evaluate(bank(5, 2, 3)))
-    assert results["conservation(tokens)"].conservation.drift == -1
+def test_evaluation_takes_the_baseline_from_the_first_snapshot() -> None:
+    first, steady, lost = _run([bank(5, 2, 3), bank(0, 10, 0), bank(0, 7, 0)])
+    assert first["conservation(tokens)"].holds
+    assert first["conservation(tokens)"].summary == "tokens: baseline set to 11"
+    assert steady["conservation(tokens)"].holds
+    assert not lost["conservation(tokens)"].holds
+    assert lost["conservation(tokens)"].conservation.drift == -3
+
+
+def test_configured_totals_and_late_counters() -> None:
+    first, later = _run([bank(5, 2, 3), bank(5, 2, 4, credits=3)], {"tokens": 12})
+    assert first["conservation(tokens)"].conservation.drift == -1
     # A counter first seen later gets its baseline then.
-    results = by_name(evaluator.evaluate(bank(5, 2, 4, credits=3)))
-    assert results["conservation(tokens)"].holds
-    assert results["conservation(credits)"].summary == "credits: baseline set to 3"
-    assert evaluator.expected_totals == {"tokens": 12, "credits": 3}
+    assert later["conservation(tokens)"].holds
+    assert later["conservation(credits)"].summary == "credits: baseline set to 3"
+    assert new_baselines(evaluate(bank(5, 2, 4, credits=3), {"tokens": 12})) == {"credits": 3}
 
 
-def test_evaluator_order_and_plugins() -> None:
+def test_evaluation_order_and_plugins() -> None:
     def explode(snapshot: GlobalSnapshot) -> bool:
         raise RuntimeError("boom")
 
     plugins = [UserPredicate("explode", explode), UserPredicate("two", lambda s: len(s.processes) == 2)]
-    results = Evaluator(plugins=plugins).evaluate(bank(1, 1, 1, credits=2))
+    results = list(evaluate(bank(1, 1, 1, credits=2), plugins=plugins).results)
     assert [r.name for r in results] == [
         "deadlock",
         "termination",
@@ -198,6 +204,6 @@ def test_evaluator_order_and_plugins() -> None:
         "explode",
         "two",
     ]
-    assert not results[4].holds
+    assert not results[4].holds and results[4].unknown
     assert results[4].error == "RuntimeError: boom"
     assert results[5].holds

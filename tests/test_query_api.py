@@ -258,7 +258,7 @@ def test_watch_streams_results_and_changes(running: LoopDetector, stub: query_pb
     try:
         full, changes = read_stream(full_call), read_stream(changes_call)
         # A stream subscribes when its handler first runs; there is no reply to wait for.
-        poll(lambda: len(running.detector._watchers) == 2, "both watch streams to subscribe")
+        poll(lambda: len(running.detector._watch._watchers) == 2, "both watch streams to subscribe")
 
         with DetectorClient(running.address) as client:
             same = client.trigger_snapshot(deadline=10)  # no predicate changes value
@@ -285,7 +285,7 @@ def test_watch_streams_results_and_changes(running: LoopDetector, stub: query_pb
     finally:
         full_call.cancel()
         changes_call.cancel()
-    poll(lambda: not running.detector._watchers, "the cancelled streams to unsubscribe")
+    poll(lambda: not running.detector._watch._watchers, "the cancelled streams to unsubscribe")
 
 
 def test_restart_keeps_history_and_ids_grow(tmp_path: Path) -> None:
@@ -325,19 +325,19 @@ def test_stop_with_a_slow_watcher_whose_queue_is_full(tmp_path: Path) -> None:
         watcher = running.detector.watch()
         waiting = asyncio.ensure_future(anext(watcher))
         await asyncio.sleep(0)
-        running.detector._publish(query_pb2.SnapshotResults(), [])
+        running.detector._watch.publish(query_pb2.SnapshotResults(), [])
         await waiting  # it took one event and reads no more, like a stream stuck on flow control
         for _ in range(1000):  # the queue's bound: it is full, not yet cut off
-            running.detector._publish(query_pb2.SnapshotResults(), [])
+            running.detector._watch.publish(query_pb2.SnapshotResults(), [])
         return watcher  # kept alive: a collected generator would unsubscribe
 
     try:
         watcher = running.call(fill_a_slow_watchers_queue())
-        assert [queue.full() for queue in running.detector._watchers] == [True]
+        assert [queue.full() for queue in running.detector._watch._watchers] == [True]
         running.call(running.detector.stop())
         del watcher
     finally:
-        running.detector._watchers.clear()
+        running.detector._watch._watchers.clear()
         running.stop()
 
 

@@ -15,7 +15,9 @@ from stablewatch.v1 import (
     ChannelSnapshot,
     ConservationEvidence,
     CounterHolding,
+    CutCoverage,
     DeadlockEvidence,
+    Evaluation,
     GlobalSnapshot,
     LocalState,
     PredicateResult,
@@ -23,6 +25,7 @@ from stablewatch.v1 import (
     RecordedMessage,
     TerminationEvidence,
     Wait,
+    WaitForGraph,
     WaitNode,
 )
 from stablewatch.v1.query_pb2 import (
@@ -117,17 +120,24 @@ def predicate_results(deadlock: bool = True) -> list[PredicateResult]:
     ]
 
 
+def evaluation(snapshot_id: int, results: list[PredicateResult]) -> Evaluation:
+    """An evaluation of `snapshot_id` with these results and a one-edge wait-for graph."""
+    graph = WaitForGraph(snapshot_id=snapshot_id, nodes=[WaitNode(process="a"), WaitNode(process="b")])
+    graph.edges.add(waiter=WaitNode(process="a"), target=WaitNode(process="b"))
+    return Evaluation(snapshot_id=snapshot_id, results=results, wait_for=graph, coverage=CutCoverage(closed=True))
+
+
 def completed(store: Store, when: float = T0, *, deadlock: bool = True) -> int:
     """Allocate, begin and complete a snapshot that finished at `when`; return its id."""
-    snapshot_id = store.allocate_id()
+    snapshot_id = store.allocate_id(0)
     store.begin(snapshot_id, when - 1.0, members=2)
-    store.complete(global_snapshot(snapshot_id), predicate_results(deadlock), when)
+    store.complete(global_snapshot(snapshot_id), evaluation(snapshot_id, predicate_results(deadlock)), when)
     return snapshot_id
 
 
 def aborted(store: Store, when: float = T0, reason: str = "deadline of 5s passed") -> int:
     """Allocate, begin and abort a snapshot that finished at `when`; return its id."""
-    snapshot_id = store.allocate_id()
+    snapshot_id = store.allocate_id(0)
     store.begin(snapshot_id, when - 1.0, members=3)
     store.abort(snapshot_id, reason, when)
     return snapshot_id
@@ -160,10 +170,10 @@ def test_creates_the_data_directory_and_a_wal_database(tmp_path: Path) -> None:
 def test_completed_snapshot_and_results_round_trip(tmp_path: Path) -> None:
     snapshot, results = global_snapshot(1), predicate_results()
     with Store(tmp_path) as store:
-        snapshot_id = store.allocate_id()
+        snapshot_id = store.allocate_id(0)
         assert snapshot_id == 1
         store.begin(snapshot_id, T0, members=2)
-        returned = store.complete(snapshot, results, T0 + 2.5)
+        returned = store.complete(snapshot, evaluation(1, results), T0 + 2.5)
 
         summary = returned.snapshot
         assert summary.snapshot_id == 1
@@ -178,9 +188,12 @@ def test_completed_snapshot_and_results_round_trip(tmp_path: Path) -> None:
         assert store.results(1) == returned
         assert store.summary(1) == summary
         assert store.latest_results() == returned
+        assert store.evaluation(1) == evaluation(1, results)  # the stored value, never recomputed
+        assert store.wait_for_graph(1) == evaluation(1, results).wait_for
     with Store(tmp_path) as store:  # and the same after a reopen
         assert store.snapshot(1) == snapshot
         assert store.results(1) == returned
+        assert store.evaluation(1) == evaluation(1, results)
 
 
 def test_running_and_aborted_summaries(store: Store) -> None:
@@ -217,14 +230,14 @@ def test_unknown_ids_read_as_none(store: Store) -> None:
 
 def test_ids_increase_across_restarts_including_unused_ones(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        assert [store.allocate_id() for _ in range(3)] == [1, 2, 3]
+        assert [store.allocate_id(0) for _ in range(3)] == [1, 2, 3]
         store.begin(2, T0, members=1)  # 1 and 3 are never written
     with Store(tmp_path) as store:
-        assert store.allocate_id() == 4
+        assert store.allocate_id(0) == 4
         store.begin(10, T0, members=1)  # an id chosen elsewhere raises the sequence
-        assert store.allocate_id() == 11
+        assert store.allocate_id(0) == 11
     with Store(tmp_path) as store:
-        assert store.allocate_id() == 12
+        assert store.allocate_id(0) == 12
 
 
 def test_begin_refuses_an_existing_or_invalid_id(store: Store) -> None:
@@ -245,8 +258,8 @@ def test_begin_refuses_an_existing_or_invalid_id(store: Store) -> None:
 def test_running_snapshots_are_aborted_on_reopen(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         done = completed(store)
-        store.begin(store.allocate_id(), T0, members=2)
-        running = store.allocate_id()
+        store.begin(store.allocate_id(0), T0, members=2)
+        running = store.allocate_id(0)
         store.begin(running, T0, members=2)
     with Store(tmp_path) as store:
         for snapshot_id in (running - 1, running):
@@ -257,7 +270,7 @@ def test_running_snapshots_are_aborted_on_reopen(tmp_path: Path) -> None:
             assert summary.HasField("finished_at")
         assert store.summary(done).outcome == SNAPSHOT_OUTCOME_COMPLETED
         with pytest.raises(ValueError, match="already aborted"):
-            store.complete(global_snapshot(running), [], T0)
+            store.complete(global_snapshot(running), evaluation(running, []), T0)
 
 
 # -- queries --------------------------------------------------------------------------------------
@@ -266,7 +279,7 @@ def test_running_snapshots_are_aborted_on_reopen(tmp_path: Path) -> None:
 def test_latest_results_skips_aborted_and_running(store: Store) -> None:
     first = completed(store, deadlock=True)
     aborted(store)
-    store.begin(store.allocate_id(), T0, members=2)
+    store.begin(store.allocate_id(0), T0, members=2)
     latest = store.latest_results()
     assert latest is not None
     assert latest.snapshot.snapshot_id == first
@@ -313,11 +326,11 @@ def test_predicate_history_newest_first(store: Store) -> None:
 
 def test_unknown_ids_in_complete_and_abort_raise_key_error(store: Store) -> None:
     with pytest.raises(KeyError, match="snapshot 9"):
-        store.complete(global_snapshot(9), predicate_results(), T0)
+        store.complete(global_snapshot(9), evaluation(9, predicate_results()), T0)
     with pytest.raises(KeyError, match="snapshot 9"):
         store.abort(9, "deadline", T0)
     with pytest.raises(KeyError):
-        store.complete(global_snapshot(2**64 - 1), [], T0)
+        store.complete(global_snapshot(2**64 - 1), evaluation(2**64 - 1, []), T0)
     assert store.list(10) == []
 
 
@@ -325,14 +338,14 @@ def test_a_finished_snapshot_cannot_finish_again(store: Store) -> None:
     done = completed(store)
     before = store.results(done)
     with pytest.raises(ValueError, match=f"snapshot {done}: it is already completed"):
-        store.complete(global_snapshot(done), predicate_results(deadlock=False), T0 + 5)
+        store.complete(global_snapshot(done), evaluation(done, predicate_results(deadlock=False)), T0 + 5)
     with pytest.raises(ValueError, match="already completed"):
         store.abort(done, "late", T0 + 5)
     assert store.results(done) == before  # nothing was half written
 
     gone = aborted(store)
     with pytest.raises(ValueError, match="already aborted"):
-        store.complete(global_snapshot(gone), predicate_results(), T0 + 5)
+        store.complete(global_snapshot(gone), evaluation(gone, predicate_results()), T0 + 5)
     with pytest.raises(ValueError, match="already aborted"):
         store.abort(gone, "again", T0 + 5)
 
@@ -349,7 +362,7 @@ def test_a_failed_complete_leaves_the_snapshot_running(tmp_path: Path) -> None:
         db.close()
         results = [PredicateResult(name="fine", holds=True), PredicateResult(name="boom")]
         with pytest.raises(sqlite3.IntegrityError, match="boom"):
-            store.complete(global_snapshot(1), results, T0 + 1)
+            store.complete(global_snapshot(1), evaluation(1, results), T0 + 1)
         assert store.summary(1).outcome == SNAPSHOT_OUTCOME_RUNNING
         assert store.snapshot(1) is None
         assert store.predicate_history("fine", 10) == []
@@ -369,20 +382,23 @@ def test_retention_by_count_deletes_oldest_first(tmp_path: Path) -> None:
         assert store.snapshot(1) is None and store.results(1) is None
         assert store.predicate_history("deadlock", 10) == [(5, True), (4, True)]  # results went with them
         assert store.apply_retention(now=T0) == 0
-        assert store.allocate_id() == 7
+        assert store.allocate_id(0) == 7
 
 
 def test_retention_never_deletes_running_rows(tmp_path: Path) -> None:
     with Store(tmp_path, max_snapshots=2, max_age_seconds=60) as store:
-        store.begin(store.allocate_id(), T0 - 10_000, members=2)  # id 1: old and still running
+        store.begin(store.allocate_id(0), T0 - 10_000, members=2)  # id 1: old and still running
         for _ in range(3):
             completed(store, T0)
-        store.begin(store.allocate_id(), T0, members=2)  # id 5: the newest, running
+        store.begin(store.allocate_id(0), T0, members=2)  # id 5: the newest, running
         # The bound counts every row; only finished ones can go.
         assert store.apply_retention(now=T0 + 10_000) == 3
         assert ids(store.list(10)) == [5, 1]
         assert [s.outcome for s in store.list(10)] == [SNAPSHOT_OUTCOME_RUNNING, SNAPSHOT_OUTCOME_RUNNING]
-        store.complete(global_snapshot(1), predicate_results(), T0 + 10_001)  # still completes after retention
+        # Still completes after retention.
+        store.complete(
+            global_snapshot(1), evaluation(1, predicate_results()), T0 + 10_001
+        )  # still completes after retention
 
 
 def test_retention_by_age(tmp_path: Path) -> None:
@@ -390,7 +406,7 @@ def test_retention_by_age(tmp_path: Path) -> None:
         first = completed(store, T0)
         second = aborted(store, T0 + 50)
         third = completed(store, T0 + 100)
-        store.begin(store.allocate_id(), T0 - 1_000, members=1)  # running: never deleted by age
+        store.begin(store.allocate_id(0), T0 - 1_000, members=1)  # running: never deleted by age
         assert store.apply_retention(now=T0 + 149) == 1
         assert store.summary(first) is None
         assert store.summary(second) is not None
@@ -407,7 +423,7 @@ def test_ids_are_not_reused_after_retention_empties_the_store(tmp_path: Path) ->
         assert store.apply_retention(now=T0) == 3
         assert store.list(10) == []
     with Store(tmp_path) as store:
-        assert store.allocate_id() == 4
+        assert store.allocate_id(0) == 4
 
 
 def test_retention_without_bounds_deletes_nothing(tmp_path: Path) -> None:
@@ -428,7 +444,7 @@ def test_retention_bounds_are_validated(tmp_path: Path) -> None:
 
 def test_newer_schema_version_is_refused_and_left_untouched(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        store.begin(store.allocate_id(), T0, members=1)
+        store.begin(store.allocate_id(0), T0, members=1)
     db = sqlite3.connect(tmp_path / DB_FILENAME)
     with db:
         db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION + 1,))
@@ -524,4 +540,4 @@ def test_closed_store_refuses_calls(tmp_path: Path) -> None:
     store.close()
     store.close()  # harmless
     with pytest.raises(sqlite3.ProgrammingError):
-        store.allocate_id()
+        store.allocate_id(0)

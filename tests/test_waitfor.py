@@ -3,11 +3,11 @@
 import pytest
 
 from stablewatch.detector.evaluation.deadlock import AND, OR
+from stablewatch.detector.evaluation.dot import wait_for_dot
 from stablewatch.detector.evaluation.waitfor import (
     build_wait_for,
     find_deadlock,
     label,
-    to_dot,
     to_proto,
     waking_channels,
 )
@@ -196,7 +196,7 @@ def test_ten_thousand_long_chain_of_processes(into_cycle: bool) -> None:
     assert len(found.deadlocked) == (n + 1 if into_cycle else 0)
     assert len(found.cycle) == (n + 1 if into_cycle else 0)
     assert len(to_proto(wf, found).edges) == n + 1
-    dot = to_dot(wf, found)
+    dot = wait_for_dot(to_proto(wf, found))
     assert dot.count("fontcolor=red") == dot.count("penwidth=2") == (n + 1 if into_cycle else 0)
 
 
@@ -210,16 +210,22 @@ def test_to_proto() -> None:
     assert message.snapshot_id == 7
     assert [(n.process, n.task) for n in message.nodes] == [("P1", ""), ("P2", ""), ("P3", "")]
     edges = {(e.waiter.process, e.target.process): (e.model, e.discounted) for e in message.edges}
+    # P1 needs P2 or P3, and a waking message from P3 is on its way: P1 is released, all its
+    # edges are set aside, and P2 (waiting on P1) is not deadlocked either.
     assert edges == {
-        ("P1", "P2"): (WAIT_MODEL_OR, False),
+        ("P1", "P2"): (WAIT_MODEL_OR, True),
         ("P2", "P1"): (WAIT_MODEL_AND, False),
         ("P1", "P3"): (WAIT_MODEL_OR, True),
     }
-    evidence = message.deadlock
-    assert [n.process for n in evidence.deadlocked] == ["P1", "P2"]
+    assert not message.deadlock.deadlocked
+
+    s = snapshot(proc("P1", wait("P2 P3", model=WAIT_MODEL_OR)), proc("P2", wait("P1")), proc("P3", wait("P1")))
+    evidence = to_proto(build_wait_for(s)).deadlock
+    assert [n.process for n in evidence.deadlocked] == ["P1", "P2", "P3"]
     assert [n.process for n in evidence.cycle] == ["P1", "P2"]
-    assert [n.process for n in evidence.knot] == ["P1", "P2"]
+    assert [n.process for n in evidence.knot] == ["P1", "P2", "P3"]
     assert [(c.src, c.dst) for c in evidence.empty_channels] == [("P2", "P1"), ("P1", "P2")]
+    assert evidence.separate_deadlocks == 1
 
 
 def test_to_dot() -> None:
@@ -229,14 +235,14 @@ def test_to_dot() -> None:
         proc("P3", wait("P2")),
         channels=(chan("P2", "P3", False),),
     )
-    dot = to_dot(build_wait_for(s))
+    dot = wait_for_dot(to_proto(build_wait_for(s)))
     assert dot.startswith('digraph "waitfor 7" {')
     assert '"P1" [color=red, fontcolor=red];' not in dot  # P2 is an OR waiter with a free target
     assert '"P2" [shape=diamond];' in dot
     assert '"q\\"x";' in dot
     assert '"P3" -> "P2" [style=dashed, color=grey, label="in flight"];' in dot
 
-    dot = to_dot(build_wait_for(three_cycle()))
+    dot = wait_for_dot(to_proto(build_wait_for(three_cycle())))
     assert '"P1" [color=red, fontcolor=red];' in dot
     assert '"P3" -> "P1" [color=red, penwidth=2];' in dot
 

@@ -29,8 +29,10 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from stablewatch.detector.cli.render import verdict_text, verdict_word
+from stablewatch.detector.evaluation import wait_for_dot
 from stablewatch.detector.evaluation.plugins import load_predicate
-from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, label, to_dot
+from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import PredicateResult
@@ -67,9 +69,9 @@ class _System:
         self.completed += 1
         self.latest = results
         for result in results.results:
-            if result.holds and not result.error:
+            if result.holds and not result.unknown and not result.error:
                 self.first_seen.setdefault(result.name, elapsed)
-            if result.name.startswith("conservation(") and not result.holds:
+            if result.name.startswith("conservation(") and not result.holds and not result.unknown:
                 self.conservation_broken = True
 
 
@@ -210,11 +212,7 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
 
 
 def _verdict(result: PredicateResult) -> Text:
-    alarming = (result.name == "deadlock" and result.holds) or (
-        result.name.startswith("conservation(") and not result.holds
-    )
-    style = "red bold" if alarming else "green" if result.holds else "dim"
-    return Text(f"{result.name}={'yes' if result.holds else 'no'}", style=style)
+    return verdict_text(result, f"{result.name}={verdict_word(result)}")
 
 
 def _terminate(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -235,13 +233,11 @@ def _report(systems: list[_System], seconds: float, work: Path) -> DemoReport:
     graph_file = None
     deadlock_id = _first_deadlock(philosophers)
     if deadlock_id is not None:
-        snapshot = philosophers.detector.store.snapshot(deadlock_id)
-        assert snapshot is not None
-        wait_for = build_wait_for(snapshot)
-        found = find_deadlock(wait_for)
-        cycle = [label(node) for node in found.cycle]
+        graph = philosophers.detector.store.wait_for_graph(deadlock_id)
+        assert graph is not None
+        cycle = [label(node) for node in graph.deadlock.cycle]
         dot = work / "philosophers-deadlock.dot"
-        dot.write_text(to_dot(wait_for, found))
+        dot.write_text(wait_for_dot(graph))
         graph_file = str(dot)
         if shutil.which("dot"):
             png = dot.with_suffix(".png")

@@ -41,10 +41,9 @@ from stablewatch.detector.cli.render import (
     proto_dict,
     results_report,
     snapshot_report,
-    wait_for_dot,
 )
+from stablewatch.detector.evaluation import evaluate, new_baselines, wait_for_dot
 from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, entry_point_predicates, load_predicate
-from stablewatch.detector.evaluation.predicates import Evaluator
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.store import StoreError
@@ -217,8 +216,12 @@ def _simulate(
     expected_snaps = [parse_snap(path) for path in expected_snap_files(expected)] if expected else None
     snapshots = Simulation(topology, delays, events_source=str(events_path)).run(events)
 
-    evaluator = Evaluator(expected_totals={TOKENS: sum(topology.balances.values())})
-    entries = [(snapshot, evaluator.evaluate(snapshot)) for snapshot in snapshots]
+    totals = {TOKENS: sum(topology.balances.values())}
+    entries = []
+    for snapshot in snapshots:
+        evaluation = evaluate(snapshot, totals)
+        totals.update(new_baselines(evaluation))
+        entries.append((snapshot, list(evaluation.results)))
     snaps = [snap_from_snapshot(snapshot) for snapshot in snapshots]
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

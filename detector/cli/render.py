@@ -15,9 +15,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.v1 import WAIT_MODEL_OR, GlobalSnapshot, PredicateResult, WaitForGraph, WaitNode
+from stablewatch.v1 import GlobalSnapshot, PredicateResult
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_COMPLETED,
     Member,
@@ -40,23 +39,48 @@ __all__ = [
     "results_report",
     "snapshot_report",
     "summary_line",
-    "wait_for_dot",
+    "verdict_text",
+    "verdict_word",
 ]
 
 
 def is_alarming(result: PredicateResult) -> bool:
-    """Whether a result is bad news: a deadlock, a broken conservation, a failing user predicate."""
+    """Whether a result is bad news: a deadlock, a broken conservation, a failing user predicate.
+
+    An unknown value is never alarming: the cut could not decide it.
+    """
     if result.error:
         return True
+    if result.unknown:
+        return False
     if result.name == "deadlock":
         return result.holds
     return result.name.startswith("conservation(") and not result.holds
 
 
-def _verdict(result: PredicateResult) -> Text:
+def verdict_word(result: PredicateResult) -> str:
+    """``yes``, ``no``, ``unknown`` or ``error``: how a result's value is shown to people."""
     if result.error:
-        return Text("error", style="yellow")
-    return Text("yes" if result.holds else "no", style="red bold" if is_alarming(result) else "green")
+        return "error"
+    if result.unknown:
+        return "unknown"
+    return "yes" if result.holds else "no"
+
+
+def verdict_text(result: PredicateResult, text: str | None = None) -> Text:
+    """`text` (default: the verdict word) styled by the value: red for bad news, yellow for unknown."""
+    word = verdict_word(result)
+    if is_alarming(result):
+        style = "red bold"
+    elif word in ("unknown", "error"):
+        style = "yellow"
+    else:
+        style = "green"
+    return Text(word if text is None else text, style=style)
+
+
+def _verdict(result: PredicateResult) -> Text:
+    return verdict_text(result)
 
 
 def _holdings(snapshot: GlobalSnapshot) -> str:
@@ -179,6 +203,7 @@ class WatchRow:
     """What the watch table knows of one predicate."""
 
     holds: bool
+    unknown: bool = False
     summary: str = ""
     error: str = ""
     since: int = 0  # the snapshot where the value last changed (0: no change seen yet)
@@ -200,13 +225,17 @@ class WatchView:
             self.last = summary_line(event.results.snapshot)
             for result in event.results.results:
                 row = self.rows.setdefault(result.name, WatchRow(result.holds))
-                row.holds, row.summary, row.error = result.holds, result.summary, result.error
+                row.holds, row.unknown = result.holds, result.unknown
+                row.summary, row.error = result.summary, result.error
         else:
-            changed = ", ".join(f"{c.name} became {'yes' if c.holds else 'no'}" for c in event.changes)
+            changed = ", ".join(
+                f"{c.name} became {verdict_word(PredicateResult(holds=c.holds, unknown=c.unknown))}"
+                for c in event.changes
+            )
             self.last = Text(f"snapshot #{event.snapshot_id}: {changed or 'no change'}")
         for change in event.changes:
             row = self.rows.setdefault(change.name, WatchRow(change.holds))
-            row.holds = change.holds
+            row.holds, row.unknown = change.holds, change.unknown
             row.since = event.snapshot_id
             row.changed_at = self.events
 
@@ -218,7 +247,7 @@ class WatchView:
         table.add_column("summary", overflow="fold")
         for name, row in self.rows.items():
             fresh = row.changed_at == self.events
-            result = PredicateResult(name=name, holds=row.holds, error=row.error)
+            result = PredicateResult(name=name, holds=row.holds, unknown=row.unknown, error=row.error)
             verdict = _verdict(result)
             if fresh:
                 verdict.stylize("reverse")
@@ -230,43 +259,6 @@ class WatchView:
                 style="on grey15" if fresh else None,
             )
         return Group(self.last, table)
-
-
-def _dot_quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def _node_label(node: WaitNode) -> str:
-    return label((node.process, node.task))
-
-
-def wait_for_dot(graph: WaitForGraph) -> str:
-    """Graphviz DOT for a ``WaitForGraph`` message, drawn as :func:`~.waitfor.to_dot` draws a ``WaitFor``:
-    deadlocked nodes and the deadlock cycle in red, OR waiters as diamonds, edges set aside by the
-    in-flight rule dashed grey."""
-    dead = {_node_label(node) for node in graph.deadlock.deadlocked}
-    cycle = [_node_label(node) for node in graph.deadlock.cycle]
-    cycle_edges = set(zip(cycle, cycle[1:] + cycle[:1], strict=True))
-    or_waiters = {_node_label(edge.waiter) for edge in graph.edges if edge.model == WAIT_MODEL_OR}
-    lines = [f"digraph {_dot_quote(f'waitfor {graph.snapshot_id}')} {{", "  node [shape=box];"]
-    for node in graph.nodes:
-        name = _node_label(node)
-        style = ["shape=diamond"] if name in or_waiters else []
-        if name in dead:
-            style.append("color=red, fontcolor=red")
-        lines.append(f"  {_dot_quote(name)}" + (f" [{', '.join(style)}]" if style else "") + ";")
-    for discounted in (False, True):  # counted edges first, as to_dot writes them
-        for edge in graph.edges:
-            if edge.discounted != discounted:
-                continue
-            u, v = _node_label(edge.waiter), _node_label(edge.target)
-            if discounted:
-                style = ' [style=dashed, color=grey, label="in flight"]'
-            else:
-                style = " [color=red, penwidth=2]" if (u, v) in cycle_edges else ""
-            lines.append(f"  {_dot_quote(u)} -> {_dot_quote(v)}{style};")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
 
 
 def demo_summary(report: DemoReport) -> Group:

@@ -3,10 +3,14 @@
 The contract. A user predicate is a callable taking one ``stablewatch.v1.GlobalSnapshot`` (a
 private copy: changing it affects nobody else) and returning one of:
 
-* a ``bool`` — whether the predicate holds;
-* a pair ``(holds: bool, summary: str)``;
-* a mapping ``{"holds": bool, "summary": str, "details": dict}``; only ``holds`` is required,
-  and ``details`` must be JSON-like (it becomes the result's ``google.protobuf.Struct``).
+* a ``bool`` — whether the predicate holds — or ``None``: the cut cannot decide it (unknown);
+* a pair ``(holds: bool | None, summary: str)``;
+* a mapping ``{"holds": bool | None, "summary": str, "details": dict}``; only ``holds`` is
+  required, and ``details`` must be JSON-like (it becomes the result's ``google.protobuf.Struct``).
+
+A predicate about the whole system should answer ``None`` on an open cut: the snapshot says what
+the detector expected (``expected_members``, ``expected_member_count``) and
+:func:`stablewatch.detector.evaluation.cut.coverage` tells whether it is closed.
 
 It is loaded by import path (``"package.module:function"``, the attribute may be dotted) or
 installed by a distribution under the entry point group ``stablewatch.predicates``, the entry
@@ -16,7 +20,7 @@ point's name becoming the predicate's name::
     queue_bounded = "myservice.checks:queue_bounded"
 
 Evaluation never crashes because of a plugin: an exception raised inside it, or a result of the
-wrong shape, becomes a ``PredicateResult`` with ``error`` set and ``holds`` false (the traceback
+wrong shape, becomes an unknown ``PredicateResult`` with ``error`` set (the traceback
 is logged). ``KeyboardInterrupt`` and ``SystemExit`` still propagate. Predicates run in the
 evaluating thread, without a time limit.
 """
@@ -35,7 +39,7 @@ __all__ = ["GROUP", "PluginError", "UserPredicate", "entry_point_predicates", "l
 
 log = logging.getLogger(__name__)
 
-_SHAPES = "expected bool, (bool, str) or a mapping with 'holds' (and optional 'summary', 'details')"
+_SHAPES = "expected bool or None, (bool | None, str) or a mapping with 'holds' (and optional 'summary', 'details')"
 
 
 class PluginError(Exception):
@@ -61,16 +65,17 @@ def to_result(name: str, value: object) -> PredicateResult:
             raise TypeError(f"'summary' must be a str and 'details' a mapping; {_SHAPES}")
     else:
         holds = value
-    if not isinstance(holds, bool):
-        raise TypeError(f"returned {type(holds).__name__} where a bool was due; {_SHAPES}")
-    result = PredicateResult(name=name, holds=holds, summary=summary or ("holds" if holds else "does not hold"))
+    if holds is not None and not isinstance(holds, bool):
+        raise TypeError(f"returned {type(holds).__name__} where a bool or None was due; {_SHAPES}")
+    default = "unknown" if holds is None else "holds" if holds else "does not hold"
+    result = PredicateResult(name=name, holds=bool(holds), unknown=holds is None, summary=summary or default)
     if details is not None:
         result.details.update(details)
     return result
 
 
 def _failure(name: str, error: str) -> PredicateResult:
-    return PredicateResult(name=name, holds=False, summary=f"user predicate failed: {error}", error=error)
+    return PredicateResult(name=name, holds=False, unknown=True, summary=f"user predicate failed: {error}", error=error)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,24 @@
-"""Built-in predicates over one consistent global snapshot, and the :class:`Evaluator` that runs them.
+"""Built-in predicates over one consistent global snapshot, each true, false or unknown.
 
 Each predicate is a plain function returning ``stablewatch.v1.PredicateResult`` messages with
 evidence. All of them are stable properties: one that holds in a consistent cut still holds now.
+What a cut may claim depends on whether it is closed (:mod:`.cut`):
 
-* ``deadlock`` — holds when some wait can never be released (see :mod:`.waitfor`).
-* ``termination`` — holds when every process is passive and no waking message is in flight.
-* ``conservation(<counter>)`` — holds when the units held by processes plus those in flight equal
-  the expected total.
+* ``deadlock`` — true when some wait can never be released (see :mod:`.waitfor`); a deadlock
+  among members is real whatever the others do. False only on a closed cut: on an open one the
+  absence of a deadlock proves nothing about the processes it lacks, so it is unknown.
+* ``termination`` — true when every process is passive and no waking message is in flight; an
+  active member or a waking message makes it false on any cut; otherwise unknown on an open cut.
+* ``conservation(<counter>)`` — true when the units held by processes plus those in flight equal
+  the expected total. Unknown on an open cut (units may sit outside it); a counter without an
+  expected total takes this closed cut's sum as its baseline.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+from __future__ import annotations
 
-from stablewatch.detector.evaluation.plugins import UserPredicate
+from collections.abc import Mapping, Sequence
+
+from stablewatch.detector.evaluation.cut import coverage, describe_missing
 from stablewatch.detector.evaluation.waitfor import (
     Deadlock,
     WaitFor,
@@ -23,20 +30,20 @@ from stablewatch.detector.evaluation.waitfor import (
 )
 from stablewatch.v1 import (
     ChannelRef,
-    ConservationEvidence,
     CounterHolding,
+    CutCoverage,
     GlobalSnapshot,
     PredicateResult,
     TerminationEvidence,
 )
 
 __all__ = [
-    "Evaluator",
     "conservation",
     "counter_holdings",
     "deadlock",
     "deadlock_result",
     "termination",
+    "unknown",
 ]
 
 _SHOWN = 6  # names listed in a summary before "..."
@@ -51,8 +58,17 @@ def _plural(n: int, word: str, words: str = "") -> str:
     return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
 
 
-def deadlock_result(wf: WaitFor, found: Deadlock) -> PredicateResult:
-    """Wrap `found` (from ``find_deadlock(wf)``) as the ``deadlock`` result."""
+def unknown(result: PredicateResult, cut: CutCoverage, finding: str) -> PredicateResult:
+    """Mark `result` unknown because `cut` is open; the summary says what was found and what is missing."""
+    result.holds = False
+    result.unknown = True
+    result.missing_processes[:] = cut.missing_processes
+    result.summary = f"unknown: {finding}, but {describe_missing(cut)}"
+    return result
+
+
+def deadlock_result(wf: WaitFor, found: Deadlock, cut: CutCoverage) -> PredicateResult:
+    """Wrap `found` (from ``find_deadlock(wf)``) as the ``deadlock`` result for a cut of coverage `cut`."""
     result = PredicateResult(name="deadlock", holds=bool(found.deadlocked))
     result.deadlock.CopyFrom(evidence_proto(found))
     if found.deadlocked:
@@ -63,31 +79,38 @@ def deadlock_result(wf: WaitFor, found: Deadlock) -> PredicateResult:
         result.summary = f"{_plural(len(found.deadlocked), 'node')} deadlocked: cycle {path}"
         if found.knot:
             result.summary += f"; knot of {_plural(len(found.knot), 'node')}"
-    else:
-        G = wf.graph
-        waiters = sum(1 for _, m in G.nodes(data="model") if m is not None)
-        result.summary = (
-            f"no deadlock: {_plural(waiters, 'waiter')}, {_plural(G.number_of_edges(), 'wait edge')}, "
-            f"{len(wf.discounted)} discounted by messages in flight"
-        )
+        return result
+    G = wf.graph
+    waiters = sum(1 for _, m in G.nodes(data="model") if m is not None)
+    counts = (
+        f"{_plural(waiters, 'waiter')}, {_plural(G.number_of_edges(), 'wait edge')}, "
+        f"{len(wf.discounted)} discounted by messages in flight"
+    )
+    if not cut.closed:
+        return unknown(result, cut, f"no deadlock among the processes in the cut ({counts})")
+    result.summary = f"no deadlock: {counts}"
     return result
 
 
 def deadlock(snapshot: GlobalSnapshot) -> PredicateResult:
-    """Return the ``deadlock`` result: holds when some node of the wait-for graph is deadlocked.
+    """Return the ``deadlock`` result: true when some node of the wait-for graph is deadlocked.
 
     Each waiter uses its own model (AND, OR); the in-flight rule applies. The evidence lists all
     deadlocked nodes, one cycle, the knot when OR waiters are involved, and the empty channels
     along the cycle. O(V + E) in the size of the wait-for graph (plus sorting the evidence).
     """
     wf = build_wait_for(snapshot)
-    return deadlock_result(wf, find_deadlock(wf))
+    return deadlock_result(wf, find_deadlock(wf), coverage(snapshot))
 
 
-def termination(snapshot: GlobalSnapshot) -> PredicateResult:
-    """Return the ``termination`` result: holds when every process is passive and no channel holds a
-    waking message (heartbeats, ``no_wake``, cannot reactivate anyone). O(processes + messages).
+def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> PredicateResult:
+    """Return the ``termination`` result: true when every process is passive and no channel holds a
+    waking message (heartbeats, ``no_wake``, cannot reactivate anyone), on a closed cut.
+
+    An active member or a waking message is a fact on any cut: the result is then false. With
+    neither, an open cut is unknown. O(processes + messages).
     """
+    cut = coverage(snapshot) if cut is None else cut
     active = sorted(p.process_id for p in snapshot.processes if p.state.active)
     busy = sorted(waking_channels(snapshot))
     result = PredicateResult(name="termination", holds=not active and not busy)
@@ -97,10 +120,7 @@ def termination(snapshot: GlobalSnapshot) -> PredicateResult:
             busy_channels=[ChannelRef(src=s, dst=d) for s, d in busy],
         )
     )
-    if result.holds:
-        processes = _plural(len(snapshot.processes), "process", "processes")
-        result.summary = f"terminated: {processes} passive, nothing in flight"
-    else:
+    if active or busy:
         parts = []
         if active:
             parts.append(f"{len(active)} active ({_names(active)})")
@@ -108,6 +128,11 @@ def termination(snapshot: GlobalSnapshot) -> PredicateResult:
             channels = _names([f"{s} -> {d}" for s, d in busy])
             parts.append(f"{_plural(len(busy), 'channel')} with waking messages ({channels})")
         result.summary = "not terminated: " + "; ".join(parts)
+        return result
+    processes = _plural(len(snapshot.processes), "process", "processes")
+    if not cut.closed:
+        return unknown(result, cut, f"{processes} in the cut passive, nothing in flight among them")
+    result.summary = f"terminated: {processes} passive, nothing in flight"
     return result
 
 
@@ -140,17 +165,29 @@ def _where(holding: CounterHolding) -> str:
 
 
 def _conservation_result(
-    counter: str, expected: int, holdings: list[CounterHolding], baseline: bool
+    counter: str, expected: int | None, holdings: list[CounterHolding], cut: CutCoverage
 ) -> PredicateResult:
     observed = sum(h.amount for h in holdings)
-    drift = observed - expected
-    result = PredicateResult(name=f"conservation({counter})", holds=drift == 0)
-    result.conservation.CopyFrom(
-        ConservationEvidence(counter=counter, expected=expected, observed=observed, drift=drift, holdings=holdings)
-    )
-    if baseline:
+    result = PredicateResult(name=f"conservation({counter})")
+    evidence = result.conservation
+    evidence.counter = counter
+    evidence.observed = observed
+    evidence.holdings.extend(holdings)
+    if not cut.closed:
+        if expected is not None:
+            evidence.expected = expected
+        return unknown(result, cut, f"{counter}: {observed} in the cut")
+    if expected is None:  # the first closed cut to see this counter sets its expected total
+        evidence.expected = observed
+        evidence.baseline = True
+        result.holds = True
         result.summary = f"{counter}: baseline set to {observed}"
-    elif drift == 0:
+        return result
+    drift = observed - expected
+    evidence.expected = expected
+    evidence.drift = drift
+    result.holds = drift == 0
+    if drift == 0:
         result.summary = f"{counter}: {observed} as expected"
     else:
         largest = sorted(holdings, key=lambda h: -abs(h.amount))[:_SHOWN]
@@ -160,63 +197,20 @@ def _conservation_result(
 
 
 def conservation(
-    snapshot: GlobalSnapshot, expected: Mapping[str, int], *, baselines: Iterable[str] = ()
+    snapshot: GlobalSnapshot, expected: Mapping[str, int], cut: CutCoverage | None = None
 ) -> list[PredicateResult]:
     """Return one ``conservation(<counter>)`` result per counter, sorted by counter name.
 
     The counters are those named in `snapshot` (process states or recorded messages) plus those
     in `expected`: a configured counter that vanished entirely is reported with its whole drift.
-    observed = units held by processes + units on recorded messages; holds when observed equals
-    ``expected[counter]``. Counters in `baselines` just had their expected total taken from this
-    snapshot; their summary says so. O(processes + messages + counters).
-
-    Raises KeyError if a counter in `snapshot` has no expected total (use :class:`Evaluator` to
-    take missing totals from a baseline).
+    observed = units held by processes + units on recorded messages; true when observed equals
+    ``expected[counter]``. On a closed cut, a counter without an expected total takes observed as
+    its baseline (true, ``evidence.baseline`` set); on an open cut every counter is unknown.
+    O(processes + messages + counters).
     """
-    return _conservation_results(counter_holdings(snapshot), expected, set(baselines))
-
-
-def _conservation_results(
-    holdings: Mapping[str, list[CounterHolding]], expected: Mapping[str, int], baselines: set[str]
-) -> list[PredicateResult]:
+    cut = coverage(snapshot) if cut is None else cut
+    holdings = counter_holdings(snapshot)
     return [
-        _conservation_result(name, expected[name], holdings.get(name, []), name in baselines)
+        _conservation_result(name, expected.get(name), holdings.get(name, []), cut)
         for name in sorted(holdings.keys() | expected.keys())
     ]
-
-
-class Evaluator:
-    """Runs every predicate on a snapshot: deadlock, termination, conservation, then user predicates.
-
-    Conservation compares with `expected_totals` where configured; any other counter takes its
-    expected total from the first snapshot this evaluator sees it in (normally the first one
-    evaluated): that evaluation holds by definition and says the baseline was set. Keeps that
-    state, so use one evaluator per monitored system, from one thread.
-    """
-
-    def __init__(self, expected_totals: Mapping[str, int] | None = None, plugins: Sequence[UserPredicate] = ()) -> None:
-        self._expected: dict[str, int] = dict(expected_totals or {})
-        self._plugins = tuple(plugins)
-        #: The wait-for graph and deadlock found by the latest evaluation (for graphs and metrics).
-        self.last_wait_for: WaitFor | None = None
-        self.last_deadlock: Deadlock | None = None
-
-    @property
-    def expected_totals(self) -> dict[str, int]:
-        """The expected total of every counter so far, configured or baseline (a copy)."""
-        return dict(self._expected)
-
-    def evaluate(self, snapshot: GlobalSnapshot) -> list[PredicateResult]:
-        """Return the results for `snapshot`, in the order: deadlock, termination, conservation by
-        counter name, plugins in the order given. User predicates never raise (see :mod:`.plugins`).
-        """
-        holdings = counter_holdings(snapshot)
-        new = {name for name in holdings if name not in self._expected}
-        for name in new:
-            self._expected[name] = sum(h.amount for h in holdings[name])
-        self.last_wait_for = build_wait_for(snapshot)
-        self.last_deadlock = find_deadlock(self.last_wait_for)
-        results = [deadlock_result(self.last_wait_for, self.last_deadlock), termination(snapshot)]
-        results += _conservation_results(holdings, self._expected, new)
-        results += [predicate(snapshot) for predicate in self._plugins]
-        return results

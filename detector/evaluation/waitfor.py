@@ -10,21 +10,34 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
 * A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
   passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
   active it is free.
-* Every other node (a task that waits on nothing, an unknown process) is free.
-* In-flight rule: a recorded message on channel ``q -> p`` that may wake p (``no_wake`` false)
-  *discounts* every edge from a waiter in p to a target in q: in this snapshot that wait is not
-  blocking. Heartbeats (``no_wake`` true) discount nothing. Discounted edges are kept apart, for
-  reporting only.
+* Every other node is free: a task that waits on nothing, and any process outside the cut (it
+  may well be running; see :mod:`.cut`), so a wait on it never counts as blocked.
+* **In-flight rule.** A recorded message on channel ``q -> p`` that may wake p (``no_wake``
+  false; when ``wakes_task`` is set, only that task of p) *satisfies* the edges from a waiter in
+  p to targets in q: p will receive it and wake. An AND waiter loses those edges (it still needs
+  its other targets); an OR waiter needs any one target, so one satisfied edge releases it and
+  all its edges are set aside. Heartbeats (``no_wake``) satisfy nothing, and neither does any
+  message for a ``flow_control`` wait (a send blocked on a full window: only the target consuming
+  releases it). Edges set aside are kept apart, as *discounted*, for reporting.
 
-Deadlock is then graph reduction with each waiter's own model (:mod:`stablewatch.detector.evaluation.deadlock`).
+Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`).
 """
+
+from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import networkx as nx
 
-from stablewatch.detector.evaluation.deadlock import AND, OR, deadlock_cycle, deadlock_knot, deadlocked_nodes
+from stablewatch.detector.evaluation.deadlock import (
+    AND,
+    OR,
+    count_deadlocks,
+    deadlock_cycle,
+    deadlock_knot,
+    deadlocked_nodes,
+)
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,
@@ -48,7 +61,6 @@ __all__ = [
     "evidence_proto",
     "find_deadlock",
     "label",
-    "to_dot",
     "to_proto",
     "waking_channels",
 ]
@@ -59,8 +71,9 @@ class WaitFor:
     """The wait-for graph of one snapshot.
 
     `graph` holds the counted edges; every waiter has node attribute ``model`` (``"and"`` or
-    ``"or"``), free nodes have none. `discounted` holds the ``(waiter, target)`` edges set aside by
-    the in-flight rule; their nodes are in `graph` too.
+    ``"or"``), free nodes have none; an edge from a flow-control wait has attribute
+    ``flow_control=True``. `discounted` holds the ``(waiter, target)`` edges set aside by the
+    in-flight rule; their nodes are in `graph` too.
     """
 
     snapshot_id: int
@@ -75,17 +88,39 @@ class Deadlock:
     `knot` is only computed when an OR waiter is deadlocked, otherwise it is empty.
     `empty_channels` has one ``(src, dst)`` per cycle edge between two processes (target's
     process -> waiter's process), without repeats: the channels that held no waking message.
+    Flow-control edges are left out: their wait is on the opposite channel being full.
+    `separate` counts the wait cycles that share no node.
     """
 
     deadlocked: list[Node]
     cycle: list[Node]
     knot: list[Node]
     empty_channels: list[Channel]
+    separate: int = 0
+
+
+def _waking(snapshot: GlobalSnapshot) -> dict[Channel, frozenset[str] | None]:
+    """Channels holding a message that may wake their receiver: None if it may wake any of the
+    receiver's waits, else the set of the receiver's tasks that their messages can wake."""
+    waking: dict[Channel, frozenset[str] | None] = {}
+    for c in snapshot.channels:
+        tasks: set[str] = set()
+        for m in c.messages:
+            if m.no_wake:
+                continue
+            if not m.wakes_task:
+                waking[(c.src, c.dst)] = None
+                break
+            tasks.add(m.wakes_task)
+        else:
+            if tasks:
+                waking[(c.src, c.dst)] = frozenset(tasks)
+    return waking
 
 
 def waking_channels(snapshot: GlobalSnapshot) -> set[Channel]:
     """Return the ``(src, dst)`` channels holding at least one recorded message that may wake dst."""
-    return {(c.src, c.dst) for c in snapshot.channels if any(not m.no_wake for m in c.messages)}
+    return set(_waking(snapshot))
 
 
 def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
@@ -93,14 +128,15 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
 
     O(processes + waits + targets + recorded messages).
     """
-    waits: dict[Node, tuple[str, list[Node]]] = {}
+    # waiter -> (model, [(target, flow_control), ...])
+    waits: dict[Node, tuple[str, list[tuple[Node, bool]]]] = {}
     for process in snapshot.processes:
         pid = process.process_id
         tasks: dict[Node, None] = {}
         for wait in process.state.waits:
             waiter = (pid, wait.task)
             model = OR if wait.model == WAIT_MODEL_OR else AND
-            targets = [(t.process, t.task) for t in wait.targets]
+            targets = [((t.process, t.task), wait.flow_control) for t in wait.targets]
             if waiter in waits:
                 old_model, old_targets = waits[waiter]
                 waits[waiter] = (model if model == old_model else AND, old_targets + targets)
@@ -109,19 +145,41 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
             if wait.task:
                 tasks[waiter] = None
         if tasks and (pid, "") not in waits and not process.state.active:
-            waits[(pid, "")] = (OR, list(tasks))
+            waits[(pid, "")] = (OR, [(task, False) for task in tasks])
 
-    waking = waking_channels(snapshot)
+    waking = _waking(snapshot)
+
+    def satisfied(waiter: Node, target: Node, flow_control: bool) -> bool:
+        if flow_control or (target[0], waiter[0]) not in waking:
+            return False
+        tasks = waking[(target[0], waiter[0])]
+        return tasks is None or waiter[1] in tasks
+
     graph = nx.DiGraph()
     graph.add_nodes_from((waiter, {"model": model}) for waiter, (model, _) in waits.items())
     discounted: dict[tuple[Node, Node], None] = {}
-    for waiter, (_, targets) in waits.items():
-        for target in targets:
-            if (target[0], waiter[0]) in waking:
+    for waiter, (model, targets) in waits.items():
+        met = [satisfied(waiter, target, fc) for target, fc in targets]
+        if model == OR and any(met):  # one target is enough, and one is on its way
+            for target, _ in targets:
                 discounted[(waiter, target)] = None
                 graph.add_node(target)
+            continue
+        # An AND edge is counted while any wait on that target is unmet (a target may be named
+        # by a flow-control wait and an ordinary one).
+        unmet: dict[Node, bool] = {}
+        for (target, fc), ok in zip(targets, met, strict=True):
+            if not ok:
+                unmet[target] = unmet.get(target, False) or fc
+        for target, _ in targets:
+            if target in unmet:
+                if unmet[target]:
+                    graph.add_edge(waiter, target, flow_control=True)
+                else:
+                    graph.add_edge(waiter, target)
             else:
-                graph.add_edge(waiter, target)
+                discounted[(waiter, target)] = None
+                graph.add_node(target)
     return WaitFor(snapshot.snapshot_id, graph, tuple(discounted))
 
 
@@ -129,12 +187,13 @@ def find_deadlock(wf: WaitFor) -> Deadlock:
     """Reduce `wf`'s graph with each waiter's model and collect the evidence.
 
     The cycle is rotated to start at its smallest node, so equal snapshots give equal evidence.
-    O(V + E), plus O(V log V) to sort, plus the knot's O(V' + E') on the deadlocked subgraph.
+    O(V + E), plus O(V log V) to sort, plus the knot's and the count's O(V' + E') on the
+    deadlocked subgraph.
     """
     G = wf.graph
     dead = deadlocked_nodes(G)
     if not dead:
-        return Deadlock([], [], [], [])
+        return Deadlock([], [], [], [], 0)
     cycle = deadlock_cycle(G, dead)
     first = cycle.index(min(cycle))
     cycle = cycle[first:] + cycle[:first]
@@ -143,14 +202,15 @@ def find_deadlock(wf: WaitFor) -> Deadlock:
         knot = sorted(deadlock_knot(G, dead))
     channels: dict[Channel, None] = {}
     for waiter, target in zip(cycle, cycle[1:] + cycle[:1], strict=True):
-        if waiter[0] != target[0]:
+        if waiter[0] != target[0] and not G.edges[waiter, target].get("flow_control"):
             channels[(target[0], waiter[0])] = None
-    return Deadlock(sorted(dead), cycle, knot, list(channels))
+    return Deadlock(sorted(dead), cycle, knot, list(channels), count_deadlocks(G, dead))
 
 
-def label(node: Node) -> str:
+def label(node: Node | WaitNode) -> str:
     """Return ``"P"`` for a process node and ``"P/task"`` for a task node."""
-    return f"{node[0]}/{node[1]}" if node[1] else node[0]
+    process, task = (node.process, node.task) if isinstance(node, WaitNode) else node
+    return f"{process}/{task}" if task else process
 
 
 def _wait_nodes(nodes: Iterable[Node]) -> list[WaitNode]:
@@ -164,11 +224,12 @@ def evidence_proto(deadlock: Deadlock) -> DeadlockEvidence:
         cycle=_wait_nodes(deadlock.cycle),
         knot=_wait_nodes(deadlock.knot),
         empty_channels=[ChannelRef(src=s, dst=d) for s, d in deadlock.empty_channels],
+        separate_deadlocks=deadlock.separate,
     )
 
 
 def to_proto(wf: WaitFor, deadlock: Deadlock | None = None) -> WaitForGraph:
-    """Return the ``WaitForGraph`` message for the query API: nodes, counted and discounted edges, evidence.
+    """Return the ``WaitForGraph`` message: nodes, counted and discounted edges, evidence.
 
     Each edge carries its waiter's model. `deadlock` defaults to ``find_deadlock(wf)``.
     """
@@ -176,15 +237,16 @@ def to_proto(wf: WaitFor, deadlock: Deadlock | None = None) -> WaitForGraph:
     nodes = wf.graph._node
     model = {AND: WAIT_MODEL_AND, OR: WAIT_MODEL_OR}
 
-    def edge(waiter: Node, target: Node, discounted: bool) -> WaitEdge:
+    def edge(waiter: Node, target: Node, discounted: bool, flow_control: bool = False) -> WaitEdge:
         return WaitEdge(
             waiter=WaitNode(process=waiter[0], task=waiter[1]),
             target=WaitNode(process=target[0], task=target[1]),
             model=model[nodes[waiter]["model"]],
             discounted=discounted,
+            flow_control=flow_control,
         )
 
-    edges = [edge(u, v, False) for u, v in wf.graph.edges]
+    edges = [edge(u, v, False, bool(fc)) for u, v, fc in wf.graph.edges(data="flow_control")]
     edges += [edge(u, v, True) for u, v in wf.discounted]
     return WaitForGraph(
         snapshot_id=wf.snapshot_id,
@@ -192,32 +254,3 @@ def to_proto(wf: WaitFor, deadlock: Deadlock | None = None) -> WaitForGraph:
         edges=edges,
         deadlock=evidence_proto(deadlock),
     )
-
-
-def _quote(text: str) -> str:
-    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
-
-
-def to_dot(wf: WaitFor, deadlock: Deadlock | None = None) -> str:
-    """Return Graphviz DOT text for `wf`: deadlocked nodes and the cycle in red, OR waiters as
-    diamonds, discounted edges dashed grey. `deadlock` defaults to ``find_deadlock(wf)``.
-
-    Written by hand: networkx's DOT writers need pydot or pygraphviz.
-    """
-    deadlock = find_deadlock(wf) if deadlock is None else deadlock
-    dead = set(deadlock.deadlocked)
-    cycle = deadlock.cycle
-    cycle_edges = set(zip(cycle, cycle[1:] + cycle[:1], strict=True))
-    lines = [f"digraph {_quote(f'waitfor {wf.snapshot_id}')} {{", "  node [shape=box];"]
-    for node, attrs in wf.graph.nodes(data=True):
-        style = ["shape=diamond"] if attrs.get("model") == OR else []
-        if node in dead:
-            style.append("color=red, fontcolor=red")
-        lines.append(f"  {_quote(label(node))}" + (f" [{', '.join(style)}]" if style else "") + ";")
-    for u, v in wf.graph.edges:
-        style = " [color=red, penwidth=2]" if (u, v) in cycle_edges else ""
-        lines.append(f"  {_quote(label(u))} -> {_quote(label(v))}{style};")
-    for u, v in wf.discounted:
-        lines.append(f'  {_quote(label(u))} -> {_quote(label(v))} [style=dashed, color=grey, label="in flight"];')
-    lines.append("}")
-    return "\n".join(lines) + "\n"

@@ -5,7 +5,10 @@ ends: the sender's ``n`` (messages sent before its marker) and the receiver's ``
 received before it recorded) with the messages it recorded. Every channel must satisfy
 ``m + len(recorded) == n`` (DESIGN.md, "Consistency proof per channel"); a snapshot that fails it
 is aborted, never returned. Membership is fixed when the snapshot begins; channels are whatever
-the members report, so channels that open during a snapshot are handled.
+the members report, so channels that open during a snapshot are handled. A channel whose other
+end is not a member is outside the cut: its peer is kept in ``outside_peers``, with what the
+detector expected (``expected_members``, ``expected_member_count``), so that evaluation can tell
+a closed cut from an open one.
 
 The assembler never trusts a part: each bad one raises :class:`PartRejected` with a reason from
 :data:`REJECTION_REASONS` and leaves everything already accepted untouched.
@@ -72,6 +75,9 @@ class Aborted:
 class _Pending:
     snapshot_id: int
     members: frozenset[str]
+    expected: frozenset[str] = frozenset()
+    expected_count: int = 0
+    outside: set[str] = field(default_factory=set)  # channel peers that are not members
     states: dict[str, LocalState] = field(default_factory=dict)
     sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (src, dst) -> n
     inbound: dict[tuple[str, str], InboundChannelState] = field(default_factory=dict)
@@ -93,14 +99,23 @@ class Assembler:
         """Snapshots begun and neither completed nor aborted."""
         return sorted(self._pending)
 
-    def begin(self, snapshot_id: int, members: Iterable[str]) -> None:
-        """Start collecting snapshot ``snapshot_id`` from exactly these member processes."""
+    def begin(
+        self, snapshot_id: int, members: Iterable[str], *, expected: Iterable[str] = (), expected_count: int = 0
+    ) -> None:
+        """Start collecting snapshot ``snapshot_id`` from exactly these member processes.
+
+        ``expected`` names processes the cut should hold besides them (declared, not attached)
+        and ``expected_count`` how many processes the system has, when only a number is known;
+        both travel in the global snapshot, for evaluation to judge the cut's coverage.
+        """
         if snapshot_id in self._pending or snapshot_id in self._finished:
             raise ValueError(f"snapshot {snapshot_id} was already begun")
         member_set = frozenset(members)
         if not member_set or "" in member_set:
             raise ValueError(f"snapshot {snapshot_id} needs non-empty member ids, got {sorted(member_set)}")
-        self._pending[snapshot_id] = _Pending(snapshot_id, member_set)
+        if expected_count < 0:
+            raise ValueError(f"expected_count must be >= 0, not {expected_count}")
+        self._pending[snapshot_id] = _Pending(snapshot_id, member_set, frozenset(expected) | member_set, expected_count)
 
     def add_part(self, part: LocalSnapshotPart, sender: str | None = None) -> Completed | None:
         """Merge ``part`` (from the agent registered as ``sender``, when known).
@@ -117,13 +132,18 @@ class Assembler:
         process = part.process_id
         if part.HasField("state"):
             pending.states[process] = part.state
-        # Channels to or from non-members are outside the cut: the other end never reports.
+        # Channels to or from non-members are outside the cut: the other end never reports. Their
+        # peers are remembered: a cut that names them is open.
         for count in part.outbound:
             if count.dst in pending.members:
                 pending.sent[(process, count.dst)] = count.sent_before_marker
+            else:
+                pending.outside.add(count.dst)
         for channel in part.inbound:
             if channel.src in pending.members:
                 pending.inbound[(channel.src, process)] = channel
+            else:
+                pending.outside.add(channel.src)
         if not pending.is_complete():
             return None
         del self._pending[pending.snapshot_id]
@@ -221,7 +241,12 @@ class Assembler:
 
 
 def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
-    snapshot = GlobalSnapshot(snapshot_id=pending.snapshot_id)
+    snapshot = GlobalSnapshot(
+        snapshot_id=pending.snapshot_id,
+        expected_members=sorted(pending.expected),
+        expected_member_count=pending.expected_count,
+        outside_peers=sorted(pending.outside),
+    )
     snapshot.processes.extend(
         ProcessSnapshot(process_id=process, state=pending.states[process]) for process in sorted(pending.states)
     )

@@ -6,8 +6,11 @@ marker crosses one channel), feeds their parts to the :class:`Assembler`, and an
 snapshot is complete or gives up on it: at its deadline, when a member is lost, when a member
 fails, or when a part proves the cut inconsistent, always with the reason.
 
-Parts are never trusted: each rejected one is reported to ``on_rejected`` with its reason. A
-process id that is attached from elsewhere is refused.
+Parts are never trusted: each rejected one is reported to ``on_rejected`` with its reason, and its
+sender is told to abort that snapshot unless it is a member of it still running (which ends with
+done or abort anyway): every recording an agent keeps ends. A process id that is attached from
+elsewhere is refused. Registration answers with the detector's epoch, and every start carries
+the snapshot's deadline, so an agent can drop what no detector will ever finish.
 """
 
 from __future__ import annotations
@@ -81,12 +84,14 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         *,
         detector_id: str = "stablewatch",
         heartbeat_interval: float = 1.0,
+        epoch: int = 0,
         first_snapshot_id: int = 1,
         on_rejected: Callable[[PartRejected], None] | None = None,
         on_membership: Callable[[], None] | None = None,
     ) -> None:
         self.detector_id = detector_id
         self.heartbeat_interval = heartbeat_interval
+        self.epoch = epoch
         self.members: dict[str, Member] = {}
         self._assembler = Assembler()
         self._running: dict[int, _Running] = {}
@@ -97,11 +102,20 @@ class Coordinator(control_pb2_grpc.ControlServicer):
 
     # -- snapshots -----------------------------------------------------------------------------
 
-    def begin_snapshot(self, snapshot_id: int | None = None) -> tuple[int, asyncio.Future[GlobalSnapshot]]:
+    def begin_snapshot(
+        self,
+        snapshot_id: int | None = None,
+        *,
+        deadline: float = 0.0,
+        expected: frozenset[str] = frozenset(),
+        expected_count: int = 0,
+    ) -> tuple[int, asyncio.Future[GlobalSnapshot]]:
         """Tell every attached agent to record; returns the id and a future of the global snapshot.
 
         Ids must increase; by default the next after the last one. The future fails with
-        :class:`SnapshotAborted` when the snapshot is given up.
+        :class:`SnapshotAborted` when the snapshot is given up. ``deadline`` (seconds) travels to
+        the agents, which drop their recording after it; ``expected`` and ``expected_count`` say
+        which processes the cut should hold besides the attached ones (see the assembler).
         """
         if snapshot_id is None:
             snapshot_id = self._next_id
@@ -111,20 +125,30 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         if not self.members:
             raise SnapshotAborted(snapshot_id, "no agent is attached", "no_members")
         members = frozenset(self.members)
-        self._assembler.begin(snapshot_id, members)
+        self._assembler.begin(snapshot_id, members, expected=expected, expected_count=expected_count)
         result = asyncio.get_running_loop().create_future()
         self._running[snapshot_id] = _Running(members, result)
-        start = DetectorMessage(start=control_pb2.StartSnapshot(snapshot_id=snapshot_id))
+        deadline_ms = min(max(0, round(deadline * 1000)), 2**32 - 1)
+        start = DetectorMessage(start=control_pb2.StartSnapshot(snapshot_id=snapshot_id, deadline_ms=deadline_ms))
         for member in self.members.values():
             member.send(start)
         return snapshot_id, result
 
-    async def snapshot(self, timeout: float, snapshot_id: int | None = None) -> GlobalSnapshot:
+    async def snapshot(
+        self,
+        timeout: float,
+        snapshot_id: int | None = None,
+        *,
+        expected: frozenset[str] = frozenset(),
+        expected_count: int = 0,
+    ) -> GlobalSnapshot:
         """Take one snapshot of every attached agent, aborting it after ``timeout`` seconds.
 
         Raises :class:`SnapshotAborted` (with its reason) when it cannot complete.
         """
-        snapshot_id, result = self.begin_snapshot(snapshot_id)
+        snapshot_id, result = self.begin_snapshot(
+            snapshot_id, deadline=timeout, expected=expected, expected_count=expected_count
+        )
         try:
             return await asyncio.wait_for(asyncio.shield(result), timeout)
         except TimeoutError:
@@ -192,7 +216,9 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self.members[member.process_id] = member
         self._on_membership()
         interval_ms = round(self.heartbeat_interval * 1000)
-        registered = control_pb2.Registered(detector_id=self.detector_id, heartbeat_interval_ms=interval_ms)
+        registered = control_pb2.Registered(
+            detector_id=self.detector_id, heartbeat_interval_ms=interval_ms, detector_epoch=self.epoch
+        )
         member.send(DetectorMessage(registered=registered))
         reader = asyncio.ensure_future(self._read(member, request_iterator))
         getter: asyncio.Future[DetectorMessage] | None = None
@@ -223,7 +249,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 member.last_heartbeat = time.time()
             elif kind == "failure":
                 failure = message.failure
-                if failure.snapshot_id in self._running:
+                running = self._running.get(failure.snapshot_id)
+                if running is not None and member.process_id in running.members:
                     reason = f"process {member.process_id} failed: {failure.reason}"
                     self.abort(failure.snapshot_id, reason, "member_failed")
             elif kind == "pong":
@@ -238,9 +265,11 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             if rejected.reason == "late" and _only_empty_channels(part):
                 return  # a channel that opened after the cut: nothing on it belongs to the snapshot
             self._on_rejected(rejected)
-            if rejected.reason in ("late", "unknown_snapshot") and sender in self.members:
-                # The agent still records a snapshot we are done with (a resent marker after a
-                # restart, say): tell it to forget, or it would record until its bound.
+            running = self._running.get(part.snapshot_id)
+            if (running is None or sender not in running.members) and sender in self.members:
+                # The agent records a snapshot that no one will finish for it (one we are done
+                # with, never started, or that it is no member of): tell it to forget, or it
+                # would record until its deadline or bound.
                 abort = control_pb2.AbortSnapshot(snapshot_id=part.snapshot_id, reason=rejected.detail)
                 self.members[sender].send(DetectorMessage(abort=abort))
             if rejected.aborted is not None:

@@ -3,6 +3,10 @@
 Labels are bounded: predicate names (the built-ins, configured plugins and one per conserved
 counter), counter names, abort kinds and rejection reasons. Snapshot and process ids are never
 label values: the latest snapshot id is a gauge value, not a label.
+
+A predicate is true, false or unknown. ``stablewatch_predicate_value`` is 1 only when it is true;
+``stablewatch_predicate_unknown`` is 1 when the latest cut could not decide it, so an alert on
+``value == 1`` never fires on unknown, and one on a false value must also ask ``unknown == 0``.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stablewatch.detector.service.assembly import REJECTION_REASONS
 from stablewatch.detector.service.coordinator import ABORT_KINDS
-from stablewatch.v1 import GlobalSnapshot, PredicateResult
+from stablewatch.v1 import Evaluation, GlobalSnapshot
 
 __all__ = ["DetectorMetrics"]
 
@@ -27,6 +31,11 @@ class DetectorMetrics:
         r = self.registry
         self.predicate_value = Gauge(
             "stablewatch_predicate_value", "Value of each predicate on the latest complete snapshot (1 holds)",
+            ["predicate"], registry=r,
+        )  # fmt: skip
+        self.predicate_unknown = Gauge(
+            "stablewatch_predicate_unknown",
+            "1 when the latest complete snapshot could not decide the predicate (an open cut, a failed plugin)",
             ["predicate"], registry=r,
         )  # fmt: skip
         self.deadlocked_nodes = Gauge(
@@ -77,10 +86,8 @@ class DetectorMetrics:
         for outcome in ("completed", "aborted"):
             self.snapshots.labels(outcome)
 
-    def completed(
-        self, snapshot: GlobalSnapshot, results: list[PredicateResult], seconds: float, finished_at: float
-    ) -> None:
-        """Publish one complete snapshot's results."""
+    def completed(self, snapshot: GlobalSnapshot, evaluation: Evaluation, seconds: float, finished_at: float) -> None:
+        """Publish one complete snapshot's evaluation."""
         self.snapshots.labels("completed").inc()
         self.duration.observe(seconds)
         self.last_completed.set(finished_at)
@@ -88,12 +95,15 @@ class DetectorMetrics:
         messages = [m for channel in snapshot.channels for m in channel.messages]
         self.in_flight_messages.set(len(messages))
         self.recorded_bytes.set(sum(len(m.payload) for m in messages))
-        for result in results:
-            self.predicate_value.labels(result.name).set(1 if result.holds and not result.error else 0)
+        for result in evaluation.results:
+            unknown = result.unknown or bool(result.error)
+            self.predicate_value.labels(result.name).set(1 if result.holds and not unknown else 0)
+            self.predicate_unknown.labels(result.name).set(1 if unknown else 0)
             if result.name == "deadlock":
                 self.deadlocked_nodes.set(len(result.deadlock.deadlocked))
+                self.deadlock_cycles.set(result.deadlock.separate_deadlocks)
             kind = result.WhichOneof("evidence")
-            if kind == "conservation":
+            if kind == "conservation" and not unknown:
                 evidence = result.conservation
                 self.counter_total.labels(evidence.counter).set(evidence.observed)
                 self.conservation_drift.labels(evidence.counter).set(evidence.drift)

@@ -1,4 +1,7 @@
-"""The query API (``stablewatch.v1.Query``): a thin gRPC servicer over :class:`~.service.Detector`.
+"""The query API (``stablewatch.v1.Query``): a thin gRPC servicer over the detector.
+
+It only translates: results and wait-for graphs are read as the detector stored them, never
+recomputed. The detector is any object with the small :class:`QueryBackend` interface.
 
 Errors carry standard status codes with a message: NOT_FOUND for an unknown snapshot,
 INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION when no agent is attached or a snapshot
@@ -7,19 +10,17 @@ has no state to show (aborted).
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import AsyncIterator, Iterable
+from typing import NoReturn, Protocol
 
 import grpc
 
+from stablewatch.detector.service.coordinator import NoAgents
+from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
 
-if TYPE_CHECKING:
-    from stablewatch.detector.service.detector import Detector
-
-__all__ = ["QueryService", "outcome_name"]
+__all__ = ["QueryBackend", "QueryService", "outcome_name"]
 
 DEFAULT_PAGE_SIZE = 50
 MAX_PAGE_SIZE = 1000
@@ -31,10 +32,25 @@ async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, messag
     raise AssertionError("unreachable")  # context.abort raises
 
 
+class QueryBackend(Protocol):
+    """What the query API needs from the detector."""
+
+    @property
+    def store(self) -> Store: ...
+
+    def latest(self) -> SnapshotResults | None: ...
+
+    async def trigger(self, deadline: float | None, expected: Iterable[str]) -> SnapshotResults: ...
+
+    def members(self) -> query_pb2.ListMembersResponse: ...
+
+    def watch(self) -> AsyncIterator[WatchEvent]: ...
+
+
 class QueryService(query_pb2_grpc.QueryServicer):
     """Translates Query RPCs into calls on the detector."""
 
-    def __init__(self, detector: Detector) -> None:
+    def __init__(self, detector: QueryBackend) -> None:
         self._detector = detector
 
     async def GetLatestResults(self, request, context) -> SnapshotResults:
@@ -74,27 +90,25 @@ class QueryService(query_pb2_grpc.QueryServicer):
 
     async def GetWaitForGraph(self, request, context) -> WaitForGraph:
         snapshot_id = await self._snapshot_id(request, context)
-        graph = self._detector.wait_for_graph(snapshot_id)
+        graph = self._detector.store.wait_for_graph(snapshot_id)
         if graph is None:
             await self._missing(snapshot_id, context)
         return graph
 
     async def TriggerSnapshot(self, request, context) -> SnapshotResults:
-        from stablewatch.detector.service.detector import NoAgents
-
         if request.timeout_ms > MAX_TRIGGER_TIMEOUT_MS:
             await _fail(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_ms must be at most {MAX_TRIGGER_TIMEOUT_MS}"
             )
+        if any(not name for name in request.expected_members):
+            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "expected_members holds an empty process id")
         try:
-            # Shielded: a caller that hangs up must not cancel the snapshot half-way.
-            taking = asyncio.ensure_future(self._detector.take_snapshot(request.timeout_ms / 1000 or None))
-            return await asyncio.shield(taking)
+            return await self._detector.trigger(request.timeout_ms / 1000 or None, request.expected_members)
         except NoAgents as error:
             await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
 
     async def ListMembers(self, request, context) -> query_pb2.ListMembersResponse:
-        return query_pb2.ListMembersResponse(members=self._detector.members())
+        return self._detector.members()
 
     async def Watch(self, request, context) -> AsyncIterator[WatchEvent]:
         async for event in self._detector.watch():

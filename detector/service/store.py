@@ -1,41 +1,55 @@
-"""The detector's embedded store: snapshot outcomes, global snapshots and predicate results in SQLite.
+"""The detector's embedded store: snapshot outcomes, global snapshots and their evaluations in SQLite.
 
 One file, ``<data_dir>/stablewatch.sqlite3``, opened in WAL mode with ``synchronous=NORMAL`` and
 used from the detector's event loop thread only. Every call is one small transaction, so it is
-quick enough to make from the loop.
+quick enough to make from the loop. A writer holds an exclusive lock on
+``<data_dir>/stablewatch.lock`` while it is open: a second detector on the same folder is refused
+with a clear :class:`StoreError` instead of corrupting the first one's ids.
 
 Theory of operation:
 
 * A snapshot's life is ``allocate_id`` -> ``begin`` (a RUNNING row) -> ``complete`` or ``abort``.
-  Ids come from a counter in the ``meta`` table, persisted as soon as it is bumped; it only grows,
-  so an id is never handed out twice, even when its row was never written or was deleted by
-  retention. ``begin`` with an id from elsewhere raises the counter to at least that id.
-* A completed snapshot keeps its ``GlobalSnapshot`` as a serialized protobuf blob, and each
-  predicate result as a row of ``results`` (name, holds, blob), so that the history of one
-  predicate is an index scan.
+  An id is the snapshot's start time in microseconds since the Unix epoch, raised to one above
+  the last id when the clock has not moved on: ids grow within a store and, because they follow
+  the clock, a fresh store (a new data directory) starts above any earlier detector's ids. The
+  last id is persisted as soon as it is handed out, so an id is never handed out twice, even when
+  its row was never written or was deleted by retention. ``begin`` with an id from elsewhere
+  raises the counter to at least that id. Each store also has a random ``epoch``, sent to agents
+  when they register: an agent that sees a new epoch forgets every snapshot of the old one.
+* A completed snapshot keeps its ``GlobalSnapshot`` and its ``Evaluation`` (wait-for graph and
+  coverage) as serialized protobuf blobs, and each predicate result as a row of ``results``
+  (name, holds, unknown, blob), so that the history of one predicate is an index scan.
+* ``archived`` marks the finished snapshots already written to the Parquet archive, so that a
+  restarted detector writes exactly those that were not (``unarchived``, ``mark_archived``).
 * A RUNNING row found when the store opens belongs to a detector that is gone: it is marked
   ABORTED with the reason ``"detector restarted"``.
 * ``apply_retention`` deletes finished snapshots beyond ``max_snapshots`` (oldest first) and those
   that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted.
 
 The schema is versioned (``meta.schema_version``); a file written by a newer stablewatch is
-refused with :class:`StoreError` rather than misread. Durability: with ``synchronous=NORMAL`` a
-commit survives a crash of the process, though the last commits may be lost on power loss.
+refused with :class:`StoreError` rather than misread, and an older one is upgraded in place.
+Durability: with ``synchronous=NORMAL`` a commit survives a crash of the process, though the last
+commits may be lost on power loss.
 """
 
 from __future__ import annotations
 
+import fcntl
 import math
+import os
+import secrets
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from types import TracebackType
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from stablewatch.v1 import GlobalSnapshot, PredicateResult
+from stablewatch.detector.evaluation.cut import coverage
+from stablewatch.detector.evaluation.waitfor import build_wait_for, to_proto
+from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult, WaitForGraph
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_ABORTED,
     SNAPSHOT_OUTCOME_COMPLETED,
@@ -45,12 +59,14 @@ from stablewatch.v1.query_pb2 import (
     SnapshotSummary,
 )
 
-__all__ = ["DB_FILENAME", "RESTART_REASON", "SCHEMA_VERSION", "Store", "StoreError"]
+__all__ = ["DB_FILENAME", "LOCK_FILENAME", "RESTART_REASON", "SCHEMA_VERSION", "Store", "StoreError"]
 
 #: The database file inside the data directory.
 DB_FILENAME = "stablewatch.sqlite3"
-#: The schema this code reads and writes.
-SCHEMA_VERSION = 1
+#: The lock a writing detector holds inside the data directory.
+LOCK_FILENAME = "stablewatch.lock"
+#: The schema this code reads and writes; older ones are upgraded when opened.
+SCHEMA_VERSION = 2
 #: Why a snapshot left RUNNING by an earlier process was aborted.
 RESTART_REASON = "detector restarted"
 
@@ -66,24 +82,33 @@ CREATE TABLE snapshots (
     id INTEGER PRIMARY KEY,
     outcome TEXT NOT NULL CHECK (outcome IN ('running', 'completed', 'aborted')),
     abort_reason TEXT NOT NULL DEFAULT '',
+    abort_kind TEXT NOT NULL DEFAULT '',
     started_at REAL NOT NULL,
     finished_at REAL,
     processes INTEGER NOT NULL,  -- members at begin, len(snapshot.processes) once completed
     channels INTEGER NOT NULL DEFAULT 0,
     messages_in_flight INTEGER NOT NULL DEFAULT 0,
-    snapshot BLOB  -- GlobalSnapshot, set once completed
+    snapshot BLOB,  -- GlobalSnapshot, set once completed
+    evaluation BLOB,  -- Evaluation without its results (they are rows of results), set once completed
+    archived INTEGER NOT NULL DEFAULT 0  -- written to the Parquet archive
 );
 CREATE INDEX snapshots_by_outcome ON snapshots (outcome, id);
+CREATE INDEX snapshots_unarchived ON snapshots (archived, id);
 CREATE INDEX snapshots_by_finished ON snapshots (finished_at);
 CREATE TABLE results (
     snapshot_id INTEGER NOT NULL REFERENCES snapshots (id) ON DELETE CASCADE,
     position INTEGER NOT NULL,  -- order of the results as evaluated
     name TEXT NOT NULL,
     holds INTEGER NOT NULL,
+    unknown INTEGER NOT NULL DEFAULT 0,
     result BLOB NOT NULL,  -- PredicateResult
     PRIMARY KEY (snapshot_id, position)
 ) WITHOUT ROWID;
 CREATE INDEX results_by_name ON results (name, snapshot_id);
+CREATE TABLE expected_totals (
+    counter TEXT PRIMARY KEY,
+    total INTEGER NOT NULL  -- a conservation baseline, taken from the first closed cut to see the counter
+) WITHOUT ROWID;
 """
 
 _OUTCOMES: dict[str, SnapshotOutcome] = {
@@ -92,7 +117,18 @@ _OUTCOMES: dict[str, SnapshotOutcome] = {
     "aborted": SNAPSHOT_OUTCOME_ABORTED,
 }
 
-_SUMMARY_COLUMNS = "id, outcome, abort_reason, started_at, finished_at, processes, channels, messages_in_flight"
+_SUMMARY_COLUMNS = (
+    "id, outcome, abort_reason, started_at, finished_at, processes, channels, messages_in_flight, abort_kind"
+)
+# Upgrades from each older schema version to the next.
+_UPGRADE_FROM_1 = """
+ALTER TABLE snapshots ADD COLUMN abort_kind TEXT NOT NULL DEFAULT '';
+ALTER TABLE snapshots ADD COLUMN evaluation BLOB;
+ALTER TABLE snapshots ADD COLUMN archived INTEGER NOT NULL DEFAULT 0;
+CREATE INDEX snapshots_unarchived ON snapshots (archived, id);
+ALTER TABLE results ADD COLUMN unknown INTEGER NOT NULL DEFAULT 0;
+CREATE TABLE expected_totals (counter TEXT PRIMARY KEY, total INTEGER NOT NULL) WITHOUT ROWID
+"""
 
 
 class StoreError(Exception):
@@ -106,11 +142,12 @@ def _timestamp(seconds: float) -> Timestamp:
 
 
 def _summary(row: tuple) -> SnapshotSummary:
-    snapshot_id, outcome, reason, started_at, finished_at, processes, channels, in_flight = row
+    snapshot_id, outcome, reason, started_at, finished_at, processes, channels, in_flight, kind = row
     summary = SnapshotSummary(
         snapshot_id=snapshot_id,
         outcome=_OUTCOMES[outcome],
         abort_reason=reason,
+        abort_kind=kind,
         started_at=_timestamp(started_at),
         processes=processes,
         channels=channels,
@@ -119,6 +156,11 @@ def _summary(row: tuple) -> SnapshotSummary:
     if finished_at is not None:
         summary.finished_at.CopyFrom(_timestamp(finished_at))
     return summary
+
+
+def _new_epoch() -> int:
+    """A random, non-zero epoch that fits an SQLite integer."""
+    return secrets.randbelow(_MAX_ID) + 1
 
 
 def _check_id(snapshot_id: int) -> None:
@@ -132,9 +174,11 @@ def _check_time(name: str, seconds: float) -> None:
 
 
 class Store:
-    """Snapshot outcomes, global snapshots and predicate results, kept in ``data_dir``.
+    """Snapshot outcomes, global snapshots and their evaluations, kept in ``data_dir``.
 
-    Not thread-safe: use it from one thread (the detector's event loop).
+    Not thread-safe: use it from one thread (the detector's event loop). With ``lock`` (the
+    default) it holds the data directory's lock until :meth:`close`; a reader that only looks
+    (``stablewatch archive export``) may pass ``lock=False``.
     """
 
     def __init__(
@@ -143,6 +187,7 @@ class Store:
         *,
         max_snapshots: int | None = 10_000,
         max_age_seconds: float | None = 7 * 86400,
+        lock: bool = True,
     ) -> None:
         if max_snapshots is not None and max_snapshots < 0:
             raise ValueError(f"max_snapshots must be >= 0 or None, not {max_snapshots}")
@@ -155,17 +200,46 @@ class Store:
             Path(data_dir).mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create the data directory {data_dir}: {exc.strerror or exc}") from exc
+        self._lock_fd = self._take_lock(Path(data_dir)) if lock else None
         try:
             self._db = sqlite3.connect(self.path, isolation_level=None)
         except sqlite3.Error as exc:
+            self._release_lock()
             raise self._open_error(exc) from exc
         try:
             self._prepare()
         except BaseException as exc:
             self._db.close()
+            self._release_lock()
             if isinstance(exc, sqlite3.Error):
                 raise self._open_error(exc) from exc
             raise
+
+    @staticmethod
+    def _take_lock(data_dir: Path) -> int:
+        """Lock the data directory for this process; StoreError naming the holder if another has it."""
+        path = data_dir / LOCK_FILENAME
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise StoreError(f"cannot create the lock file {path}: {exc.strerror or exc}") from exc
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreError(
+                f"the data directory {data_dir} is in use by another detector (pid {holder}); "
+                "stop it, or give this one another --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        return fd
+
+    def _release_lock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # closing the descriptor releases the flock
+            self._lock_fd = None
 
     def _open_error(self, exc: sqlite3.Error) -> StoreError:
         hint = ""
@@ -189,17 +263,53 @@ class Store:
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
         with self._write():
-            if self._schema_version() is None:
+            version = self._schema_version()
+            if version is None:
                 for statement in _SCHEMA.split(";"):
                     if statement.strip():
                         db.execute(statement)
                 db.executemany(
                     "INSERT INTO meta (key, value) VALUES (?, ?)",
-                    [("schema_version", SCHEMA_VERSION), ("last_id", 0)],
+                    [("schema_version", SCHEMA_VERSION), ("last_id", 0), ("epoch", _new_epoch())],
                 )
+            elif version == 1:
+                self._upgrade_from_1()
             db.execute(
-                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, finished_at = ? WHERE outcome = 'running'",
+                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, abort_kind = 'restart', finished_at = ? "
+                "WHERE outcome = 'running'",
                 (RESTART_REASON, time.time()),
+            )
+        (epoch,) = db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+        self.epoch: int = int(epoch)
+
+    def _upgrade_from_1(self) -> None:
+        """Schema 1 -> 2: new columns, an epoch, and the stored evaluation of every completed snapshot."""
+        db = self._db
+        for statement in _UPGRADE_FROM_1.split(";"):
+            if statement.strip():
+                db.execute(statement)
+        db.execute("INSERT INTO meta (key, value) VALUES ('epoch', ?)", (_new_epoch(),))
+        db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
+        # Baselines were read from the newest results; now they have a table of their own.
+        latest = db.execute(
+            "SELECT result FROM results WHERE snapshot_id = (SELECT max(snapshot_id) FROM results)"
+        ).fetchall()
+        for (blob,) in latest:
+            result = PredicateResult.FromString(blob)
+            if result.WhichOneof("evidence") == "conservation":
+                db.execute(
+                    "INSERT OR IGNORE INTO expected_totals (counter, total) VALUES (?, ?)",
+                    (result.conservation.counter, result.conservation.expected),
+                )
+        rows = db.execute("SELECT id, snapshot FROM snapshots WHERE outcome = 'completed'").fetchall()
+        for snapshot_id, blob in rows:
+            snapshot = GlobalSnapshot.FromString(blob)
+            evaluation = Evaluation(
+                snapshot_id=snapshot_id, wait_for=to_proto(build_wait_for(snapshot)), coverage=coverage(snapshot)
+            )
+            db.execute(
+                "UPDATE snapshots SET evaluation = ? WHERE id = ?",
+                (evaluation.SerializeToString(deterministic=True), snapshot_id),
             )
 
     def _schema_version(self) -> int | None:
@@ -228,10 +338,13 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def allocate_id(self) -> int:
-        """A new snapshot id, above every id handed out before (also by earlier processes); persisted now."""
+    def allocate_id(self, now: float) -> int:
+        """A new snapshot id: `now` in microseconds, or one above every id handed out before (also by
+        earlier processes) if that is larger; persisted now."""
+        _check_time("now", now)
         (snapshot_id,) = self._db.execute(
-            "UPDATE meta SET value = value + 1 WHERE key = 'last_id' RETURNING value"
+            "UPDATE meta SET value = max(value + 1, ?) WHERE key = 'last_id' RETURNING value",
+            (min(max(int(now * 1_000_000), 1), _MAX_ID),),
         ).fetchone()
         return int(snapshot_id)
 
@@ -250,36 +363,47 @@ class Store:
             )
             db.execute("UPDATE meta SET value = max(value, ?) WHERE key = 'last_id'", (snapshot_id,))
 
-    def complete(
-        self, snapshot: GlobalSnapshot, results: Sequence[PredicateResult], finished_at: float
-    ) -> SnapshotResults:
-        """Store the completed `snapshot` and its predicate `results`; return them with their summary.
+    def complete(self, snapshot: GlobalSnapshot, evaluation: Evaluation, finished_at: float) -> SnapshotResults:
+        """Store the completed `snapshot` and its `evaluation`; return its results with their summary.
 
-        Raises KeyError for an id never begun, ValueError for one that is no longer RUNNING.
+        Raises KeyError for an id never begun, ValueError for one that is no longer RUNNING or
+        for an evaluation of another snapshot.
         """
         snapshot_id = snapshot.snapshot_id
+        if evaluation.snapshot_id != snapshot_id:
+            raise ValueError(f"the evaluation of snapshot {evaluation.snapshot_id} is not of snapshot {snapshot_id}")
         _check_time("finished_at", finished_at)
         in_flight = sum(len(channel.messages) for channel in snapshot.channels)
         blob = snapshot.SerializeToString(deterministic=True)
+        rest = Evaluation(snapshot_id=snapshot_id, wait_for=evaluation.wait_for, coverage=evaluation.coverage)
         rows = [
-            (snapshot_id, position, result.name, result.holds, result.SerializeToString(deterministic=True))
-            for position, result in enumerate(results)
+            (snapshot_id, position, r.name, r.holds, r.unknown, r.SerializeToString(deterministic=True))
+            for position, r in enumerate(evaluation.results)
         ]
         with self._write() as db:
             self._require_running(snapshot_id, "complete")
             db.execute(
                 "UPDATE snapshots SET outcome = 'completed', finished_at = ?, processes = ?, channels = ?, "
-                "messages_in_flight = ?, snapshot = ? WHERE id = ?",
-                (finished_at, len(snapshot.processes), len(snapshot.channels), in_flight, blob, snapshot_id),
+                "messages_in_flight = ?, snapshot = ?, evaluation = ? WHERE id = ?",
+                (
+                    finished_at,
+                    len(snapshot.processes),
+                    len(snapshot.channels),
+                    in_flight,
+                    blob,
+                    rest.SerializeToString(deterministic=True),
+                    snapshot_id,
+                ),
             )
             db.executemany(
-                "INSERT INTO results (snapshot_id, position, name, holds, result) VALUES (?, ?, ?, ?, ?)", rows
+                "INSERT INTO results (snapshot_id, position, name, holds, unknown, result) VALUES (?, ?, ?, ?, ?, ?)",
+                rows,
             )
             summary = self._summary_row(snapshot_id)
-        return SnapshotResults(snapshot=_summary(summary), results=results)
+        return SnapshotResults(snapshot=_summary(summary), results=evaluation.results)
 
-    def abort(self, snapshot_id: int, reason: str, finished_at: float) -> SnapshotSummary:
-        """Mark RUNNING snapshot `snapshot_id` ABORTED for `reason`; return its summary.
+    def abort(self, snapshot_id: int, reason: str, finished_at: float, kind: str = "") -> SnapshotSummary:
+        """Mark RUNNING snapshot `snapshot_id` ABORTED for `reason` (of bounded `kind`); return its summary.
 
         Raises KeyError for an id never begun, ValueError for one that is no longer RUNNING.
         """
@@ -287,11 +411,37 @@ class Store:
         with self._write() as db:
             self._require_running(snapshot_id, "abort")
             db.execute(
-                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, finished_at = ? WHERE id = ?",
-                (reason, finished_at, snapshot_id),
+                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, abort_kind = ?, finished_at = ? "
+                "WHERE id = ?",
+                (reason, kind, finished_at, snapshot_id),
             )
             row = self._summary_row(snapshot_id)
         return _summary(row)
+
+    def expected_totals(self) -> dict[str, int]:
+        """The conservation baselines kept so far (counter -> expected total)."""
+        return {name: int(total) for name, total in self._db.execute("SELECT counter, total FROM expected_totals")}
+
+    def add_expected_totals(self, totals: Mapping[str, int]) -> None:
+        """Keep new conservation baselines; a counter that already has one keeps it."""
+        if totals:
+            with self._write() as db:
+                db.executemany(
+                    "INSERT OR IGNORE INTO expected_totals (counter, total) VALUES (?, ?)", sorted(totals.items())
+                )
+
+    def mark_archived(self, snapshot_ids: Sequence[int]) -> None:
+        """Record that these finished snapshots are in the Parquet archive."""
+        with self._write() as db:
+            db.executemany("UPDATE snapshots SET archived = 1 WHERE id = ?", [(i,) for i in snapshot_ids])
+
+    def unarchived(self, limit: int, after_id: int = 0) -> list[int]:
+        """Up to `limit` ids of finished snapshots not yet archived, above `after_id`, oldest first."""
+        rows = self._db.execute(
+            "SELECT id FROM snapshots WHERE archived = 0 AND outcome != 'running' AND id > ? ORDER BY id LIMIT ?",
+            (min(after_id, _MAX_ID), limit),
+        )
+        return [int(i) for (i,) in rows]
 
     def _require_running(self, snapshot_id: int, action: str) -> None:
         row = None
@@ -346,6 +496,24 @@ class Store:
         summary = self.summary(snapshot_id)
         return None if summary is None else self._results_of(summary)
 
+    def evaluation(self, snapshot_id: int) -> Evaluation | None:
+        """The stored evaluation of completed snapshot `snapshot_id` (results, wait-for graph, coverage), or None."""
+        if snapshot_id > _MAX_ID:
+            return None
+        row = self._db.execute(
+            "SELECT evaluation FROM snapshots WHERE id = ? AND outcome = 'completed'", (snapshot_id,)
+        ).fetchone()
+        if row is None:
+            return None
+        evaluation = Evaluation.FromString(row[0])
+        evaluation.results.extend(self._results_of(self.summary(snapshot_id)).results)
+        return evaluation
+
+    def wait_for_graph(self, snapshot_id: int) -> WaitForGraph | None:
+        """The stored wait-for graph (with its deadlock evidence) of completed snapshot `snapshot_id`, or None."""
+        evaluation = self.evaluation(snapshot_id)
+        return None if evaluation is None else evaluation.wait_for
+
     def snapshot(self, snapshot_id: int) -> GlobalSnapshot | None:
         """The global snapshot `snapshot_id` if it completed and is still held, else None."""
         if snapshot_id > _MAX_ID:
@@ -390,8 +558,9 @@ class Store:
     # -- closing ----------------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Close the database; further calls fail. Closing twice is harmless."""
+        """Close the database and release the data directory; further calls fail. Closing twice is harmless."""
         self._db.close()
+        self._release_lock()
 
     def __enter__(self) -> Store:
         return self

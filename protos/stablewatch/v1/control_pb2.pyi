@@ -55,12 +55,14 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., part: _Optional[_Union[_snapshot_pb2.LocalSnapshotPart, _Mapping]] = ..., failure: _Optional[_Union[SnapshotFailure, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("detector_id", "heartbeat_interval_ms")
+    __slots__ = ("detector_id", "heartbeat_interval_ms", "detector_epoch")
     DETECTOR_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    DETECTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     detector_id: str
     heartbeat_interval_ms: int
-    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ...) -> None: ...
+    detector_epoch: int
+    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., detector_epoch: _Optional[int] = ...) -> None: ...
 
 class Refused(_message.Message):
     __slots__ = ("reason",)
@@ -69,10 +71,12 @@ class Refused(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StartSnapshot(_message.Message):
-    __slots__ = ("snapshot_id",)
+    __slots__ = ("snapshot_id", "deadline_ms")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: int
-    def __init__(self, snapshot_id: _Optional[int] = ...) -> None: ...
+    deadline_ms: int
+    def __init__(self, snapshot_id: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
 
 class AbortSnapshot(_message.Message):
     __slots__ = ("snapshot_id", "reason")

@@ -26,7 +26,7 @@ from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 from stablewatch.v1 import state_pb2 as stablewatch_dot_v1_dot_state__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fstablewatch/v1/predicates.proto\x12\x0establewatch.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1astablewatch/v1/state.proto\"&\n\nChannelRef\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\"\x9c\x01\n\x08WaitEdge\x12(\n\x06waiter\x18\x01 \x01(\x0b\x32\x18.stablewatch.v1.WaitNode\x12(\n\x06target\x18\x02 \x01(\x0b\x32\x18.stablewatch.v1.WaitNode\x12(\n\x05model\x18\x03 \x01(\x0e\x32\x19.stablewatch.v1.WaitModel\x12\x12\n\ndiscounted\x18\x04 \x01(\x08\"\xc5\x01\n\x10\x44\x65\x61\x64lockEvidence\x12,\n\ndeadlocked\x18\x01 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\'\n\x05\x63ycle\x18\x02 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12&\n\x04knot\x18\x03 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\x32\n\x0e\x65mpty_channels\x18\x04 \x03(\x0b\x32\x1a.stablewatch.v1.ChannelRef\"^\n\x0e\x43ounterHolding\x12\x0f\n\x07process\x18\x01 \x01(\t\x12+\n\x07\x63hannel\x18\x02 \x01(\x0b\x32\x1a.stablewatch.v1.ChannelRef\x12\x0e\n\x06\x61mount\x18\x03 \x01(\x03\"\x8c\x01\n\x14\x43onservationEvidence\x12\x0f\n\x07\x63ounter\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x03\x12\x10\n\x08observed\x18\x03 \x01(\x03\x12\r\n\x05\x64rift\x18\x04 \x01(\x03\x12\x30\n\x08holdings\x18\x05 \x03(\x0b\x32\x1e.stablewatch.v1.CounterHolding\"b\n\x13TerminationEvidence\x12\x18\n\x10\x61\x63tive_processes\x18\x01 \x03(\t\x12\x31\n\rbusy_channels\x18\x02 \x03(\x0b\x32\x1a.stablewatch.v1.ChannelRef\"\xb6\x02\n\x0fPredicateResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05holds\x18\x02 \x01(\x08\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x34\n\x08\x64\x65\x61\x64lock\x18\n \x01(\x0b\x32 .stablewatch.v1.DeadlockEvidenceH\x00\x12<\n\x0c\x63onservation\x18\x0b \x01(\x0b\x32$.stablewatch.v1.ConservationEvidenceH\x00\x12:\n\x0btermination\x18\x0c \x01(\x0b\x32#.stablewatch.v1.TerminationEvidenceH\x00\x12*\n\x07\x64\x65tails\x18\r \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x42\n\n\x08\x65vidence\"\xa9\x01\n\x0cWaitForGraph\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\'\n\x05nodes\x18\x02 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\'\n\x05\x65\x64ges\x18\x03 \x03(\x0b\x32\x18.stablewatch.v1.WaitEdge\x12\x32\n\x08\x64\x65\x61\x64lock\x18\x04 \x01(\x0b\x32 .stablewatch.v1.DeadlockEvidenceb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fstablewatch/v1/predicates.proto\x12\x0establewatch.v1\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1astablewatch/v1/state.proto\"&\n\nChannelRef\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\"\xb2\x01\n\x08WaitEdge\x12(\n\x06waiter\x18\x01 \x01(\x0b\x32\x18.stablewatch.v1.WaitNode\x12(\n\x06target\x18\x02 \x01(\x0b\x32\x18.stablewatch.v1.WaitNode\x12(\n\x05model\x18\x03 \x01(\x0e\x32\x19.stablewatch.v1.WaitModel\x12\x12\n\ndiscounted\x18\x04 \x01(\x08\x12\x14\n\x0c\x66low_control\x18\x05 \x01(\x08\"\xe1\x01\n\x10\x44\x65\x61\x64lockEvidence\x12,\n\ndeadlocked\x18\x01 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\'\n\x05\x63ycle\x18\x02 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12&\n\x04knot\x18\x03 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\x32\n\x0e\x65mpty_channels\x18\x04 \x03(\x0b\x32\x1a.stablewatch.v1.ChannelRef\x12\x1a\n\x12separate_deadlocks\x18\x05 \x01(\r\"^\n\x0e\x43ounterHolding\x12\x0f\n\x07process\x18\x01 \x01(\t\x12+\n\x07\x63hannel\x18\x02 \x01(\x0b\x32\x1a.stablewatch.v1.ChannelRef\x12\x0e\n\x06\x61mount\x18\x03 \x01(\x03\"\x9e\x01\n\x14\x43onservationEvidence\x12\x0f\n\x07\x63ounter\x18\x01 \x01(\t\x12\x10\n\x08\x65xpected\x18\x02 \x01(\x03\x12\x10\n\x08observed\x18\x03 \x01(\x03\x12\r\n\x05\x64rift\x18\x04 \x01(\x03\x12\x30\n\x08holdings\x18\x05 \x03(\x0b\x32\x1e.stablewatch.v1.CounterHolding\x12\x10\n\x08\x62\x61seline\x18\x06 \x01(\x08\"b\n\x13TerminationEvidence\x12\x18\n\x10\x61\x63tive_processes\x18\x01 \x03(\t\x12\x31\n\rbusy_channels\x18\x02 \x03(\x0b\x32\x1a.stablewatch.v1.ChannelRef\"\xe2\x02\n\x0fPredicateResult\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05holds\x18\x02 \x01(\x08\x12\x0f\n\x07summary\x18\x03 \x01(\t\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12\x0f\n\x07unknown\x18\x05 \x01(\x08\x12\x19\n\x11missing_processes\x18\x06 \x03(\t\x12\x34\n\x08\x64\x65\x61\x64lock\x18\n \x01(\x0b\x32 .stablewatch.v1.DeadlockEvidenceH\x00\x12<\n\x0c\x63onservation\x18\x0b \x01(\x0b\x32$.stablewatch.v1.ConservationEvidenceH\x00\x12:\n\x0btermination\x18\x0c \x01(\x0b\x32#.stablewatch.v1.TerminationEvidenceH\x00\x12*\n\x07\x64\x65tails\x18\r \x01(\x0b\x32\x17.google.protobuf.StructH\x00\x42\n\n\x08\x65vidence\"\xa9\x01\n\x0cWaitForGraph\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\'\n\x05nodes\x18\x02 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\'\n\x05\x65\x64ges\x18\x03 \x03(\x0b\x32\x18.stablewatch.v1.WaitEdge\x12\x32\n\x08\x64\x65\x61\x64lock\x18\x04 \x01(\x0b\x32 .stablewatch.v1.DeadlockEvidence\"Q\n\x0b\x43utCoverage\x12\x0e\n\x06\x63losed\x18\x01 \x01(\x08\x12\x19\n\x11missing_processes\x18\x02 \x03(\t\x12\x17\n\x0fmissing_unnamed\x18\x03 \x01(\r\"\xb2\x01\n\nEvaluation\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x30\n\x07results\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.PredicateResult\x12.\n\x08wait_for\x18\x03 \x01(\x0b\x32\x1c.stablewatch.v1.WaitForGraph\x12-\n\x08\x63overage\x18\x04 \x01(\x0b\x32\x1b.stablewatch.v1.CutCoverageb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -36,17 +36,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHANNELREF']._serialized_start=109
   _globals['_CHANNELREF']._serialized_end=147
   _globals['_WAITEDGE']._serialized_start=150
-  _globals['_WAITEDGE']._serialized_end=306
-  _globals['_DEADLOCKEVIDENCE']._serialized_start=309
-  _globals['_DEADLOCKEVIDENCE']._serialized_end=506
-  _globals['_COUNTERHOLDING']._serialized_start=508
-  _globals['_COUNTERHOLDING']._serialized_end=602
-  _globals['_CONSERVATIONEVIDENCE']._serialized_start=605
-  _globals['_CONSERVATIONEVIDENCE']._serialized_end=745
-  _globals['_TERMINATIONEVIDENCE']._serialized_start=747
-  _globals['_TERMINATIONEVIDENCE']._serialized_end=845
-  _globals['_PREDICATERESULT']._serialized_start=848
-  _globals['_PREDICATERESULT']._serialized_end=1158
-  _globals['_WAITFORGRAPH']._serialized_start=1161
-  _globals['_WAITFORGRAPH']._serialized_end=1330
+  _globals['_WAITEDGE']._serialized_end=328
+  _globals['_DEADLOCKEVIDENCE']._serialized_start=331
+  _globals['_DEADLOCKEVIDENCE']._serialized_end=556
+  _globals['_COUNTERHOLDING']._serialized_start=558
+  _globals['_COUNTERHOLDING']._serialized_end=652
+  _globals['_CONSERVATIONEVIDENCE']._serialized_start=655
+  _globals['_CONSERVATIONEVIDENCE']._serialized_end=813
+  _globals['_TERMINATIONEVIDENCE']._serialized_start=815
+  _globals['_TERMINATIONEVIDENCE']._serialized_end=913
+  _globals['_PREDICATERESULT']._serialized_start=916
+  _globals['_PREDICATERESULT']._serialized_end=1270
+  _globals['_WAITFORGRAPH']._serialized_start=1273
+  _globals['_WAITFORGRAPH']._serialized_end=1442
+  _globals['_CUTCOVERAGE']._serialized_start=1444
+  _globals['_CUTCOVERAGE']._serialized_end=1525
+  _globals['_EVALUATION']._serialized_start=1528
+  _globals['_EVALUATION']._serialized_end=1706
 # @@protoc_insertion_point(module_scope)

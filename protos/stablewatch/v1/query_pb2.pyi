@@ -24,7 +24,7 @@ SNAPSHOT_OUTCOME_COMPLETED: SnapshotOutcome
 SNAPSHOT_OUTCOME_ABORTED: SnapshotOutcome
 
 class SnapshotSummary(_message.Message):
-    __slots__ = ("snapshot_id", "outcome", "abort_reason", "started_at", "finished_at", "processes", "channels", "messages_in_flight")
+    __slots__ = ("snapshot_id", "outcome", "abort_reason", "started_at", "finished_at", "processes", "channels", "messages_in_flight", "abort_kind")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     OUTCOME_FIELD_NUMBER: _ClassVar[int]
     ABORT_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class SnapshotSummary(_message.Message):
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    ABORT_KIND_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: int
     outcome: SnapshotOutcome
     abort_reason: str
@@ -41,7 +42,8 @@ class SnapshotSummary(_message.Message):
     processes: int
     channels: int
     messages_in_flight: int
-    def __init__(self, snapshot_id: _Optional[int] = ..., outcome: _Optional[_Union[SnapshotOutcome, str]] = ..., abort_reason: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., processes: _Optional[int] = ..., channels: _Optional[int] = ..., messages_in_flight: _Optional[int] = ...) -> None: ...
+    abort_kind: str
+    def __init__(self, snapshot_id: _Optional[int] = ..., outcome: _Optional[_Union[SnapshotOutcome, str]] = ..., abort_reason: _Optional[str] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., finished_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., processes: _Optional[int] = ..., channels: _Optional[int] = ..., messages_in_flight: _Optional[int] = ..., abort_kind: _Optional[str] = ...) -> None: ...
 
 class SnapshotResults(_message.Message):
     __slots__ = ("snapshot", "results")
@@ -78,10 +80,12 @@ class ListSnapshotsResponse(_message.Message):
     def __init__(self, snapshots: _Optional[_Iterable[_Union[SnapshotSummary, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class TriggerSnapshotRequest(_message.Message):
-    __slots__ = ("timeout_ms",)
+    __slots__ = ("timeout_ms", "expected_members")
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MEMBERS_FIELD_NUMBER: _ClassVar[int]
     timeout_ms: int
-    def __init__(self, timeout_ms: _Optional[int] = ...) -> None: ...
+    expected_members: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, timeout_ms: _Optional[int] = ..., expected_members: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Member(_message.Message):
     __slots__ = ("process_id", "address", "attached_at", "last_heartbeat")
@@ -100,10 +104,14 @@ class ListMembersRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ListMembersResponse(_message.Message):
-    __slots__ = ("members",)
+    __slots__ = ("members", "expected_missing", "expected_count")
     MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MISSING_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_COUNT_FIELD_NUMBER: _ClassVar[int]
     members: _containers.RepeatedCompositeFieldContainer[Member]
-    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ...) -> None: ...
+    expected_missing: _containers.RepeatedScalarFieldContainer[str]
+    expected_count: int
+    def __init__(self, members: _Optional[_Iterable[_Union[Member, _Mapping]]] = ..., expected_missing: _Optional[_Iterable[str]] = ..., expected_count: _Optional[int] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("changes_only",)
@@ -112,16 +120,20 @@ class WatchRequest(_message.Message):
     def __init__(self, changes_only: _Optional[bool] = ...) -> None: ...
 
 class PredicateChange(_message.Message):
-    __slots__ = ("name", "holds", "previous_holds", "first")
+    __slots__ = ("name", "holds", "previous_holds", "first", "unknown", "previous_unknown")
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOLDS_FIELD_NUMBER: _ClassVar[int]
     PREVIOUS_HOLDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_UNKNOWN_FIELD_NUMBER: _ClassVar[int]
     name: str
     holds: bool
     previous_holds: bool
     first: bool
-    def __init__(self, name: _Optional[str] = ..., holds: _Optional[bool] = ..., previous_holds: _Optional[bool] = ..., first: _Optional[bool] = ...) -> None: ...
+    unknown: bool
+    previous_unknown: bool
+    def __init__(self, name: _Optional[str] = ..., holds: _Optional[bool] = ..., previous_holds: _Optional[bool] = ..., first: _Optional[bool] = ..., unknown: _Optional[bool] = ..., previous_unknown: _Optional[bool] = ...) -> None: ...
 
 class WatchEvent(_message.Message):
     __slots__ = ("results", "changes", "snapshot_id")

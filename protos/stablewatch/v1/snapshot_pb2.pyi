@@ -11,7 +11,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RecordedMessage(_message.Message):
-    __slots__ = ("payload", "counters", "no_wake", "receive_index")
+    __slots__ = ("payload", "counters", "no_wake", "receive_index", "wakes_task")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -23,11 +23,13 @@ class RecordedMessage(_message.Message):
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     NO_WAKE_FIELD_NUMBER: _ClassVar[int]
     RECEIVE_INDEX_FIELD_NUMBER: _ClassVar[int]
+    WAKES_TASK_FIELD_NUMBER: _ClassVar[int]
     payload: bytes
     counters: _containers.ScalarMap[str, int]
     no_wake: bool
     receive_index: int
-    def __init__(self, payload: _Optional[bytes] = ..., counters: _Optional[_Mapping[str, int]] = ..., no_wake: _Optional[bool] = ..., receive_index: _Optional[int] = ...) -> None: ...
+    wakes_task: str
+    def __init__(self, payload: _Optional[bytes] = ..., counters: _Optional[_Mapping[str, int]] = ..., no_wake: _Optional[bool] = ..., receive_index: _Optional[int] = ..., wakes_task: _Optional[str] = ...) -> None: ...
 
 class OutboundCount(_message.Message):
     __slots__ = ("dst", "sent_before_marker")
@@ -84,15 +86,21 @@ class ChannelSnapshot(_message.Message):
     def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ...) -> None: ...
 
 class GlobalSnapshot(_message.Message):
-    __slots__ = ("snapshot_id", "processes", "channels", "started_at", "completed_at")
+    __slots__ = ("snapshot_id", "processes", "channels", "started_at", "completed_at", "expected_members", "expected_member_count", "outside_peers")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_FIELD_NUMBER: _ClassVar[int]
     CHANNELS_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MEMBERS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_MEMBER_COUNT_FIELD_NUMBER: _ClassVar[int]
+    OUTSIDE_PEERS_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: int
     processes: _containers.RepeatedCompositeFieldContainer[ProcessSnapshot]
     channels: _containers.RepeatedCompositeFieldContainer[ChannelSnapshot]
     started_at: _timestamp_pb2.Timestamp
     completed_at: _timestamp_pb2.Timestamp
-    def __init__(self, snapshot_id: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessSnapshot, _Mapping]]] = ..., channels: _Optional[_Iterable[_Union[ChannelSnapshot, _Mapping]]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., completed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
+    expected_members: _containers.RepeatedScalarFieldContainer[str]
+    expected_member_count: int
+    outside_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, snapshot_id: _Optional[int] = ..., processes: _Optional[_Iterable[_Union[ProcessSnapshot, _Mapping]]] = ..., channels: _Optional[_Iterable[_Union[ChannelSnapshot, _Mapping]]] = ..., started_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., completed_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., expected_members: _Optional[_Iterable[str]] = ..., expected_member_count: _Optional[int] = ..., outside_peers: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -26,14 +26,16 @@ class WaitNode(_message.Message):
     def __init__(self, process: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
 
 class Wait(_message.Message):
-    __slots__ = ("task", "targets", "model")
+    __slots__ = ("task", "targets", "model", "flow_control")
     TASK_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    FLOW_CONTROL_FIELD_NUMBER: _ClassVar[int]
     task: str
     targets: _containers.RepeatedCompositeFieldContainer[WaitNode]
     model: WaitModel
-    def __init__(self, task: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[WaitNode, _Mapping]]] = ..., model: _Optional[_Union[WaitModel, str]] = ...) -> None: ...
+    flow_control: bool
+    def __init__(self, task: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[WaitNode, _Mapping]]] = ..., model: _Optional[_Union[WaitModel, str]] = ..., flow_control: _Optional[bool] = ...) -> None: ...
 
 class LocalState(_message.Message):
     __slots__ = ("active", "waits", "counters", "attributes")

@@ -1,0 +1,73 @@
+"""The one evaluation: a global snapshot in, one :class:`~stablewatch.v1.Evaluation` out.
+
+:func:`evaluate` is a pure function. The detector calls it on every completed snapshot and stores
+its value; the query API, metrics, CLI and demo read that stored value; the Spark pipeline calls
+the same function per archived snapshot. So the same predicate on the same snapshot gives the
+same answer everywhere, by construction.
+
+Conservation needs an expected total per counter. The caller keeps those totals (configured, or
+a baseline taken from the first closed cut that saw the counter) and passes them in;
+:func:`new_baselines` reads from an evaluation the totals it just set.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from stablewatch.detector.evaluation.cut import coverage
+from stablewatch.detector.evaluation.plugins import UserPredicate
+from stablewatch.detector.evaluation.predicates import conservation, deadlock_result, termination
+from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, to_proto
+from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult
+
+__all__ = ["evaluate", "new_baselines", "result_named", "verdict"]
+
+
+def evaluate(
+    snapshot: GlobalSnapshot,
+    expected_totals: Mapping[str, int] | None = None,
+    plugins: Sequence[UserPredicate] = (),
+) -> Evaluation:
+    """Evaluate every predicate on `snapshot` and return results, wait-for graph and coverage.
+
+    Results come in a fixed order: ``deadlock``, ``termination``, one ``conservation(<counter>)``
+    per counter by name, then `plugins` in the order given. Each is true, false or unknown
+    (``unknown`` set; see :mod:`.predicates` for what an open cut may claim). User predicates
+    never raise (see :mod:`.plugins`). Does not modify its arguments.
+
+    Complexity: O(V + E) for the wait-for graph of V nodes and E edges, plus O(processes +
+    recorded messages) for the other built-ins, plus whatever the plugins cost.
+    """
+    cut = coverage(snapshot)
+    wait_for = build_wait_for(snapshot)
+    found = find_deadlock(wait_for)
+    results = [deadlock_result(wait_for, found, cut), termination(snapshot, cut)]
+    results += conservation(snapshot, expected_totals or {}, cut)
+    results += [predicate(snapshot) for predicate in plugins]
+    return Evaluation(
+        snapshot_id=snapshot.snapshot_id,
+        results=results,
+        wait_for=to_proto(wait_for, found),
+        coverage=cut,
+    )
+
+
+def new_baselines(evaluation: Evaluation) -> dict[str, int]:
+    """The expected totals that `evaluation` set as baselines (counters seen first on this closed cut)."""
+    return {
+        r.conservation.counter: r.conservation.expected
+        for r in evaluation.results
+        if r.WhichOneof("evidence") == "conservation" and r.conservation.baseline
+    }
+
+
+def result_named(evaluation: Evaluation, name: str) -> PredicateResult | None:
+    """The result of predicate `name` in `evaluation`, or None."""
+    return next((r for r in evaluation.results if r.name == name), None)
+
+
+def verdict(result: PredicateResult) -> str:
+    """``"true"``, ``"false"`` or ``"unknown"`` (a failed user predicate is unknown)."""
+    if result.unknown or result.error:
+        return "unknown"
+    return "true" if result.holds else "false"

@@ -1,0 +1,80 @@
+"""The watch stream's fan-out: every published result goes to every watcher, with what changed.
+
+A watcher that falls :data:`QUEUE_LIMIT` events behind is cut off (its stream ends) rather than
+letting the detector's memory grow. A predicate's value is one of true, false and unknown; a
+change from any of them to another is a change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Sequence
+
+from stablewatch.v1 import PredicateResult
+from stablewatch.v1.query_pb2 import PredicateChange, SnapshotResults, WatchEvent
+
+__all__ = ["QUEUE_LIMIT", "WatchHub"]
+
+QUEUE_LIMIT = 1000
+
+
+class WatchHub:
+    """Publishes results to watchers and remembers each predicate's last value."""
+
+    def __init__(self, last: SnapshotResults | None = None) -> None:
+        self._watchers: set[asyncio.Queue[WatchEvent | None]] = set()
+        self._last: dict[str, tuple[bool, bool]] = {}  # name -> (holds, unknown)
+        if last is not None:
+            self._last = {r.name: (r.holds, r.unknown) for r in last.results}
+
+    def changes(self, results: Sequence[PredicateResult]) -> list[PredicateChange]:
+        """The predicates whose value `results` change, and remember the new values."""
+        changes = []
+        for result in results:
+            value = (result.holds, result.unknown)
+            previous = self._last.get(result.name)
+            if previous != value:
+                changes.append(
+                    PredicateChange(
+                        name=result.name,
+                        holds=result.holds,
+                        unknown=result.unknown,
+                        previous_holds=bool(previous and previous[0]),
+                        previous_unknown=bool(previous and previous[1]),
+                        first=previous is None,
+                    )
+                )
+            self._last[result.name] = value
+        return changes
+
+    def publish(self, results: SnapshotResults, changes: list[PredicateChange]) -> None:
+        """Queue one event for every watcher; cut off those too far behind."""
+        event = WatchEvent(results=results, changes=changes, snapshot_id=results.snapshot.snapshot_id)
+        for queue in list(self._watchers):
+            try:
+                queue.put_nowait(event)
+            except asyncio.QueueFull:
+                self._watchers.discard(queue)
+                _end(queue)
+
+    async def subscribe(self) -> AsyncIterator[WatchEvent]:
+        """Every event published from now on, until :meth:`close`."""
+        queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue(QUEUE_LIMIT)
+        self._watchers.add(queue)
+        try:
+            while (event := await queue.get()) is not None:
+                yield event
+        finally:
+            self._watchers.discard(queue)
+
+    def close(self) -> None:
+        """End every watch stream."""
+        for queue in list(self._watchers):
+            _end(queue)
+
+
+def _end(queue: asyncio.Queue[WatchEvent | None]) -> None:
+    """End a watch stream: drop what it has not read yet and queue the end."""
+    while not queue.empty():
+        queue.get_nowait()
+    queue.put_nowait(None)
