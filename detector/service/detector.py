@@ -226,8 +226,9 @@ class Detector:
             return results
         seconds = time.perf_counter() - clock
         finished = time.time()
-        snapshot.started_at.FromNanoseconds(int(started * 1e9))
-        snapshot.completed_at.FromNanoseconds(int(finished * 1e9))
+        # Microseconds: what Parquet and Spark timestamps hold, so the archive keeps them exactly.
+        snapshot.started_at.FromMicroseconds(int(started * 1e6))
+        snapshot.completed_at.FromMicroseconds(int(finished * 1e6))
         evaluation = evaluate(snapshot, self._expected_totals, self._plugins)
         baselines = new_baselines(evaluation)
         if baselines:

@@ -1,0 +1,171 @@
+"""The archive on disk: its marker file, one atomic batch of Parquet files, and reading them back.
+
+Layout (see :mod:`.schema` for the tables)::
+
+    ARCHIVE/_stablewatch_archive.json                 {"format": "stablewatch-archive", "schema_version": 1}
+    ARCHIVE/<table>/day=YYYY-MM-DD/<batch>.parquet    one file per table, day and batch
+
+A batch is written aside (``.<name>.parquet.tmp``, ignored by readers) and then renamed into
+place, table by table, the ``snapshots`` file last: a reader never sees half a file, and a
+snapshot whose ``snapshots`` row is visible has all its other rows visible too. Batch names
+hold the first and last snapshot id, so a batch written twice replaces itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stablewatch.detector.archive.schema import (
+    MARKER_FILE,
+    METADATA_KEY,
+    SCHEMA_VERSION,
+    TABLES,
+    ArchiveError,
+    table_from_rows,
+)
+
+__all__ = ["batch_name", "ensure_archive", "parquet_files", "read_table", "write_batch"]
+
+_FORMAT = "stablewatch-archive"
+# The snapshots table goes last, so that its rows only appear once everything they refer to has.
+_WRITE_ORDER = [name for name in TABLES if name != "snapshots"] + ["snapshots"]
+
+
+def ensure_archive(root: Path) -> Path:
+    """Create the archive folder and its marker if needed; ArchiveError if it is someone else's or newer."""
+    root = Path(root)
+    marker = root / MARKER_FILE
+    if marker.exists():
+        check_marker(root)
+        return root
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        if any(p for p in root.iterdir() if not p.name.startswith(".")):
+            raise ArchiveError(f"{root} is not empty and is not a stablewatch archive (no {MARKER_FILE})")
+        tmp = root / f".{MARKER_FILE}.tmp"
+        tmp.write_text(json.dumps({"format": _FORMAT, "schema_version": SCHEMA_VERSION}) + "\n")
+        os.replace(tmp, marker)
+    except OSError as exc:
+        raise ArchiveError(f"cannot create the archive {root}: {exc.strerror or exc}") from exc
+    return root
+
+
+def check_marker(root: Path) -> int:
+    """The archive's schema version; ArchiveError when `root` is not an archive or is newer than this code."""
+    marker = Path(root) / MARKER_FILE
+    try:
+        content = json.loads(marker.read_text())
+    except FileNotFoundError:
+        raise ArchiveError(f"{root} is not a stablewatch archive: {MARKER_FILE} is missing") from None
+    except (OSError, ValueError) as exc:
+        raise ArchiveError(f"{marker}: cannot read the archive marker ({exc})") from exc
+    if not isinstance(content, dict) or content.get("format") != _FORMAT:
+        raise ArchiveError(f"{marker}: not a stablewatch archive marker")
+    version = content.get("schema_version")
+    if not isinstance(version, int) or version < 1:
+        raise ArchiveError(f"{marker}: bad schema_version {version!r}")
+    if version > SCHEMA_VERSION:
+        raise ArchiveError(
+            f"{marker}: archive schema version {version} is newer than this stablewatch reads ({SCHEMA_VERSION}); "
+            "upgrade stablewatch"
+        )
+    return version
+
+
+def batch_name(snapshot_ids: Sequence[int]) -> str:
+    """The file name of a batch holding these snapshots: deterministic, so rewriting it replaces it."""
+    return f"part-{min(snapshot_ids):020d}-{max(snapshot_ids):020d}.parquet"
+
+
+def write_batch(root: Path, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Path]:
+    """Write one batch of rows (table name -> rows, as :func:`.schema.snapshot_rows` makes them).
+
+    One file per table and day, each written aside and renamed into place, ``snapshots`` last.
+    Returns the files written. Raises ArchiveError (naming the file) when writing fails; what was
+    already in the archive is untouched.
+    """
+    ids = [row["snapshot_id"] for row in rows.get("snapshots", ())]
+    if not ids:
+        return []
+    name = batch_name(ids)
+    staged: list[tuple[Path, Path]] = []
+    try:
+        for table in _WRITE_ORDER:
+            by_day: dict[str, list[Mapping[str, Any]]] = {}
+            for row in rows.get(table, ()):
+                by_day.setdefault(row["day"], []).append(row)
+            for day, day_rows in sorted(by_day.items()):
+                folder = root / table / f"day={day}"
+                folder.mkdir(parents=True, exist_ok=True)
+                final = folder / name
+                tmp = folder / f".{name}.tmp"
+                arrow = table_from_rows(table, day_rows).drop_columns(["day"])
+                arrow = arrow.replace_schema_metadata({METADATA_KEY: str(SCHEMA_VERSION).encode()})
+                pq.write_table(arrow, tmp, compression="zstd")
+                staged.append((tmp, final))
+        for tmp, final in staged:
+            with open(tmp, "rb") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+    except (OSError, pa.ArrowException) as exc:
+        for tmp, _ in staged:
+            tmp.unlink(missing_ok=True)
+        raise ArchiveError(f"cannot write batch {name} to {root}: {exc}") from exc
+    return [final for _, final in staged]
+
+
+def parquet_files(root: Path, table: str) -> list[Path]:
+    """The visible Parquet files of `table` (temporary files are skipped), in day and batch order."""
+    if table not in TABLES:
+        raise ArchiveError(f"there is no table {table!r} in a stablewatch archive (tables: {', '.join(TABLES)})")
+    folder = Path(root) / table
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.glob("day=*/*.parquet") if not p.name.startswith("."))
+
+
+def read_file(path: Path, table: str) -> pa.Table:
+    """One archive file as an Arrow table with its ``day`` column; ArchiveError naming the file if it
+    is corrupt, foreign, or of a newer schema version."""
+    try:
+        file = pq.ParquetFile(path)
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"{path}: not a readable Parquet file ({exc})") from exc
+    metadata = file.schema_arrow.metadata or {}
+    version = metadata.get(METADATA_KEY)
+    if version is None:
+        raise ArchiveError(f"{path}: not a stablewatch archive file (no {METADATA_KEY.decode()} metadata)")
+    try:
+        number = int(version)
+    except ValueError:
+        raise ArchiveError(f"{path}: bad schema version {version!r}") from None
+    if number > SCHEMA_VERSION:
+        raise ArchiveError(
+            f"{path}: schema version {number} is newer than this stablewatch reads ({SCHEMA_VERSION}); "
+            "upgrade stablewatch"
+        )
+    expected = TABLES[table].remove(TABLES[table].get_field_index("day"))
+    try:
+        arrow = file.read()
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"{path}: corrupt Parquet file ({exc})") from exc
+    if not arrow.schema.remove_metadata().equals(expected):
+        raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {SCHEMA_VERSION}")
+    day = path.parent.name.removeprefix("day=")
+    return arrow.append_column("day", pa.array([day] * arrow.num_rows, pa.string()))
+
+
+def read_table(root: Path, table: str, files: Iterable[Path] | None = None) -> pa.Table:
+    """All rows of `table` in the archive at `root` (or of the given files), checked file by file."""
+    check_marker(root)
+    tables = [read_file(path, table) for path in (parquet_files(root, table) if files is None else files)]
+    if not tables:
+        return TABLES[table].empty_table()
+    return pa.concat_tables(tables)
