@@ -3,54 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import urllib.request
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
-import grpc
 import pytest
+from detector_harness import RawAgent, Running
 from nodes import Node, connect_all
 
 from polling import poll
-from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart, LocalState, control_pb2, control_pb2_grpc
-
-T = TypeVar("T")
-
-
-class Running:
-    """A Detector on its own event-loop thread."""
-
-    def __init__(self, config: DetectorConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.detector = Detector(config)
-        self.call(self.detector.start())
-
-    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def on_loop(self, function: Callable[[], T]) -> T:
-        """Run ``function`` on the detector's thread (the store belongs to it)."""
-
-        async def run() -> T:
-            return function()
-
-        return self.call(run())
-
-    def metric(self, name: str, **labels: str) -> float:
-        value = self.detector.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
-
-    def stop(self) -> None:
-        self.call(self.detector.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+from stablewatch.v1 import LocalSnapshotPart, LocalState
 
 
 @pytest.fixture
@@ -59,41 +23,6 @@ def running(tmp_path: Path) -> Iterator[Running]:
     service = Running(config)
     yield service
     service.stop()
-
-
-class RawAgent:
-    """A hand-driven control stream: registers as ``process_id`` and sends whatever a test wants."""
-
-    def __init__(self, running: Running, process_id: str) -> None:
-        self.running = running
-        self.received: list[DetectorMessage] = []
-        self.outbox: asyncio.Queue[AgentMessage | None] = asyncio.Queue()
-        self.task = asyncio.run_coroutine_threadsafe(self._run(process_id), running.loop)
-
-    async def _run(self, process_id: str) -> None:
-        async with grpc.aio.insecure_channel(self.running.detector.address) as channel:
-            call = control_pb2_grpc.ControlStub(channel).Attach()
-            await call.write(AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1")))
-
-            async def read() -> None:
-                async for message in call:
-                    self.received.append(message)
-
-            reader = asyncio.ensure_future(read())
-            while (message := await self.outbox.get()) is not None:
-                await call.write(message)
-            reader.cancel()
-            call.cancel()
-
-    def send_part(self, part: LocalSnapshotPart) -> None:
-        self.running.loop.call_soon_threadsafe(self.outbox.put_nowait, AgentMessage(part=part))
-
-    def starts(self) -> list[int]:
-        return [m.start.snapshot_id for m in self.received if m.WhichOneof("kind") == "start"]
-
-    def close(self) -> None:
-        self.running.loop.call_soon_threadsafe(self.outbox.put_nowait, None)
-        self.task.result(10)
 
 
 def test_bad_parts_are_rejected_with_reasons_and_counted(running: Running) -> None:

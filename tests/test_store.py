@@ -541,3 +541,88 @@ def test_closed_store_refuses_calls(tmp_path: Path) -> None:
     store.close()  # harmless
     with pytest.raises(sqlite3.ProgrammingError):
         store.allocate_id(0)
+
+
+# -- ids, epochs, the lock and upgrades -------------------------------------------------------------
+
+
+def test_ids_follow_the_clock_in_microseconds_and_never_repeat(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        first = store.allocate_id(T0)
+        assert first == int(T0 * 1_000_000)
+        assert store.allocate_id(T0) == first + 1  # the clock did not move: one above
+        assert store.allocate_id(T0 - 3600) == first + 2  # the clock went back: still above
+        assert store.allocate_id(T0 + 1) == int((T0 + 1) * 1_000_000)
+
+
+def test_a_fresh_store_starts_above_an_old_detectors_ids_and_has_a_new_epoch(tmp_path: Path) -> None:
+    with Store(tmp_path / "old") as old:
+        old_ids = [old.allocate_id(T0 + i / 1000) for i in range(5000)]  # more than an agent remembers
+        old_epoch = old.epoch
+    with Store(tmp_path / "old") as reopened:
+        assert reopened.epoch == old_epoch  # the same store: the same id space
+    with Store(tmp_path / "fresh") as fresh:
+        assert fresh.epoch not in (0, old_epoch)
+        assert fresh.allocate_id(T0 + 10) > max(old_ids)
+
+
+def test_the_data_directory_is_locked_while_a_store_is_open(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:
+        with pytest.raises(StoreError, match=r"in use by another detector \(pid \d+\)"):
+            Store(tmp_path)
+        with Store(tmp_path, lock=False) as reader:  # a read-only look (archive export) is fine
+            assert reader.epoch == store.epoch
+    with Store(tmp_path):  # released on close
+        pass
+
+
+def test_baselines_are_kept_once(store: Store) -> None:
+    store.add_expected_totals({"tokens": 30})
+    store.add_expected_totals({"tokens": 99, "credits": 4})
+    assert store.expected_totals() == {"tokens": 30, "credits": 4}
+
+
+def test_unarchived_snapshots_until_marked(store: Store) -> None:
+    done = completed(store)
+    store.begin(2, T0, members=1)
+    store.abort(2, "deadline", T0 + 1, "deadline")
+    store.begin(3, T0, members=1)  # running: not archived yet
+    assert store.unarchived(10) == [done, 2]
+    store.mark_archived([done])
+    assert store.unarchived(10) == [2]
+    assert store.summary(2).abort_kind == "deadline"
+
+
+def test_a_version_1_store_is_upgraded_in_place(tmp_path: Path) -> None:
+    """A store written by the previous schema keeps its history, gains stored evaluations and baselines."""
+    path = tmp_path / DB_FILENAME
+    db = sqlite3.connect(path)
+    db.executescript(
+        """
+        CREATE TABLE meta (key TEXT PRIMARY KEY, value INTEGER NOT NULL) WITHOUT ROWID;
+        CREATE TABLE snapshots (id INTEGER PRIMARY KEY, outcome TEXT NOT NULL, abort_reason TEXT NOT NULL DEFAULT '',
+            started_at REAL NOT NULL, finished_at REAL, processes INTEGER NOT NULL,
+            channels INTEGER NOT NULL DEFAULT 0, messages_in_flight INTEGER NOT NULL DEFAULT 0, snapshot BLOB);
+        CREATE INDEX snapshots_by_outcome ON snapshots (outcome, id);
+        CREATE TABLE results (snapshot_id INTEGER NOT NULL REFERENCES snapshots (id) ON DELETE CASCADE,
+            position INTEGER NOT NULL, name TEXT NOT NULL, holds INTEGER NOT NULL, result BLOB NOT NULL,
+            PRIMARY KEY (snapshot_id, position)) WITHOUT ROWID;
+        INSERT INTO meta VALUES ('schema_version', 1), ('last_id', 3);
+        """
+    )
+    blob = global_snapshot(3).SerializeToString()
+    db.execute("INSERT INTO snapshots VALUES (3, 'completed', '', ?, ?, 2, 3, 3, ?)", (T0, T0 + 1, blob))
+    for position, result in enumerate(predicate_results()):
+        db.execute(
+            "INSERT INTO results VALUES (3, ?, ?, ?, ?)",
+            (position, result.name, result.holds, result.SerializeToString()),
+        )
+    db.commit()
+    db.close()
+    with Store(tmp_path) as store:
+        assert store.snapshot(3) == global_snapshot(3)
+        graph = store.wait_for_graph(3)
+        assert graph is not None and ("a", "b") in {(e.waiter.process, e.target.process) for e in graph.edges}
+        assert store.expected_totals() == {"tokens": 14}  # the baseline the newest results were checked against
+        assert store.allocate_id(0) == 4
+        assert store.unarchived(10) == [3]

@@ -122,20 +122,26 @@ def test_own_wait_beats_the_task_rule() -> None:
     assert find_deadlock(wf).deadlocked == [("P1", ""), ("P2", "")]
 
 
-@pytest.mark.parametrize(
-    ("models", "merged"),
-    [
-        ((WAIT_MODEL_OR, WAIT_MODEL_OR), OR),
-        ((WAIT_MODEL_OR, WAIT_MODEL_AND), AND),
-        ((WAIT_MODEL_OR, WaitModel.WAIT_MODEL_UNSPECIFIED), AND),
-        ((WAIT_MODEL_AND, WAIT_MODEL_AND), AND),
-    ],
-)
-def test_waits_of_one_waiter_merge(models: tuple[WaitModel, WaitModel], merged: str) -> None:
-    s = snapshot(proc("P1", wait("P2", model=models[0]), wait("P3 P2", model=models[1])))
+def test_and_waits_of_one_waiter_merge_exactly() -> None:
+    s = snapshot(proc("P1", wait("P2", model=WAIT_MODEL_AND), wait("P3 P2", model=WaitModel.WAIT_MODEL_UNSPECIFIED)))
     wf = build_wait_for(s)
-    assert wf.graph.nodes["P1", ""]["model"] == merged
+    assert wf.graph.nodes["P1", ""]["model"] == AND
     assert sorted(wf.graph.successors(("P1", ""))) == [("P2", ""), ("P3", "")]
+
+
+@pytest.mark.parametrize("second", [WAIT_MODEL_OR, WAIT_MODEL_AND])
+def test_several_waits_with_an_or_wait_each_need_to_be_met(second: WaitModel) -> None:
+    # P1 needs P2, and one of P3 or P4. P4 is free, P3 waits on P1: with merged targets (AND
+    # over P2, P3, P4) P1 and P3 would look deadlocked, though P1 only waits for P2 and P4.
+    s = snapshot(proc("P1", wait("P3 P4", model=WAIT_MODEL_OR), wait("P2", model=second)), proc("P3", wait("P1")))
+    wf = build_wait_for(s)
+    assert wf.graph.nodes["P1", ""]["model"] == AND
+    assert sorted(wf.graph.successors(("P1", ""))) == [("P1", "[wait 1]"), ("P1", "[wait 2]")]
+    assert wf.graph.nodes["P1", "[wait 1]"]["model"] == OR
+    assert find_deadlock(wf).deadlocked == []
+    # With P4 gone from the OR wait, P1 and P3 wait on each other: a real deadlock.
+    s = snapshot(proc("P1", wait("P3", model=WAIT_MODEL_OR), wait("P2", model=second)), proc("P3", wait("P1")))
+    assert ("P1", "") in find_deadlock(build_wait_for(s)).deadlocked
 
 
 def test_unspecified_model_is_and() -> None:

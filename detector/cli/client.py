@@ -7,7 +7,7 @@ detector is reported within it rather than waited on forever. gRPC failures beco
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -77,15 +77,23 @@ class DetectorClient:
         return self._call(self._stub.GetWaitForGraph, query_pb2.GetSnapshotRequest(snapshot_id=snapshot_id))
 
     def members(self) -> list[query_pb2.Member]:
-        return list(self._call(self._stub.ListMembers, query_pb2.ListMembersRequest()).members)
+        """The attached agents."""
+        return list(self.membership().members)
 
-    def trigger_snapshot(self, deadline: float | None = None) -> SnapshotResults:
+    def membership(self) -> query_pb2.ListMembersResponse:
+        """The attached agents, and the expected processes (``--members``) that are not attached."""
+        return self._call(self._stub.ListMembers, query_pb2.ListMembersRequest())
+
+    def trigger_snapshot(self, deadline: float | None = None, expected_members: Sequence[str] = ()) -> SnapshotResults:
         """Take a snapshot now and return its results, completed or aborted.
 
         ``deadline`` (seconds) is the snapshot's own; None leaves the detector's configured one.
-        The call itself may take that long plus a few seconds.
+        ``expected_members`` must be in the cut for whole-system predicates to be decided. The
+        call itself may take that long plus a few seconds.
         """
-        request = query_pb2.TriggerSnapshotRequest(timeout_ms=0 if deadline is None else max(1, round(deadline * 1000)))
+        request = query_pb2.TriggerSnapshotRequest(
+            timeout_ms=0 if deadline is None else max(1, round(deadline * 1000)), expected_members=expected_members
+        )
         wait = (_TRIGGER_MAX if deadline is None else deadline) + _TRIGGER_SLACK
         return self._call(self._stub.TriggerSnapshot, request, wait)
 

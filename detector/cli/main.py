@@ -118,7 +118,10 @@ def _parser() -> argparse.ArgumentParser:
     add("--max-concurrent", type=_positive_int, default=config.max_concurrent, metavar="N",
         help="scheduled snapshots running at once (%(default)s)")  # fmt: skip
     add("--min-members", type=_positive_int, default=config.min_members, metavar="N",
-        help="scheduled snapshots wait until N agents are attached (default %(default)s)")  # fmt: skip
+        help="snapshots wait until N agents are attached (default %(default)s)")  # fmt: skip
+    add("--members", type=_members, default=((), 0), metavar="ID,ID,...|N",
+        help="the system's processes, by id or by number: termination and conservation are unknown "
+        "(never true) on a snapshot without all of them (default: whoever is attached)")  # fmt: skip
     add("--heartbeat-timeout", type=_positive, default=config.heartbeat_timeout, metavar="S",
         help="detach an agent silent this long (%(default)s); agents beat every S/3 s, at most 1 s")  # fmt: skip
     add("--expect", type=_expected_total, action="append", default=[], metavar="COUNTER=TOTAL",
@@ -271,6 +274,8 @@ def _detector(args: argparse.Namespace) -> int:
         deadline=args.deadline,
         max_concurrent=args.max_concurrent,
         min_members=args.min_members,
+        expected_members=args.members[0],
+        expected_member_count=args.members[1],
         heartbeat_interval=min(1.0, args.heartbeat_timeout / 3),
         heartbeat_timeout=args.heartbeat_timeout,
         expected_totals=dict(args.expect),
@@ -346,18 +351,26 @@ def _query(args: argparse.Namespace, console: Console) -> int:
 
 
 def _status(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
-    members = client.members()
+    membership = client.membership()
+    members = list(membership.members)
     latest = _latest_or_none(client)
     if args.json:
         _print_json(
             {
                 "detector": client.address,
                 "members": [proto_dict(member) for member in members],
+                "expected_missing": list(membership.expected_missing),
+                "expected_count": membership.expected_count,
                 "latest": None if latest is None else proto_dict(latest),
             }
         )
     else:
         console.print(members_table(members) if members else "[dim]no agent is attached[/]")
+        if membership.expected_missing:
+            missing = ", ".join(membership.expected_missing)
+            console.print(f"[yellow]expected but not attached: {missing}[/] (whole-system predicates are unknown)")
+        if membership.expected_count and len(members) < membership.expected_count:
+            console.print(f"[yellow]{len(members)} of {membership.expected_count} expected processes are attached[/]")
         console.print(results_report(latest) if latest else "[dim]no snapshot has completed yet[/]")
     return 0
 
@@ -543,6 +556,20 @@ def _keep(text: str) -> int | None:
 
 def _keep_days(text: str) -> float | None:
     return None if text.lower() in _OFF else _positive(text)
+
+
+def _members(text: str) -> tuple[tuple[str, ...], int]:
+    """``--members``: a comma-separated list of process ids, or how many processes there are."""
+    text = text.strip()
+    if text.isdigit():
+        count = int(text)
+        if count < 1:
+            raise argparse.ArgumentTypeError(f"a number of members must be at least 1, not {text}")
+        return (), count
+    ids = tuple(part.strip() for part in text.split(","))
+    if not text or any(not part for part in ids):
+        raise argparse.ArgumentTypeError(f"expected ID,ID,... or a number, not {text!r}")
+    return tuple(dict.fromkeys(ids)), 0
 
 
 def _expected_total(text: str) -> tuple[str, int]:

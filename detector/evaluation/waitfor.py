@@ -5,8 +5,11 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
 * Nodes are ``(process, task)`` tuples; task ``""`` is the process itself.
 * Each ``Wait`` in process P's local state makes ``(P, wait.task)`` an AND or OR waiter
   (``WAIT_MODEL_UNSPECIFIED`` counts as AND) with an edge to every target, whether or not P
-  reports itself active: the wait is what the application declared. Several waits for the
-  same waiter merge their targets; if their models differ the waiter is AND.
+  reports itself active: the wait is what the application declared.
+* A waiter with several waits needs every one of them. AND waits merge exactly into one AND
+  waiter over all their targets. Otherwise each wait becomes a node of its own,
+  ``(P, "task[wait k]")`` with the wait's model and targets, and the waiter is an AND waiter
+  over those nodes: ``(B) and (C or D)`` stays exactly that.
 * A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
   passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
   active it is free.
@@ -128,22 +131,27 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
 
     O(processes + waits + targets + recorded messages).
     """
-    # waiter -> (model, [(target, flow_control), ...])
+    # waiter -> (model, [(target, flow_control), ...]); `owner` maps a wait's own node to its waiter.
     waits: dict[Node, tuple[str, list[tuple[Node, bool]]]] = {}
+    owner: dict[Node, Node] = {}
     for process in snapshot.processes:
         pid = process.process_id
-        tasks: dict[Node, None] = {}
+        declared: dict[Node, list[tuple[str, list[tuple[Node, bool]]]]] = {}
         for wait in process.state.waits:
-            waiter = (pid, wait.task)
             model = OR if wait.model == WAIT_MODEL_OR else AND
             targets = [((t.process, t.task), wait.flow_control) for t in wait.targets]
-            if waiter in waits:
-                old_model, old_targets = waits[waiter]
-                waits[waiter] = (model if model == old_model else AND, old_targets + targets)
-            else:
-                waits[waiter] = (model, targets)
-            if wait.task:
-                tasks[waiter] = None
+            declared.setdefault((pid, wait.task), []).append((model, targets))
+        for waiter, groups in declared.items():
+            if len(groups) == 1 or all(model == AND for model, _ in groups):
+                waits[waiter] = (groups[0][0] if len(groups) == 1 else AND, [t for _, ts in groups for t in ts])
+                continue
+            waits[waiter] = (AND, [])
+            for k, (model, targets) in enumerate(groups, start=1):
+                node = (pid, f"{waiter[1]}[wait {k}]")
+                waits[node] = (model, targets)
+                owner[node] = waiter
+                waits[waiter][1].append((node, False))
+        tasks = [waiter for waiter in declared if waiter[1]]
         if tasks and (pid, "") not in waits and not process.state.active:
             waits[(pid, "")] = (OR, [(task, False) for task in tasks])
 
@@ -153,7 +161,7 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
         if flow_control or (target[0], waiter[0]) not in waking:
             return False
         tasks = waking[(target[0], waiter[0])]
-        return tasks is None or waiter[1] in tasks
+        return tasks is None or owner.get(waiter, waiter)[1] in tasks
 
     graph = nx.DiGraph()
     graph.add_nodes_from((waiter, {"model": model}) for waiter, (model, _) in waits.items())

@@ -11,6 +11,8 @@ A predicate is true, false or unknown. ``stablewatch_predicate_value`` is 1 only
 
 from __future__ import annotations
 
+import contextlib
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stablewatch.detector.service.assembly import REJECTION_REASONS
@@ -103,7 +105,12 @@ class DetectorMetrics:
                 self.deadlocked_nodes.set(len(result.deadlock.deadlocked))
                 self.deadlock_cycles.set(result.deadlock.separate_deadlocks)
             kind = result.WhichOneof("evidence")
-            if kind == "conservation" and not unknown:
+            if kind == "conservation" and unknown:
+                # No number is better than a stale one: a drift alert must not fire on an open cut.
+                for gauge in (self.counter_total, self.conservation_drift):
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(result.conservation.counter)
+            elif kind == "conservation":
                 evidence = result.conservation
                 self.counter_total.labels(evidence.counter).set(evidence.observed)
                 self.conservation_drift.labels(evidence.counter).set(evidence.drift)
