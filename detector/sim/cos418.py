@@ -5,7 +5,7 @@ Every parse error is a :class:`TraceError` naming the file, the line and what wa
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,9 @@ __all__ = [
     "TraceEvent",
     "compare_snaps",
     "expected_snap_files",
+    "format_events",
     "format_snap",
+    "format_topology",
     "parse_delays",
     "parse_events",
     "parse_snap",
@@ -225,6 +227,27 @@ def snap_from_snapshot(snapshot: GlobalSnapshot) -> SnapFile:
     ]
     messages = [(src, dst, tokens) for dst, _, src, tokens in sorted(arrivals)]
     return SnapFile(snapshot.snapshot_id, balances, messages)
+
+
+def format_topology(topology: Topology) -> str:
+    """Render ``topology`` in the .top format."""
+    lines = [str(len(topology.balances))]
+    lines += [f"{process} {topology.balances[process]}" for process in topology.processes]
+    lines += [f"{src} {dst}" for src in topology.processes for dst in topology.links[src]]
+    return "\n".join(lines) + "\n"
+
+
+def format_events(events: Sequence[TraceEvent]) -> str:
+    """Render ``events`` in the .events format."""
+    lines = []
+    for event in events:
+        if isinstance(event, Send):
+            lines.append(f"send {event.src} {event.dst} {event.tokens}")
+        elif isinstance(event, SnapshotEvent):
+            lines.append(f"snapshot {event.process}")
+        else:
+            lines.append("tick" if event.steps == 1 else f"tick {event.steps}")
+    return "\n".join(lines) + "\n"
 
 
 def format_snap(snap: SnapFile) -> str:
