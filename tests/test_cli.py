@@ -231,8 +231,17 @@ def test_watch_json_count(system: System) -> None:
 def test_watch_human_count(system: System) -> None:
     result = stablewatch("watch", "--detector", system.address, "--count", "1")
     assert result.returncode == 0, result.stderr
-    assert "predicates (1 events)" in result.stdout
+    assert "predicates (1 event)" in result.stdout
     assert "conservation(tokens)" in result.stdout
+    assert result.stdout.endswith("\n")
+
+
+def test_watch_changes_only_shows_the_current_values_first(system: System) -> None:
+    """On a steady system nothing changes; the table still shows every value at once."""
+    result = stablewatch("watch", "--detector", system.address, "--changes-only", "--count", "1")
+    assert result.returncode == 0, result.stderr
+    assert "conservation(tokens)" in result.stdout and "deadlock" in result.stdout
+    assert "waiting for the next snapshot" not in result.stdout
 
 
 def default_sigint() -> None:
@@ -347,7 +356,13 @@ def test_no_agents_snapshot_exits_1(tmp_path: Path) -> None:
         assert "no agent is attached" in result.stderr
         result = stablewatch("status", "--detector", detector.address, "--json")
         assert result.returncode == 0, result.stderr
-        assert one_json(result) == {"detector": detector.address, "members": [], "latest": None}
+        assert one_json(result) == {
+            "detector": detector.address,
+            "members": [],
+            "expected_missing": [],
+            "expected_count": 0,
+            "latest": None,
+        }
     finally:
         assert detector.stop() == 0
 
@@ -394,7 +409,7 @@ def test_detector_that_cannot_start_exits_1(tmp_path: Path) -> None:
         (["detector", "--listen", "nowhere"], "expected HOST:PORT"),
         (["detector", "--listen", "127.0.0.1:99999"], "expected HOST:PORT"),
         (["detector", "--metrics-port", "70000"], "expected a port"),
-        (["detector", "--interval", "-1"], "must be above 0"),
+        (["detector", "--interval", "-1"], "must be 0 or off (on demand only) or a positive number"),
         (["detector", "--interval", "soon"], "expected a number"),
         (["detector", "--jitter", "1.5"], "below 1"),
         (["detector", "--deadline", "nan"], "finite"),
@@ -480,3 +495,12 @@ def test_watch_view_highlights_changes() -> None:
     assert "snapshot #3: deadlock became yes" in text
     assert "predicates (3 events)" in text
     assert "#3" in text and "#1" in text
+
+
+def test_output_closed_early_ends_quietly(system: System) -> None:
+    """`stablewatch snapshot --json | head -c 100`: no BrokenPipeError traceback."""
+    shell = f"{' '.join(STABLEWATCH)} snapshot --detector {system.address} --json | head -c 100"
+    result = subprocess.run(["bash", "-o", "pipefail", "-c", shell], capture_output=True, text=True, timeout=60)
+    assert len(result.stdout) == 100
+    assert result.stderr == ""
+    assert result.returncode == 0

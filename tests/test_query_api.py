@@ -261,6 +261,17 @@ def test_watch_streams_results_and_changes(running: LoopDetector, stub: query_pb
         poll(lambda: len(running.detector._watch._watchers) == 2, "both watch streams to subscribe")
 
         with DetectorClient(running.address) as client:
+            # Each stream starts with the present state: the latest results, every value first.
+            current = client.latest_results()
+            event = next_event(full)
+            assert event.results == current
+            assert [(c.name, c.first) for c in event.changes] == [(r.name, True) for r in current.results]
+            event = next_event(changes)
+            assert not event.HasField("results")
+            assert [(c.name, c.holds, c.first) for c in event.changes] == [
+                (r.name, r.holds, True) for r in current.results
+            ]
+
             same = client.trigger_snapshot(deadline=10)  # no predicate changes value
             event = next_event(full)
             assert event.snapshot_id == same.snapshot.snapshot_id

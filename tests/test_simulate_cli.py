@@ -120,3 +120,22 @@ def test_the_bundled_sample_trace_conserves_tokens(tmp_path: Path, capsys: pytes
         by_name = {r["name"]: r for r in snapshot["results"]}
         assert by_name["conservation(tokens)"]["holds"] is True
         assert by_name["deadlock"].get("holds", False) is False
+
+
+def test_out_naming_an_existing_file_exits_2_with_a_message(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    top, ev = _write(tmp_path, TOPOLOGY, "send A B 1\nsnapshot A\ntick 5\n")
+    taken = tmp_path / "taken"
+    taken.write_text("keep me")
+    assert _simulate(top, ev, taken) == 2
+    error = capsys.readouterr().err
+    assert f"{taken}: --out must be a folder, and this is an existing file" in error
+    assert "Traceback" not in error
+    assert taken.read_text() == "keep me"
+
+
+def test_one_snapshot_is_singular(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    top, ev = _write(tmp_path, TOPOLOGY, "send A B 1\nsnapshot A\ntick 5\n")
+    assert _simulate(top, ev, tmp_path / "out") == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "1 snapshot of t.events" in text
+    assert "wrote 1 .snap file to" in text

@@ -6,9 +6,11 @@
 * a distributed job (three workers): termination is detected once, and only once, it is true.
 
 Every service is its own OS process embedding the agent (``stablewatch.examples``); the detectors
-run in this process, each with its own gRPC API, /metrics endpoint and SQLite store. The demo
-ends when all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C) and stops
-every process it started.
+run in this process, each with its own gRPC API, /metrics endpoint and SQLite store. As soon as
+they listen, their addresses are printed whole (a JSON line with ``--json``). The demo ends when
+all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C), stops every process it
+started, and removes its temporary data; what it leaves is in the output folder: the wait-for
+graph of the deadlock (DOT, and PNG when Graphviz is installed).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,7 +38,7 @@ from stablewatch.detector.evaluation.plugins import load_predicate
 from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.v1 import PredicateResult
+from stablewatch.v1 import PredicateResult, WaitForGraph
 from stablewatch.v1.query_pb2 import SnapshotResults
 
 __all__ = ["DemoReport", "run_demo"]
@@ -86,20 +89,32 @@ class DemoReport:
     conservation_ok: bool
     seconds: float
     bank_totals: dict[str, int]
-    graph_file: str | None
+    graph_dot: str | None  # the deadlock's wait-for graph, in the output folder
+    graph_png: str | None  # the same drawn by Graphviz, when `dot` is installed
+    out_dir: str
+    data_dir: str | None  # kept only when given; a temporary one is removed
     systems: dict[str, dict[str, object]]
 
 
 async def run_demo(
-    duration: float, data_dir: Path | None, console: Console, live: bool, stay: bool = False
+    duration: float,
+    data_dir: Path | None,
+    out_dir: Path,
+    console: Console,
+    live: bool,
+    stay: bool = False,
+    on_ready: Callable[[dict[str, dict[str, str | None]]], None] | None = None,
 ) -> DemoReport:
     """Run the demo for at most ``duration`` seconds; see the module docstring.
 
-    With ``stay`` it runs the whole ``duration`` (or until Ctrl-C) even once everything is seen,
-    so the detectors can be queried meanwhile (``stablewatch status --detector ...``).
+    ``on_ready`` gets every system's gRPC address and /metrics URL as soon as the detectors
+    listen. With ``stay`` it runs the whole ``duration`` (or until Ctrl-C) even once everything
+    is seen, so the detectors can be queried meanwhile (``stablewatch status --detector ...``).
     """
+    temporary = data_dir is None
     work = Path(tempfile.mkdtemp(prefix="stablewatch-demo-")) if data_dir is None else data_dir
     work.mkdir(parents=True, exist_ok=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
     systems = [
         _system("bank", "bank", BANK, ["--branches", ",".join(BANK), "--tokens", str(TOKENS_PER_BRANCH)], work),
         _system("philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work),
@@ -115,10 +130,13 @@ async def run_demo(
     try:
         for system in systems:
             await system.detector.start()
+        if on_ready is not None:
+            on_ready({s.name: {"address": s.detector.address, "metrics": s.detector.metrics_url} for s in systems})
+        for system in systems:
             watchers.append(asyncio.ensure_future(_follow(system, started)))
             _launch(system, work)
         await _show(systems, started, duration, stop, console, live, stay)
-        report = _report(systems, time.monotonic() - started, work)
+        report = _report(systems, time.monotonic() - started, out_dir, None if temporary else work)
     finally:
         for task in watchers:
             task.cancel()
@@ -129,6 +147,8 @@ async def run_demo(
         for signum in (signal.SIGINT, signal.SIGTERM):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.remove_signal_handler(signum)
+        if temporary:
+            shutil.rmtree(work, ignore_errors=True)
     return report
 
 
@@ -141,7 +161,8 @@ def _system(name: str, module: str, ids: list[str], options: list[str], work: Pa
         deadline=2.0,
         heartbeat_interval=0.5,
         heartbeat_timeout=5.0,
-        min_members=len(ids),  # a cut of only some members would miss their tokens or work
+        min_members=len(ids),  # no snapshot before every service is attached
+        expected_members=tuple(ids),  # a cut without one of them proves no termination or conservation
         expected_totals={"tokens": TOKENS_PER_BRANCH * len(ids)} if name == "bank" else {},
     )
     plugins = [load_predicate("stablewatch.examples.job:all_tasks_done")] if name == "job" else []
@@ -227,22 +248,30 @@ def _terminate(processes: list[subprocess.Popen[bytes]]) -> None:
             process.wait(timeout=10)
 
 
-def _report(systems: list[_System], seconds: float, work: Path) -> DemoReport:
+def write_graph(graph: WaitForGraph, dot: Path) -> tuple[Path, Path | None]:
+    """Write `graph` as DOT to `dot`, and as a PNG beside it when Graphviz's ``dot`` is on PATH.
+
+    Returns the DOT file and the PNG (None without Graphviz, or if it failed to draw).
+    """
+    dot.write_text(wait_for_dot(graph))
+    png = dot.with_suffix(".png")
+    png.unlink(missing_ok=True)
+    if shutil.which("dot"):
+        subprocess.run(["dot", "-Tpng", str(dot), "-o", str(png)], check=False, timeout=30, capture_output=True)
+    return dot, png if png.exists() else None
+
+
+def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | None) -> DemoReport:
     bank, philosophers, job = systems
     cycle: list[str] = []
-    graph_file = None
+    graph_dot = graph_png = None
     deadlock_id = _first_deadlock(philosophers)
     if deadlock_id is not None:
         graph = philosophers.detector.store.wait_for_graph(deadlock_id)
         assert graph is not None
         cycle = [label(node) for node in graph.deadlock.cycle]
-        dot = work / "philosophers-deadlock.dot"
-        dot.write_text(wait_for_dot(graph))
-        graph_file = str(dot)
-        if shutil.which("dot"):
-            png = dot.with_suffix(".png")
-            subprocess.run(["dot", "-Tpng", str(dot), "-o", str(png)], check=False, timeout=30)
-            graph_file = str(png) if png.exists() else graph_file
+        dot, png = write_graph(graph, out_dir / "philosophers-deadlock.dot")
+        graph_dot, graph_png = str(dot), None if png is None else str(png)
     totals: dict[str, int] = {}
     if bank.latest is not None:
         for result in bank.latest.results:
@@ -256,12 +285,12 @@ def _report(systems: list[_System], seconds: float, work: Path) -> DemoReport:
         conservation_ok=bank.completed > 0 and not bank.conservation_broken,
         seconds=round(seconds, 2),
         bank_totals=totals,
-        graph_file=graph_file,
+        graph_dot=graph_dot,
+        graph_png=graph_png,
+        out_dir=str(out_dir),
+        data_dir=None if kept is None else str(kept),
         systems={
             system.name: {
-                "address": system.detector.address,
-                "metrics": system.detector.metrics_url,
-                "data_dir": str(system.detector.config.data_dir),
                 "snapshots_completed": system.completed,
                 "snapshots_aborted": system.aborted,
                 "first_seen_seconds": {name: round(at, 2) for name, at in system.first_seen.items()},

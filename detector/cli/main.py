@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import subprocess
@@ -44,6 +45,7 @@ from stablewatch.detector.cli.render import (
 )
 from stablewatch.detector.evaluation import evaluate, new_baselines, wait_for_dot
 from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, entry_point_predicates, load_predicate
+from stablewatch.detector.evaluation.text import plural
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.store import StoreError
@@ -91,7 +93,12 @@ def _parser() -> argparse.ArgumentParser:
         "demo", help="live demo: a token bank, dining philosophers and a terminating job, each watched by a detector"
     )
     demo.add_argument("--duration", type=_positive, default=60.0, metavar="S", help="stop after S seconds at most (60)")
-    demo.add_argument("--data-dir", type=Path, help="where the detectors keep their data (default: a temporary folder)")
+    demo.add_argument(
+        "--data-dir", type=Path, help="where the detectors keep their data (default: a temporary folder, then removed)"
+    )
+    demo.add_argument(
+        "--out", type=Path, default=Path("stablewatch-demo"), metavar="DIR", help="where the results go (%(default)s)"
+    )
     demo.add_argument("--json", action="store_true", help="no live view; print one JSON object at the end")
     demo.add_argument(
         "--stay", action="store_true", help="keep running for the whole duration, to query the detectors meanwhile"
@@ -167,7 +174,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``stablewatch`` console script."""
+    """Entry point of the ``stablewatch`` console script.
+
+    A command whose output is closed early (``stablewatch snapshot --json | head``) ends quietly.
+    """
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # Python would complain again when it flushes stdout at exit: point stdout at nothing.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+
+
+def _main(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
     console = Console()
     if args.command == "detector":
@@ -192,7 +213,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _demo(args: argparse.Namespace, console: Console) -> int:
-    report = asyncio.run(run_demo(args.duration, args.data_dir, console, live=not args.json, stay=args.stay))
+    def ready(systems: dict[str, dict[str, str | None]]) -> None:
+        """The detectors listen: say where, whole, before anything else (a JSON line with --json)."""
+        if args.json:
+            print(json.dumps({"event": "ready", "systems": systems}), flush=True)
+            return
+        for name, where in systems.items():
+            console.print(f"{name}: gRPC API {where['address']}  metrics {where['metrics']}", soft_wrap=True)
+        console.print(f"e.g. stablewatch status --detector {next(iter(systems.values()))['address']}", soft_wrap=True)
+
+    report = asyncio.run(
+        run_demo(args.duration, args.data_dir, args.out, console, live=not args.json, stay=args.stay, on_ready=ready)
+    )
     found = report.deadlock_detected and report.termination_detected and report.conservation_ok
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))
@@ -227,9 +259,14 @@ def _simulate(
         entries.append((snapshot, list(evaluation.results)))
     snaps = [snap_from_snapshot(snapshot) for snapshot in snapshots]
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        for snap in snaps:
-            (out / f"{snap.snapshot_id}.snap").write_text(format_snap(snap))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            for snap in snaps:
+                (out / f"{snap.snapshot_id}.snap").write_text(format_snap(snap))
+        except FileExistsError:
+            raise TraceError(out, 0, "--out must be a folder, and this is an existing file") from None
+        except OSError as error:
+            raise TraceError(out, 0, f"cannot write the .snap files: {error.strerror or error}") from None
     differences = compare_snaps(snaps, expected_snaps) if expected_snaps is not None else []
 
     if as_json:
@@ -247,14 +284,15 @@ def _simulate(
         }
         print(json.dumps(report))
     else:
-        console.print(snapshot_report(entries, title=f"{len(snapshots)} snapshots of {events_path.name}"))
+        console.print(snapshot_report(entries, title=f"{plural(len(snapshots), 'snapshot')} of {events_path.name}"))
         if out is not None:
-            console.print(f"wrote {len(snaps)} .snap files to {out}")
+            console.print(f"wrote {plural(len(snaps), '.snap file')} to {out}")
         if expected_snaps is not None:
             for difference in differences:
                 console.print(f"[red]differs[/]: {difference}")
             if not differences:
-                console.print(f"[green]all {len(expected_snaps)} expected snapshots match[/]")
+                matched = plural(len(expected_snaps), "expected snapshot")
+                console.print(f"[green]{'the' if len(expected_snaps) == 1 else 'all'} {matched} match[/]")
     return EXIT_MISMATCH if differences else 0
 
 
@@ -419,6 +457,8 @@ def _watch(client: DetectorClient, args: argparse.Namespace, console: Console) -
         events.close()
         if live is not None:
             live.stop()
+            if not console.is_terminal:  # rich leaves the last line open when output is not a terminal
+                console.line()
     raise _CommandError(f"the detector at {client.address} ended the stream (it is shutting down)")
 
 
@@ -533,7 +573,12 @@ def _fraction(text: str) -> float:
 def _interval(text: str) -> float | None:
     if text.lower() in _OFF or _number(text) == 0:
         return None
-    return _positive(text)
+    value = _number(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(
+            f"must be 0 or off (on demand only) or a positive number of seconds, not {text}"
+        )
+    return value
 
 
 def _metrics_port(text: str) -> int | None:

@@ -15,6 +15,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from stablewatch.detector.evaluation.text import plural
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
 from stablewatch.v1.query_pb2 import (
@@ -157,8 +158,8 @@ def summary_line(summary: SnapshotSummary) -> Text:
     line.append(f" at {format_time(when)}{_duration(summary)}")
     if summary.outcome == SNAPSHOT_OUTCOME_COMPLETED:
         line.append(
-            f": {summary.processes} processes, {summary.channels} channels, "
-            f"{summary.messages_in_flight} messages in flight"
+            f": {plural(summary.processes, 'process', 'processes')}, {plural(summary.channels, 'channel')}, "
+            f"{plural(summary.messages_in_flight, 'message')} in flight"
         )
     if summary.abort_reason:
         line.append(f": {summary.abort_reason}", style="red")
@@ -240,7 +241,7 @@ class WatchView:
             row.changed_at = self.events
 
     def render(self) -> Group:
-        table = Table(title=f"predicates ({self.events} events)", title_justify="left")
+        table = Table(title=f"predicates ({plural(self.events, 'event')})", title_justify="left")
         table.add_column("predicate")
         table.add_column("value")
         table.add_column("since", justify="right")
@@ -268,8 +269,9 @@ def demo_summary(report: DemoReport) -> Group:
         cycle = " -> ".join([*report.deadlock_cycle, report.deadlock_cycle[0]]) if report.deadlock_cycle else "?"
         lines.append(Text(f"deadlock among the philosophers: cycle {cycle}", style="red bold"))
         lines.append(Text("  every channel along the cycle was empty: no message in flight could wake anyone"))
-        if report.graph_file:
-            lines.append(Text(f"  wait-for graph: {report.graph_file}"))
+        if report.graph_dot:
+            drawn = f" and {report.graph_png}" if report.graph_png else " (install Graphviz for a PNG)"
+            lines.append(Text(f"  wait-for graph: {report.graph_dot}{drawn}"))
     else:
         lines.append(Text("no deadlock was reported among the philosophers in time", style="yellow"))
     job = report.systems.get("job", {}).get("first_seen_seconds", {})
@@ -282,9 +284,8 @@ def demo_summary(report: DemoReport) -> Group:
     totals = ", ".join(f"{name} = {total}" for name, total in sorted(report.bank_totals.items())) or "none"
     verdict = "conserved in every snapshot" if report.conservation_ok else "NOT conserved"
     lines.append(Text(f"bank totals: {totals} ({verdict})", style="green" if report.conservation_ok else "red"))
-    lines.append(Text(f"{report.snapshots_completed} snapshots completed in {report.seconds:.1f} s"))
-    for name, system in report.systems.items():
-        lines.append(
-            Text(f"  {name}: gRPC API {system['address']}, metrics {system['metrics']}, data {system['data_dir']}")
-        )
+    lines.append(Text(f"{plural(report.snapshots_completed, 'snapshot')} completed in {report.seconds:.1f} s"))
+    lines.append(
+        Text(f"results in {report.out_dir}" + (f"; data kept in {report.data_dir}" if report.data_dir else ""))
+    )
     return Group(*lines)

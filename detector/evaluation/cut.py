@@ -15,11 +15,10 @@ closed cut. On an open one they are *unknown*, with the missing processes as evi
 
 from __future__ import annotations
 
+from stablewatch.detector.evaluation.text import names, plural
 from stablewatch.v1 import CutCoverage, GlobalSnapshot
 
 __all__ = ["coverage", "describe_missing"]
-
-_SHOWN = 6  # missing processes named in a summary before "..."
 
 
 def coverage(snapshot: GlobalSnapshot) -> CutCoverage:
@@ -50,11 +49,11 @@ def coverage(snapshot: GlobalSnapshot) -> CutCoverage:
 def describe_missing(cut: CutCoverage) -> str:
     """A short phrase naming what an open cut lacks, for summaries ("" for a closed cut)."""
     pieces = []
-    names = list(cut.missing_processes)
-    if names:
-        shown = ", ".join(names[:_SHOWN]) + (f", ... ({len(names) - _SHOWN} more)" if len(names) > _SHOWN else "")
-        pieces.append(f"{len(names)} {'process' if len(names) == 1 else 'processes'} missing from the cut ({shown})")
+    missing = list(cut.missing_processes)
+    if missing:
+        pieces.append(f"{plural(len(missing), 'process', 'processes')} missing from the cut ({names(missing)})")
     if cut.missing_unnamed:
-        n = cut.missing_unnamed
-        pieces.append(f"{n} more expected {'process' if n == 1 else 'processes'} did not report")
+        pieces.append(
+            f"{plural(cut.missing_unnamed, 'more expected process', 'more expected processes')} did not report"
+        )
     return "; ".join(pieces)

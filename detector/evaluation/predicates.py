@@ -16,9 +16,10 @@ What a cut may claim depends on whether it is closed (:mod:`.cut`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 
 from stablewatch.detector.evaluation.cut import coverage, describe_missing
+from stablewatch.detector.evaluation.text import SHOWN, names, plural
 from stablewatch.detector.evaluation.waitfor import (
     Deadlock,
     WaitFor,
@@ -46,17 +47,6 @@ __all__ = [
     "unknown",
 ]
 
-_SHOWN = 6  # names listed in a summary before "..."
-
-
-def _names(items: Sequence[str]) -> str:
-    shown = ", ".join(items[:_SHOWN])
-    return shown + (f", ... ({len(items) - _SHOWN} more)" if len(items) > _SHOWN else "")
-
-
-def _plural(n: int, word: str, words: str = "") -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
-
 
 def unknown(result: PredicateResult, cut: CutCoverage, finding: str) -> PredicateResult:
     """Mark `result` unknown because `cut` is open; the summary says what was found and what is missing."""
@@ -73,17 +63,17 @@ def deadlock_result(wf: WaitFor, found: Deadlock, cut: CutCoverage) -> Predicate
     result.deadlock.CopyFrom(evidence_proto(found))
     if found.deadlocked:
         steps = [label(n) for n in found.cycle]
-        if len(steps) > _SHOWN:
-            steps = [*steps[: _SHOWN - 1], f"... ({len(steps) - _SHOWN + 1} more)"]
+        if len(steps) > SHOWN:
+            steps = [*steps[: SHOWN - 1], f"... ({len(steps) - SHOWN + 1} more)"]
         path = " -> ".join([*steps, label(found.cycle[0])])
-        result.summary = f"{_plural(len(found.deadlocked), 'node')} deadlocked: cycle {path}"
+        result.summary = f"{plural(len(found.deadlocked), 'node')} deadlocked: cycle {path}"
         if found.knot:
-            result.summary += f"; knot of {_plural(len(found.knot), 'node')}"
+            result.summary += f"; knot of {plural(len(found.knot), 'node')}"
         return result
     G = wf.graph
     waiters = sum(1 for _, m in G.nodes(data="model") if m is not None)
     counts = (
-        f"{_plural(waiters, 'waiter')}, {_plural(G.number_of_edges(), 'wait edge')}, "
+        f"{plural(waiters, 'waiter')}, {plural(G.number_of_edges(), 'wait edge')}, "
         f"{len(wf.discounted)} discounted by messages in flight"
     )
     if not cut.closed:
@@ -123,13 +113,13 @@ def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> Pre
     if active or busy:
         parts = []
         if active:
-            parts.append(f"{len(active)} active ({_names(active)})")
+            parts.append(f"{len(active)} active ({names(active)})")
         if busy:
-            channels = _names([f"{s} -> {d}" for s, d in busy])
-            parts.append(f"{_plural(len(busy), 'channel')} with waking messages ({channels})")
+            channels = names([f"{s} -> {d}" for s, d in busy])
+            parts.append(f"{plural(len(busy), 'channel')} with waking messages ({channels})")
         result.summary = "not terminated: " + "; ".join(parts)
         return result
-    processes = _plural(len(snapshot.processes), "process", "processes")
+    processes = plural(len(snapshot.processes), "process", "processes")
     if not cut.closed:
         return unknown(result, cut, f"{processes} in the cut passive, nothing in flight among them")
     result.summary = f"terminated: {processes} passive, nothing in flight"
@@ -190,7 +180,7 @@ def _conservation_result(
     if drift == 0:
         result.summary = f"{counter}: {observed} as expected"
     else:
-        largest = sorted(holdings, key=lambda h: -abs(h.amount))[:_SHOWN]
+        largest = sorted(holdings, key=lambda h: -abs(h.amount))[:SHOWN]
         where = ", ".join(f"{_where(h)} {h.amount}" for h in largest) or "nowhere"
         result.summary = f"{counter}: observed {observed}, expected {expected} (drift {drift:+d}); held by {where}"
     return result

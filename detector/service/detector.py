@@ -273,8 +273,8 @@ class Detector:
         return response
 
     def watch(self) -> AsyncIterator[WatchEvent]:
-        """Every new result as it is published, until the detector stops."""
-        return self._watch.subscribe()
+        """The latest results first, then every new result as it is published, until the detector stops."""
+        return self._watch.subscribe(self._latest)
 
     # -- callbacks from the coordinator --------------------------------------------------------
 

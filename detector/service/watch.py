@@ -57,9 +57,15 @@ class WatchHub:
                 self._watchers.discard(queue)
                 _end(queue)
 
-    async def subscribe(self) -> AsyncIterator[WatchEvent]:
-        """Every event published from now on, until :meth:`close`."""
+    async def subscribe(self, current: SnapshotResults | None = None) -> AsyncIterator[WatchEvent]:
+        """`current` first (every value in it marked ``first``), then every event published from
+        now on, until :meth:`close`: a watcher sees the present state at once, not only changes."""
         queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue(QUEUE_LIMIT)
+        if current is not None:
+            values = [
+                PredicateChange(name=r.name, holds=r.holds, unknown=r.unknown, first=True) for r in current.results
+            ]
+            queue.put_nowait(WatchEvent(results=current, changes=values, snapshot_id=current.snapshot.snapshot_id))
         self._watchers.add(queue)
         try:
             while (event := await queue.get()) is not None:
