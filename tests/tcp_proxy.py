@@ -67,6 +67,7 @@ class TcpProxy:
         self._thread.start()
         self._pairs: set[_Pair] = set()
         self._accepting: set[asyncio.Task[None]] = set()  # accepts waiting for a pause to end
+        self._accepts: set[asyncio.Task[None]] = set()  # every accept still setting up its connection
         self._flowing: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._refusing = False
@@ -184,11 +185,25 @@ class TcpProxy:
         self._flowing.set()  # let accepts held by a pause see that their connection is gone
         if accepting:
             await asyncio.wait(accepting, timeout=_TIMEOUT)
+        for task in list(self._accepts):  # accepts still retrying a target that is gone
+            task.cancel()
+        await asyncio.gather(*self._accepts, return_exceptions=True)
         if self._server is not None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._server.wait_closed(), _TIMEOUT)
 
     async def _accept(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._accepts.add(task)
+        try:
+            await self._connect(client_reader, client_writer, task)
+        finally:
+            self._accepts.discard(task)
+
+    async def _connect(
+        self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter, task: asyncio.Task[None]
+    ) -> None:
         self.accepted += 1
         self.accept_times.append(time.monotonic())
         if self._refusing:
@@ -197,8 +212,6 @@ class TcpProxy:
         pair = _Pair(client_writer)
         self._pairs.add(pair)  # a break while connecting to the target ends this connection too
         assert self._flowing is not None
-        task = asyncio.current_task()
-        assert task is not None
         self._accepting.add(task)
         try:
             await self._flowing.wait()  # while paused, nothing reaches the target

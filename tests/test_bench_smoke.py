@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -25,3 +27,23 @@ def test_predicate_benchmark_prints_its_json_line() -> None:
     assert result["ratio"] > 0
     assert result["graphs"]["acyclic"]["deadlocked"] == 0
     assert result["graphs"]["random"]["deadlocked"] > 0
+
+
+@pytest.mark.timeout(300)
+def test_fault_benchmark_prints_its_json_line() -> None:
+    sizes = ["--resets", "20", "--kills", "1", "--restarts", "2", "--fuzz", "3000"]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "faults.py"), *sizes],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    keys = {"resets", "lost", "duplicated", "kills", "kills_recovered", "detector_restarts", "fuzzed", "crashes"}
+    assert keys <= result.keys()
+    assert result["resets"] >= 20
+    assert (result["lost"], result["duplicated"], result["crashes"]) == (0, 0, 0)
+    assert result["kills_recovered"] == result["kills"] == 1
+    assert result["completed_after_restart"] == result["detector_restarts"] == 2
+    assert result["fuzzed"] == 3000
