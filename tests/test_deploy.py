@@ -33,6 +33,7 @@ KUBERNETES = DEPLOY / "kubernetes"
 ALERTS = {
     "StablewatchDeadlock",
     "StablewatchConservationViolated",
+    "StablewatchCutOpen",
     "StablewatchNoRecentSnapshot",
     "StablewatchSnapshotsAborting",
     "StablewatchPartsRejected",
