@@ -22,6 +22,7 @@ The contract with the service
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
 import time
@@ -34,6 +35,7 @@ import prometheus_client
 from stablewatch import __version__
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import (
+    LOCAL_ID_BASE,
     Action,
     AppMessage,
     Entry,
@@ -85,6 +87,9 @@ class Agent:
         metrics_address: str = "127.0.0.1",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_recorded_bytes: int | None = None,
+        max_recordings: int | None = None,
+        recording_lifetime: float | None = None,
+        expire_interval: float = 1.0,
         channel_settings: ChannelSettings | None = None,
         heartbeat_interval: float = 1.0,
         incarnation: int | None = None,
@@ -110,8 +115,14 @@ class Agent:
         self._heartbeat_interval = heartbeat_interval
         # A new incarnation per start of the process tells peers that its counts start again.
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
-        options = {} if max_recorded_bytes is None else {"max_recorded_bytes": max_recorded_bytes}
-        self._core = SnapshotCore(process_id, **options)
+        options: dict[str, Any] = {
+            "max_recorded_bytes": max_recorded_bytes,
+            "max_recordings": max_recordings,
+            "default_lifetime": recording_lifetime,
+        }
+        self._core = SnapshotCore(process_id, **{k: v for k, v in options.items() if v is not None})
+        self._expire_interval = expire_interval
+        self._expiry: asyncio.Task[None] | None = None
         self._grpc_options = [
             ("grpc.max_send_message_length", max_message_bytes + _GRPC_SLACK),
             ("grpc.max_receive_message_length", max_message_bytes + _GRPC_SLACK),
@@ -123,7 +134,8 @@ class Agent:
         self._control: ControlClient | None = None
         self._port = 0
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
-        self._local_ids = itertools.count(1 << 62)  # local snapshot ids, far from the detector's
+        # Local snapshot ids live in their own space, from 2**63: the detector's are below.
+        self._local_ids = itertools.count(LOCAL_ID_BASE)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -139,6 +151,7 @@ class Agent:
             metrics=self.metrics,
         )
         await self._start_server()
+        self._expiry = asyncio.get_running_loop().create_task(self._expire_forever(), name=f"expiry-{self.process_id}")
         if self._metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve_http(self._metrics_port, self._metrics_bind)
         if self._detector is not None:
@@ -146,8 +159,9 @@ class Agent:
                 self.process_id,
                 self.address,
                 self._detector,
-                on_start=self.start_snapshot,
+                on_start=self._detector_start,
                 on_finish=self._finish_snapshot,
+                on_epoch=self._new_epoch,
                 credentials=self._tls.channel_credentials() if self._tls else None,
                 channel_options=self._client_options(),
                 incarnation=self.incarnation,
@@ -161,6 +175,10 @@ class Agent:
         """Close the control stream, every channel and the server."""
         if self._control is not None:
             await self._control.stop()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
         for channel in self._outbound.values():
             await channel.close()
         if self._server is not None:
@@ -239,13 +257,19 @@ class Agent:
         self._send_now(channel, dest, payload, counters, wakes)
         return True
 
-    async def start_snapshot(self, snapshot_id: int | None = None) -> int:
-        """Record this process for ``snapshot_id`` (a fresh local id when None) and send markers."""
+    async def start_snapshot(self, snapshot_id: int | None = None, *, lifetime: float | None = None) -> int:
+        """Record this process for ``snapshot_id`` and send markers; returns the id.
+
+        None takes a fresh local id (from 2**63, never one of the detector's). The recording is
+        dropped after ``lifetime`` seconds (the agent's ``recording_lifetime`` when None) unless
+        the detector finishes it first.
+        """
         if snapshot_id is None:
             snapshot_id = next(self._local_ids)
         assert self._lock is not None, "start() the agent first"
         async with self._lock:
-            self._carry_out(self._core.start_snapshot(snapshot_id))
+            now = asyncio.get_running_loop().time()
+            self._carry_out(self._core.start_snapshot(snapshot_id, now=now, lifetime=lifetime))
         return snapshot_id
 
     # -- internals: sending --------------------------------------------------------------------
@@ -327,7 +351,8 @@ class Agent:
             for entry in entries:
                 if type(entry) is Marker:
                     self.metrics.markers_received(1)
-                    self._carry_out(self._core.receive_marker(src, entry.snapshot_id))
+                    now = asyncio.get_running_loop().time()
+                    self._carry_out(self._core.receive_marker(src, entry.snapshot_id, now=now))
                 else:
                     self._carry_out(self._core.receive_message(src, entry))
                     messages.append(entry)
@@ -378,8 +403,24 @@ class Agent:
         for listener in self._part_listeners:
             listener(part)
 
+    async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
+        await self.start_snapshot(snapshot_id, lifetime=lifetime)
+
     def _finish_snapshot(self, snapshot_id: int) -> None:
         self._core.finish_snapshot(snapshot_id)
+
+    def _new_epoch(self, epoch: int) -> None:
+        """The detector's ids start again (a new store): forget every snapshot of the old epoch."""
+        self._core.new_epoch()
+
+    async def _expire_forever(self) -> None:
+        """Drop recordings past their deadline, every ``expire_interval`` seconds."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._expire_interval)
+            actions = self._core.expire(loop.time())
+            if actions:
+                self._carry_out(actions)
 
     def _sender_restarted(self, src: str) -> None:
         self._carry_out(self._core.reset_inbound(src))
