@@ -5,22 +5,12 @@ In-process asyncio agents over gRPC on 127.0.0.1, without a detector.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Coroutine
-from typing import Any, TypeVar
-
-from polling import async_poll
+from polling import async_poll, run
 from stablewatch.agents import Agent
 from stablewatch.agents.core import LOCAL_ID_BASE
 from stablewatch.v1 import LocalSnapshotPart
 
-T = TypeVar("T")
-
 FAILED = "stablewatch_agent_snapshots_failed_total"
-
-
-def run(coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
 
 
 def test_recordings_no_one_finishes_are_dropped_at_their_deadline() -> None:
