@@ -15,7 +15,8 @@ The contract with the service
   (for a ``StartSnapshot``, for the first marker of a snapshot, or for :meth:`Agent.start_snapshot`)
   only at one of two kinds of moment:
 
-  1. no message handler is running: between two messages, or while the receive queue is empty;
+  1. no message handler is running: while the receive queue is empty, or between two runs of
+     messages (the new messages of one frame are handled as a run, without a recording between);
   2. the running handler, an ``async`` one, is blocked in :meth:`Agent.send` waiting for window
      space. Its message is then received, the send it waits in has not happened (its counters are
      still this process's), and the state says what it waits on (see *Flow-control waits*).
@@ -33,7 +34,9 @@ The contract with the service
   A receiver acknowledges what it has queued for its handler, up to its receive queue's bound
   (``ChannelSettings.inbox_entries`` and ``inbox_bytes``), not what its handler has finished: so
   handlers may send to each other, and a send waits for the receiver's handler only once the
-  receiver's queue is full.
+  receiver's queue is full. (So messages acknowledged but not yet handled die with their
+  process, as its state does; a queue bounded at one message acknowledges only what was handled.)
+  A handler that raises is logged, and delivery goes on with the next message.
 * **Flow-control waits.** While a send waits for window space and the receiver has said its queue
   is full (it holds the window), the recorded state carries a ``Wait`` with ``flow_control=True``
   on the destination process, removed the moment the window has space. Its waiter is the process

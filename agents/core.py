@@ -29,9 +29,10 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   it (the agent does: its receive queue). Such a queue is part of the channel: at
   :meth:`SnapshotCore.record_state` the driver passes the messages that arrived but were not yet
   handed over (``undelivered``); they are in flight for ``k``, recorded ahead of what arrives
-  later, and not counted in ``m``. A marker may then be taken in when it arrives, ahead of the
-  messages queued before it: the channel's state is exactly those messages. (The same rules, with
-  the queue moved from the process into the channel.)
+  later, and not counted in ``m``. So a marker is taken in as it arrives, even with messages of
+  its channel still queued ahead of it: they belong to the channel's state (if this marker makes
+  the process record, they are all of it). The same rules, with the queue moved from the process
+  into the channel.
 * **Proof counts.** For each outbound channel the part carries ``n``, the messages sent before
   the marker; for each inbound channel ``m``, the messages received before recording. The
   detector checks ``m + len(recorded) == n`` for every channel.
