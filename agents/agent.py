@@ -6,24 +6,59 @@ keeps the protocol core and carries out its actions on real gRPC channels.
 
 The contract with the service
 -----------------------------
-* **Received** means handed to the handler: a message is part of the receiver's state once the
-  handler returns. A handler that queues work must report the queued work in its state.
-* **Recording is atomic.** The agent captures the local state on its event loop, never while a
-  handler runs, and puts the markers on every channel in the same step: no send and no delivery
-  can fall between. The state comes from :attr:`Agent.state` (a :class:`LocalStateKeeper`) or from
-  a ``state_provider`` callback, which must be quick, must not block and must not send.
+* **Received** means handed to the handler: a message is part of the receiver's state from the
+  moment its handler is called. Messages that arrived but still wait in the agent's receive queue
+  are in flight: a snapshot records them in their channel's state. A handler that queues work
+  must report the queued work in its state.
+* **Recording is atomic.** The agent captures the local state on its event loop and puts the
+  markers on every channel in the same step: no send and no delivery can fall between. It records
+  (for a ``StartSnapshot``, for the first marker of a snapshot, or for :meth:`Agent.start_snapshot`)
+  only at one of two kinds of moment:
+
+  1. no message handler is running: while the receive queue is empty, or between two runs of
+     messages (the new messages of one frame are handled as a run, without a recording between);
+  2. the running handler, an ``async`` one, is blocked in :meth:`Agent.send` waiting for window
+     space. Its message is then received, the send it waits in has not happened (its counters are
+     still this process's), and the state says what it waits on (see *Flow-control waits*).
+
+  Never while a handler runs otherwise, nor while it awaits anything but window space: a start or
+  a marker then waits until the handler returns or blocks in ``send`` (a synchronous handler is
+  never interrupted). So a handler's changes between two awaits other than ``send`` are never
+  seen half done. The state comes from :attr:`Agent.state` (a :class:`LocalStateKeeper`) or from a
+  ``state_provider`` callback, which must be quick, must not block and must not send; the agent
+  appends its flow-control waits to either.
 * **Counters on a message are units in transit.** With the built-in state keeper, ``send`` takes
   them out of this process's counters and delivery adds them to the receiver's, each atomically
   with the send or delivery, so tokens are conserved without extra care.
 * **Backpressure.** ``send`` waits while the channel's window of unacknowledged entries is full.
+  A receiver acknowledges what it has queued for its handler, up to its receive queue's bound
+  (``ChannelSettings.inbox_entries`` and ``inbox_bytes``), not what its handler has finished: so
+  handlers may send to each other, and a send waits for the receiver's handler only once the
+  receiver's queue is full. (So messages acknowledged but not yet handled die with their
+  process, as its state does; a queue bounded at one message acknowledges only what was handled.)
+  A handler that raises is logged, and delivery goes on with the next message.
+* **Flow-control waits.** While a send waits for window space and the receiver has said its queue
+  is full (it holds the window), the recorded state carries a ``Wait`` with ``flow_control=True``
+  on the destination process, removed the moment the window has space. Its waiter is the process
+  itself when the send is inside a message handler (the process then takes no message until the
+  handler returns), else the asyncio task that sends (named by its task name). Handlers blocked
+  sending to each other with full windows and full receive queues are a deadlock: the detector
+  reports it, with its cycle.
+* **Recordings end.** A recording ends when the detector finishes it, or at its deadline: the
+  lifetime its ``StartSnapshot`` gives, or ``recording_lifetime`` for one begun by a marker (or a
+  local one), checked every ``expire_interval`` seconds and reported as a failure. At most
+  ``max_recordings`` run at once; beyond that a snapshot is refused, with a reason. A detector
+  with a new store (a new epoch) makes the agent forget every snapshot of the old one.
 * The agent never blocks the service on the detector: while it is unreachable, no snapshot runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import itertools
+import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -32,8 +67,10 @@ import grpc
 import prometheus_client
 
 from stablewatch import __version__
+from stablewatch.agents.blocked import BlockedSends
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import (
+    LOCAL_ID_BASE,
     Action,
     AppMessage,
     Entry,
@@ -46,6 +83,7 @@ from stablewatch.agents.core import (
 )
 from stablewatch.agents.frames import COUNTER_OVERHEAD, ENTRY_OVERHEAD, entry_size
 from stablewatch.agents.inbound import InboundChannels
+from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings, OutboundChannel
 from stablewatch.agents.state import LocalStateKeeper
@@ -53,6 +91,8 @@ from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import LocalSnapshotPart, LocalState, channel_pb2_grpc
 
 __all__ = ["Agent", "MessageHandler", "MessageTooLarge"]
+
+_log = logging.getLogger(__name__)
 
 MessageHandler = Callable[[str, AppMessage], Awaitable[None] | None]
 PeerResolver = Mapping[str, str] | Callable[[str], str]
@@ -85,6 +125,9 @@ class Agent:
         metrics_address: str = "127.0.0.1",
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         max_recorded_bytes: int | None = None,
+        max_recordings: int | None = None,
+        recording_lifetime: float | None = None,
+        expire_interval: float = 1.0,
         channel_settings: ChannelSettings | None = None,
         heartbeat_interval: float = 1.0,
         incarnation: int | None = None,
@@ -110,20 +153,32 @@ class Agent:
         self._heartbeat_interval = heartbeat_interval
         # A new incarnation per start of the process tells peers that its counts start again.
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
-        options = {} if max_recorded_bytes is None else {"max_recorded_bytes": max_recorded_bytes}
-        self._core = SnapshotCore(process_id, **options)
+        options: dict[str, Any] = {
+            "max_recorded_bytes": max_recorded_bytes,
+            "max_recordings": max_recordings,
+            "default_lifetime": recording_lifetime,
+        }
+        self._core = SnapshotCore(process_id, **{k: v for k, v in options.items() if v is not None})
+        self._expire_interval = expire_interval
+        self._expiry: asyncio.Task[None] | None = None
         self._grpc_options = [
             ("grpc.max_send_message_length", max_message_bytes + _GRPC_SLACK),
             ("grpc.max_receive_message_length", max_message_bytes + _GRPC_SLACK),
         ]
         self._outbound: dict[str, OutboundChannel] = {}
+        # The recording lock: held by the delivery task while an async handler runs, except while
+        # that handler is blocked in send; taken by whatever may make the process record.
         self._lock: asyncio.Lock | None = None
+        self._inbox = Inbox(self._settings.inbox_entries, self._settings.inbox_bytes)
+        self._delivery: asyncio.Task[None] | None = None
+        self._blocked = BlockedSends()
         self._server: grpc.aio.Server | None = None
         self._inbound: InboundChannels | None = None
         self._control: ControlClient | None = None
         self._port = 0
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
-        self._local_ids = itertools.count(1 << 62)  # local snapshot ids, far from the detector's
+        # Local snapshot ids live in their own space, from 2**63: the detector's are below.
+        self._local_ids = itertools.count(LOCAL_ID_BASE)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -134,11 +189,17 @@ class Agent:
             self.process_id,
             self.incarnation,
             lock=self._lock,
-            deliver=self._deliver,
+            inbox=self._inbox,
+            accept=self._accept,
             on_sender_restart=self._sender_restarted,
             metrics=self.metrics,
+            read_ahead_entries=self._settings.read_ahead_entries,
+            read_ahead_bytes=self._settings.read_ahead_bytes,
         )
+        loop = asyncio.get_running_loop()
+        self._delivery = loop.create_task(self._deliver_forever(), name=f"delivery-{self.process_id}")
         await self._start_server()
+        self._expiry = loop.create_task(self._expire_forever(), name=f"expiry-{self.process_id}")
         if self._metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve_http(self._metrics_port, self._metrics_bind)
         if self._detector is not None:
@@ -146,8 +207,9 @@ class Agent:
                 self.process_id,
                 self.address,
                 self._detector,
-                on_start=self.start_snapshot,
+                on_start=self._detector_start,
                 on_finish=self._finish_snapshot,
+                on_epoch=self._new_epoch,
                 credentials=self._tls.channel_credentials() if self._tls else None,
                 channel_options=self._client_options(),
                 incarnation=self.incarnation,
@@ -161,6 +223,11 @@ class Agent:
         """Close the control stream, every channel and the server."""
         if self._control is not None:
             await self._control.stop()
+        for task in (self._expiry, self._delivery):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         for channel in self._outbound.values():
             await channel.close()
         if self._server is not None:
@@ -222,11 +289,12 @@ class Agent:
         """Send ``payload`` to ``dest``, waiting while that channel's window is full.
 
         ``counters`` are units in transit (taken from this process's counters); ``wakes=False``
-        marks a message that wakes no one (a heartbeat).
+        marks a message that wakes no one (a heartbeat). While it waits, the process may record
+        (see the module docstring: *Recording is atomic*, *Flow-control waits*).
         """
         channel = self._outbound.get(dest) or self._open(dest)
         if not channel.has_space():
-            await channel.wait_for_space()
+            await self._wait_for_space(channel)
         self._send_now(channel, dest, payload, counters, wakes)
 
     def try_send(
@@ -239,16 +307,40 @@ class Agent:
         self._send_now(channel, dest, payload, counters, wakes)
         return True
 
-    async def start_snapshot(self, snapshot_id: int | None = None) -> int:
-        """Record this process for ``snapshot_id`` (a fresh local id when None) and send markers."""
+    async def start_snapshot(self, snapshot_id: int | None = None, *, lifetime: float | None = None) -> int:
+        """Record this process for ``snapshot_id`` and send markers; returns the id.
+
+        None takes a fresh local id (from 2**63, never one of the detector's). The recording is
+        dropped after ``lifetime`` seconds (the agent's ``recording_lifetime`` when None) unless
+        the detector finishes it first.
+        """
         if snapshot_id is None:
             snapshot_id = next(self._local_ids)
         assert self._lock is not None, "start() the agent first"
         async with self._lock:
-            self._carry_out(self._core.start_snapshot(snapshot_id))
+            now = asyncio.get_running_loop().time()
+            self._carry_out(self._core.start_snapshot(snapshot_id, now=now, lifetime=lifetime))
         return snapshot_id
 
     # -- internals: sending --------------------------------------------------------------------
+
+    async def _wait_for_space(self, channel: OutboundChannel) -> None:
+        """Wait for window space, counted as a flow-control wait, letting recordings happen meanwhile."""
+        task = asyncio.current_task()
+        in_handler = task is not None and task is self._delivery
+        lock = self._lock
+        # A handler blocked here gives up the recording lock: its process may record meanwhile.
+        release = in_handler and lock is not None and lock.locked()
+        if release:
+            lock.release()
+        waiter = "" if in_handler or task is None else task.get_name()  # "": the process itself
+        try:
+            with self._blocked.waiting(waiter, channel):
+                while not channel.has_space():
+                    await channel.wait_for_space()
+        finally:
+            if release:
+                await lock.acquire()
 
     def _send_now(
         self,
@@ -315,41 +407,81 @@ class Agent:
 
     # -- internals: receiving ------------------------------------------------------------------
 
-    async def _deliver(self, src: str, entries: Sequence[Entry], only_messages: bool) -> None:
-        """New entries of one channel, in order; called with the delivery lock held."""
-        if only_messages:
-            actions = self._core.receive_messages(src, entries)  # type: ignore[arg-type]
-            if actions:
-                self._carry_out(actions)
-            messages = entries
-        else:
-            messages = []
-            for entry in entries:
-                if type(entry) is Marker:
-                    self.metrics.markers_received(1)
-                    self._carry_out(self._core.receive_marker(src, entry.snapshot_id))
-                else:
-                    self._carry_out(self._core.receive_message(src, entry))
-                    messages.append(entry)
-                    # Delivery must precede a later marker's recording: hand it over now.
-                    await self._hand_over(src, (entry,))
-            self.metrics.received(src, len(messages), sum(len(m.payload) for m in messages))
-            return
-        await self._hand_over(src, messages)
-        self.metrics.received(src, len(messages), sum(len(m.payload) for m in messages))
+    def _accept(self, src: str, entries: Sequence[Entry], only_messages: bool) -> None:
+        """New entries of one channel, in order, as they arrive (a run with markers under the lock).
 
-    async def _hand_over(self, src: str, messages: Sequence[AppMessage]) -> None:
-        """Credit units in transit and call the handler, message by message."""
+        The core counts them now; messages then go to the receive queue, or straight to a
+        synchronous handler when nothing waits ahead of them. A marker is taken in as it arrives,
+        ahead of messages still queued: they are in flight for its snapshot (core: *Arrived is not
+        yet received*).
+        """
+        if only_messages:
+            self._arrive(src, entries)  # type: ignore[arg-type]
+            return
+        start = 0
+        for position, entry in enumerate(entries):
+            if type(entry) is Marker:
+                if start < position:
+                    self._arrive(src, entries[start:position])  # type: ignore[arg-type]
+                start = position + 1
+                self.metrics.markers_received(1)
+                now = asyncio.get_running_loop().time()
+                self._carry_out(self._core.receive_marker(src, entry.snapshot_id, now=now))
+        if start < len(entries):
+            self._arrive(src, entries[start:])  # type: ignore[arg-type]
+
+    def _arrive(self, src: str, messages: Sequence[AppMessage]) -> None:
+        actions = self._core.receive_messages(src, messages)
+        if actions:
+            self._carry_out(actions)
+        if self._handler_is_async or self._inbox:
+            nbytes = sum(len(message.payload) for message in messages)
+            self._inbox.put(src, messages, self._core.arrivals - len(messages) + 1, nbytes)
+        else:  # nothing can interleave with a synchronous handler: deliver now, in the reader
+            self._hand_over_now(src, messages)
+
+    async def _deliver_forever(self) -> None:
+        """The delivery task: hand queued messages to the handler in arrival order."""
+        inbox = self._inbox
+        while True:
+            run = await inbox.next()
+            if self._handler_is_async:
+                assert self._lock is not None
+                async with self._lock:
+                    await self._hand_over(run)
+            else:
+                self._hand_over_now(run.src, run.messages)
+                run.taken = len(run.messages)
+            inbox.done(run)
+
+    async def _hand_over(self, run: QueuedRun) -> None:
+        """Credit units in transit and await the handler, message by message."""
+        src, handler = run.src, self._handler
+        keeper_counts = self._state_provider is None
+        for taken, message in enumerate(run.messages, 1):
+            run.taken = taken  # received from the moment its handler is called
+            if keeper_counts and message.counters:
+                self.state.apply_transfer(message.counters, +1)
+            if handler is not None:
+                try:
+                    await handler(src, message)  # type: ignore[misc]
+                except Exception:
+                    _log.exception("the message handler of %s failed on a message from %s", self.process_id, src)
+        self.metrics.received(src, len(run.messages), sum(len(m.payload) for m in run.messages))
+
+    def _hand_over_now(self, src: str, messages: Sequence[AppMessage]) -> None:
+        """Credit units in transit and call a synchronous handler (or none), message by message."""
         handler = self._handler
         keeper_counts = self._state_provider is None
         for message in messages:
             if keeper_counts and message.counters:
                 self.state.apply_transfer(message.counters, +1)
             if handler is not None:
-                if self._handler_is_async:
-                    await handler(src, message)
-                else:
+                try:
                     handler(src, message)
+                except Exception:
+                    _log.exception("the message handler of %s failed on a message from %s", self.process_id, src)
+        self.metrics.received(src, len(messages), sum(len(m.payload) for m in messages))
 
     def _carry_out(self, actions: Sequence[Action]) -> None:
         """Do what the core asks, in order, without yielding to the loop."""
@@ -360,8 +492,14 @@ class Agent:
                     channel.push(action.entry, entry_size(action.entry))
             elif isinstance(action, RecordState):
                 state = self._state_provider() if self._state_provider else self.state.snapshot()
+                waits = self._blocked.waits() if self._blocked else None
+                if waits:  # on a copy: the provider may hand out a state it keeps
+                    provided, state = state, LocalState()
+                    state.CopyFrom(provided)
+                    state.waits.extend(waits)
                 self.metrics.snapshot_recorded()
-                self._carry_out(self._core.record_state(action.snapshot_id, state))
+                undelivered = self._inbox.undelivered() if self._inbox else None
+                self._carry_out(self._core.record_state(action.snapshot_id, state, undelivered))
             elif isinstance(action, ReportPart):
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
@@ -378,10 +516,27 @@ class Agent:
         for listener in self._part_listeners:
             listener(part)
 
+    async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
+        await self.start_snapshot(snapshot_id, lifetime=lifetime)
+
     def _finish_snapshot(self, snapshot_id: int) -> None:
         self._core.finish_snapshot(snapshot_id)
 
+    def _new_epoch(self, epoch: int) -> None:
+        """The detector's ids start again (a new store): forget every snapshot of the old epoch."""
+        self._core.new_epoch()
+
+    async def _expire_forever(self) -> None:
+        """Drop recordings past their deadline, every ``expire_interval`` seconds."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self._expire_interval)
+            actions = self._core.expire(loop.time())
+            if actions:
+                self._carry_out(actions)
+
     def _sender_restarted(self, src: str) -> None:
+        self._inbox.forget(src)
         self._carry_out(self._core.reset_inbound(src))
 
     def _receiver_restarted(self, dest: str, in_transit: int) -> None:

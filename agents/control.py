@@ -14,6 +14,11 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
 * **In order.** ``on_start`` callbacks run one at a time, in the order the detector sent them, and
   ``on_finish(k)`` runs after an earlier ``on_start(k)`` has returned. Outgoing messages are sent in
   the order they were queued. A ``Ping`` is answered at once, even while an ``on_start`` runs.
+* **Deadlines pass through.** ``on_start(k, lifetime)`` gets the start's ``deadline_ms`` in
+  seconds (None when the detector sent 0): the agent drops its recording of ``k`` after that long.
+* **Epochs.** When a registration reports another ``detector_epoch`` than the one before (a new
+  detector store: its ids start again), ``on_epoch(epoch)`` runs before any start of the new
+  stream, so the agent can forget every snapshot of the old epoch.
 * **Forget on loss.** When the stream breaks, queued messages are dropped and ``on_finish(k)`` is
   called for every snapshot started through this client and not yet finished: the detector aborts
   them, so the agent must not keep recording them. Starts still waiting to run are skipped.
@@ -29,7 +34,7 @@ import contextlib
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, NoReturn
+from typing import Any, Literal, NamedTuple, NoReturn
 
 import grpc
 
@@ -55,15 +60,24 @@ DEFAULT_MAX_QUEUED = 10_000
 # A detector that accepts the stream but never answers Register is treated as down.
 _REGISTER_TIMEOUT = 10.0
 
-_Job = tuple[Literal["start", "finish", "lost"], int, int]  # (kind, snapshot id, stream generation)
+
+class _Job(NamedTuple):
+    """One callback to run, in order: a start, a finish, a lost stream or a new epoch."""
+
+    kind: Literal["start", "finish", "lost", "epoch"]
+    value: int  # the snapshot id, or the epoch
+    generation: int  # the stream's: starts of a lost stream are skipped
+    lifetime: float | None = None  # of a start
 
 
 class ControlClient:
     """Keeps one ``Control.Attach`` stream to the detector at ``target`` open for ``process_id``.
 
-    ``on_start(k)`` is awaited when the detector asks to start snapshot ``k``; ``on_finish(k)`` is
-    called when the detector says ``k`` is done or aborted, and for every open snapshot when the
-    stream is lost. ``on_event(kind, detail)`` reports connection changes (see :data:`EVENTS`).
+    ``on_start(k, lifetime)`` is awaited when the detector asks to start snapshot ``k`` (``lifetime``:
+    its deadline in seconds, or None); ``on_finish(k)`` is called when the detector says ``k`` is done
+    or aborted, and for every open snapshot when the stream is lost; ``on_epoch(epoch)`` when the
+    detector's epoch changed between two registrations. ``on_event(kind, detail)`` reports
+    connection changes (see :data:`EVENTS`).
     All methods must be called on the event loop that runs the client.
     """
 
@@ -73,8 +87,9 @@ class ControlClient:
         address: str,
         target: str,
         *,
-        on_start: Callable[[int], Awaitable[None]],
+        on_start: Callable[[int, float | None], Awaitable[None]],
         on_finish: Callable[[int], None],
+        on_epoch: Callable[[int], None] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
         incarnation: int = 0,
@@ -100,6 +115,7 @@ class ControlClient:
         self._channel_options = list(options.items())
         self._on_start = on_start
         self._on_finish = on_finish
+        self._on_epoch = on_epoch
         self._on_event = on_event
         self._heartbeat_interval = heartbeat_interval
         self._backoff_initial = backoff_initial
@@ -114,6 +130,7 @@ class ControlClient:
         self._connected = asyncio.Event()
         self._generation = 0  # bumped when a registered stream is lost; stale starts are skipped
         self._open: set[int] = set()  # snapshots passed to on_start and not yet to on_finish
+        self._epoch: int | None = None  # the detector epoch of the latest registration
         self._heartbeats = 0
         self._dropped = 0
 
@@ -213,6 +230,11 @@ class ControlClient:
             if kind != "registered":
                 self._event("unreachable", f"expected Registered, got {kind}")
                 return False
+            epoch = reply.registered.detector_epoch
+            if self._epoch is not None and epoch != self._epoch:
+                # Queued before any start of this stream is read: the old epoch is forgotten first.
+                self._jobs.put_nowait(_Job("epoch", epoch, self._generation))
+            self._epoch = epoch
             interval_ms = reply.registered.heartbeat_interval_ms
             interval = interval_ms / 1000 if interval_ms else self._heartbeat_interval
             outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(self._max_queued)
@@ -254,7 +276,7 @@ class ControlClient:
         self._connected.clear()
         self._dropped += outbox.qsize()
         self._generation += 1
-        self._jobs.put_nowait(("lost", 0, self._generation))
+        self._jobs.put_nowait(_Job("lost", 0, self._generation))
 
     async def _read(self, call: grpc.aio.StreamStreamCall) -> str:
         while True:
@@ -263,11 +285,13 @@ class ControlClient:
                 return "the detector closed the stream"
             kind = message.WhichOneof("kind")
             if kind == "start":
-                self._jobs.put_nowait(("start", message.start.snapshot_id, self._generation))
+                start = message.start
+                lifetime = start.deadline_ms / 1000 if start.deadline_ms else None
+                self._jobs.put_nowait(_Job("start", start.snapshot_id, self._generation, lifetime))
             elif kind == "abort":
-                self._jobs.put_nowait(("finish", message.abort.snapshot_id, self._generation))
+                self._jobs.put_nowait(_Job("finish", message.abort.snapshot_id, self._generation))
             elif kind == "done":
-                self._jobs.put_nowait(("finish", message.done.snapshot_id, self._generation))
+                self._jobs.put_nowait(_Job("finish", message.done.snapshot_id, self._generation))
             elif kind == "ping":
                 self._send(AgentMessage(pong=Pong(nonce=message.ping.nonce)), "pong")
             elif kind == "refused":
@@ -302,21 +326,23 @@ class ControlClient:
     # -- callbacks --------------------------------------------------------------------------------
 
     async def _run_jobs(self) -> None:
-        """Run start and finish callbacks one at a time, in the order the detector sent them."""
+        """Run start, finish and epoch callbacks one at a time, in the order they came."""
         while True:
-            kind, snapshot_id, generation = await self._jobs.get()
+            kind, snapshot_id, generation, lifetime = await self._jobs.get()
             if kind == "start":
                 if generation != self._generation:
                     continue  # its stream is gone: the detector aborts it
                 self._open.add(snapshot_id)
                 try:
-                    await self._on_start(snapshot_id)
+                    await self._on_start(snapshot_id, lifetime)
                 except Exception as exc:
                     _log.exception("on_start(%d) failed", snapshot_id)
                     self._event("callback-error", _describe(exc))
                     self.report_failure(snapshot_id, f"the agent could not start: {_describe(exc)}")
             elif kind == "finish":
                 self._finish(snapshot_id)
+            elif kind == "epoch":
+                self._new_epoch(snapshot_id)
             else:
                 for open_id in sorted(self._open):
                     self._finish(open_id)
@@ -327,6 +353,16 @@ class ControlClient:
             self._on_finish(snapshot_id)
         except Exception as exc:
             _log.exception("on_finish(%d) failed", snapshot_id)
+            self._event("callback-error", _describe(exc))
+
+    def _new_epoch(self, epoch: int) -> None:
+        _log.info("detector epoch of %s changed to %d: snapshots of the old one are forgotten", self.process_id, epoch)
+        if self._on_epoch is None:
+            return
+        try:
+            self._on_epoch(epoch)
+        except Exception as exc:
+            _log.exception("on_epoch(%d) failed", epoch)
             self._event("callback-error", _describe(exc))
 
     def _event(self, kind: str, detail: str) -> None:

@@ -2,7 +2,9 @@
 
 Everything that affects the protocol lives in this module. It does no I/O, keeps no clock, starts
 no thread and draws no random number: the gRPC transport, the simulator and the tests feed it
-events and carry out the actions it returns, so all of them run exactly the same protocol.
+events and carry out the actions it returns, so all of them run exactly the same protocol. Time,
+where it matters (deadlines), comes in as an argument: ``now``, in seconds of the driver's
+monotonic clock.
 
 Theory of operation
 -------------------
@@ -23,13 +25,28 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   the first marker came on is empty. A channel that opens after the recording is recorded from
   its first message; an outbound channel opened (:meth:`SnapshotCore.open_outbound`) while ``k``
   is still running gets marker ``k`` before anything else, and a report of ``n = 0``.
+* **Arrived is not yet received.** A driver may queue what arrives before the application takes
+  it (the agent does: its receive queue). Such a queue is part of the channel: at
+  :meth:`SnapshotCore.record_state` the driver passes the messages that arrived but were not yet
+  handed over (``undelivered``); they are in flight for ``k``, recorded ahead of what arrives
+  later, and not counted in ``m``. So a marker is taken in as it arrives, even with messages of
+  its channel still queued ahead of it: they belong to the channel's state (if this marker makes
+  the process record, they are all of it). The same rules, with the queue moved from the process
+  into the channel.
 * **Proof counts.** For each outbound channel the part carries ``n``, the messages sent before
   the marker; for each inbound channel ``m``, the messages received before recording. The
   detector checks ``m + len(recorded) == n`` for every channel.
 * **Concurrency.** Every snapshot id has its own recording; one message may be recorded for
   several snapshots at once.
-* **Bound.** A snapshot whose recorded bytes pass ``max_recorded_bytes`` fails with a reason
-  (:class:`SnapshotFailed`) and stops recording, instead of growing without limit.
+* **Bounds.** A snapshot whose recorded bytes pass ``max_recorded_bytes`` fails with a reason
+  (:class:`SnapshotFailed`) and stops recording, instead of growing without limit. At most
+  ``max_recordings`` snapshots record at once: beyond that a new one is refused, with a
+  :class:`SnapshotFailed`, never silently.
+* **Deadlines.** No recording lives forever. One started by the detector lives for the lifetime
+  the start gives (its ``deadline_ms``); one begun by a marker, or started without a lifetime,
+  lives ``default_lifetime`` until a start for it arrives. :meth:`SnapshotCore.expire` drops every
+  recording whose deadline has passed, with its memory, and reports it as failed. The core has no
+  clock: a marker or start given no ``now`` is dated by the latest ``now`` the driver passed.
 * **Restarts.** When the process at the other end of a channel restarts, the two ends' counts
   start again (:meth:`SnapshotCore.reset_outbound`, :meth:`SnapshotCore.reset_inbound`) and the
   snapshots running across the restart fail: their counts can no longer be proved.
@@ -37,6 +54,12 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   records (state and outbound counts), then one per inbound channel when its marker arrives. The
   detector merges them and decides completion; :meth:`SnapshotCore.finish_snapshot` then lets the
   core forget ``k`` (late markers of a finished snapshot are ignored).
+* **Ids and epochs.** The detector's ids are below :data:`LOCAL_ID_BASE` and increase; ids at or
+  above it are the agents' own (local snapshots), a separate space. Finished ids are remembered
+  (a bounded memory; detector ids below the oldest one forgotten count as finished too), so late
+  markers start nothing. A new detector epoch (a new store: ids start again)
+  makes the old memory wrong: :meth:`SnapshotCore.new_epoch` forgets every detector snapshot, running or
+  finished.
 
 Errors say whose fault they are: :class:`LocalProtocolError` for misuse by the driver,
 :class:`RemoteProtocolError` for a peer that broke the protocol (for example two markers of one
@@ -59,6 +82,9 @@ from stablewatch.v1 import (
 )
 
 __all__ = [
+    "DEFAULT_LIFETIME",
+    "DEFAULT_MAX_RECORDINGS",
+    "LOCAL_ID_BASE",
     "Action",
     "AppMessage",
     "Entry",
@@ -67,6 +93,7 @@ __all__ = [
     "RecordState",
     "RemoteProtocolError",
     "ReportPart",
+    "Run",
     "SendEntry",
     "SnapshotCore",
     "SnapshotFailed",
@@ -74,6 +101,12 @@ __all__ = [
 ]
 
 DEFAULT_MAX_RECORDED_BYTES = 64 * 1024 * 1024
+#: Seconds a recording lives that no start with a lifetime claimed (begun by a marker, say).
+DEFAULT_LIFETIME = 60.0
+#: Snapshots one process records at once; a further one is refused.
+DEFAULT_MAX_RECORDINGS = 16
+#: Snapshot ids from here on (uint64 on the wire) are local ones, never the detector's.
+LOCAL_ID_BASE = 1 << 63
 # Bytes charged per counter entry of a recorded message, so counters-only messages are bounded too.
 _COUNTER_COST = 16
 # How many finished snapshot ids are remembered, to ignore their late markers.
@@ -104,6 +137,13 @@ class Marker(NamedTuple):
 
 
 Entry = AppMessage | Marker
+
+
+class Run(NamedTuple):
+    """Messages that arrived in a row on one channel, and the arrival index of the first."""
+
+    messages: Sequence[AppMessage]
+    first_arrival: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,16 +185,24 @@ _counters = operator.attrgetter("counters")
 
 @dataclass(slots=True)
 class _Recording:
-    """What one process keeps for one snapshot between recording and finish."""
+    """What one process keeps for one snapshot between recording and finish (or deadline)."""
 
     snapshot_id: int
     received_at_record: dict[str, int]  # m per inbound channel
+    deadline: float
+    started: bool  # a start with a lifetime set the deadline (a marker's default can still be replaced)
     # Per inbound channel: runs of messages with the arrival index of each run's first message.
     # Protobuf objects are built once, when the channel's marker arrives.
     recorded: dict[str, list[tuple[Sequence[AppMessage], int]]] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
     recorded_bytes: int = 0
     failed: bool = False
+
+
+def _size(messages: Sequence[AppMessage]) -> int:
+    """The bytes a run of messages is charged against ``max_recorded_bytes``."""
+    size = sum(map(len, map(_payload, messages)))
+    return size + _COUNTER_COST * sum(map(len, filter(None, map(_counters, messages))))
 
 
 class SnapshotCore:
@@ -166,21 +214,31 @@ class SnapshotCore:
         outbound: Iterable[str] = (),
         *,
         max_recorded_bytes: int = DEFAULT_MAX_RECORDED_BYTES,
+        max_recordings: int = DEFAULT_MAX_RECORDINGS,
+        default_lifetime: float = DEFAULT_LIFETIME,
     ) -> None:
         if not process_id:
             raise LocalProtocolError("process_id must be a non-empty string")
         if max_recorded_bytes <= 0:
             raise LocalProtocolError(f"max_recorded_bytes must be positive, got {max_recorded_bytes}")
+        if max_recordings <= 0:
+            raise LocalProtocolError(f"max_recordings must be positive, got {max_recordings}")
+        if not default_lifetime > 0:
+            raise LocalProtocolError(f"default_lifetime must be positive, got {default_lifetime}")
         self.process_id = process_id
         self.max_recorded_bytes = max_recorded_bytes
+        self.max_recordings = max_recordings
+        self.default_lifetime = default_lifetime
         self._sent: dict[str, int] = {}  # application messages sent per outbound channel
-        self._received: dict[str, int] = {}  # application messages received per inbound channel
-        self._arrivals = 0  # application messages received on all channels
+        self._received: dict[str, int] = {}  # application messages arrived per inbound channel
+        self._arrivals = 0  # application messages arrived on all channels
         self._recordings: dict[int, _Recording] = {}
         self._finished: set[int] = set()
         self._finished_order: deque[int] = deque()
-        # Ids older than the finished ones forgotten from memory count as finished too.
+        # Detector ids older than the finished ones forgotten from memory count as finished too
+        # (the detector's ids increase; local ones come from many agents, so not theirs).
         self._forgotten_below = 0
+        self._now = 0.0  # the latest time the driver passed
         self._awaiting_state: int | None = None
         for dst in outbound:
             self._check_peer(dst)
@@ -198,12 +256,27 @@ class SnapshotCore:
         """Snapshots recorded here and not yet finished."""
         return sorted(self._recordings)
 
+    @property
+    def remembered_snapshots(self) -> int:
+        """How many finished snapshot ids are remembered (bounded), to ignore their late markers."""
+        return len(self._finished)
+
+    @property
+    def next_deadline(self) -> float | None:
+        """When :meth:`expire` next has something to drop, or None while nothing records."""
+        return min((r.deadline for r in self._recordings.values()), default=None)
+
+    @property
+    def arrivals(self) -> int:
+        """Application messages arrived so far on all channels (the last one's arrival index)."""
+        return self._arrivals
+
     def sent_count(self, dst: str) -> int:
         """Application messages sent so far on ``self -> dst``."""
         return self._sent.get(dst, 0)
 
     def received_count(self, src: str) -> int:
-        """Application messages received so far on ``src -> self``."""
+        """Application messages arrived so far on ``src -> self``."""
         return self._received.get(src, 0)
 
     # -- events --------------------------------------------------------------------------------
@@ -230,22 +303,46 @@ class SnapshotCore:
             raise LocalProtocolError(f"channel {self.process_id} -> {dst} is not open: call open_outbound first")
         self._sent[dst] = count + 1
 
-    def start_snapshot(self, snapshot_id: int) -> tuple[Action, ...]:
-        """The detector asks this process to take part in ``snapshot_id`` (idempotent)."""
-        self._check_ready()
-        if snapshot_id in self._recordings or snapshot_id in self._finished:
-            return _NOTHING
-        if snapshot_id < self._forgotten_below:
-            return _NOTHING
-        return self._begin_recording(snapshot_id, first_marker_from=None)
+    def start_snapshot(
+        self, snapshot_id: int, *, now: float | None = None, lifetime: float | None = None
+    ) -> tuple[Action, ...]:
+        """The detector asks this process to take part in ``snapshot_id`` (idempotent).
 
-    def record_state(self, snapshot_id: int, state: LocalState) -> tuple[Action, ...]:
-        """Hand over the state captured for the :class:`RecordState` action just returned."""
+        The recording is dropped ``lifetime`` seconds after ``now`` (``default_lifetime`` when
+        None or 0). A recording a marker began takes this deadline instead of its default one.
+        """
+        self._check_ready()
+        now = self._clock(now)
+        if lifetime is not None and lifetime < 0:
+            raise LocalProtocolError(f"lifetime must not be negative, got {lifetime}")
+        recording = self._recordings.get(snapshot_id)
+        if recording is not None:
+            if not recording.started and lifetime:
+                recording.deadline = now + lifetime
+                recording.started = True
+            return _NOTHING
+        if self._is_finished(snapshot_id):
+            return _NOTHING
+        return self._begin_recording(snapshot_id, None, now + (lifetime or self.default_lifetime), bool(lifetime))
+
+    def record_state(
+        self, snapshot_id: int, state: LocalState, undelivered: Mapping[str, Sequence[Run]] | None = None
+    ) -> tuple[Action, ...]:
+        """Hand over the state captured for the :class:`RecordState` action just returned.
+
+        ``undelivered`` holds, per inbound channel, the runs of messages that arrived but that the
+        application has not received yet, in arrival order: they are in flight for this snapshot.
+        """
         if self._awaiting_state != snapshot_id:
             expected = "no state" if self._awaiting_state is None else f"snapshot {self._awaiting_state}"
             raise LocalProtocolError(f"record_state({snapshot_id}) called, but the core awaits {expected}")
-        self._awaiting_state = None
         recording = self._recordings[snapshot_id]
+        if undelivered:
+            self._take_undelivered(recording, undelivered)
+        self._awaiting_state = None
+        if recording.recorded_bytes > self.max_recorded_bytes:
+            bound = f"({recording.recorded_bytes} > {self.max_recorded_bytes})"
+            return (self._fail(recording, f"undelivered bytes exceeded the bound {bound}"),)
         part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
         part.state.CopyFrom(state)
         part.outbound.extend(
@@ -255,7 +352,7 @@ class SnapshotCore:
         return (ReportPart(part),)
 
     def receive_message(self, src: str, message: AppMessage) -> tuple[Action, ...]:
-        """An application message arrived on ``src -> self``; the driver delivers it after this call."""
+        """An application message arrived on ``src -> self``."""
         self._check_ready()
         count = self._received.get(src)
         if count is None:
@@ -283,17 +380,17 @@ class SnapshotCore:
             return _NOTHING
         return self._record(src, messages, first)
 
-    def receive_marker(self, src: str, snapshot_id: int) -> tuple[Action, ...]:
-        """Marker ``snapshot_id`` arrived on ``src -> self``."""
+    def receive_marker(self, src: str, snapshot_id: int, *, now: float | None = None) -> tuple[Action, ...]:
+        """Marker ``snapshot_id`` arrived on ``src -> self`` (at ``now``, if it begins a recording)."""
         self._check_ready()
         if src not in self._received:
             self._check_peer(src)
             self._received[src] = 0
-        if snapshot_id in self._finished or snapshot_id < self._forgotten_below:
-            return _NOTHING
         recording = self._recordings.get(snapshot_id)
         if recording is None:
-            return self._begin_recording(snapshot_id, first_marker_from=src)
+            if self._is_finished(snapshot_id):
+                return _NOTHING
+            return self._begin_recording(snapshot_id, src, self._clock(now) + self.default_lifetime, False)
         if src in recording.closed:
             channel = f"{src} -> {self.process_id}"
             raise RemoteProtocolError(f"second marker of snapshot {snapshot_id} on channel {channel}")
@@ -304,11 +401,44 @@ class SnapshotCore:
         part.inbound.append(self._inbound_state(recording, src))
         return (ReportPart(part),)
 
-    def receive(self, src: str, entry: Entry) -> tuple[Action, ...]:
+    def receive(self, src: str, entry: Entry, *, now: float | None = None) -> tuple[Action, ...]:
         """Either kind of entry arrived on ``src -> self`` (dispatches to the two methods above)."""
         if isinstance(entry, Marker):
-            return self.receive_marker(src, entry.snapshot_id)
+            return self.receive_marker(src, entry.snapshot_id, now=now)
         return self.receive_message(src, entry)
+
+    def expire(self, now: float) -> tuple[Action, ...]:
+        """Drop every recording whose deadline is ``now`` or earlier, reporting each as failed.
+
+        The driver calls it now and then (see :attr:`next_deadline`); a dropped snapshot's late
+        markers are ignored like a finished one's. A recording that had failed already was
+        reported then and goes quietly.
+        """
+        self._check_ready()
+        now = self._clock(now)
+        expired = sorted(k for k, recording in self._recordings.items() if recording.deadline <= now)
+        failures: list[Action] = []
+        for snapshot_id in expired:
+            recording = self._recordings.pop(snapshot_id)
+            self._remember(snapshot_id)
+            if not recording.failed:
+                reason = f"process {self.process_id}: dropped its recording at the deadline, unfinished"
+                failures.append(SnapshotFailed(snapshot_id, reason))
+        return tuple(failures)
+
+    def new_epoch(self) -> None:
+        """The detector's id space changed (a new store): forget every snapshot of the old one.
+
+        Running recordings with detector ids are dropped without a report (the new detector never
+        heard of them), and finished detector ids are forgotten, so the new detector's ids, however
+        small, are recorded again. Local snapshots (ids from :data:`LOCAL_ID_BASE`) are kept.
+        """
+        self._check_ready()
+        for snapshot_id in [k for k in self._recordings if k < LOCAL_ID_BASE]:
+            del self._recordings[snapshot_id]
+        self._finished_order = deque(k for k in self._finished_order if k >= LOCAL_ID_BASE)
+        self._finished = set(self._finished_order)
+        self._forgotten_below = 0
 
     def reset_outbound(self, dst: str, in_transit: int) -> tuple[Action, ...]:
         """The receiver on ``self -> dst`` restarted and will see only ``in_transit`` of our messages.
@@ -326,7 +456,8 @@ class SnapshotCore:
     def reset_inbound(self, src: str) -> tuple[Action, ...]:
         """The sender on ``src -> self`` restarted: its counts start again from zero, so do ours.
 
-        Running snapshots still recording that channel can no longer prove it and fail.
+        Running snapshots still recording that channel can no longer prove it and fail. Messages
+        of the old sender that are still undelivered must not be passed to :meth:`record_state`.
         """
         self._check_ready()
         self._check_peer(src)
@@ -338,14 +469,7 @@ class SnapshotCore:
         """The detector completed or aborted ``snapshot_id``: forget it and ignore its late markers."""
         self._check_ready()
         self._recordings.pop(snapshot_id, None)
-        if snapshot_id in self._finished:
-            return
-        self._finished.add(snapshot_id)
-        self._finished_order.append(snapshot_id)
-        if len(self._finished_order) > _FINISHED_MEMORY:
-            forgotten = self._finished_order.popleft()
-            self._finished.discard(forgotten)
-            self._forgotten_below = max(self._forgotten_below, forgotten + 1)
+        self._remember(snapshot_id)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -359,16 +483,36 @@ class SnapshotCore:
         if peer == self.process_id:
             raise LocalProtocolError(f"process {self.process_id} cannot have a channel to itself")
 
+    def _clock(self, now: float | None) -> float:
+        """``now``, remembered as the latest time; the latest time passed before when None."""
+        if now is not None and now > self._now:
+            self._now = now
+        return self._now
+
+    def _is_finished(self, snapshot_id: int) -> bool:
+        return snapshot_id in self._finished or snapshot_id < self._forgotten_below
+
+    def _remember(self, snapshot_id: int) -> None:
+        """Remember ``snapshot_id`` as finished, forgetting the oldest beyond the bounded memory."""
+        if snapshot_id in self._finished:
+            return
+        self._finished.add(snapshot_id)
+        self._finished_order.append(snapshot_id)
+        if len(self._finished_order) > _FINISHED_MEMORY:
+            forgotten = self._finished_order.popleft()
+            self._finished.discard(forgotten)
+            if forgotten < LOCAL_ID_BASE:
+                self._forgotten_below = max(self._forgotten_below, forgotten + 1)
+
     def _record(self, src: str, messages: Sequence[AppMessage], first_arrival: int) -> tuple[Action, ...]:
         """Record a run of messages from ``src`` for every snapshot still recording that channel."""
         failures: list[Action] = []
-        size = 0
+        size = -1
         for recording in self._recordings.values():
             if recording.failed or src in recording.closed:
                 continue
-            if not size:
-                size = sum(map(len, map(_payload, messages)))
-                size += _COUNTER_COST * sum(map(len, filter(None, map(_counters, messages))))
+            if size < 0:
+                size = _size(messages)
             recording.recorded.setdefault(src, []).append((messages, first_arrival))
             recording.recorded_bytes += size
             if recording.recorded_bytes > self.max_recorded_bytes:
@@ -376,8 +520,30 @@ class SnapshotCore:
                 failures.append(self._fail(recording, f"recorded bytes exceeded the bound {bound}"))
         return tuple(failures)
 
-    def _begin_recording(self, snapshot_id: int, first_marker_from: str | None) -> tuple[Action, ...]:
-        recording = _Recording(snapshot_id=snapshot_id, received_at_record=dict(self._received))
+    def _take_undelivered(self, recording: _Recording, undelivered: Mapping[str, Sequence[Run]]) -> None:
+        """Move messages that arrived but were not received yet from ``m`` into the channel states."""
+        for src, runs in undelivered.items():
+            count = sum(len(run.messages) for run in runs)
+            if not count:
+                continue
+            arrived = recording.received_at_record.get(src, 0)
+            if count > arrived:
+                raise LocalProtocolError(
+                    f"{count} messages undelivered on {src} -> {self.process_id}, but only {arrived} arrived"
+                )
+            recording.received_at_record[src] = arrived - count
+            recording.recorded[src] = [(run.messages, run.first_arrival) for run in runs if run.messages]
+            recording.recorded_bytes += sum(_size(run.messages) for run in runs)
+
+    def _begin_recording(
+        self, snapshot_id: int, first_marker_from: str | None, deadline: float, started: bool
+    ) -> tuple[Action, ...]:
+        if len(self._recordings) >= self.max_recordings:
+            # Refused for good: remembered as finished, so its other markers start nothing either.
+            self._remember(snapshot_id)
+            running = f"{len(self._recordings)} snapshots are recording, the bound (max_recordings)"
+            return (SnapshotFailed(snapshot_id, f"process {self.process_id}: refused, {running}"),)
+        recording = _Recording(snapshot_id, dict(self._received), deadline, started)
         if first_marker_from is not None:
             recording.closed.add(first_marker_from)
         self._recordings[snapshot_id] = recording

@@ -3,8 +3,25 @@
 Each sender opens one stream per channel. The first frame carries a hello naming the channel;
 every frame carries consecutive entries from a sequence number. Entries this agent already has
 (a sender resending after a reconnect) are dropped; a frame that skips ahead is refused, because
-accepting it would lose what lies between. Each frame is acknowledged, cumulatively, once its
-entries have been delivered.
+accepting it would lose what lies between.
+
+Accepting a frame hands its new entries to the agent at once (``accept``): the core counts them
+and the messages join the agent's receive queue (:mod:`stablewatch.agents.inbox`), or go straight
+to a synchronous handler when nothing waits ahead of them. A frame that carries a marker is
+accepted under the agent's recording lock, since the marker may make the process record.
+
+Acknowledgements are cumulative and say what this agent has accepted, not what the handler has
+had, so they never wait for a handler (one may itself be blocked on a send). They are held back
+while the receive queue is full:
+
+* the first acknowledgement on a stream answers its hello at once (with what is accepted when the
+  queue has room, else with the sender's own starting point); every later one either moves
+  ``next_seq`` forward, or repeats it exactly once, to say *your window is held here: my receive
+  queue is full* (the sender then knows its blocked sends wait on this process consuming);
+* meanwhile the stream keeps reading, unacknowledged, up to ``read_ahead_entries`` entries or
+  ``read_ahead_bytes`` bytes, so that markers behind a full window still arrive (a snapshot can
+  then record a flow-control deadlock); beyond that it stops reading and gRPC's flow control holds
+  the sender back. Memory stays bounded by the queue's bounds plus the read-ahead of each stream.
 
 The per-channel sequence state lives here, not in the gRPC server, so it survives a restart of the
 server (for example to reload certificates). A hello with a new sender incarnation means the
@@ -14,13 +31,16 @@ sender restarted: its sequence numbers and counts start again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+import contextlib
+from collections import deque
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from stablewatch.agents.core import Entry
 from stablewatch.agents.frames import FrameError, decode
+from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
 
@@ -40,10 +60,56 @@ class _Expected:
     next_seq: int
 
 
-class InboundChannels(channel_pb2_grpc.PeerServicer):
-    """Accepts channel streams for ``process_id`` and hands their new entries to ``deliver``.
+class _Stream:
+    """One ``Channel`` call: what it accepted, what it acknowledged, and its two tasks' signals."""
 
-    ``deliver(src, entries, only_messages)`` is told when a run holds no marker, for its fast path.
+    __slots__ = ("acked", "expected", "held", "hello_answered", "incarnation", "progress", "src", "unacked", "wake")
+
+    def __init__(self) -> None:
+        self.src = ""
+        self.incarnation = 0
+        self.expected: _Expected | None = None  # shared by the streams of one sender incarnation
+        self.acked = 0  # next_seq of the last acknowledgement (at first: where the sender starts)
+        self.hello_answered = False
+        self.held = False  # a hold was sent and nothing acknowledged since
+        self.unacked: deque[tuple[int, int]] = deque()  # (end sequence number, bytes) per frame read
+        self.wake = asyncio.Event()  # for the writer: something accepted, room, or the reader ended
+        self.progress = asyncio.Event()  # for the reader: something acknowledged
+
+    def next_ack(self, room: bool) -> int | None:
+        """The acknowledgement to send now, if any (see the module docstring)."""
+        if self.expected is None:
+            return None
+        accepted = self.expected.next_seq
+        if not self.hello_answered:
+            self.hello_answered = True
+            return self._acknowledge(accepted if room else self.acked)
+        if accepted <= self.acked:
+            return None
+        if room:
+            self.held = False
+            return self._acknowledge(accepted)
+        if self.held:
+            return None
+        self.held = True
+        return self.acked  # the hold: the same next_seq again
+
+    def unacked_bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.unacked)
+
+    def _acknowledge(self, next_seq: int) -> int:
+        self.acked = next_seq
+        while self.unacked and self.unacked[0][0] <= next_seq:
+            self.unacked.popleft()
+        self.progress.set()
+        return next_seq
+
+
+class InboundChannels(channel_pb2_grpc.PeerServicer):
+    """Accepts channel streams for ``process_id`` and hands their new entries to ``accept``.
+
+    ``accept(src, entries, only_messages)`` runs synchronously, in arrival order per channel; it
+    is told when a run holds no marker, for its fast path.
     """
 
     def __init__(
@@ -52,53 +118,93 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         incarnation: int,
         *,
         lock: asyncio.Lock,
-        deliver: Callable[[str, list[Entry], bool], Awaitable[None]],
+        inbox: Inbox,
+        accept: Callable[[str, list[Entry], bool], None],
         on_sender_restart: Callable[[str], None],
         metrics: AgentMetrics,
+        read_ahead_entries: int,
+        read_ahead_bytes: int,
     ) -> None:
         self._process_id = process_id
         self._incarnation = incarnation
-        # The agent's delivery lock: deduplication, delivery and recording never interleave.
+        # The agent's recording lock: a frame with a marker is accepted only where recording may happen.
         self._lock = lock
-        self._deliver = deliver
+        self._inbox = inbox
+        self._accept = accept
         self._on_sender_restart = on_sender_restart
         self._metrics = metrics
+        self._read_ahead_entries = read_ahead_entries
+        self._read_ahead_bytes = read_ahead_bytes
         self._expected: dict[str, _Expected] = {}
+        self._streams: set[_Stream] = set()
+        inbox.on_room(self._room)
 
     async def Channel(
         self, request_iterator: AsyncIterator[ChannelFrame], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[ChannelAck]:
-        """One channel's stream: frames in, cumulative acknowledgements out."""
-        channel: list[tuple[str, int]] = []  # (src, sender incarnation) once the hello is read
+        """One channel's stream: frames in (read by a task of its own), cumulative acknowledgements out."""
+        stream = _Stream()
+        self._streams.add(stream)
+        reader = asyncio.ensure_future(self._read(request_iterator, stream))
+        try:
+            while True:
+                next_seq = stream.next_ack(self._inbox.has_room())
+                if next_seq is not None:
+                    yield ChannelAck(next_seq=next_seq, receiver_incarnation=self._incarnation)
+                    continue
+                if reader.done():
+                    break
+                stream.wake.clear()
+                await stream.wake.wait()
+            error = reader.exception()
+        finally:
+            self._streams.discard(stream)
+            if not reader.done():
+                reader.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await reader
+        if isinstance(error, FrameError):
+            self._metrics.frame_rejected(error.reason)
+            where = f"{stream.src or '?'} -> {self._process_id}"
+            await context.abort(_STATUS[error.reason], f"channel {where}: {error}")
+        elif error is not None:
+            raise error
+
+    async def _read(self, request_iterator: AsyncIterator[ChannelFrame], stream: _Stream) -> None:
+        """Accept frames until the stream ends, reading ahead of the acknowledgements only so far."""
         try:
             async for frame in request_iterator:
                 entries = decode(frame)
-                # Shielded: a stream cancelled mid-frame (a break, a server restart) must not leave
-                # a frame half delivered, or the sender's resend would deliver its start twice.
-                accepting = asyncio.ensure_future(self._accept(frame, entries, channel))
-                next_seq = await asyncio.shield(accepting)
-                yield ChannelAck(next_seq=next_seq, receiver_incarnation=self._incarnation)
-        except FrameError as error:
-            self._metrics.frame_rejected(error.reason)
-            where = f"{channel[0][0] if channel else '?'} -> {self._process_id}"
-            await context.abort(_STATUS[error.reason], f"channel {where}: {error}")
+                if stream.expected is None:
+                    self._open(frame, stream)
+                if frame.markers:
+                    async with self._lock:  # recording may happen: wait for a moment it is allowed
+                        self._take(frame, entries, stream)
+                else:
+                    self._take(frame, entries, stream)
+                stream.unacked.append((frame.first_seq + len(entries), frame.ByteSize()))
+                stream.wake.set()
+                while (
+                    stream.expected.next_seq - stream.acked >= self._read_ahead_entries
+                    or stream.unacked_bytes() >= self._read_ahead_bytes
+                ):
+                    stream.progress.clear()
+                    await stream.progress.wait()
+        finally:
+            stream.wake.set()
 
-    async def _accept(self, frame: ChannelFrame, entries: list[Entry], channel: list[tuple[str, int]]) -> int:
-        """Deliver the entries of ``frame`` not delivered before; returns the next expected sequence number."""
-        async with self._lock:
-            if not channel:
-                channel.append(self._hello(frame))
-            src, sender_incarnation = channel[0]
-            expected = self._expect(src, sender_incarnation)
-            skip = expected.next_seq - frame.first_seq
-            if skip < 0:
-                raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
-            if skip < len(entries):
-                await self._deliver(src, entries[skip:] if skip else entries, not frame.markers)
-                expected.next_seq = frame.first_seq + len(entries)
-            return expected.next_seq
+    def _take(self, frame: ChannelFrame, entries: list[Entry], stream: _Stream) -> None:
+        """Hand over the entries of ``frame`` not accepted before (synchronously: no other frame of
+        this channel can slip in between the check and the update)."""
+        expected = self._expect(stream)
+        skip = expected.next_seq - frame.first_seq
+        if skip < 0:
+            raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
+        if skip < len(entries):
+            self._accept(stream.src, entries[skip:] if skip else entries, not frame.markers)
+            expected.next_seq = frame.first_seq + len(entries)
 
-    def _hello(self, frame: ChannelFrame) -> tuple[str, int]:
+    def _open(self, frame: ChannelFrame, stream: _Stream) -> None:
         """Check the first frame's hello and set up (or reset) the channel it names."""
         if not frame.HasField("hello"):
             raise FrameError("no_hello", "the first frame of a stream must carry a hello")
@@ -111,12 +217,19 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         if known is None or known.sender_incarnation != hello.sender_incarnation:
             if known is not None:
                 self._on_sender_restart(hello.src)
-            self._expected[hello.src] = _Expected(hello.sender_incarnation, frame.first_seq)
-        return hello.src, hello.sender_incarnation
+            known = self._expected[hello.src] = _Expected(hello.sender_incarnation, frame.first_seq)
+        stream.src, stream.incarnation = hello.src, hello.sender_incarnation
+        stream.expected = known
+        stream.acked = frame.first_seq  # what the sender knows to be acknowledged
 
-    def _expect(self, src: str, sender_incarnation: int) -> _Expected:
-        expected = self._expected[src]
-        if expected.sender_incarnation != sender_incarnation:
+    def _expect(self, stream: _Stream) -> _Expected:
+        expected = self._expected[stream.src]
+        if expected.sender_incarnation != stream.incarnation:
             # A stream of an earlier incarnation of the sender: what it carries is stale.
             raise FrameError("unknown_channel", "superseded by a stream of a newer sender incarnation")
         return expected
+
+    def _room(self) -> None:
+        """The receive queue has room again: every stream may acknowledge what it holds."""
+        for stream in self._streams:
+            stream.wake.set()

@@ -7,7 +7,11 @@ sender reconnects with backoff and sends again everything not yet acknowledged; 
 drops what it already has by sequence number. So the channel is FIFO and exactly-once.
 
 The buffer is bounded: :meth:`OutboundChannel.has_space` tells the agent when to hold back the
-application (markers are always accepted, so recording never blocks).
+application (markers are always accepted, so recording never blocks). The receiver acknowledges
+what it has queued, not what its handler has had; an acknowledgement that repeats the last one
+(after the first on a stream) means the receiver's queue is full and it holds this window
+(:attr:`OutboundChannel.held`): a send blocked on the full window then waits for the receiver to
+consume, which the agent reports as a flow-control wait.
 """
 
 from __future__ import annotations
@@ -42,15 +46,29 @@ class ChannelSettings:
         max_frame_bytes: int = 1024 * 1024,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        inbox_entries: int = 4096,
+        inbox_bytes: int = 16 * 1024 * 1024,
+        read_ahead_entries: int | None = None,
+        read_ahead_bytes: int | None = None,
     ) -> None:
-        if min(window_entries, window_bytes, max_frame_entries, max_frame_bytes) <= 0:
-            raise ValueError("channel windows and frame limits must be positive")
+        # Receiving: acknowledgements stop while inbox_entries messages or inbox_bytes wait for the
+        # handler; each stream reads at most read_ahead_* beyond its acknowledgements (by default
+        # twice a window, so that markers behind a peer's full window still arrive).
+        read_ahead_entries = 2 * window_entries if read_ahead_entries is None else read_ahead_entries
+        read_ahead_bytes = 2 * window_bytes if read_ahead_bytes is None else read_ahead_bytes
+        limits = (window_entries, window_bytes, max_frame_entries, max_frame_bytes, inbox_entries, inbox_bytes)
+        if min(*limits, read_ahead_entries, read_ahead_bytes) <= 0:
+            raise ValueError("channel windows, frame limits, receive queue and read-ahead bounds must be positive")
         self.window_entries = window_entries
         self.window_bytes = window_bytes
         self.max_frame_entries = max_frame_entries
         self.max_frame_bytes = max_frame_bytes
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
+        self.inbox_entries = inbox_entries
+        self.inbox_bytes = inbox_bytes
+        self.read_ahead_entries = read_ahead_entries
+        self.read_ahead_bytes = read_ahead_bytes
 
 
 class OutboundChannel:
@@ -99,6 +117,9 @@ class OutboundChannel:
         self._written_high = 0  # highest index ever written: below it a write is a retransmission
         self._window_bytes = 0
         self._receiver_incarnation: int | None = None
+        self._acks_on_stream = 0
+        #: Whether the receiver holds this window (its receive queue is full), as it last said.
+        self.held = False
         self._data = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
@@ -190,6 +211,8 @@ class OutboundChannel:
 
     async def _stream(self) -> None:
         call = channel_pb2_grpc.PeerStub(await self._channel()).Channel()
+        self._acks_on_stream = 0
+        self.held = False
         reader = asyncio.get_running_loop().create_task(self._read_acks(call))
         try:
             # The hello goes out at once, so the receiver's incarnation is known before any data.
@@ -253,6 +276,9 @@ class OutboundChannel:
                 f"channel {self.src} -> {self.dst}: acknowledgement of {ack.next_seq} outside the window "
                 f"[{self._acked}, {self._acked + self._next_to_write - self._head}]"
             )
+        self._acks_on_stream += 1
+        # The first acknowledgement answers the hello; a later one that covers nothing is a hold.
+        self.held = not covered and self._acks_on_stream > 1
         if covered:
             end = self._head + covered
             self._window_bytes -= sum(self._sizes[self._head : end])

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -34,3 +34,8 @@ async def async_poll(
             raise TimeoutError(f"timed out after {timeout} s waiting for {what}")
         await asyncio.sleep(interval)
     return value
+
+
+def run(coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
+    """Run an in-process scenario on a fresh event loop, failing after ``timeout`` seconds."""
+    return asyncio.run(asyncio.wait_for(coroutine, timeout))

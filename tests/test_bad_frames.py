@@ -184,13 +184,16 @@ def test_sequence_gap_is_out_of_range_and_keeps_what_came_before() -> None:
 
 
 def test_duplicates_are_acknowledged_but_delivered_once() -> None:
-    """Resent frames (wholly or partly acknowledged already) are acknowledged, not delivered again."""
+    """Resent frames (wholly or partly acknowledged already) are not delivered again.
+
+    A frame that brings nothing new gets no acknowledgement of its own (one repeating the last
+    would say the receiver holds the window): the acknowledgement of what follows covers it.
+    """
 
     async def scenario(receiver: Receiver) -> None:
         stream = receiver.stream()
         assert (await stream.send(encode(0, numbered(0, 3), hello()))).next_seq == 3
-        assert (await stream.send(encode(0, numbered(0, 3)))).next_seq == 3  # the same frame again
-        assert receiver.payloads() == [b"m0", b"m1", b"m2"]
+        await stream.call.write(encode(0, numbered(0, 3)))  # the same frame again
         assert (await stream.send(encode(1, numbered(1, 5)))).next_seq == 5  # overlaps: m3, m4 are new
         assert receiver.payloads() == [b"m%d" % i for i in range(5)]
         stream.close()

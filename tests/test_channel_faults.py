@@ -295,8 +295,12 @@ def test_receiver_process_killed_and_restarted(detector: StubDetector, start_nod
       the kill is not expected, since the dead process took its tokens with it);
     * the detector rejected no part as inconsistent; the only parts it refused are late parts of
       snapshots begun before the restart (the new B can get a retransmitted old marker).
+
+    An agent acknowledges what it queued for its handler; with ``--inbox 1`` it acknowledges only
+    when its queue is empty, so every message acknowledged has been received, as counted above.
     """
-    a, b, c = start_nodes("A", "B", "C", args=("--detector", detector.address, "--window", "200"))
+    args = ("--detector", detector.address, "--window", "200", "--inbox", "1")
+    a, b, c = start_nodes("A", "B", "C", args=args)
     proxy = proxies(b.address)
     connect_all([a, b, c], {"A": a.address, "B": proxy.address, "C": c.address})
     detector.wait_members({"A", "B", "C"})
@@ -313,7 +317,7 @@ def test_receiver_process_killed_and_restarted(detector: StubDetector, start_nod
     received_by_old = b.stats()["received"]
     b.kill()
     proxy.break_all()
-    restart_args = ("--tokens", "0", "--listen", b.address, "--resume", "--detector", detector.address)
+    restart_args = ("--tokens", "0", "--listen", b.address, "--resume", "--detector", detector.address, "--inbox", "1")
     (new_b,) = start_nodes("B", args=restart_args)
     assert new_b.address == b.address
     proxy.resume()
@@ -355,9 +359,10 @@ def test_slow_receiver_holds_the_sender_to_its_window(start_nodes) -> None:
     """With a 50-entry window and a slow B, A never has more than 50 messages unacknowledged.
 
     Neither by A's own account (stats ``unacknowledged``) nor end to end (sent by A minus received
-    by B); the transfer is held back while B is slow and finishes, complete, once B speeds up.
+    by B: B's receive queue is bounded at one message, so it acknowledges only what its handler
+    has had); the transfer is held back while B is slow and finishes, complete, once B speeds up.
     """
-    a, b = start_nodes("A", "B", args=("--window", "50"))
+    a, b = start_nodes("A", "B", args=("--window", "50", "--inbox", "1"))
     connect_all([a, b])
     b.command("slow", seconds=0.002)
     b.expect("slow")
@@ -385,7 +390,8 @@ def test_slow_receiver_holds_the_sender_to_its_window(start_nodes) -> None:
 
 
 def test_full_window_blocks_send_until_receiver_handler_returns() -> None:
-    """In process: B's handler blocks on an event; A's 10-entry window fills up.
+    """In process: B's handler blocks on an event; B's receive queue (bounded at one message)
+    stays full, so A's 10-entry window fills up.
 
     ``try_send`` then returns False (and sends nothing) and ``send`` waits until the event is set;
     afterwards every message arrives once, in order.
@@ -399,7 +405,7 @@ def test_full_window_blocks_send_until_receiver_handler_returns() -> None:
             got.append(message.payload)
             await release.wait()
 
-        b = Agent("B", handler=handler)
+        b = Agent("B", handler=handler, channel_settings=ChannelSettings(inbox_entries=1))
         await b.start()
         a = Agent("A", peers={"B": b.address}, channel_settings=ChannelSettings(window_entries=10))
         await a.start()
@@ -499,6 +505,7 @@ def test_stream_break_during_async_handler_delivers_nothing_twice(proxies) -> No
             await async_poll(lambda: proxy.accepted > accepted, "the sender reconnecting")
             release.set()
             await async_poll(lambda: a._outbound["B"].unacknowledged == 0, "every acknowledgement")
+            await async_poll(lambda: len(got) >= 5, "every delivery")
             assert got == [b"0", b"1", b"2", b"3", b"4"]
             assert a.state.counter("tokens") + b.state.counter("tokens") == 5
         finally:

@@ -43,9 +43,10 @@ def free_port() -> int:
 class FakeDetector(ControlServicer):
     """Records every stream's messages and sends what the test tells it to on the latest stream."""
 
-    def __init__(self, refuse: int = 0, heartbeat_interval_ms: int = 0) -> None:
+    def __init__(self, refuse: int = 0, heartbeat_interval_ms: int = 0, epoch: int = 0) -> None:
         self.refuse = refuse
         self.heartbeat_interval_ms = heartbeat_interval_ms
+        self.epoch = epoch
         self.registrations: list[AgentMessage] = []
         self.received: list[AgentMessage] = []  # everything after Register, over all streams
         self._outbox: asyncio.Queue[DetectorMessage] | None = None
@@ -59,7 +60,9 @@ class FakeDetector(ControlServicer):
             return
         outbox: asyncio.Queue[DetectorMessage] = asyncio.Queue()
         self._outbox = outbox
-        registered = Registered(detector_id="fake", heartbeat_interval_ms=self.heartbeat_interval_ms)
+        registered = Registered(
+            detector_id="fake", heartbeat_interval_ms=self.heartbeat_interval_ms, detector_epoch=self.epoch
+        )
         await context.write(DetectorMessage(registered=registered))
 
         async def write() -> None:
@@ -99,12 +102,20 @@ class Agent:
         self.started: list[int] = []
         self.finished: list[int] = []
         self.events: list[tuple[str, str]] = []
+        self.lifetimes: list[float | None] = []
+        self.calls: list[tuple[str, int]] = []  # starts, finishes and epochs, in the order they ran
 
-    async def on_start(self, snapshot_id: int) -> None:
+    async def on_start(self, snapshot_id: int, lifetime: float | None) -> None:
         self.started.append(snapshot_id)
+        self.lifetimes.append(lifetime)
+        self.calls.append(("start", snapshot_id))
 
     def on_finish(self, snapshot_id: int) -> None:
         self.finished.append(snapshot_id)
+        self.calls.append(("finish", snapshot_id))
+
+    def on_epoch(self, epoch: int) -> None:
+        self.calls.append(("epoch", epoch))
 
     def on_event(self, kind: str, detail: str) -> None:
         self.events.append((kind, detail))
@@ -118,6 +129,7 @@ class Agent:
             f"127.0.0.1:{port}",
             on_start=options.pop("on_start", self.on_start),
             on_finish=self.on_finish,
+            on_epoch=self.on_epoch,
             on_event=self.on_event,
             **options,
         )
@@ -185,7 +197,7 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
         agent = Agent()
         release = asyncio.Event()
 
-        async def on_start(snapshot_id: int) -> None:
+        async def on_start(snapshot_id: int, lifetime: float | None) -> None:
             agent.started.append(snapshot_id)
             if snapshot_id == 1:
                 await release.wait()
@@ -356,7 +368,7 @@ def test_failing_callback_reports_a_failure_and_the_client_carries_on() -> None:
         server, port = await serve(detector)
         agent = Agent()
 
-        async def on_start(snapshot_id: int) -> None:
+        async def on_start(snapshot_id: int, lifetime: float | None) -> None:
             agent.started.append(snapshot_id)
             if snapshot_id == 1:
                 raise RuntimeError("boom")
@@ -388,7 +400,7 @@ def test_stop_leaves_no_tasks_behind(detector_up: bool) -> None:
         agent = Agent()
         blocked = asyncio.Event()
 
-        async def on_start(snapshot_id: int) -> None:
+        async def on_start(snapshot_id: int, lifetime: float | None) -> None:
             agent.started.append(snapshot_id)
             await blocked.wait()  # still running when stop() comes
 
@@ -421,3 +433,58 @@ def runs_code_of(task: asyncio.Task[Any], module: ModuleType) -> bool:
     """Whether ``task`` runs a coroutine defined in ``module``."""
     code = getattr(task.get_coro(), "cr_code", None)
     return code is not None and code.co_filename == module.__file__
+
+
+def test_a_starts_deadline_reaches_on_start_in_seconds() -> None:
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=1, deadline_ms=2500)))
+            detector.send(start(2))  # no deadline: the agent's own default applies
+            await async_poll(lambda: agent.started == [1, 2])
+            assert agent.lifetimes == [2.5, None]
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
+def test_a_new_detector_epoch_is_reported_before_any_start_of_the_new_stream() -> None:
+    """Not at the first registration, nor when a restarted detector keeps its store (same epoch)."""
+
+    async def body() -> None:
+        first = FakeDetector(epoch=11)
+        server, port = await serve(first)
+        agent = Agent()
+        client = agent.client(port)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            first.send(start(1))
+            await async_poll(lambda: agent.started == [1])
+            for starts, detector in ((2, FakeDetector(epoch=11)), (3, FakeDetector(epoch=22))):
+                await server.stop(None)
+                server, _ = await serve(detector, port)
+                await async_poll(lambda detector=detector: detector.registrations, "the registration")
+                assert await client.wait_connected(10)
+                detector.send(start(1))  # a small id again, from a fresh store
+                await async_poll(lambda starts=starts: agent.started.count(1) == starts, "the start")
+            assert agent.calls == [
+                ("start", 1),
+                ("finish", 1),  # the first stream was lost
+                ("start", 1),
+                ("finish", 1),  # the second was lost
+                ("epoch", 22),
+                ("start", 1),
+            ]
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)

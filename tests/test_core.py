@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from stablewatch.agents.core import (
+    LOCAL_ID_BASE,
     Action,
     AppMessage,
     Entry,
@@ -16,6 +17,7 @@ from stablewatch.agents.core import (
     RecordState,
     RemoteProtocolError,
     ReportPart,
+    Run,
     SendEntry,
     SnapshotCore,
     SnapshotFailed,
@@ -575,3 +577,169 @@ def test_token_received_after_recording_and_before_the_marker_is_in_the_channel(
     assert (
         sum(balances.values()) + sum(m.counters[TOKENS] for channel in snapshot.channels for m in channel.messages) == 5
     )
+
+
+# -- deadlines ------------------------------------------------------------------------------------
+
+
+def test_a_started_recording_is_dropped_at_its_deadline_and_reported() -> None:
+    core = SnapshotCore("p", ["q"])
+    record(core, core.start_snapshot(1, now=100.0, lifetime=5.0))
+    core.receive_message("q", token(b"in flight"))
+    assert core.next_deadline == 105.0
+    assert core.expire(104.9) == ()
+    assert core.active_snapshots == [1]
+    (failed,) = core.expire(105.0)
+    assert failed.snapshot_id == 1
+    assert "process p" in failed.reason and "deadline" in failed.reason
+    assert core.active_snapshots == [] and core.next_deadline is None
+    # Gone for good: its late marker and a repeated start begin nothing.
+    assert core.receive_marker("q", 1, now=106.0) == ()
+    assert core.start_snapshot(1, now=106.0, lifetime=5.0) == ()
+    assert core.remembered_snapshots == 1
+
+
+def test_a_recording_begun_by_a_marker_lives_the_default_lifetime_until_its_start_arrives() -> None:
+    core = SnapshotCore("p", ["q"], default_lifetime=30.0)
+    record(core, core.receive_marker("q", 1, now=10.0))
+    record(core, core.receive_marker("q", 2, now=10.0))
+    assert core.next_deadline == 40.0
+    assert core.start_snapshot(1, now=11.0, lifetime=2.0) == ()  # the start takes over: 13.0
+    assert core.start_snapshot(1, now=12.0, lifetime=50.0) == ()  # a repeated start changes nothing
+    assert core.start_snapshot(2, now=11.0) == ()  # no lifetime: the marker's default stands
+    (failed,) = core.expire(13.0)
+    assert failed.snapshot_id == 1
+    assert core.active_snapshots == [2]
+    assert [f.snapshot_id for f in core.expire(40.0)] == [2]
+
+
+def test_events_without_a_time_are_dated_by_the_latest_time_passed() -> None:
+    core = SnapshotCore("p", ["q"], default_lifetime=10.0)
+    assert core.expire(50.0) == ()
+    record(core, core.receive_marker("q", 1))  # no now: 50.0
+    record(core, core.start_snapshot(2, lifetime=1.0))
+    assert core.next_deadline == 51.0
+    record(core, core.start_snapshot(3, now=40.0, lifetime=1.0))  # time never runs backwards
+    assert sorted(f.snapshot_id for f in core.expire(51.0)) == [2, 3]
+    assert [f.snapshot_id for f in core.expire(60.0)] == [1]
+
+
+def test_a_recording_that_failed_already_expires_quietly() -> None:
+    core = SnapshotCore("p", ["q"], max_recorded_bytes=1)
+    record(core, core.start_snapshot(1, now=0.0, lifetime=1.0))
+    assert len(core.receive_message("q", AppMessage(b"xx"))) == 1  # failed: reported once
+    assert core.expire(1.0) == ()
+    assert core.active_snapshots == []
+
+
+def test_a_negative_lifetime_is_a_local_error() -> None:
+    with pytest.raises(LocalProtocolError, match="lifetime"):
+        SnapshotCore("p").start_snapshot(1, now=0.0, lifetime=-1.0)
+    with pytest.raises(LocalProtocolError, match="default_lifetime"):
+        SnapshotCore("p", default_lifetime=0)
+
+
+# -- the bound on concurrent recordings ----------------------------------------------------------
+
+
+def test_beyond_max_recordings_a_new_snapshot_is_refused_with_a_reason() -> None:
+    core = SnapshotCore("p", ["q"], max_recordings=2)
+    record(core, core.start_snapshot(1, now=0.0))
+    record(core, core.receive_marker("q", 2, now=0.0))
+    (refused,) = core.start_snapshot(3, now=0.0)
+    assert isinstance(refused, SnapshotFailed) and refused.snapshot_id == 3
+    assert "refused" in refused.reason and "max_recordings" in refused.reason
+    (refused_marker,) = core.receive_marker("q", 4, now=0.0)
+    assert refused_marker.snapshot_id == 4
+    assert core.active_snapshots == [1, 2]
+    # A refused snapshot stays refused: its other markers and starts begin nothing later.
+    core.finish_snapshot(1)
+    assert core.receive_marker("q", 3, now=0.0) == ()
+    assert core.start_snapshot(4, now=0.0) == ()
+    assert isinstance(core.start_snapshot(5, now=0.0)[0], RecordState)
+
+
+def test_max_recordings_must_be_positive() -> None:
+    with pytest.raises(LocalProtocolError, match="max_recordings"):
+        SnapshotCore("p", max_recordings=0)
+
+
+# -- snapshot ids: epochs and the local id space -------------------------------------------------
+
+
+def test_after_thousands_of_finished_ids_small_ids_are_ignored_until_a_new_epoch() -> None:
+    """A detector on a fresh store starts again at small ids: the new epoch makes them heard."""
+    core = SnapshotCore("p", ["q"])
+    for snapshot_id in range(1000, 1000 + 5000):
+        core.finish_snapshot(snapshot_id)
+    assert core.remembered_snapshots == 4096
+    assert core.start_snapshot(1, now=0.0) == ()  # taken for a late start of a forgotten one
+    record(core, core.start_snapshot(6000, now=0.0))  # a running one of the old epoch
+    core.new_epoch()
+    assert core.active_snapshots == []
+    assert core.remembered_snapshots == 0
+    assert isinstance(core.start_snapshot(1, now=0.0)[0], RecordState)
+
+
+def test_local_ids_are_a_space_of_their_own() -> None:
+    """Thousands of finished local snapshots never make the detector's ids look finished."""
+    core = SnapshotCore("p", ["q"])
+    for offset in range(5000):
+        core.finish_snapshot(LOCAL_ID_BASE + offset)
+    record(core, core.start_snapshot(LOCAL_ID_BASE + 9000, now=0.0))
+    assert isinstance(core.start_snapshot(7, now=0.0)[0], RecordState)
+    assert only_part(core.record_state(7, LocalState())).snapshot_id == 7
+    core.new_epoch()  # detector snapshots go; the local one stays, and so does its memory
+    assert core.active_snapshots == [LOCAL_ID_BASE + 9000]
+    assert core.receive_marker("q", LOCAL_ID_BASE + 4999, now=0.0) == ()
+
+
+# -- messages that arrived but were not received yet ---------------------------------------------
+
+
+def test_undelivered_messages_at_recording_are_in_flight_and_not_counted_in_m() -> None:
+    core = SnapshotCore("p", ["q"])
+    core.receive_messages("q", [token(b"m1"), token(b"m2"), token(b"m3")])  # arrivals 1..3
+    # The application has taken m1; m2 and m3 wait in the driver's queue.
+    actions = core.start_snapshot(1, now=0.0)
+    (part,) = parts(core.record_state(1, balance(0), {"q": [Run([token(b"m2"), token(b"m3")], 2)]}))
+    assert list(part.inbound) == []
+    core.receive_message("q", token(b"m4"))
+    channel = inbound(only_part(core.receive_marker("q", 1)), "q")
+    assert channel.received_before_recording == 1
+    assert payloads(channel) == [b"m2", b"m3", b"m4"]
+    assert [m.receive_index for m in channel.messages] == [2, 3, 4]
+    assert markers(actions) == [("q", 1)]
+
+
+def test_a_marker_taken_in_ahead_of_queued_messages_records_them_as_its_channel() -> None:
+    """The first marker of k arrives behind two undelivered messages of its channel."""
+    core = SnapshotCore("p", ["q", "r"])
+    core.receive_messages("q", [token(b"a"), token(b"b")])
+    core.receive_messages("r", [token(b"c")])
+    actions = core.receive_marker("q", 1, now=0.0)
+    assert markers(actions) == [("q", 1), ("r", 1)]
+    undelivered = {"q": [Run([token(b"a"), token(b"b")], 1)], "r": [Run([token(b"c")], 3)]}
+    part = only_part(core.record_state(1, balance(0), undelivered))
+    from_q = inbound(part, "q")
+    assert (from_q.received_before_recording, payloads(from_q)) == (0, [b"a", b"b"])
+    from_r = inbound(only_part(core.receive_marker("r", 1)), "r")
+    assert (from_r.received_before_recording, payloads(from_r)) == (0, [b"c"])
+
+
+def test_more_undelivered_than_arrived_is_a_local_error() -> None:
+    core = SnapshotCore("p", ["q"])
+    core.receive_message("q", token(b"a"))
+    core.start_snapshot(1, now=0.0)
+    with pytest.raises(LocalProtocolError, match="2 messages undelivered on q -> p, but only 1 arrived"):
+        core.record_state(1, LocalState(), {"q": [Run([token(b"a"), token(b"b")], 1)]})
+    assert only_part(core.record_state(1, LocalState(), {"q": [Run([token(b"a")], 1)]})).snapshot_id == 1
+
+
+def test_undelivered_bytes_count_against_the_bound() -> None:
+    core = SnapshotCore("p", ["q"], max_recorded_bytes=3)
+    core.receive_message("q", AppMessage(b"abcd"))
+    core.start_snapshot(1, now=0.0)
+    (failed,) = core.record_state(1, LocalState(), {"q": [Run([AppMessage(b"abcd")], 1)]})
+    assert isinstance(failed, SnapshotFailed) and "bound" in failed.reason
+    assert core.receive_marker("q", 1) == ()

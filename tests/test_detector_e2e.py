@@ -76,9 +76,12 @@ def test_a_member_killed_mid_snapshot_aborts_it_and_the_next_completes_without_i
     try:
         connect_all(nodes)
         poll(lambda: len(running.detector.coordinator.members) == 3, "three members")
-        nodes[2].command("slow", seconds=0.5)  # C's handler dawdles: snapshots wait for it
+        nodes[2].command("slow", seconds=0.5)  # C's handler dawdles over each message
         nodes[0].command("transfer", count=20, seed=1)
         nodes[0].expect("transferred")
+        # C records only between handlers (its queue holds the rest), so a snapshot begun while C
+        # handles the first of A's five messages to it waits for C.
+        poll(lambda: nodes[2].stats()["received"].get("A", 0) >= 1, "C handling A's first message")
         pending = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=20), running.loop)
         poll(lambda: running.detector.coordinator.running, "the snapshot running")
         nodes[2].kill()

@@ -12,7 +12,8 @@ Every payload carries a per-channel sequence number, so the receiver checks that
 duplicated or reordered.
 
 Transfer commands run one after another. ``--window`` and ``--max-frame-entries`` set the
-channels' window and frame size (in entries). ``--listen HOST:PORT`` chooses where the agent
+channels' window and frame size (in entries); ``--inbox`` the receive queue's bound (in messages:
+the agent acknowledges only while fewer wait for the handler). ``--listen HOST:PORT`` chooses where the agent
 listens (default 127.0.0.1:0, a free port), so a restarted process can come back on the same
 address. With ``--resume`` the first message from each source sets the sequence number expected
 next (a restarted receiver joins its channels mid-stream); the checks apply from there on, and
@@ -44,6 +45,7 @@ class TokenNode:
         settings = ChannelSettings(
             window_entries=args.window,
             max_frame_entries=args.max_frame_entries,
+            inbox_entries=args.inbox,
             backoff_initial=0.01,
             backoff_max=0.2,
         )
@@ -156,6 +158,7 @@ def main() -> None:
     parser.add_argument("--tls-dir")
     parser.add_argument("--window", type=int, default=20_000)
     parser.add_argument("--max-frame-entries", type=int, default=512)
+    parser.add_argument("--inbox", type=int, default=4096)
     parser.add_argument("--listen", default="127.0.0.1:0")
     parser.add_argument("--resume", action="store_true")
     asyncio.run(TokenNode(parser.parse_args()).run())
