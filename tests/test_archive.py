@@ -296,7 +296,7 @@ def test_export_is_idempotent_and_leaves_a_live_detectors_running_snapshot_alone
     first = json.loads(capsys.readouterr().out)
     assert (first["exported"], first["already"], first["batches"], first["files"]) == (4, 0, 2, 8)
     assert main(argv) == 0
-    assert "nothing new to export: the 4 finished snapshots" in capsys.readouterr().out
+    assert f"nothing new to export: {root} holds all 4 finished snapshots" in capsys.readouterr().out
     assert len(parquet_files(root, "snapshots")) == 2
 
     assert store.summary(running).outcome == SNAPSHOT_OUTCOME_RUNNING  # not "detector restarted"

@@ -338,12 +338,8 @@ async def _serve(detector: Detector, as_json: bool) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await detector.start()
-    except (
-        OSError,
-        RuntimeError,
-        StoreError,
-        ArchiveError,
-    ) as error:  # grpc raises RuntimeError for an address it cannot bind
+    # grpc raises RuntimeError for an address it cannot bind
+    except (OSError, RuntimeError, StoreError, ArchiveError) as error:
         with contextlib.suppress(Exception):
             await detector.stop()
         message = str(error)
@@ -398,12 +394,14 @@ def _archive_export(args: argparse.Namespace, console: Console) -> int:
             f"exported {_count(result.exported, 'snapshot')} to {args.archive} in {_count(result.batches, 'batch')} "
             f"({_count(result.files, 'file')}); {result.already} were there already",
             highlight=False,
+            soft_wrap=True,
         )
     else:
         console.print(
-            f"nothing new to export: the {result.already} finished snapshots of {args.data_dir} "
-            f"are all in {args.archive}",
+            f"nothing new to export: {args.archive} holds all {_count(result.already, 'finished snapshot')} "
+            f"of {args.data_dir}",
             highlight=False,
+            soft_wrap=True,
         )
     return 0
 
@@ -420,9 +418,13 @@ def _archive_check(args: argparse.Namespace, console: Console) -> int:
         _print_json({"archive": str(args.archive), **dataclasses.asdict(found)})
         return 0
     snapshots = ", ".join(f"{count} {outcome}" for outcome, count in found.outcomes.items()) or "none"
-    console.print(f"{args.archive}: schema version {found.schema_version}, snapshots: {snapshots}", highlight=False)
+    console.print(
+        f"{args.archive}: schema version {found.schema_version}, snapshots: {snapshots}",
+        highlight=False,
+        soft_wrap=True,
+    )
     for table, files in found.files.items():
-        console.print(f"  {table:<10} {found.rows[table]:>10} rows in {files} files", highlight=False)
+        console.print(f"  {table:<10} {found.rows[table]:>10} rows in {files} files", highlight=False, soft_wrap=True)
     return 0
 
 
