@@ -10,6 +10,7 @@
 * :mod:`~stablewatch.detector.sim` — the deterministic simulator and the COS 418 trace formats.
 * :mod:`~stablewatch.detector.cli` — the front door: the ``stablewatch`` command, the client of the
   query API, the live demo and the human renderings.
+* :mod:`~stablewatch.detector.lockfile` — the one-writer lock that the store and the archive take.
 
 Dependencies point one way: evaluation ← service ← cli, evaluation ← archive ← service.
 """

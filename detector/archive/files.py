@@ -9,12 +9,18 @@ A batch is written aside (``.<name>.parquet.tmp``, ignored by readers) and then 
 place, table by table, the ``snapshots`` file last: a reader never sees half a file, and a
 snapshot whose ``snapshots`` row is visible has all its other rows visible too. Batch names
 hold the first and last snapshot id, so a batch written twice replaces itself.
+
+One process writes an archive at a time: it holds an exclusive lock on
+``ARCHIVE/.stablewatch-writer.lock`` (:func:`lock_archive`), so that repairing what a crash left
+(:mod:`.recovery`) never removes the files of a batch another writer is renaming into place.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,6 +28,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stablewatch.detector import lockfile
 from stablewatch.detector.archive.schema import (
     MARKER_FILE,
     METADATA_KEY,
@@ -31,11 +38,25 @@ from stablewatch.detector.archive.schema import (
     table_from_rows,
 )
 
-__all__ = ["batch_name", "ensure_archive", "parquet_files", "read_table", "write_batch"]
+__all__ = [
+    "LOCK_FILE",
+    "batch_name",
+    "batch_range",
+    "ensure_archive",
+    "lock_archive",
+    "parquet_files",
+    "read_ids",
+    "read_table",
+    "unlock_archive",
+    "write_batch",
+]
 
 _FORMAT = "stablewatch-archive"
 # The snapshots table goes last, so that its rows only appear once everything they refer to has.
 _WRITE_ORDER = [name for name in TABLES if name != "snapshots"] + ["snapshots"]
+_BATCH_NAME = re.compile(r"part-(\d{20})-(\d{20})\.parquet")
+#: The lock a writer holds at the archive's root (a dot file: ignored by readers and by Spark).
+LOCK_FILE = ".stablewatch-writer.lock"
 
 
 def ensure_archive(root: Path) -> Path:
@@ -82,6 +103,37 @@ def check_marker(root: Path) -> int:
 def batch_name(snapshot_ids: Sequence[int]) -> str:
     """The file name of a batch holding these snapshots: deterministic, so rewriting it replaces it."""
     return f"part-{min(snapshot_ids):020d}-{max(snapshot_ids):020d}.parquet"
+
+
+def batch_range(name: str) -> tuple[int, int] | None:
+    """The first and last snapshot id of a batch file named by :func:`batch_name`; None for other names."""
+    match = _BATCH_NAME.fullmatch(name)
+    return None if match is None else (int(match[1]), int(match[2]))
+
+
+def lock_archive(root: Path) -> int | None:
+    """Take the archive's writer lock; returns its descriptor (None where the file system has no locks).
+
+    ArchiveError naming the holder when another process writes this archive.
+    """
+    path = Path(root) / LOCK_FILE
+    try:
+        return lockfile.take(path)
+    except lockfile.Held as held:
+        raise ArchiveError(
+            f"the archive {root} is being written by another process (pid {held.holder}); "
+            "one detector or export writes an archive at a time"
+        ) from None
+    except OSError as exc:
+        if exc.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+            return None  # e.g. some FUSE mounts: the caller warns that nothing keeps a second writer out
+        raise ArchiveError(f"cannot lock {path}: {exc.strerror or exc}") from exc
+
+
+def unlock_archive(fd: int | None) -> None:
+    """Release the lock :func:`lock_archive` took (closing the descriptor releases the flock)."""
+    if fd is not None:
+        os.close(fd)
 
 
 def write_batch(root: Path, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> list[Path]:
@@ -131,9 +183,8 @@ def parquet_files(root: Path, table: str) -> list[Path]:
     return sorted(p for p in folder.glob("day=*/*.parquet") if not p.name.startswith("."))
 
 
-def read_file(path: Path, table: str) -> pa.Table:
-    """One archive file as an Arrow table with its ``day`` column; ArchiveError naming the file if it
-    is corrupt, foreign, or of a newer schema version."""
+def _open(path: Path) -> pq.ParquetFile:
+    """An archive file opened, its schema version checked; ArchiveError naming the file otherwise."""
     try:
         file = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as exc:
@@ -151,6 +202,13 @@ def read_file(path: Path, table: str) -> pa.Table:
             f"{path}: schema version {number} is newer than this stablewatch reads ({SCHEMA_VERSION}); "
             "upgrade stablewatch"
         )
+    return file
+
+
+def read_file(path: Path, table: str) -> pa.Table:
+    """One archive file as an Arrow table with its ``day`` column; ArchiveError naming the file if it
+    is corrupt, foreign, or of a newer schema version."""
+    file = _open(path)
     expected = TABLES[table].remove(TABLES[table].get_field_index("day"))
     try:
         arrow = file.read()
@@ -160,6 +218,18 @@ def read_file(path: Path, table: str) -> pa.Table:
         raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {SCHEMA_VERSION}")
     day = path.parent.name.removeprefix("day=")
     return arrow.append_column("day", pa.array([day] * arrow.num_rows, pa.string()))
+
+
+def read_ids(path: Path) -> list[int]:
+    """The ``snapshot_id`` column of one archive file, read alone (cheap); ArchiveError as :func:`read_file`."""
+    file = _open(path)
+    schema = file.schema_arrow
+    if "snapshot_id" not in schema.names or schema.field("snapshot_id").type != pa.int64():
+        raise ArchiveError(f"{path}: it has no int64 snapshot_id column, as every archive table does")
+    try:
+        return file.read(columns=["snapshot_id"]).column(0).to_pylist()
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"{path}: corrupt Parquet file ({exc})") from exc
 
 
 def read_table(root: Path, table: str, files: Iterable[Path] | None = None) -> pa.Table:

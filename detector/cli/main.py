@@ -5,9 +5,13 @@
 * ``status``, ``snapshot``, ``watch``, ``graph``: ask a running detector, through its query API
   (:mod:`stablewatch.detector.cli.client`). Human output uses rich; ``--json`` prints one JSON object
   (``watch``: one per line), errors included.
+* ``archive export``, ``archive check``: backfill a Parquet archive from a detector's store (beside
+  the live detector, if one runs), and check every file of an archive
+  (:mod:`stablewatch.detector.archive`).
 
 Exit statuses: 0 success, 1 the detector is unreachable or refused (or a simulation differs from
-the expected snapshots), 2 bad flags or input, 3 ``snapshot`` was aborted.
+the expected snapshots), 2 bad flags or input (for ``archive``: a bad store, archive or file), 3
+``snapshot`` was aborted.
 """
 
 from __future__ import annotations
@@ -48,7 +52,7 @@ from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, 
 from stablewatch.detector.evaluation.text import plural
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.detector.service.store import StoreError
+from stablewatch.detector.service.store import DB_FILENAME, Store, StoreError
 from stablewatch.detector.sim.cos418 import (
     TOKENS,
     TraceError,
@@ -139,6 +143,12 @@ def _parser() -> argparse.ArgumentParser:
         help="keep the newest N snapshots (%(default)s; none: no limit)")  # fmt: skip
     add("--keep-days", type=_keep_days, default=7.0, metavar="D",
         help="delete snapshots older than D days (%(default)s; none: no limit)")  # fmt: skip
+    add("--archive", type=Path, metavar="DIR",
+        help="also write every finished snapshot to this Parquet archive (a local or mounted folder)")  # fmt: skip
+    add("--archive-batch", type=_positive_int, default=config.archive_batch, metavar="N",
+        help="with --archive: write a batch once N snapshots wait (%(default)s)")  # fmt: skip
+    add("--archive-age", type=_positive, default=config.archive_age, metavar="S",
+        help="with --archive: or once the oldest has waited S seconds (%(default)s)")  # fmt: skip
     add("--json", action="store_true", help='print {"event": "ready", "address": ..., "metrics": ...} when serving')
 
     # The query commands share --detector and --json; --timeout bounds every call.
@@ -170,6 +180,26 @@ def _parser() -> argparse.ArgumentParser:
     graph.add_argument("--format", choices=("dot", "png", "svg"), default="dot",
                        help="DOT text, or an image drawn by Graphviz (%(default)s)")  # fmt: skip
     graph.add_argument("--out", type=Path, metavar="FILE", help="write to FILE instead of stdout")
+
+    archive = commands.add_parser("archive", help="the Parquet archive of finished snapshots: export, check")
+    archive_commands = archive.add_subparsers(dest="archive_command", required=True)
+    backfill = archive_commands.add_parser(
+        "export",
+        help="write a store's finished snapshots that an archive lacks",
+        description="Write every finished snapshot of the store in --data-dir that the archive does not "
+        "hold yet. Safe beside a running detector on that store; a second run writes nothing new.",
+    )
+    backfill.add_argument("--data-dir", type=Path, required=True, metavar="DIR", help="the detector's store folder")
+    backfill.add_argument("--archive", type=Path, required=True, metavar="DIR", help="the archive folder")
+    backfill.add_argument("--batch", type=_positive_int, default=1000, metavar="N",
+                          help="snapshots per batch (%(default)s)")  # fmt: skip
+    backfill.add_argument("--json", action="store_true", help="print one JSON object")
+    checking = archive_commands.add_parser(
+        "check", help="read every file of an archive and count its rows",
+        description="Read and check every file of the archive. Exit status 2 names the first bad file and why.",
+    )  # fmt: skip
+    checking.add_argument("--archive", type=Path, required=True, metavar="DIR", help="the archive folder")
+    checking.add_argument("--json", action="store_true", help="print one JSON object")
     return parser
 
 
@@ -195,6 +225,8 @@ def _main(argv: Sequence[str] | None) -> int:
         return _detector(args)
     if args.command in _QUERIES:
         return _query(args, console)
+    if args.command == "archive":
+        return _archive(args, console)
     try:
         if args.command == "simulate":
             delays = (
@@ -319,6 +351,9 @@ def _detector(args: argparse.Namespace) -> int:
         expected_totals=dict(args.expect),
         max_snapshots=args.keep,
         max_age_seconds=None if args.keep_days is None else args.keep_days * 86400,
+        archive=args.archive,
+        archive_batch=args.archive_batch,
+        archive_age=args.archive_age,
     )
     detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
     try:
@@ -337,6 +372,8 @@ class _CannotStart(Exception):
 
 async def _serve(detector: Detector, as_json: bool) -> None:
     """Run `detector` until SIGINT or SIGTERM, then stop it."""
+    from stablewatch.detector.archive.schema import ArchiveError  # pyarrow: not for the other commands
+
     log = logging.getLogger("stablewatch.detector")
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -344,7 +381,8 @@ async def _serve(detector: Detector, as_json: bool) -> None:
         loop.add_signal_handler(signum, stop.set)
     try:
         await detector.start()
-    except (OSError, RuntimeError, StoreError) as error:  # grpc raises RuntimeError for an address it cannot bind
+    # grpc raises RuntimeError for an address it cannot bind
+    except (OSError, RuntimeError, StoreError, ArchiveError) as error:
         with contextlib.suppress(Exception):
             await detector.stop()
         message = str(error)
@@ -364,6 +402,73 @@ async def _serve(detector: Detector, as_json: bool) -> None:
         loop.remove_signal_handler(signum)
     log.info("stopping")
     await detector.stop()
+
+
+# -- archive export, check ---------------------------------------------------------------------------------
+
+
+def _archive(args: argparse.Namespace, console: Console) -> int:
+    """``archive export`` or ``archive check``; a bad store, archive or file exits 2 with what and why."""
+    from stablewatch.detector.archive.schema import ArchiveError  # pyarrow: not for the other commands
+
+    try:
+        if args.archive_command == "export":
+            return _archive_export(args, console)
+        return _archive_check(args, console)
+    except (ArchiveError, StoreError) as error:
+        print(f"stablewatch: {error}", file=sys.stderr)
+        if args.json:
+            _print_json({"error": str(error)})
+        return EXIT_BAD_INPUT
+
+
+def _archive_export(args: argparse.Namespace, console: Console) -> int:
+    from stablewatch.detector.archive.export import export
+
+    if not (args.data_dir / DB_FILENAME).is_file():
+        raise StoreError(f"{args.data_dir} holds no stablewatch store ({DB_FILENAME} is missing)")
+    # Without the lock: a detector may be running on this store. No retention: nothing is deleted.
+    with Store(args.data_dir, max_snapshots=None, max_age_seconds=None, lock=False) as store:
+        result = export(store, args.archive, args.batch)
+    if args.json:
+        _print_json({"archive": str(args.archive), **dataclasses.asdict(result)})
+    elif result.exported:
+        console.print(
+            f"exported {_count(result.exported, 'snapshot')} to {args.archive} in {_count(result.batches, 'batch')} "
+            f"({_count(result.files, 'file')}); {result.already} were there already",
+            highlight=False,
+            soft_wrap=True,
+        )
+    else:
+        console.print(
+            f"nothing new to export: {args.archive} holds all {_count(result.already, 'finished snapshot')} "
+            f"of {args.data_dir}",
+            highlight=False,
+            soft_wrap=True,
+        )
+    return 0
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 'es' if noun.endswith('ch') else 's'}"
+
+
+def _archive_check(args: argparse.Namespace, console: Console) -> int:
+    from stablewatch.detector.archive.reader import check
+
+    found = check(args.archive)
+    if args.json:
+        _print_json({"archive": str(args.archive), **dataclasses.asdict(found)})
+        return 0
+    snapshots = ", ".join(f"{count} {outcome}" for outcome, count in found.outcomes.items()) or "none"
+    console.print(
+        f"{args.archive}: schema version {found.schema_version}, snapshots: {snapshots}",
+        highlight=False,
+        soft_wrap=True,
+    )
+    for table, files in found.files.items():
+        console.print(f"  {table:<10} {found.rows[table]:>10} rows in {files} files", highlight=False, soft_wrap=True)
+    return 0
 
 
 # -- status, snapshot, watch, graph -------------------------------------------------------------------------

@@ -4,8 +4,10 @@ Agents attach on the control stream (:class:`~.coordinator.Coordinator`); the
 :class:`~.scheduler.Scheduler` and on-demand requests start one-hop snapshots; every complete
 snapshot is evaluated by the one pure function (:func:`~stablewatch.detector.evaluation.evaluate`),
 and that value is stored (:class:`~.store.Store`), published as metrics and pushed to watchers
-(:class:`~.watch.WatchHub`). One gRPC server carries the control stream, the query API, health
-checking and reflection; /metrics is served on its own HTTP port.
+(:class:`~.watch.WatchHub`); with an archive folder, every finished snapshot (completed or
+aborted) is also written to the Parquet archive
+(:class:`~stablewatch.detector.archive.writer.ArchiveWriter`). One gRPC server carries the control
+stream, the query API, health checking and reflection; /metrics is served on its own HTTP port.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,8 +32,11 @@ from stablewatch.detector.service.query import QueryService
 from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.detector.service.store import Store
 from stablewatch.detector.service.watch import WatchHub
-from stablewatch.v1 import control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
-from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
+from stablewatch.v1 import Evaluation, GlobalSnapshot, control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
+from stablewatch.v1.query_pb2 import SnapshotResults, SnapshotSummary, WatchEvent
+
+if TYPE_CHECKING:
+    from stablewatch.detector.archive.writer import ArchiveWriter
 
 __all__ = ["Detector", "DetectorConfig", "NoAgents"]
 
@@ -61,6 +67,9 @@ class DetectorConfig:
     max_snapshots: int | None = 10_000  # retention by count
     max_age_seconds: float | None = 7 * 86400  # retention by age
     seed: int | None = None  # for the schedule's jitter
+    archive: Path | None = None  # the Parquet archive folder; None: no archive
+    archive_batch: int = 500  # snapshots per archive batch at most
+    archive_age: float = 300.0  # seconds a finished snapshot waits for its batch at most
 
 
 class TooFewMembers(NoAgents):
@@ -81,6 +90,7 @@ class Detector:
         self.metrics = metrics or DetectorMetrics()
         self._plugins = tuple(plugins)
         self._store: Store | None = None
+        self._archive: ArchiveWriter | None = None
         self._expected_totals: dict[str, int] = {}
         self.coordinator = Coordinator(
             heartbeat_interval=config.heartbeat_interval,
@@ -103,6 +113,19 @@ class Detector:
         """Open the store, serve gRPC and /metrics, and start the schedule."""
         config = self.config
         self._store = Store(config.data_dir, max_snapshots=config.max_snapshots, max_age_seconds=config.max_age_seconds)
+        if config.archive is not None:
+            from stablewatch.detector.archive.writer import ArchiveWriter  # pyarrow: only when archiving
+
+            # Before retention: what a killed detector had not archived yet is written first.
+            archive = ArchiveWriter(
+                config.archive, self._store, batch_size=config.archive_batch, max_age=config.archive_age
+            )
+            try:
+                await archive.start()
+            except BaseException:
+                self._store.close()
+                raise
+            self._archive = archive
         self._store.apply_retention(time.time())
         self.coordinator.epoch = self._store.epoch
         self._latest = self._store.latest_results()
@@ -122,6 +145,8 @@ class Detector:
         reflection.enable_server_reflection(names, self._server)
         self._port = self._server.add_insecure_port(config.listen)
         if self._port == 0:
+            if self._archive is not None:
+                await self._archive.close()
             self._store.close()
             raise OSError(f"the detector cannot listen on {config.listen}")
         await self._server.start()
@@ -148,7 +173,7 @@ class Detector:
         _log.debug("detector listening on %s, data in %s", self.address, config.data_dir)
 
     async def stop(self) -> None:
-        """Stop the schedule, end watch streams, stop serving and close the store."""
+        """Stop the schedule, end watch streams, stop serving, flush the archive and close the store."""
         # A running snapshot is aborted and stored as such (see take_snapshot).
         if self._scheduler is not None:
             await self._scheduler.stop()
@@ -165,6 +190,8 @@ class Detector:
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.shutdown)
             self._metrics_server.server_close()
+        if self._archive is not None:
+            await self._archive.close()
         if self._store is not None:
             self._store.close()
 
@@ -215,11 +242,12 @@ class Detector:
         except asyncio.CancelledError:
             # The caller gave up (shutdown): abort it everywhere rather than leave it running.
             self.coordinator.abort(snapshot_id, "the detector stopped it", "shutdown")
-            store.abort(snapshot_id, "the detector stopped it", time.time(), "shutdown")
+            self._finished(store.abort(snapshot_id, "the detector stopped it", time.time(), "shutdown"))
             self.metrics.aborted("shutdown")
             raise
         except SnapshotAborted as aborted:
             summary = store.abort(snapshot_id, aborted.reason, time.time(), aborted.kind)
+            self._finished(summary)
             self.metrics.aborted(aborted.kind)
             results = SnapshotResults(snapshot=summary)
             self._watch.publish(results, changes=[])
@@ -235,6 +263,7 @@ class Detector:
             self._expected_totals.update(baselines)
             store.add_expected_totals(baselines)
         results = store.complete(snapshot, evaluation, finished)
+        self._finished(results.snapshot, snapshot, evaluation)
         self.metrics.completed(snapshot, evaluation, seconds, finished)
         if self._latest is None or snapshot_id > self._latest.snapshot.snapshot_id:
             self._latest = results  # a slow older snapshot must not replace a newer one
@@ -242,6 +271,13 @@ class Detector:
         if snapshot_id % _RETENTION_EVERY == 0:
             store.apply_retention(finished)
         return results
+
+    def _finished(
+        self, summary: SnapshotSummary, snapshot: GlobalSnapshot | None = None, evaluation: Evaluation | None = None
+    ) -> None:
+        """Hand a finished (stored) snapshot to the archive, if there is one."""
+        if self._archive is not None:
+            self._archive.add(summary, snapshot, evaluation)
 
     async def trigger(self, deadline: float | None = None, expected: Iterable[str] = ()) -> SnapshotResults:
         """:meth:`take_snapshot` for a client: it runs to its end even if the client hangs up."""

@@ -21,8 +21,9 @@ Theory of operation:
   (name, holds, unknown, blob), so that the history of one predicate is an index scan.
 * ``archived`` marks the finished snapshots already written to the Parquet archive, so that a
   restarted detector writes exactly those that were not (``unarchived``, ``mark_archived``).
-* A RUNNING row found when the store opens belongs to a detector that is gone: it is marked
-  ABORTED with the reason ``"detector restarted"``.
+* A RUNNING row found when the store opens with its lock belongs to a detector that is gone: it
+  is marked ABORTED with the reason ``"detector restarted"``. Opened without the lock, the store
+  leaves RUNNING rows alone: they may belong to the live detector beside it.
 * ``apply_retention`` deletes finished snapshots beyond ``max_snapshots`` (oldest first) and those
   that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted.
 
@@ -34,7 +35,6 @@ commits may be lost on power loss.
 
 from __future__ import annotations
 
-import fcntl
 import math
 import os
 import secrets
@@ -47,6 +47,7 @@ from types import TracebackType
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
+from stablewatch.detector import lockfile
 from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.waitfor import build_wait_for, to_proto
 from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult, WaitForGraph
@@ -178,7 +179,7 @@ class Store:
 
     Not thread-safe: use it from one thread (the detector's event loop). With ``lock`` (the
     default) it holds the data directory's lock until :meth:`close`; a reader that only looks
-    (``stablewatch archive export``) may pass ``lock=False``.
+    (``stablewatch archive export``) may pass ``lock=False``, and can then run beside a live detector.
     """
 
     def __init__(
@@ -220,21 +221,14 @@ class Store:
         """Lock the data directory for this process; StoreError naming the holder if another has it."""
         path = data_dir / LOCK_FILENAME
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise StoreError(f"cannot create the lock file {path}: {exc.strerror or exc}") from exc
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
+            return lockfile.take(path)
+        except lockfile.Held as held:
             raise StoreError(
-                f"the data directory {data_dir} is in use by another detector (pid {holder}); "
+                f"the data directory {data_dir} is in use by another detector (pid {held.holder}); "
                 "stop it, or give this one another --data-dir"
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        return fd
+        except OSError as exc:
+            raise StoreError(f"cannot create or lock the lock file {path}: {exc.strerror or exc}") from exc
 
     def _release_lock(self) -> None:
         if self._lock_fd is not None:
@@ -274,11 +268,12 @@ class Store:
                 )
             elif version == 1:
                 self._upgrade_from_1()
-            db.execute(
-                "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, abort_kind = 'restart', finished_at = ? "
-                "WHERE outcome = 'running'",
-                (RESTART_REASON, time.time()),
-            )
+            if self._lock_fd is not None:  # without the lock, RUNNING rows may be a live detector's
+                db.execute(
+                    "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, abort_kind = 'restart', "
+                    "finished_at = ? WHERE outcome = 'running'",
+                    (RESTART_REASON, time.time()),
+                )
         (epoch,) = db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
         self.epoch: int = int(epoch)
 

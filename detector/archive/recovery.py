@@ -1,0 +1,68 @@
+"""What a writer that died leaves in the archive, and how the next writer sets it right.
+
+A batch appears file by file (:func:`.files.write_batch`): every other table's files are renamed
+into place first, then the ``snapshots`` files, one per day. A writer killed on the way leaves
+
+1. temporary files (``.part-*.parquet.tmp``), never visible to readers;
+2. files of other tables for a (day, batch) whose ``snapshots`` file never appeared: rows of
+   snapshots that are not in the archive. Written again later, possibly in a batch of another
+   name, they would be counted twice;
+3. a complete batch that its store never heard of (killed between the last rename and
+   ``mark_archived``): those snapshots are in the archive and must not be written again.
+
+:func:`repair` removes 1 and 2; :func:`archived_ids` finds 3. Both must run with the archive's
+writer lock held (:func:`.files.lock_archive`), before anything new is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from stablewatch.detector.archive.files import batch_range, parquet_files, read_ids
+from stablewatch.detector.archive.schema import TABLES, ArchiveError
+
+__all__ = ["archived_ids", "repair"]
+
+
+def repair(root: Path) -> list[Path]:
+    """Remove the temporary files and the files of unfinished batches; return what was removed.
+
+    Only files named as :func:`.files.write_batch` names them are touched. O(files in the archive)
+    directory entries, no file is read.
+    """
+    root = Path(root)
+    removed = []
+    for table in TABLES:
+        for tmp in (root / table).glob("day=*/.part-*.parquet.tmp"):
+            _remove(tmp)
+            removed.append(tmp)
+    finished = {(p.parent.name, p.name) for p in parquet_files(root, "snapshots")}
+    for table in TABLES:
+        if table == "snapshots":
+            continue
+        for path in parquet_files(root, table):
+            if batch_range(path.name) is not None and (path.parent.name, path.name) not in finished:
+                _remove(path)
+                removed.append(path)
+    return removed
+
+
+def archived_ids(root: Path, since: int = 0) -> set[int]:
+    """The ids of the snapshots in the archive, from batches that hold any id >= `since`.
+
+    Reads only the ``snapshot_id`` column of the ``snapshots`` files whose name says they may hold
+    such an id. ArchiveError naming the file when one cannot be read.
+    """
+    found: set[int] = set()
+    for path in parquet_files(root, "snapshots"):
+        ids = batch_range(path.name)
+        if ids is None or ids[1] >= since:
+            found.update(read_ids(path))
+    return found
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:
+        raise ArchiveError(f"cannot remove {path}, left by an interrupted batch: {exc.strerror or exc}") from exc
