@@ -22,6 +22,7 @@ import grpc
 from stablewatch.agents.core import Entry
 from stablewatch.agents.frames import FrameError, decode
 from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.tls import check_channel_peer
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
 
 __all__ = ["InboundChannels"]
@@ -31,6 +32,7 @@ _STATUS = {
     "unknown_channel": grpc.StatusCode.FAILED_PRECONDITION,
     "sequence_gap": grpc.StatusCode.OUT_OF_RANGE,
     "malformed": grpc.StatusCode.INVALID_ARGUMENT,
+    "spoofed": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -72,6 +74,8 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         channel: list[tuple[str, int]] = []  # (src, sender incarnation) once the hello is read
         try:
             async for frame in request_iterator:
+                if frame.HasField("hello"):  # with mutual TLS, the certificate says who may send
+                    check_channel_peer(context, frame.hello)
                 entries = decode(frame)
                 # Shielded: a stream cancelled mid-frame (a break, a server restart) must not leave
                 # a frame half delivered, or the sender's resend would deliver its start twice.
