@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import socket
 import ssl
 import urllib.request
 from collections.abc import Iterator
@@ -319,3 +320,19 @@ def test_metrics_are_served_over_https_to_a_certificate_of_the_ca(mtls: Running,
         fetch(None, url.replace("https://", "http://"))  # plaintext
     trusting.load_cert_chain(pki["nobody_cert"], pki["nobody_key"])
     assert "stablewatch_refused_total" in fetch(trusting)
+
+
+def test_a_client_that_stalls_its_handshake_does_not_stop_scrapes(mtls: Running, pki: dict[str, Path]) -> None:
+    """Connections that never start TLS hold only their own threads (until their timeout)."""
+    url = mtls.detector.metrics_url
+    assert url is not None
+    host, port = url.removeprefix("https://").split("/")[0].rsplit(":", 1)
+    context = ssl.create_default_context(cafile=pki["ca_cert"])
+    context.load_cert_chain(pki["nobody_cert"], pki["nobody_key"])
+    stalled = [socket.create_connection((host, int(port)), timeout=TIMEOUT) for _ in range(3)]
+    try:
+        with urllib.request.urlopen(url, timeout=TIMEOUT, context=context) as response:
+            assert response.status == 200
+    finally:
+        for connection in stalled:
+            connection.close()

@@ -36,6 +36,7 @@ from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
 from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket
 from stablewatch.detector.service.metrics import DetectorMetrics
+from stablewatch.detector.service.metrics_http import serve_metrics
 from stablewatch.detector.service.query import QueryService
 from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.detector.service.store import Store
@@ -140,7 +141,7 @@ class Detector:
             ("grpc.so_reuseport", 0),  # without this, a second detector could bind the port and split the agents
             ("grpc.max_receive_message_length", config.limits.grpc_max_message),
         ]
-        interceptor = AuthInterceptor(self._authorizer, lambda reason: self.refused(reason, ""))
+        interceptor = AuthInterceptor(self._authorizer, self.refused)
         self._server = grpc.aio.server(options=options, interceptors=[interceptor])
         control_pb2_grpc.add_ControlServicer_to_server(self.coordinator, self._server)
         query_pb2_grpc.add_QueryServicer_to_server(QueryService(self, config.limits), self._server)
@@ -170,15 +171,13 @@ class Detector:
         for name in ("", *names[:2]):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            tls = {}
-            if config.tls_cert is not None:
-                tls = {"certfile": str(config.tls_cert), "keyfile": str(config.tls_key)}
-                if config.tls_client_ca is not None:
-                    tls |= {"client_cafile": str(config.tls_client_ca), "client_auth_required": True}
-            self._metrics_server, _ = start_http_server(
-                config.metrics_port, addr=config.metrics_address, registry=self.metrics.registry, **tls
+            self._metrics_server = serve_metrics(
+                self.metrics.registry,
+                config.metrics_port,
+                config.metrics_address,
+                cert_file=config.tls_cert,
+                key_file=config.tls_key,
+                client_ca_file=config.tls_client_ca,
             )
         self._heartbeats = asyncio.ensure_future(self._watch_heartbeats())
         if config.interval is not None:
@@ -358,8 +357,7 @@ class Detector:
     def refused(self, reason: str, detail: str) -> None:
         """Count a refused stream or call (reason: one of limits.REFUSAL_REASONS) and log why."""
         self.metrics.refused.labels(reason).inc()
-        if detail:
-            _log.warning("refused (%s): %s", reason, detail)
+        _log.warning("refused (%s): %s", reason, detail)
 
     def _over(self, reason: str, message: str) -> LimitExceeded:
         self.refused(reason, message)
