@@ -109,6 +109,7 @@ def test_plaintext_and_certificate_less_clients_are_refused(secure: Secure) -> N
         (["status", "--tls-ca", "{ca}", "--tls-cert", "{ca}"], "--tls-cert and --tls-key go together"),
         (["detector", "--trigger-rate", "fast"], "expected N/S"),
         (["status", "--tls-ca", "{junk}"], "junk.pem' holds no PEM data"),
+        (["detector", "--tls-cert", "{cert}", "--tls-key", "{other_key}"], "is not the key of --tls-cert"),
     ],
 )
 def test_bad_tls_flags_exit_2_naming_the_file(
@@ -116,7 +117,8 @@ def test_bad_tls_flags_exit_2_naming_the_file(
 ) -> None:
     junk = tmp_path / "junk.pem"
     junk.write_text("not a certificate")
-    argv = [arg.format(ca=pki["ca_cert"], junk=junk) for arg in argv]
+    values = {"ca": pki["ca_cert"], "junk": junk, "cert": pki["server_cert"], "other_key": pki["client_key"]}
+    argv = [arg.format(**values) for arg in argv]
     with pytest.raises(SystemExit) as caught:
         main(argv)
     assert caught.value.code == 2

@@ -23,6 +23,7 @@ import math
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -232,6 +233,11 @@ def _main(argv: Sequence[str] | None) -> int:
     args = parser.parse_args(argv)
     if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
         parser.error("--tls-cert and --tls-key go together")
+    if getattr(args, "tls_cert", None) is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.tls_cert, args.tls_key)
+        except ssl.SSLError as error:
+            parser.error(f"--tls-key {args.tls_key} is not the key of --tls-cert {args.tls_cert} ({error.reason})")
     if getattr(args, "tls_client_ca", None) is not None and args.tls_cert is None:
         parser.error("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     console = Console()

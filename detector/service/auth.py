@@ -146,10 +146,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     """Checks every call's permission (:data:`METHOD_PERMISSIONS`) before its handler runs.
 
     The peer's certificate is only known inside the call, so the handler is wrapped: the check runs
-    first and a refusal aborts the call with its code. ``on_refused(reason)`` counts refusals.
+    first and a refusal aborts the call with its code. ``on_refused(reason, detail)`` counts them.
     """
 
-    def __init__(self, authorizer: Authorizer, on_refused: Callable[[str], None]) -> None:
+    def __init__(self, authorizer: Authorizer, on_refused: Callable[[str, str], None]) -> None:
         self._authorizer = authorizer
         self._on_refused = on_refused
 
@@ -166,12 +166,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
         async def check(context: grpc.aio.ServicerContext) -> None:
             if permission is None:
-                self._on_refused("permission_denied")
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{method} is not served to anyone")
+                message = f"{method} is not served to anyone"
+                self._on_refused("permission_denied", message)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
             try:
                 self._authorizer.check(context, permission, method)
             except Denied as denied:
-                self._on_refused(denied.reason)
+                self._on_refused(denied.reason, f"{context.peer()}: {denied}")
                 await context.abort(denied.code, str(denied))
 
         return _guarded(handler, check)

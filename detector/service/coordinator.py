@@ -250,8 +250,10 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             if isinstance(member, control_pb2.Refused):
                 yield DetectorMessage(refused=member)
                 return
-            async for message in self._serve(member, request_iterator):
-                yield message
+            # Closed here, not when collected: its end detaches the member at once.
+            async with contextlib.aclosing(self._serve(member, request_iterator)) as messages:
+                async for message in messages:
+                    yield message
         finally:
             self._streams -= 1
 
@@ -303,7 +305,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
     async def _refuse(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, detail: str
     ) -> NoReturn:
-        self._on_refused(reason, detail)
+        self._on_refused(reason, f"{context.peer()}: {detail}")
         await context.abort(code, detail)
         raise AssertionError("unreachable")  # context.abort raises
 
