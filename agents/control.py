@@ -24,7 +24,9 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   them, so the agent must not keep recording them. Starts still waiting to run are skipped.
 * **Reconnect.** The client retries with exponential backoff and jitter, capped at
   ``backoff_max``, until :meth:`ControlClient.stop`. A ``Refused`` registration (the same process
-  id may still be attached through a previous, dying stream) is retried the same way.
+  id may still be attached through a previous, dying stream) is retried the same way, and so is
+  one the detector refuses with a status (PERMISSION_DENIED when the certificate does not name
+  this process id): both are logged as warnings and reported as ``refused``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,13 @@ EVENTS = (
 )
 
 DEFAULT_MAX_QUEUED = 10_000
+# The detector's status codes for a registration it will not take (its certificate does not name
+# this process, no certificate, over its limits): logged as refusals, not as a detector that is down.
+_REFUSALS = (
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+)
 # A detector that accepts the stream but never answers Register is treated as down.
 _REGISTER_TIMEOUT = 10.0
 
@@ -204,6 +213,12 @@ class ControlClient:
                 registered = await self._attach()
             except TimeoutError:
                 self._event("unreachable", f"no answer to Register within {_REGISTER_TIMEOUT} s")
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() in _REFUSALS:  # not down: it will not have us as we are
+                    _log.warning("detector refused %s: %s", self.process_id, _describe(exc))
+                    self._event("refused", _describe(exc))
+                else:
+                    self._event("unreachable", _describe(exc))
             except Exception as exc:
                 self._event("unreachable", _describe(exc))
             if registered:

@@ -42,6 +42,7 @@ from stablewatch.agents.core import Entry
 from stablewatch.agents.frames import FrameError, decode
 from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.tls import check_channel_peer
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
 
 __all__ = ["InboundChannels"]
@@ -51,6 +52,7 @@ _STATUS = {
     "unknown_channel": grpc.StatusCode.FAILED_PRECONDITION,
     "sequence_gap": grpc.StatusCode.OUT_OF_RANGE,
     "malformed": grpc.StatusCode.INVALID_ARGUMENT,
+    "spoofed": grpc.StatusCode.PERMISSION_DENIED,
 }
 
 
@@ -145,7 +147,7 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         """One channel's stream: frames in (read by a task of its own), cumulative acknowledgements out."""
         stream = _Stream()
         self._streams.add(stream)
-        reader = asyncio.ensure_future(self._read(request_iterator, stream))
+        reader = asyncio.ensure_future(self._read(request_iterator, context, stream))
         try:
             while True:
                 next_seq = stream.next_ack(self._inbox.has_room())
@@ -170,10 +172,14 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         elif error is not None:
             raise error
 
-    async def _read(self, request_iterator: AsyncIterator[ChannelFrame], stream: _Stream) -> None:
+    async def _read(
+        self, request_iterator: AsyncIterator[ChannelFrame], context: grpc.aio.ServicerContext, stream: _Stream
+    ) -> None:
         """Accept frames until the stream ends, reading ahead of the acknowledgements only so far."""
         try:
             async for frame in request_iterator:
+                if frame.HasField("hello"):  # with mutual TLS, the certificate says who may send
+                    check_channel_peer(context, frame.hello)
                 entries = decode(frame)
                 if stream.expected is None:
                     self._open(frame, stream)

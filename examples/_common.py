@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Protocol
 
-from stablewatch.agents import Agent, ChannelSettings
+from stablewatch.agents import Agent, ChannelSettings, TlsConfig
 
 __all__ = [
     "PeerDirectory",
@@ -70,7 +70,21 @@ def service_parser(example: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (default 0)")
     parser.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM or SIGINT)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    tls = parser.add_argument_group("TLS", "mutual TLS to peers and the detector (all three, or none)")
+    tls.add_argument("--tls-cert", type=Path, help="this process's certificate, naming stablewatch://process/<id>")
+    tls.add_argument("--tls-key", type=Path, help="the key of --tls-cert")
+    tls.add_argument("--tls-ca", type=Path, help="the CA that signs the detector's and the peers' certificates")
     return parser
+
+
+def service_tls(args: argparse.Namespace) -> TlsConfig | None:
+    """The TLS identity of ``--tls-cert``, ``--tls-key`` and ``--tls-ca``; None without them."""
+    given = [args.tls_cert, args.tls_key, args.tls_ca]
+    if not any(given):
+        return None
+    if not all(given):
+        raise SystemExit("--tls-cert, --tls-key and --tls-ca go together")
+    return TlsConfig(args.tls_cert, args.tls_key, args.tls_ca)
 
 
 def service_rng(args: argparse.Namespace, purpose: str = "") -> random.Random:
@@ -162,6 +176,7 @@ async def _serve(args: argparse.Namespace, factory: ServiceFactory) -> int:
         listen=args.listen,
         peers=peers.resolve,
         detector=args.detector,
+        tls=service_tls(args),
         channel_settings=ChannelSettings(backoff_initial=0.01, backoff_max=0.5),
     )
     service = factory(agent, args, peers)  # sets the initial state and the handler before anything arrives

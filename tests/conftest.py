@@ -6,8 +6,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from certs import make_certs
+from certs import issue, make_certs
 from detector_stub import StubDetector
+
+from stablewatch.agents.tls import process_uri
+from stablewatch.detector.service.auth import role_uri
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT.parent / "shared" / "conformance" / "cos418"
@@ -26,6 +29,22 @@ def cos418() -> Path:
 def certs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """A throwaway CA with server, client and node certificates (see certs.make_certs)."""
     return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="session")
+def pki(certs: dict[str, Path]) -> dict[str, Path]:
+    """``certs`` plus certificates from the same CA for processes P and Q, a reader, an operator
+    and one naming nothing (keys ``agent_P_cert``, ``reader_key``, ``nobody_cert``, ...)."""
+    paths = dict(certs)
+    for name, uris in {
+        "agent_P": [process_uri("P")],
+        "agent_Q": [process_uri("Q")],
+        "reader": [role_uri("reader")],
+        "operator": [role_uri("operator")],
+        "nobody": [],
+    }.items():
+        paths |= issue(certs, name, uris=uris)
+    return paths
 
 
 @pytest.fixture(scope="session")

@@ -20,10 +20,10 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from detector_harness import RawAgent, Running
 from google.protobuf.struct_pb2 import Struct
 from nodes import Node, connect_all
 from test_cli import DetectorProcess
-from test_detector_e2e import RawAgent, Running
 from test_store import evaluation, global_snapshot, predicate_results
 
 from polling import async_poll, poll

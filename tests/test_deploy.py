@@ -3,23 +3,37 @@
 The metric names are taken from the real code (``DetectorMetrics`` and ``AgentMetrics``), so a
 renamed metric breaks this test instead of silently breaking an alert or a dashboard panel. The
 alert rules' behaviour is tested by ``promtool test rules`` when promtool is on PATH.
+
+The deployments run mutual TLS: the compose file, the Kubernetes manifests and the Prometheus
+scrape config must name the certificate files that deploy/tls/make-certs.sh (compose) or
+cert-manager (Kubernetes) make, and, when openssl is on PATH, the certificates the script makes
+must work with the real detector: each identity can do what it is for, and no more.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import shutil
+import ssl
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from cryptography import x509
+from detector_harness import Running
 
 from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.tls import channel_credentials
+from stablewatch.detector.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.metrics import DetectorMetrics
+from stablewatch.v1 import AgentMessage, control_pb2, control_pb2_grpc
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read deploy/ (it belongs in the dev extra)")
 
@@ -29,6 +43,18 @@ PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "stablewatch-dashboard.json"
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
 KUBERNETES = DEPLOY / "kubernetes"
+MAKE_CERTS = DEPLOY / "tls" / "make-certs.sh"
+# What make-certs.sh writes for the services, and where compose mounts it.
+TLS_MOUNT = "/tls"
+DETECTOR_TLS = [
+    "--tls-cert",
+    "/tls/detector.pem",
+    "--tls-key",
+    "/tls/detector-key.pem",
+    "--tls-client-ca",
+    "/tls/ca.pem",
+]
+PROMETHEUS_TLS = {"ca_file": "/tls/ca.pem", "cert_file": "/tls/prometheus.pem", "key_file": "/tls/prometheus-key.pem"}
 
 ALERTS = {
     "StablewatchDeadlock",
@@ -108,15 +134,20 @@ def _dashboard_expressions() -> list[str]:
     return exprs
 
 
-def _k8s() -> dict[str, dict[str, Any]]:
-    """The Kubernetes objects by kind (one object of each kind)."""
-    objects: dict[str, dict[str, Any]] = {}
+def _k8s() -> dict[str, list[dict[str, Any]]]:
+    """The Kubernetes objects by kind."""
+    objects: dict[str, list[dict[str, Any]]] = {}
     for path in sorted(KUBERNETES.glob("*.yaml")):
         for document in yaml.safe_load_all(path.read_text()):
             if document is not None:
-                assert document["kind"] not in objects, f"two {document['kind']} objects"
-                objects[document["kind"]] = document
+                objects.setdefault(document["kind"], []).append(document)
     return objects
+
+
+def _flag(args: list[str], flag: str) -> str:
+    """The value that follows `flag` in an argument list."""
+    assert flag in args, f"{flag} missing from {args}"
+    return args[args.index(flag) + 1]
 
 
 @pytest.fixture(scope="module")
@@ -204,8 +235,21 @@ def test_promtool_rule_unit_tests() -> None:
     assert "SUCCESS" in result.stdout
 
 
-def test_promtool_checks_config_and_rules() -> None:
-    result = _promtool("check", "config", "prometheus.yml")
+def test_promtool_checks_config_and_rules(tmp_path: Path, pki: dict[str, Path]) -> None:
+    """promtool checks that the TLS files exist: a copy of the folder points them at test certificates."""
+    folder = tmp_path / "prometheus"
+    shutil.copytree(PROMETHEUS, folder)
+    tls = tmp_path / "tls"
+    tls.mkdir()
+    for name, source in (
+        ("ca.pem", "ca_cert"),
+        ("prometheus.pem", "nobody_cert"),
+        ("prometheus-key.pem", "nobody_key"),
+    ):
+        shutil.copy(pki[source], tls / name)
+    config = folder / "prometheus.yml"
+    config.write_text(config.read_text().replace(f"{TLS_MOUNT}/", f"{tls}/"))
+    result = _promtool("check", "config", "prometheus.yml", cwd=folder)
     assert result.returncode == 0, result.stdout + result.stderr
     result = _promtool("check", "rules", "alerts.yml")
     assert result.returncode == 0, result.stdout + result.stderr
@@ -223,6 +267,9 @@ def test_prometheus_config() -> None:
     assert set(jobs) == {"stablewatch-detector", "stablewatch-agents"}
     targets = [t for group in jobs["stablewatch-detector"]["static_configs"] for t in group["targets"]]
     assert targets == [f"localhost:{METRICS_PORT}"]
+    # /metrics is HTTPS with client certificates wherever the detector runs mutual TLS.
+    assert jobs["stablewatch-detector"]["scheme"] == "https"
+    assert jobs["stablewatch-detector"]["tls_config"] == PROMETHEUS_TLS
     for sd in jobs["stablewatch-agents"]["file_sd_configs"]:
         for pattern in sd["files"]:
             files = sorted(PROMETHEUS.glob(pattern))
@@ -328,7 +375,7 @@ def test_grafana_provisioning_matches_compose() -> None:
 def test_compose_file() -> None:
     compose = _load(COMPOSE)
     services = compose["services"]
-    assert set(services) == {"detector", "prometheus", "grafana"}
+    assert set(services) == {"certs", "detector", "prometheus", "grafana"}
     build = services["detector"]["build"]
     context = (COMPOSE.parent / build["context"]).resolve()
     assert context == ROOT
@@ -349,6 +396,29 @@ def test_compose_file() -> None:
     assert "/etc/prometheus" in mounted
 
 
+def test_compose_runs_mutual_tls() -> None:
+    """The certs service makes the files before the detector starts; only it holds the CA's key."""
+    services = _load(COMPOSE)["services"]
+    certs, detector = services["certs"], services["detector"]
+    assert f"../tls/{MAKE_CERTS.name}:/make-certs.sh:ro" in certs["volumes"]
+    assert certs["command"] == ["/ca", TLS_MOUNT]
+    assert detector["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+    command = detector["command"]
+    assert command[: len(DETECTOR_TLS)] == DETECTOR_TLS
+    health = detector["healthcheck"]["test"]
+    assert health[:3] == ["CMD", "stablewatch", "health"]
+    assert _flag(health, "--tls-ca") == "/tls/ca.pem"
+    assert _flag(health, "--tls-cert") == "/tls/detector.pem"
+    for name, service in services.items():
+        mounts = {v.split(":")[0]: v.split(":")[1:] for v in service.get("volumes", [])}
+        assert ("tls-ca" in mounts) == (name == "certs"), f"{name} must not see the CA's key"
+        if name in ("detector", "prometheus"):
+            assert mounts["tls"] == [TLS_MOUNT, "ro"], name
+    script = MAKE_CERTS.read_text()
+    for name in ("detector", "prometheus"):  # the files DETECTOR_TLS and PROMETHEUS_TLS name
+        assert f"\nleaf {name} " in script, name
+
+
 def test_dockerfile() -> None:
     text = (DEPLOY / "Dockerfile").read_text()
     for source in re.findall(r"^COPY (.+) \S+$", text, re.MULTILINE):
@@ -362,8 +432,8 @@ def test_dockerfile() -> None:
 
 def test_kubernetes_manifests() -> None:
     objects = _k8s()
-    assert set(objects) == {"Deployment", "Service", "PersistentVolumeClaim"}
-    deployment, service, claim = objects["Deployment"], objects["Service"], objects["PersistentVolumeClaim"]
+    assert {"Deployment", "Service", "PersistentVolumeClaim", "Issuer", "Certificate"} == set(objects)
+    (deployment,), (service,), (claim,) = objects["Deployment"], objects["Service"], objects["PersistentVolumeClaim"]
     spec = deployment["spec"]
     assert spec["replicas"] == 1
     assert spec["strategy"]["type"] == "Recreate"
@@ -373,16 +443,143 @@ def test_kubernetes_manifests() -> None:
     assert service["spec"]["selector"].items() <= labels.items()
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
+    assert annotations["prometheus.io/scheme"] == "https"
     assert annotations["prometheus.io/port"] == str(METRICS_PORT)
     assert annotations["prometheus.io/path"] == "/metrics"
     (container,) = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
-        assert container[probe]["grpc"]["port"] == GRPC_PORT, probe
     (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
     volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
     assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     service_ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
     assert service_ports == {"grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics")}
     assert "prometheus.io/scrape" not in service["metadata"].get("annotations", {})  # scraped once, per pod
+
+
+def test_kubernetes_runs_mutual_tls_with_cert_manager() -> None:
+    """The detector mounts the Secret its Certificate fills, and its probes speak TLS."""
+    objects = _k8s()
+    (deployment,) = objects["Deployment"]
+    certificates = {c["metadata"]["name"]: c["spec"] for c in objects["Certificate"]}
+    issuers = {i["metadata"]["name"]: i["spec"] for i in objects["Issuer"]}
+    for name, certificate in certificates.items():
+        assert certificate["issuerRef"]["name"] in issuers, name
+    assert certificates["stablewatch-ca"]["isCA"] is True
+    assert issuers["stablewatch-ca"]["ca"]["secretName"] == certificates["stablewatch-ca"]["secretName"]
+
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    (tls,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
+    assert tls["readOnly"] is True
+    secret = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]["secretName"]
+    (detector,) = [c for c in certificates.values() if c["secretName"] == secret]
+    assert "stablewatch-detector" in detector["dnsNames"]  # the Service's name, where agents dial
+    assert "127.0.0.1" in detector["ipAddresses"]  # the probes dial it there
+    assert {"server auth", "client auth"} <= set(detector["usages"])  # client: the probes show it
+    args = container["args"]
+    files = {"--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-client-ca": "ca.crt"}
+    for flag, file in files.items():
+        assert _flag(args, flag) == f"{tls['mountPath']}/{file}", flag
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        command = container[probe]["exec"]["command"]
+        assert command[:2] == ["stablewatch", "health"], probe
+        assert _flag(command, "--detector") == f"127.0.0.1:{GRPC_PORT}", probe
+        assert _flag(command, "--tls-ca") == f"{tls['mountPath']}/ca.crt", probe
+
+    uris = {name: c.get("uris", []) for name, c in certificates.items()}
+    assert uris["stablewatch-operator"] == ["stablewatch://role/operator"]
+    assert uris["stablewatch-reader"] == ["stablewatch://role/reader"]
+    assert any(u.startswith("stablewatch://process/") for name, us in uris.items() for u in us if "agent" in name)
+
+
+# -- the certificates make-certs.sh makes, with the real detector -------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The output of make-certs.sh for agents orders-1 and pay.ments (needs openssl)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not on PATH; the certificates of deploy/tls/make-certs.sh were not tried")
+    folder = tmp_path_factory.mktemp("made")
+    run = [str(MAKE_CERTS), str(folder / "ca"), str(folder / "tls")]
+    for _ in range(2):  # the second run keeps what the first made
+        subprocess.run([*run, "orders-1", "pay.ments"], check=True, capture_output=True, timeout=120)
+    return folder / "tls"
+
+
+def _sans(path: Path) -> list[str]:
+    cert = x509.load_pem_x509_certificate(path.read_bytes())
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return [str(getattr(name, "value", name)) for name in names]
+
+
+def test_make_certs_names_each_identity(made: Path) -> None:
+    assert "stablewatch://process/orders-1" in _sans(made / "agent-orders-1.pem")
+    assert "stablewatch://role/operator" in _sans(made / "operator.pem")
+    assert "stablewatch://role/reader" in _sans(made / "reader.pem")
+    assert not any(name.startswith("stablewatch://") for name in _sans(made / "prometheus.pem"))
+    assert {"detector", "localhost", "127.0.0.1"} <= set(_sans(made / "detector.pem"))
+    assert not (made / "ca-key.pem").exists()  # the CA's key stays in the CA folder
+    bad = subprocess.run(
+        [str(MAKE_CERTS), str(made.parent / "ca"), str(made), "not/an id"], capture_output=True, text=True, timeout=60
+    )
+    assert bad.returncode == 2
+    assert "may only hold" in bad.stderr
+
+
+def test_made_certificates_work_with_the_detector(made: Path, tmp_path: Path) -> None:
+    """Each certificate of make-certs.sh can do its job against a real mutual-TLS detector, and only that."""
+    config = DetectorConfig(
+        data_dir=tmp_path,
+        listen="127.0.0.1:0",
+        metrics_port=0,
+        interval=None,
+        tls_cert=made / "detector.pem",
+        tls_key=made / "detector-key.pem",
+        tls_client_ca=made / "ca.pem",
+    )
+    running = Running(config)
+
+    def client(name: str) -> DetectorClient:
+        creds = channel_credentials(made / "ca.pem", made / f"{name}.pem", made / f"{name}-key.pem")
+        return DetectorClient(running.detector.address, timeout=10, credentials=creds)
+
+    async def register(name: str, process_id: str) -> str:
+        creds = channel_credentials(made / "ca.pem", made / f"{name}.pem", made / f"{name}-key.pem")
+        async with grpc.aio.secure_channel(running.detector.address, creds) as channel:
+            call = control_pb2_grpc.ControlStub(channel).Attach()
+            try:
+                await call.write(AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1")))
+                return (await asyncio.wait_for(call.read(), 10)).WhichOneof("kind")
+            except grpc.aio.AioRpcError as error:
+                return error.code().name
+            finally:
+                call.cancel()
+
+    try:
+        assert asyncio.run(register("agent-orders-1", "orders-1")) == "registered"
+        assert asyncio.run(register("agent-orders-1", "pay.ments")) == "PERMISSION_DENIED"
+        assert asyncio.run(register("operator", "orders-1")) == "PERMISSION_DENIED"
+        with client("reader") as reader:
+            reader.members()
+            with pytest.raises(DetectorError) as caught:
+                reader.trigger_snapshot(1)
+            assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with client("operator") as operator, pytest.raises(DetectorError) as caught:
+            operator.trigger_snapshot(1)
+        assert caught.value.code == grpc.StatusCode.FAILED_PRECONDITION  # allowed; no agent is attached
+        with client("prometheus") as prometheus, pytest.raises(DetectorError) as caught:
+            prometheus.members()
+        assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
+        with client("detector") as probe:
+            assert probe.health() == "SERVING"
+        context = ssl.create_default_context(cafile=made / "ca.pem")
+        context.load_cert_chain(made / "prometheus.pem", made / "prometheus-key.pem")
+        url = running.detector.metrics_url
+        assert url is not None
+        # Prometheus scrapes localhost:9464 in compose: a name the certificate must carry.
+        with urllib.request.urlopen(url.replace("127.0.0.1", "localhost"), timeout=10, context=context) as response:
+            assert b"stablewatch_refused_total" in response.read()
+    finally:
+        running.stop()

@@ -3,6 +3,10 @@
 Every unary call has a deadline (``timeout`` seconds, 5 by default), so an unreachable or hung
 detector is reported within it rather than waited on forever. gRPC failures become
 :class:`DetectorError`, whose message says what went wrong in words a user can act on.
+
+With ``credentials`` (:func:`stablewatch.agents.tls.channel_credentials`) the client speaks TLS,
+showing a client certificate when they hold one; a detector with mutual TLS then decides what the
+certificate's role allows (SECURITY.md).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from types import TracebackType
 from typing import TypeVar
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
@@ -40,10 +45,21 @@ class DetectorError(Exception):
 class DetectorClient:
     """Calls ``stablewatch.v1.Query`` on the detector at ``address`` (host:port)."""
 
-    def __init__(self, address: str = DEFAULT_ADDRESS, *, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        address: str = DEFAULT_ADDRESS,
+        *,
+        timeout: float = DEFAULT_TIMEOUT,
+        credentials: grpc.ChannelCredentials | None = None,
+        options: Sequence[tuple[str, str]] = (),
+    ) -> None:
         self.address = address
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(address)
+        self._tls = credentials is not None
+        if credentials is None:
+            self._channel = grpc.insecure_channel(address, options=options)
+        else:
+            self._channel = grpc.secure_channel(address, credentials, options=options)
         self._stub = query_pb2_grpc.QueryStub(self._channel)
 
     def close(self) -> None:
@@ -75,6 +91,12 @@ class DetectorClient:
 
     def wait_for_graph(self, snapshot_id: int) -> WaitForGraph:
         return self._call(self._stub.GetWaitForGraph, query_pb2.GetSnapshotRequest(snapshot_id=snapshot_id))
+
+    def health(self) -> str:
+        """The detector's overall ``grpc.health.v1`` status: SERVING, NOT_SERVING, ..."""
+        stub = health_pb2_grpc.HealthStub(self._channel)
+        response = self._call(stub.Check, health_pb2.HealthCheckRequest())
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
 
     def members(self) -> list[query_pb2.Member]:
         """The attached agents."""
@@ -123,8 +145,19 @@ class DetectorClient:
     def _error(self, error: grpc.RpcError, timeout: float | None = None) -> DetectorError:
         code = error.code() if isinstance(error, grpc.Call) else None
         details = (error.details() if isinstance(error, grpc.Call) else None) or str(error)
-        if code == grpc.StatusCode.UNAVAILABLE:
-            message = f"cannot reach the detector at {self.address} ({details}); is `stablewatch detector` running?"
+        if code == grpc.StatusCode.UNAVAILABLE and self._tls:
+            message = (
+                f"cannot reach the detector at {self.address} over TLS ({details}); is `stablewatch detector` "
+                "running there, does --tls-ca hold the CA of its certificate, and, with mutual TLS, is "
+                "--tls-cert signed by the CA it trusts?"
+            )
+        elif code == grpc.StatusCode.UNAVAILABLE:
+            message = (
+                f"cannot reach the detector at {self.address} ({details}); is `stablewatch detector` running? "
+                "(one that runs with TLS needs --tls-ca, and --tls-cert and --tls-key with mutual TLS)"
+            )
+        elif code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            message = f"the detector at {self.address} refused: {details}"
         elif code == grpc.StatusCode.DEADLINE_EXCEEDED:
             message = f"the detector at {self.address} did not answer within {timeout:g} s"
         elif code == grpc.StatusCode.UNIMPLEMENTED:

@@ -4,7 +4,8 @@
 * ``detector``: run the detector service until SIGINT or SIGTERM.
 * ``status``, ``snapshot``, ``watch``, ``graph``: ask a running detector, through its query API
   (:mod:`stablewatch.detector.cli.client`). Human output uses rich; ``--json`` prints one JSON object
-  (``watch``: one per line), errors included.
+  (``watch``: one per line), errors included. ``health``: the detector's health check (for probes).
+  With ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS) they connect with TLS.
 * ``archive export``, ``archive check``: backfill a Parquet archive from a detector's store (beside
   the live detector, if one runs), and check every file of an archive
   (:mod:`stablewatch.detector.archive`).
@@ -26,6 +27,7 @@ import math
 import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -37,6 +39,7 @@ from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.live import Live
 
+from stablewatch.agents.tls import channel_credentials, read_pem, server_name_options
 from stablewatch.detector.cli.client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, DetectorClient, DetectorError
 from stablewatch.detector.cli.demo import run_demo
 from stablewatch.detector.cli.render import (
@@ -51,6 +54,7 @@ from stablewatch.detector.evaluation import evaluate, new_baselines, wait_for_do
 from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, entry_point_predicates, load_predicate
 from stablewatch.detector.evaluation.text import plural
 from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.limits import Limits, parse_rate
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.store import DB_FILENAME, Store, StoreError
 from stablewatch.detector.sim.cos418 import (
@@ -109,6 +113,7 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     config = DetectorConfig()
+    limits = config.limits
     detector = commands.add_parser(
         "detector",
         help="run the detector: scheduled snapshots, predicates, the query API, /metrics",
@@ -119,7 +124,9 @@ def _parser() -> argparse.ArgumentParser:
     add("--listen", type=_address, default=config.listen, metavar="HOST:PORT", help="gRPC address (%(default)s)")
     add("--data-dir", type=Path, default=Path("stablewatch-data"), metavar="DIR", help="store folder (%(default)s)")
     add("--metrics-port", type=_metrics_port, default=config.metrics_port, metavar="N",
-        help="/metrics port on the --listen host (%(default)s; 0: any free port; -1 or none: off)")  # fmt: skip
+        help="/metrics port (%(default)s; 0: any free port; -1 or none: off)")  # fmt: skip
+    add("--metrics-address", metavar="HOST",
+        help="where /metrics listens (default: the --listen host; 127.0.0.1 keeps it on this machine)")  # fmt: skip
     add("--interval", type=_interval, default=config.interval, metavar="S",
         help="seconds between scheduled snapshots (%(default)s; 0 or off: only on demand)")  # fmt: skip
     add("--jitter", type=_fraction, default=config.jitter, metavar="F",
@@ -150,17 +157,50 @@ def _parser() -> argparse.ArgumentParser:
     add("--archive-age", type=_positive, default=config.archive_age, metavar="S",
         help="with --archive: or once the oldest has waited S seconds (%(default)s)")  # fmt: skip
     add("--json", action="store_true", help='print {"event": "ready", "address": ..., "metrics": ...} when serving')
+    security = detector.add_argument_group(
+        "security", "TLS, mutual TLS and the bounds against abuse (SECURITY.md tells what they protect)"
+    )
+    add = security.add_argument
+    add("--tls-cert", type=_pem("certificate"), metavar="FILE",
+        help="serve gRPC over TLS (and /metrics over HTTPS) with this certificate (PEM)")  # fmt: skip
+    add("--tls-key", type=_pem("private key"), metavar="FILE", help="the private key of --tls-cert (PEM)")
+    add("--tls-client-ca", type=_pem("client CA certificate"), metavar="FILE",
+        help="mutual TLS: agents and clients must show a certificate from this CA; it binds agents to "
+        "stablewatch://process/<id> and grants stablewatch://role/reader or operator")  # fmt: skip
+    add("--trigger-rate", type=_rate, default=_rate_text(limits.trigger_rate), metavar="N/S",
+        help="at most N triggered snapshots per S seconds, in bursts of N (%(default)s; off: no limit)")  # fmt: skip
+    add("--max-agents", type=_positive_int, default=limits.max_agents, metavar="N",
+        help="agents attached at once (%(default)s)")  # fmt: skip
+    add("--max-part-bytes", type=_positive_int, default=limits.max_part_bytes, metavar="N",
+        help="largest snapshot part an agent may send (%(default)s bytes)")  # fmt: skip
 
     # The query commands share --detector and --json; --timeout bounds every call.
     query = argparse.ArgumentParser(add_help=False)
     query.add_argument("--detector", type=_address, default=DEFAULT_ADDRESS, metavar="HOST:PORT",
                        help="the detector's gRPC address (%(default)s)")  # fmt: skip
     query.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    tls = query.add_argument_group(
+        "TLS", "connect with TLS: trust --tls-ca; for mutual TLS show --tls-cert and --tls-key"
+    )
+    tls.add_argument("--tls-ca", type=_pem("CA certificate"), metavar="FILE",
+                     help="the CA that signed the detector's certificate (PEM)")  # fmt: skip
+    tls.add_argument("--tls-cert", type=_pem("certificate"), metavar="FILE",
+                     help="client certificate (PEM) with the role the command needs: stablewatch://role/reader, "
+                     "or stablewatch://role/operator for snapshot")  # fmt: skip
+    tls.add_argument("--tls-key", type=_pem("private key"), metavar="FILE", help="the key of --tls-cert (PEM)")
+    tls.add_argument("--tls-server-name", metavar="NAME",
+                     help="the name the detector's certificate must carry (default: the --detector host)")  # fmt: skip
     timeout = argparse.ArgumentParser(add_help=False)
     timeout.add_argument("--timeout", type=_positive, default=DEFAULT_TIMEOUT, metavar="S",
                          help="give up on the detector after S seconds (%(default)s)")  # fmt: skip
 
     commands.add_parser("status", parents=[query, timeout], help="attached agents and the latest predicate values")
+    commands.add_parser(
+        "health",
+        parents=[query, timeout],
+        help="the detector's health check: exit 0 when it is serving (for probes)",
+        description="Ask the detector's grpc.health.v1 check. Exit status 0 when it is SERVING, 1 otherwise.",
+    )
 
     snapshot = commands.add_parser(
         "snapshot",
@@ -219,7 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):
+        parser.error("--tls-cert and --tls-key go together")
+    if getattr(args, "tls_cert", None) is not None:
+        try:
+            ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(args.tls_cert, args.tls_key)
+        except ssl.SSLError as error:
+            parser.error(f"--tls-key {args.tls_key} is not the key of --tls-cert {args.tls_cert} ({error.reason})")
+    if getattr(args, "tls_client_ca", None) is not None and args.tls_cert is None:
+        parser.error("--tls-client-ca (mutual TLS) needs --tls-cert and --tls-key")
     console = Console()
     if args.command == "detector":
         return _detector(args)
@@ -338,7 +388,7 @@ def _detector(args: argparse.Namespace) -> int:
         data_dir=args.data_dir,
         listen=args.listen,
         metrics_port=args.metrics_port,
-        metrics_address=host.removeprefix("[").removesuffix("]"),
+        metrics_address=(args.metrics_address or host).removeprefix("[").removesuffix("]"),
         interval=args.interval,
         jitter=args.jitter,
         deadline=args.deadline,
@@ -354,6 +404,12 @@ def _detector(args: argparse.Namespace) -> int:
         archive=args.archive,
         archive_batch=args.archive_batch,
         archive_age=args.archive_age,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
+        limits=dataclasses.replace(
+            Limits(), trigger_rate=args.trigger_rate, max_agents=args.max_agents, max_part_bytes=args.max_part_bytes
+        ),
     )
     detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
     try:
@@ -480,8 +536,14 @@ class _CommandError(Exception):
 
 def _query(args: argparse.Namespace, console: Console) -> int:
     """Run a query command; the detector's errors exit 1 with the message (also as JSON with --json)."""
+    credentials = None
+    if args.tls_ca is not None or args.tls_cert is not None:
+        credentials = channel_credentials(args.tls_ca, args.tls_cert, args.tls_key)
+    options = server_name_options(args.tls_server_name)
     try:
-        with DetectorClient(args.detector, timeout=args.timeout or DEFAULT_TIMEOUT) as client:
+        with DetectorClient(
+            args.detector, timeout=args.timeout or DEFAULT_TIMEOUT, credentials=credentials, options=options
+        ) as client:
             return _QUERIES[args.command](client, args, console)
     except (DetectorError, _CommandError) as error:
         print(f"stablewatch: {error}", file=sys.stderr)
@@ -516,6 +578,15 @@ def _status(client: DetectorClient, args: argparse.Namespace, console: Console) 
             console.print(f"[yellow]{len(members)} of {membership.expected_count} expected processes are attached[/]")
         console.print(results_report(latest) if latest else "[dim]no snapshot has completed yet[/]")
     return 0
+
+
+def _health(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
+    status = client.health()
+    if args.json:
+        _print_json({"detector": client.address, "status": status})
+    else:
+        console.print(f"{client.address}: {status}", highlight=False)
+    return 0 if status == "SERVING" else EXIT_ERROR
 
 
 def _snapshot(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
@@ -597,6 +668,7 @@ def _graph(client: DetectorClient, args: argparse.Namespace, console: Console) -
 
 _QUERIES: dict[str, Callable[[DetectorClient, argparse.Namespace, Console], int]] = {
     "status": _status,
+    "health": _health,
     "snapshot": _snapshot,
     "watch": _watch,
     "graph": _graph,
@@ -727,6 +799,32 @@ def _expected_total(text: str) -> tuple[str, int]:
     if not sep or not counter.strip():
         raise argparse.ArgumentTypeError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
     return counter.strip(), int(_number(total.strip(), integer=True))
+
+
+def _pem(what: str) -> Callable[[str], Path]:
+    """A PEM file holding `what`, readable now: a missing or non-PEM file exits 2 naming it."""
+
+    def check(text: str) -> Path:
+        try:
+            read_pem(text, what)
+        except (OSError, ValueError) as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return Path(text)
+
+    return check
+
+
+def _rate_text(rate: tuple[int, float] | None) -> str:
+    return "off" if rate is None else f"{rate[0]}/{rate[1]:g}"
+
+
+def _rate(text: str) -> tuple[int, float] | None:
+    if text.lower() in _OFF:
+        return None
+    try:
+        return parse_rate(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _predicate(spec: str) -> UserPredicate:

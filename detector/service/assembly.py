@@ -11,7 +11,10 @@ detector expected (``expected_members``, ``expected_member_count``), so that eva
 a closed cut from an open one.
 
 The assembler never trusts a part: each bad one raises :class:`PartRejected` with a reason from
-:data:`REJECTION_REASONS` and leaves everything already accepted untouched.
+:data:`REJECTION_REASONS` and leaves everything already accepted untouched. A part over the size
+bounds (``max_part_bytes`` serialized, ``max_part_messages`` recorded messages) is rejected before
+anything else is looked at; when its sender is a member of the running snapshot, the snapshot can
+never be whole and is aborted at once.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ REJECTION_REASONS = (
     "spoofed",  # the part names another process than the stream it came on
     "duplicate_part",  # state or a channel already reported
     "inconsistent_counts",  # m + len(recorded) != n on some channel: the cut is not consistent
+    "too_large",  # the part is larger than max_part_bytes
+    "too_many_messages",  # the part records more than max_part_messages messages
 )
 
 # How many finished snapshot ids are remembered to tell "late" from "unknown".
@@ -89,7 +94,9 @@ class _Pending:
 class Assembler:
     """Collects the parts of running snapshots and returns each one when it is complete."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, max_part_bytes: int | None = None, max_part_messages: int | None = None) -> None:
+        self._max_part_bytes = max_part_bytes
+        self._max_part_messages = max_part_messages
         self._pending: dict[int, _Pending] = {}
         self._finished: set[int] = set()
         self._finished_order: deque[int] = deque()
@@ -124,6 +131,7 @@ class Assembler:
         :class:`PartRejected` for a bad part; when the part proves the cut inconsistent the
         snapshot is aborted as well, and the exception's ``aborted`` says so.
         """
+        self._check_bounds(part, sender)
         pending = self._validate(part, sender)
         channels_checked = self._check_counts(pending, part)
         if channels_checked is not None:
@@ -176,6 +184,25 @@ class Assembler:
         return "waiting for " + "; ".join(pieces) if pieces else "nothing missing"
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _check_bounds(self, part: LocalSnapshotPart, sender: str | None) -> None:
+        """Reject a part over the size bounds; abort its snapshot when the sender is a member."""
+        where = f"part of snapshot {part.snapshot_id} from {sender or part.process_id or '<no process id>'}"
+        reason = detail = None
+        if self._max_part_bytes is not None and (size := part.ByteSize()) > self._max_part_bytes:
+            reason, detail = "too_large", f"{where} is {size} bytes, above the limit of {self._max_part_bytes}"
+        elif self._max_part_messages is not None:
+            messages = sum(len(channel.messages) for channel in part.inbound)
+            if messages > self._max_part_messages:
+                limit = self._max_part_messages
+                reason, detail = "too_many_messages", f"{where} records {messages} messages, above the limit of {limit}"
+        if reason is None or detail is None:
+            return
+        pending = self._pending.get(part.snapshot_id)
+        aborted = None
+        if pending is not None and (sender or part.process_id) in pending.members:
+            aborted = self.abort(part.snapshot_id, f"{detail}: the snapshot cannot be whole")
+        raise PartRejected(reason, detail, aborted=aborted)
 
     def _validate(self, part: LocalSnapshotPart, sender: str | None) -> _Pending:
         snapshot_id, process = part.snapshot_id, part.process_id

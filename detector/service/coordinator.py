@@ -11,6 +11,13 @@ sender is told to abort that snapshot unless it is a member of it still running 
 done or abort anyway): every recording an agent keeps ends. A process id that is attached from
 elsewhere is refused. Registration answers with the detector's epoch, and every start carries
 the snapshot's deadline, so an agent can drop what no detector will ever finish.
+
+Who may attach: with an :class:`~.auth.Authorizer` (mutual TLS), the registered process id must be
+one the agent's certificate names, or the stream ends with PERMISSION_DENIED; parts are then taken
+only for that process (the assembler rejects a part naming another as ``spoofed``). The
+:class:`~.limits.Limits` bound the streams open, the agents attached, the time to register and the
+size of each part. Every refused stream is reported to ``on_refused`` with a reason from
+:data:`~.limits.REFUSAL_REASONS`.
 """
 
 from __future__ import annotations
@@ -20,10 +27,13 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 
 from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected
+from stablewatch.detector.service.auth import Authorizer, Denied
+from stablewatch.detector.service.limits import Limits
 from stablewatch.v1 import (
     AgentMessage,
     DetectorMessage,
@@ -37,7 +47,17 @@ __all__ = ["ABORT_KINDS", "Coordinator", "Member", "NoAgents", "SnapshotAborted"
 
 
 #: Why snapshots are aborted, in a bounded set (safe as a metric label).
-ABORT_KINDS = ("deadline", "member_detached", "member_failed", "inconsistent", "no_members", "shutdown")
+ABORT_KINDS = (
+    "deadline",
+    "member_detached",
+    "member_failed",
+    "inconsistent",
+    "part_too_large",  # a member's part was over the detector's size bounds
+    "no_members",
+    "shutdown",
+)
+# The abort kind of a snapshot that a rejected part aborted, by the part's rejection reason.
+_ABORT_KIND_OF_REJECTION = {"too_large": "part_too_large", "too_many_messages": "part_too_large"}
 
 
 class NoAgents(Exception):
@@ -88,17 +108,26 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         first_snapshot_id: int = 1,
         on_rejected: Callable[[PartRejected], None] | None = None,
         on_membership: Callable[[], None] | None = None,
+        on_refused: Callable[[str, str], None] | None = None,
+        limits: Limits | None = None,
+        authorizer: Authorizer | None = None,
     ) -> None:
         self.detector_id = detector_id
         self.heartbeat_interval = heartbeat_interval
         self.epoch = epoch
         self.members: dict[str, Member] = {}
-        self._assembler = Assembler()
+        self.limits = limits or Limits()
+        self._authorizer = authorizer
+        self._streams = 0  # control streams open, registered or not
+        self._assembler = Assembler(
+            max_part_bytes=self.limits.max_part_bytes, max_part_messages=self.limits.max_part_messages
+        )
         self._running: dict[int, _Running] = {}
         self._next_id = first_snapshot_id
         self._nonces = iter(range(1, 1 << 63))
         self._on_rejected = on_rejected or (lambda rejected: None)
         self._on_membership = on_membership or (lambda: None)
+        self._on_refused = on_refused or (lambda reason, detail: None)
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -165,6 +194,11 @@ class Coordinator(control_pb2_grpc.ControlServicer):
     def running(self) -> list[int]:
         return sorted(self._running)
 
+    @property
+    def open_streams(self) -> int:
+        """Control streams open now, registered or not (bounded by ``limits.max_control_streams``)."""
+        return self._streams
+
     async def ping_all(self, timeout: float) -> float:
         """Send a no-op to every member and wait for every reply: the broadcast round trip, in seconds."""
         members = list(self.members.values())
@@ -203,14 +237,60 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self, request_iterator: AsyncIterator[AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[DetectorMessage]:
         """One agent's control stream: registration first, then parts, failures, heartbeats, pongs."""
-        first = await anext(aiter(request_iterator), None)
+        if self._streams >= self.limits.max_control_streams:
+            await self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too_many_streams",
+                f"the detector has {self._streams} control streams open, its limit",
+            )
+        self._streams += 1
+        try:
+            member = await self._register(request_iterator, context)
+            if isinstance(member, control_pb2.Refused):
+                yield DetectorMessage(refused=member)
+                return
+            # Closed here, not when collected: its end detaches the member at once.
+            async with contextlib.aclosing(self._serve(member, request_iterator)) as messages:
+                async for message in messages:
+                    yield message
+        finally:
+            self._streams -= 1
+
+    async def _register(
+        self, request_iterator: AsyncIterator[AgentMessage], context: grpc.aio.ServicerContext
+    ) -> Member | control_pb2.Refused:
+        """Read and check the Register; the new member, or a refusal to send when its id is attached.
+
+        An id attached already is refused with a message, not a status: the agent retries, as the
+        stream holding it may be one of its own that is dying. Every other refusal ends the stream.
+        """
+        try:
+            first = await asyncio.wait_for(anext(aiter(request_iterator), None), self.limits.register_timeout)
+        except TimeoutError:
+            timeout = f"no Register within {self.limits.register_timeout:g} s"
+            await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "no_register", timeout)
         if first is None or first.WhichOneof("kind") != "register" or not first.register.process_id:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a Register")
+            await self._refuse(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "no_register", "the first message must be a Register"
+            )
         register = first.register
+        if self._authorizer is not None:
+            try:
+                self._authorizer.check_process(context, register.process_id)
+            except Denied as denied:
+                await self._refuse(context, denied.code, denied.reason, str(denied))
         if register.process_id in self.members:
             reason = f"process id {register.process_id} is already attached"
-            yield DetectorMessage(refused=control_pb2.Refused(reason=reason))
-            return
+            self._on_refused("already_attached", reason)
+            return control_pb2.Refused(reason=reason)
+        if len(self.members) >= self.limits.max_agents:
+            await self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too_many_agents",
+                f"{len(self.members)} agents are attached, the detector's limit; {register.process_id} is refused",
+            )
         now = time.time()
         member = Member(register.process_id, register.address, register.incarnation, now, now)
         self.members[member.process_id] = member
@@ -220,6 +300,19 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             detector_id=self.detector_id, heartbeat_interval_ms=interval_ms, detector_epoch=self.epoch
         )
         member.send(DetectorMessage(registered=registered))
+        return member
+
+    async def _refuse(
+        self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, reason: str, detail: str
+    ) -> NoReturn:
+        self._on_refused(reason, f"{context.peer()}: {detail}")
+        await context.abort(code, detail)
+        raise AssertionError("unreachable")  # context.abort raises
+
+    async def _serve(
+        self, member: Member, request_iterator: AsyncIterator[AgentMessage]
+    ) -> AsyncIterator[DetectorMessage]:
+        """Send the member its messages while reading its stream, until either ends."""
         reader = asyncio.ensure_future(self._read(member, request_iterator))
         getter: asyncio.Future[DetectorMessage] | None = None
         try:
@@ -273,7 +366,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 abort = control_pb2.AbortSnapshot(snapshot_id=part.snapshot_id, reason=rejected.detail)
                 self.members[sender].send(DetectorMessage(abort=abort))
             if rejected.aborted is not None:
-                aborted = SnapshotAborted(part.snapshot_id, rejected.aborted.reason, "inconsistent")
+                kind = _ABORT_KIND_OF_REJECTION.get(rejected.reason, "inconsistent")
+                aborted = SnapshotAborted(part.snapshot_id, rejected.aborted.reason, kind)
                 self._finish(rejected.aborted.snapshot_id, aborted)
             return
         if isinstance(outcome, Completed):

@@ -8,11 +8,19 @@ and that value is stored (:class:`~.store.Store`), published as metrics and push
 aborted) is also written to the Parquet archive
 (:class:`~stablewatch.detector.archive.writer.ArchiveWriter`). One gRPC server carries the control
 stream, the query API, health checking and reflection; /metrics is served on its own HTTP port.
+
+Security (SECURITY.md): with ``tls_cert`` and ``tls_key`` the gRPC server speaks TLS, and /metrics
+HTTPS with the same certificate; with ``tls_client_ca`` too, every client must show a certificate
+from that CA (mutual TLS), which binds agents to their process ids and gives query clients their
+roles (:mod:`~.auth`). Plaintext is meant for loopback: a detector that listens elsewhere without
+TLS, or without client certificates, says so in a warning at start. The bounds of
+:class:`~.limits.Limits` hold in every mode.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -24,10 +32,14 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from stablewatch.agents.tls import server_credentials
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
 from stablewatch.detector.service.assembly import PartRejected
+from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
+from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket
 from stablewatch.detector.service.metrics import DetectorMetrics
+from stablewatch.detector.service.metrics_http import serve_metrics
 from stablewatch.detector.service.query import QueryService
 from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.detector.service.store import Store
@@ -38,7 +50,7 @@ from stablewatch.v1.query_pb2 import SnapshotResults, SnapshotSummary, WatchEven
 if TYPE_CHECKING:
     from stablewatch.detector.archive.writer import ArchiveWriter
 
-__all__ = ["Detector", "DetectorConfig", "NoAgents"]
+__all__ = ["Detector", "DetectorConfig", "NoAgents", "exposure_warnings"]
 
 _log = logging.getLogger(__name__)
 # Retention runs at start-up and then after every this many snapshots.
@@ -70,6 +82,17 @@ class DetectorConfig:
     archive: Path | None = None  # the Parquet archive folder; None: no archive
     archive_batch: int = 500  # snapshots per archive batch at most
     archive_age: float = 300.0  # seconds a finished snapshot waits for its batch at most
+    # TLS (PEM files): cert and key for TLS; with client_ca, mutual TLS, identities and roles.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_client_ca: Path | None = None
+    limits: Limits = field(default_factory=Limits)  # bounds against abuse
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("TLS needs both tls_cert and tls_key, or neither")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
 
 
 class TooFewMembers(NoAgents):
@@ -92,11 +115,17 @@ class Detector:
         self._store: Store | None = None
         self._archive: ArchiveWriter | None = None
         self._expected_totals: dict[str, int] = {}
+        self._authorizer = Authorizer(required=config.tls_client_ca is not None)
         self.coordinator = Coordinator(
             heartbeat_interval=config.heartbeat_interval,
             on_rejected=self._rejected,
             on_membership=self._membership_changed,
+            on_refused=self.refused,
+            limits=config.limits,
+            authorizer=self._authorizer,
         )
+        rate = config.limits.trigger_rate
+        self._trigger_bucket = None if rate is None else TokenBucket(*rate)
         self._server: grpc.aio.Server | None = None
         self._port = 0
         self._metrics_server = None
@@ -131,10 +160,14 @@ class Detector:
         self._latest = self._store.latest_results()
         self._expected_totals = {**self._store.expected_totals(), **config.expected_totals}
         self._watch = WatchHub(self._latest)
-        # Without this, gRPC lets a second detector bind the same port and split the agents.
-        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        options = [
+            ("grpc.so_reuseport", 0),  # without this, a second detector could bind the port and split the agents
+            ("grpc.max_receive_message_length", config.limits.grpc_max_message),
+        ]
+        interceptor = AuthInterceptor(self._authorizer, self.refused)
+        self._server = grpc.aio.server(options=options, interceptors=[interceptor])
         control_pb2_grpc.add_ControlServicer_to_server(self.coordinator, self._server)
-        query_pb2_grpc.add_QueryServicer_to_server(QueryService(self), self._server)
+        query_pb2_grpc.add_QueryServicer_to_server(QueryService(self, config.limits), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         names = (
             query_pb2.DESCRIPTOR.services_by_name["Query"].full_name,
@@ -143,20 +176,32 @@ class Detector:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(names, self._server)
-        self._port = self._server.add_insecure_port(config.listen)
-        if self._port == 0:
+        try:
+            if config.tls_cert is not None and config.tls_key is not None:
+                credentials = server_credentials(config.tls_cert, config.tls_key, config.tls_client_ca)
+                self._port = self._server.add_secure_port(config.listen, credentials)
+            else:
+                self._port = self._server.add_insecure_port(config.listen)
+            if self._port == 0:
+                raise OSError(f"the detector cannot listen on {config.listen}")
+        except BaseException:
             if self._archive is not None:
                 await self._archive.close()
             self._store.close()
-            raise OSError(f"the detector cannot listen on {config.listen}")
+            raise
+        for warning in exposure_warnings(config):
+            _log.warning("%s", warning)
         await self._server.start()
         for name in ("", *names[:2]):
             self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port is not None:
-            from prometheus_client import start_http_server
-
-            self._metrics_server, _ = start_http_server(
-                config.metrics_port, addr=config.metrics_address, registry=self.metrics.registry
+            self._metrics_server = serve_metrics(
+                self.metrics.registry,
+                config.metrics_port,
+                config.metrics_address,
+                cert_file=config.tls_cert,
+                key_file=config.tls_key,
+                client_ca_file=config.tls_client_ca,
             )
         self._heartbeats = asyncio.ensure_future(self._watch_heartbeats())
         if config.interval is not None:
@@ -204,7 +249,10 @@ class Detector:
     def metrics_url(self) -> str | None:
         if self._metrics_server is None:
             return None
-        return f"http://{self.config.metrics_address}:{self._metrics_server.server_port}/metrics"
+        scheme = "http" if self.config.tls_cert is None else "https"
+        host = self.config.metrics_address
+        host = f"[{host}]" if ":" in host else host
+        return f"{scheme}://{host}:{self._metrics_server.server_port}/metrics"
 
     @property
     def store(self) -> Store:
@@ -280,7 +328,23 @@ class Detector:
             self._archive.add(summary, snapshot, evaluation)
 
     async def trigger(self, deadline: float | None = None, expected: Iterable[str] = ()) -> SnapshotResults:
-        """:meth:`take_snapshot` for a client: it runs to its end even if the client hangs up."""
+        """:meth:`take_snapshot` for a client: it runs to its end even if the client hangs up.
+
+        Raises :class:`~.limits.LimitExceeded` over the trigger rate or when the most triggered
+        snapshots the limits allow are running.
+        """
+        limits = self.config.limits
+        if len(self._triggered) >= limits.max_running_triggers:
+            raise self._over(
+                "too_many_triggers",
+                f"{len(self._triggered)} triggered snapshots are running, the detector's limit; try again later",
+            )
+        if self._trigger_bucket is not None and not self._trigger_bucket.take():
+            bucket = self._trigger_bucket
+            raise self._over(
+                "rate_limited",
+                f"snapshots may be triggered {bucket} at most; try again in {bucket.wait():.1f} s",
+            )
         task = asyncio.ensure_future(self.take_snapshot(deadline, expected))
         self._triggered.add(task)
         task.add_done_callback(self._triggered.discard)
@@ -309,7 +373,14 @@ class Detector:
         return response
 
     def watch(self) -> AsyncIterator[WatchEvent]:
-        """The latest results first, then every new result as it is published, until the detector stops."""
+        """The latest results first, then every new result as it is published, until the detector stops.
+
+        Raises :class:`~.limits.LimitExceeded` when the most watch streams the limits allow are open.
+        """
+        if self._watch.watchers >= self.config.limits.max_watchers:
+            raise self._over(
+                "too_many_watchers", f"{self._watch.watchers} watch streams are open, the detector's limit"
+            )
         return self._watch.subscribe(self._latest)
 
     # -- callbacks from the coordinator --------------------------------------------------------
@@ -318,5 +389,47 @@ class Detector:
         self.metrics.rejected_parts.labels(rejected.reason).inc()
         _log.warning("rejected a snapshot part: %s", rejected)
 
+    def refused(self, reason: str, detail: str) -> None:
+        """Count a refused stream or call (reason: one of limits.REFUSAL_REASONS) and log why."""
+        self.metrics.refused.labels(reason).inc()
+        _log.warning("refused (%s): %s", reason, detail)
+
+    def _over(self, reason: str, message: str) -> LimitExceeded:
+        self.refused(reason, message)
+        return LimitExceeded(reason, message)
+
     def _membership_changed(self) -> None:
         self.metrics.agents_attached.set(len(self.coordinator.members))
+
+
+def exposure_warnings(config: DetectorConfig) -> list[str]:
+    """What `config` leaves open beyond this machine: the gRPC port without TLS or without client
+    certificates, /metrics without TLS (logged at start; empty on loopback or with mutual TLS)."""
+    warnings = []
+    if not _is_loopback(config.listen.rsplit(":", 1)[0]):
+        if config.tls_cert is None:
+            warnings.append(
+                f"the detector listens on {config.listen} in PLAINTEXT: anyone who reaches it can attach as any "
+                "process, send snapshot parts, trigger snapshots and read every global state; give --tls-cert, "
+                "--tls-key and --tls-client-ca (SECURITY.md)"
+            )
+        elif config.tls_client_ca is None:
+            warnings.append(
+                f"the detector on {config.listen} has TLS but no --tls-client-ca: no client is authenticated, so "
+                "anyone who reaches it can attach as any process, trigger snapshots and read every global state "
+                "(SECURITY.md)"
+            )
+    if config.metrics_port is not None and config.tls_cert is None and not _is_loopback(config.metrics_address):
+        warnings.append(f"/metrics is served in plaintext on {config.metrics_address}, beyond this machine")
+    return warnings
+
+
+def _is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or name, IPv6 possibly in brackets) is this machine's loopback only."""
+    host = host.removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

@@ -1,7 +1,7 @@
 """Prometheus metrics of the detector, named by Prometheus conventions.
 
 Labels are bounded: predicate names (the built-ins, configured plugins and one per conserved
-counter), counter names, abort kinds and rejection reasons. Snapshot and process ids are never
+counter), counter names, abort kinds, rejection reasons and refusal reasons. Snapshot and process ids are never
 label values: the latest snapshot id is a gauge value, not a label.
 
 A predicate is true, false or unknown. ``stablewatch_predicate_value`` is 1 only when it is true;
@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stablewatch.detector.service.assembly import REJECTION_REASONS
 from stablewatch.detector.service.coordinator import ABORT_KINDS
+from stablewatch.detector.service.limits import REFUSAL_REASONS
 from stablewatch.v1 import Evaluation, GlobalSnapshot
 
 __all__ = ["DetectorMetrics"]
@@ -81,8 +82,15 @@ class DetectorMetrics:
         self.rejected_parts = Counter(
             "stablewatch_rejected_parts", "Local snapshot parts rejected, by reason", ["reason"], registry=r
         )
+        self.refused = Counter(
+            "stablewatch_refused",
+            "Control streams and API calls the detector refused (identity, permission, limits), by reason",
+            ["reason"], registry=r,
+        )  # fmt: skip
         for reason in REJECTION_REASONS:
             self.rejected_parts.labels(reason)
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(reason)
         for kind in ABORT_KINDS:
             self.aborts.labels(kind)
         for outcome in ("completed", "aborted"):

@@ -4,8 +4,10 @@ It only translates: results and wait-for graphs are read as the detector stored 
 recomputed. The detector is any object with the small :class:`QueryBackend` interface.
 
 Errors carry standard status codes with a message: NOT_FOUND for an unknown snapshot,
-INVALID_ARGUMENT for a bad request, FAILED_PRECONDITION when no agent is attached or a snapshot
-has no state to show (aborted).
+INVALID_ARGUMENT for a bad request (a page size or a list over the detector's limits among them),
+FAILED_PRECONDITION when no agent is attached or a snapshot has no state to show (aborted), and
+RESOURCE_EXHAUSTED over a limit of the detector (the trigger rate, running triggers, watchers).
+Who may call what is decided before a call gets here (:mod:`~.auth`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import NoReturn, Protocol
 import grpc
 
 from stablewatch.detector.service.coordinator import NoAgents
+from stablewatch.detector.service.limits import LimitExceeded, Limits
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
@@ -23,7 +26,6 @@ from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
 __all__ = ["QueryBackend", "QueryService", "outcome_name"]
 
 DEFAULT_PAGE_SIZE = 50
-MAX_PAGE_SIZE = 1000
 MAX_TRIGGER_TIMEOUT_MS = 10 * 60 * 1000
 
 
@@ -40,18 +42,26 @@ class QueryBackend(Protocol):
 
     def latest(self) -> SnapshotResults | None: ...
 
-    async def trigger(self, deadline: float | None, expected: Iterable[str]) -> SnapshotResults: ...
+    async def trigger(self, deadline: float | None, expected: Iterable[str]) -> SnapshotResults:
+        """May raise NoAgents, or LimitExceeded."""
+        ...
 
     def members(self) -> query_pb2.ListMembersResponse: ...
 
-    def watch(self) -> AsyncIterator[WatchEvent]: ...
+    def watch(self) -> AsyncIterator[WatchEvent]:
+        """May raise LimitExceeded."""
+        ...
+
+    def refused(self, reason: str, detail: str) -> None:
+        """Count a refused call (reason: one of limits.REFUSAL_REASONS)."""
 
 
 class QueryService(query_pb2_grpc.QueryServicer):
     """Translates Query RPCs into calls on the detector."""
 
-    def __init__(self, detector: QueryBackend) -> None:
+    def __init__(self, detector: QueryBackend, limits: Limits | None = None) -> None:
         self._detector = detector
+        self._limits = limits or Limits()
 
     async def GetLatestResults(self, request, context) -> SnapshotResults:
         latest = self._detector.latest()
@@ -67,9 +77,10 @@ class QueryService(query_pb2_grpc.QueryServicer):
         return results
 
     async def ListSnapshots(self, request, context) -> query_pb2.ListSnapshotsResponse:
-        if request.page_size > MAX_PAGE_SIZE:
-            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"page_size must be at most {MAX_PAGE_SIZE}")
-        page_size = request.page_size or DEFAULT_PAGE_SIZE
+        limit = self._limits.max_page_size
+        if request.page_size > limit:
+            await self._bad_request(context, f"page_size must be at most {limit}, not {request.page_size}")
+        page_size = request.page_size or min(DEFAULT_PAGE_SIZE, limit)
         before = None
         if request.page_token:
             if not request.page_token.isdigit():
@@ -102,21 +113,35 @@ class QueryService(query_pb2_grpc.QueryServicer):
             )
         if any(not name for name in request.expected_members):
             await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "expected_members holds an empty process id")
+        if len(request.expected_members) > self._limits.max_agents:
+            count, limit = len(request.expected_members), self._limits.max_agents
+            await self._bad_request(context, f"expected_members names {count} processes, above the limit of {limit}")
         try:
             return await self._detector.trigger(request.timeout_ms / 1000 or None, request.expected_members)
         except NoAgents as error:
             await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        except LimitExceeded as error:
+            await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
 
     async def ListMembers(self, request, context) -> query_pb2.ListMembersResponse:
         return self._detector.members()
 
     async def Watch(self, request, context) -> AsyncIterator[WatchEvent]:
-        async for event in self._detector.watch():
+        try:
+            events = self._detector.watch()
+        except LimitExceeded as error:
+            await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
+        async for event in events:
             if request.changes_only:
                 if not event.changes:
                     continue
                 event = WatchEvent(changes=event.changes, snapshot_id=event.snapshot_id)
             yield event
+
+    async def _bad_request(self, context: grpc.aio.ServicerContext, message: str) -> NoReturn:
+        """A request over one of the detector's bounds: counted, and INVALID_ARGUMENT."""
+        self._detector.refused("bad_request", message)
+        await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, message)
 
     @staticmethod
     async def _snapshot_id(request: query_pb2.GetSnapshotRequest, context: grpc.aio.ServicerContext) -> int:

@@ -27,6 +27,11 @@ class WatchHub:
         if last is not None:
             self._last = {r.name: (r.holds, r.unknown) for r in last.results}
 
+    @property
+    def watchers(self) -> int:
+        """Watch streams open now."""
+        return len(self._watchers)
+
     def changes(self, results: Sequence[PredicateResult]) -> list[PredicateChange]:
         """The predicates whose value `results` change, and remember the new values."""
         changes = []

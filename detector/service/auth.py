@@ -1,0 +1,226 @@
+"""Who may do what on the detector: identities and roles from client certificates.
+
+With mutual TLS (the detector is given a client CA), every connection shows a certificate signed
+by that CA, and the certificate's URI subject alternative names say what its holder may do:
+
+* ``stablewatch://process/<id>`` — attach as agent ``<id>`` on the control stream (the id is
+  percent-encoded; :func:`stablewatch.agents.tls.process_uri`). Parts are then accepted only for
+  that process, on its own stream.
+* ``stablewatch://role/reader`` — read: latest results, snapshots, wait-for graphs, members, the
+  watch stream, and server reflection.
+* ``stablewatch://role/operator`` — read, and trigger snapshots (``TriggerSnapshot``).
+
+A certificate may carry several of them. The health check is open to any connection that
+completes the handshake (probes need it). Every other method needs a permission from
+:data:`METHOD_PERMISSIONS`; a method missing from it is refused (fail closed).
+
+Without a client CA there is no identity: the detector serves everyone who can connect and logs a
+warning at start when that is not loopback only (SECURITY.md). Refusals carry the standard codes,
+UNAUTHENTICATED (no certificate where one is required) and PERMISSION_DENIED (a certificate
+without the role or identity), with a message that names what was missing.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from stablewatch.agents.tls import PROCESS_URI_PREFIX, peer_process_ids, peer_uris, process_uri
+
+__all__ = [
+    "METHOD_PERMISSIONS",
+    "ROLES",
+    "ROLE_URI_PREFIX",
+    "AuthInterceptor",
+    "Authorizer",
+    "Denied",
+    "Permission",
+    "role_uri",
+]
+
+ROLE_URI_PREFIX = "stablewatch://role/"
+
+
+class Permission(enum.Enum):
+    """What a call needs."""
+
+    OPEN = "open"  # any connection (the health check)
+    AGENT = "agent"  # a process identity; checked by the coordinator against the Register
+    READ = "read"
+    TRIGGER = "trigger"
+
+
+#: Each role's permissions.
+ROLES: dict[str, frozenset[Permission]] = {
+    "reader": frozenset({Permission.READ}),
+    "operator": frozenset({Permission.READ, Permission.TRIGGER}),
+}
+
+_QUERY = "/stablewatch.v1.Query/"
+#: The permission every method of the detector needs; any other method is refused.
+METHOD_PERMISSIONS: dict[str, Permission] = {
+    "/stablewatch.v1.Control/Attach": Permission.AGENT,
+    _QUERY + "GetLatestResults": Permission.READ,
+    _QUERY + "GetSnapshotResults": Permission.READ,
+    _QUERY + "ListSnapshots": Permission.READ,
+    _QUERY + "GetSnapshot": Permission.READ,
+    _QUERY + "GetWaitForGraph": Permission.READ,
+    _QUERY + "ListMembers": Permission.READ,
+    _QUERY + "Watch": Permission.READ,
+    _QUERY + "TriggerSnapshot": Permission.TRIGGER,
+    "/grpc.health.v1.Health/Check": Permission.OPEN,
+    "/grpc.health.v1.Health/Watch": Permission.OPEN,
+    "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": Permission.READ,
+    "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo": Permission.READ,
+}
+
+
+def role_uri(role: str) -> str:
+    """The URI SAN that grants ``role``: ``stablewatch://role/<role>``."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; the roles are {', '.join(ROLES)}")
+    return ROLE_URI_PREFIX + role
+
+
+class Denied(Exception):
+    """A call or registration is refused: ``code`` for the client, ``reason`` for the metric."""
+
+    def __init__(self, code: grpc.StatusCode, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason  # one of limits.REFUSAL_REASONS
+
+
+class Authorizer:
+    """Decides calls from the peer's certificate; ``required``: the detector runs mutual TLS.
+
+    Without ``required`` a peer without a certificate may do anything (there is no identity to
+    check); a peer with one is still held to what it names.
+    """
+
+    def __init__(self, *, required: bool) -> None:
+        self.required = required
+
+    def check(self, context: grpc.aio.ServicerContext, permission: Permission, method: str) -> None:
+        """Raise :class:`Denied` unless the peer of this call has ``permission``."""
+        if permission in (Permission.OPEN, Permission.AGENT):
+            return
+        uris = peer_uris(context)
+        if uris is None:
+            if self.required:
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", f"{method} needs a client certificate")
+            return
+        roles = [uri.removeprefix(ROLE_URI_PREFIX) for uri in uris if uri.startswith(ROLE_URI_PREFIX)]
+        if any(permission in ROLES.get(role, ()) for role in roles):
+            return
+        needs = " or ".join(role_uri(role) for role, granted in ROLES.items() if permission in granted)
+        shown = ", ".join(roles) or "none"
+        raise Denied(
+            grpc.StatusCode.PERMISSION_DENIED,
+            "permission_denied",
+            f"{method} needs a client certificate with the URI SAN {needs} (its roles: {shown})",
+        )
+
+    def check_process(self, context: grpc.aio.ServicerContext, process_id: str) -> None:
+        """Raise :class:`Denied` unless the peer may register as ``process_id``."""
+        allowed = peer_process_ids(context)
+        if allowed is None:
+            if self.required:
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "an agent needs a client certificate")
+            return
+        if process_id not in allowed:
+            named = ", ".join(sorted(allowed)) or f"no process (no {PROCESS_URI_PREFIX}<id> URI SAN)"
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "identity_mismatch",
+                f"process id {process_id!r} is not in the client certificate, which names {named}; "
+                f"an agent's certificate must carry the URI SAN {process_uri(process_id)}",
+            )
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Checks every call's permission (:data:`METHOD_PERMISSIONS`) before its handler runs.
+
+    The peer's certificate is only known inside the call, so the handler is wrapped: the check runs
+    first and a refusal aborts the call with its code. ``on_refused(reason, detail)`` counts them.
+    """
+
+    def __init__(self, authorizer: Authorizer, on_refused: Callable[[str, str], None]) -> None:
+        self._authorizer = authorizer
+        self._on_refused = on_refused
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
+        permission = METHOD_PERMISSIONS.get(method)
+        if handler is None or permission in (Permission.OPEN, Permission.AGENT):
+            return handler
+
+        async def check(context: grpc.aio.ServicerContext) -> None:
+            if permission is None:
+                message = f"{method} is not served to anyone"
+                self._on_refused("permission_denied", message)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, message)
+            try:
+                self._authorizer.check(context, permission, method)
+            except Denied as denied:
+                self._on_refused(denied.reason, f"{context.peer()}: {denied}")
+                await context.abort(denied.code, str(denied))
+
+        return _guarded(handler, check)
+
+
+def _guarded(
+    handler: grpc.RpcMethodHandler, check: Callable[[grpc.aio.ServicerContext], Awaitable[None]]
+) -> grpc.RpcMethodHandler:
+    """``handler`` with ``check(context)`` awaited before its behaviour (sync or async) runs."""
+    codec = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+
+    async def single(behaviour: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await check(context)
+        result = behaviour(request, context)
+        return await result if inspect.isawaitable(result) else result
+
+    async def stream(
+        behaviour: Callable[..., Any], request: Any, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        await check(context)
+        result = behaviour(request, context)
+        if hasattr(result, "__aiter__"):
+            async for response in result:
+                yield response
+        else:
+            for response in result:
+                yield response
+
+    # grpc.aio tells async handlers by their function type: these must be coroutine functions and
+    # async generator functions, not lambdas returning them.
+    if handler.unary_unary:
+
+        async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await single(handler.unary_unary, request, context)
+
+        return grpc.unary_unary_rpc_method_handler(unary_unary, **codec)
+    if handler.stream_unary:
+
+        async def stream_unary(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+            return await single(handler.stream_unary, requests, context)
+
+        return grpc.stream_unary_rpc_method_handler(stream_unary, **codec)
+    behaviour = handler.unary_stream or handler.stream_stream
+
+    async def streaming(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async for response in stream(behaviour, request, context):
+            yield response
+
+    if handler.unary_stream:
+        return grpc.unary_stream_rpc_method_handler(streaming, **codec)
+    return grpc.stream_stream_rpc_method_handler(streaming, **codec)
