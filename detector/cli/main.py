@@ -5,6 +5,8 @@
 * ``status``, ``snapshot``, ``watch``, ``graph``: ask a running detector, through its query API
   (:mod:`stablewatch.detector.cli.client`). Human output uses rich; ``--json`` prints one JSON object
   (``watch``: one per line), errors included.
+* ``pipeline``: the Spark jobs over the snapshot archive, handed to :mod:`stablewatch.pipeline.cli`
+  (imported only then: PySpark is an optional extra).
 
 Exit statuses: 0 success, 1 the detector is unreachable or refused (or a simulation differs from
 the expected snapshots), 2 bad flags or input, 3 ``snapshot`` was aborted.
@@ -160,11 +162,19 @@ def _parser() -> argparse.ArgumentParser:
     graph.add_argument("--format", choices=("dot", "png", "svg"), default="dot",
                        help="DOT text, or an image drawn by Graphviz (%(default)s)")  # fmt: skip
     graph.add_argument("--out", type=Path, metavar="FILE", help="write to FILE instead of stdout")
+
+    # Listed for --help only: main() hands `pipeline ...` to the pipeline's own parser.
+    commands.add_parser("pipeline", help="analyse the snapshot archive with Spark: evaluate, history, follow")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``stablewatch`` console script."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["pipeline"]:
+        from stablewatch.pipeline.cli import main as pipeline_main
+
+        return pipeline_main(argv[1:])
     args = _parser().parse_args(argv)
     console = Console()
     if args.command == "detector":
