@@ -106,6 +106,13 @@ def parser() -> argparse.ArgumentParser:
         metavar="N",
         help="DataFrame reduction rounds before one process finishes (%(default)s)",
     )
+    common.add_argument(
+        "--finish-edges",
+        type=_count,
+        default=1_000_000,
+        metavar="EDGES",
+        help="no more rounds once this many wait edges or fewer remain: one process finishes them (%(default)s)",
+    )
     common.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     days = argparse.ArgumentParser(add_help=False)
     days.add_argument("--from-day", type=_day, metavar="YYYY-MM-DD", help="first day partition to read")
@@ -186,6 +193,7 @@ def _evaluation_options(args: argparse.Namespace) -> dict[str, Any]:
         "predicates": args.predicate,
         "reduce_above": args.reduce_above,
         "max_rounds": args.max_rounds,
+        "finish_edges": args.finish_edges,
     }
 
 

@@ -45,8 +45,10 @@ from stablewatch.detector.evaluation.predicates import (
 )
 from stablewatch.detector.evaluation.waitfor import Deadlock, WaitFor, evidence_proto, find_deadlock
 from stablewatch.pipeline.reduce import (
+    DEFAULT_FINISH_EDGES,
     DEFAULT_MAX_ROUNDS,
     WaitForFrames,
+    counted_rows,
     graph_counts,
     numbered_edges,
     reduce_wait_for,
@@ -307,17 +309,26 @@ def _rebuild_light(archive: Archive, heads: Sequence[dict[str, Any]], max_rows: 
     return large
 
 
-def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int) -> int:
-    """Build, reduce and finish the wait-for graphs of the `large` snapshots, all at once; return the rounds run."""
+def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int) -> int:
+    """Build, reduce and finish the wait-for graphs of the `large` snapshots, all at once; return the rounds run.
+
+    When all their counted edges together are `finish_edges` or fewer, no round runs: the edges
+    go straight to the shared algorithm.
+    """
     heads = [item.head for item in large.values()]
     tables = (_rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages"))
     frames = wait_for_frames(*tables)
     frames = WaitForFrames(frames.waiters.localCheckpoint(), frames.edges.localCheckpoint())
     for row in graph_counts(frames).collect():
         large[row["snapshot_id"]].counts = (row["waiters"], row["edges"], row["discounted"])
-    nodes, edges = numbered_edges(frames)
-    remaining, rounds = reduce_wait_for(edges, max_rounds)
-    graphs = remaining_graphs(remaining_rows(frames, nodes, remaining).toArrow())
+    rounds = 0
+    if max_rounds and sum(item.counts[1] for item in large.values()) > finish_edges:
+        nodes, edges = numbered_edges(frames)
+        remaining, rounds = reduce_wait_for(edges, max_rounds, finish_edges)
+        rows = remaining_rows(frames, nodes, remaining)
+    else:
+        rows = counted_rows(frames)
+    graphs = remaining_graphs(rows.toArrow())
     for sid, item in large.items():
         item.graph = WaitFor(sid, graphs.get(sid) or nx.DiGraph(), ())
         item.deadlock = find_deadlock(item.graph)
@@ -396,13 +407,15 @@ def evaluate_snapshots(
     *,
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    finish_edges: int = DEFAULT_FINISH_EDGES,
     max_rows: int = 2_000_000,
 ) -> Evaluated:
     """Evaluate the completed snapshots among `snapshots` (rows of `archive`'s ``snapshots`` table).
 
     Snapshots without a blob, and those with more than `reduce_above` wait edges when it is set,
-    go through the DataFrame reduction (at most `max_rounds` rounds; their rows are collected
-    `max_rows` at a time); the others are evaluated by the shared function in parallel.
+    go through the DataFrame reduction (at most `max_rounds` rounds, none once `finish_edges`
+    edges or fewer remain; their rows are collected `max_rows` at a time); the others are
+    evaluated by the shared function in parallel.
     `expected` are the conservation totals known before these snapshots (configured, or earlier
     baselines). Runs the Spark jobs that count the snapshots, find the baselines and reduce the
     large snapshots; returns the result rows lazily.
@@ -426,7 +439,7 @@ def evaluate_snapshots(
             light = GlobalSnapshot.FromString(item.light)
             candidates += [(counter, key, total) for counter, total in _baseline_candidates(light, configured)]
         totals = find_totals(candidates, configured)
-        rounds = _reduce_large(archive, large, max_rounds) if large else 0
+        rounds = _reduce_large(archive, large, max_rounds, finish_edges) if large else 0
 
     evaluations = evaluate_blobs(small, totals, predicates)
     if large:
@@ -459,8 +472,10 @@ def evaluate_archive(
     last_id: int | None = None,
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    finish_edges: int = DEFAULT_FINISH_EDGES,
 ) -> Evaluated:
-    """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive)."""
+    """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive);
+    see :func:`evaluate_snapshots` for the rest."""
     return evaluate_snapshots(
         archive,
         _heads(archive, first_id, last_id),
@@ -468,6 +483,7 @@ def evaluate_archive(
         predicates,
         reduce_above=reduce_above,
         max_rounds=max_rounds,
+        finish_edges=finish_edges,
     )
 
 

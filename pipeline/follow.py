@@ -35,7 +35,7 @@ from rich.console import Console
 from stablewatch.detector.archive.files import parquet_files
 from stablewatch.detector.archive.schema import ArchiveError
 from stablewatch.pipeline.evaluate import evaluate_snapshots, write_evaluations
-from stablewatch.pipeline.reduce import DEFAULT_MAX_ROUNDS
+from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.tables import check_file, open_archive, spark_schema
 
@@ -76,11 +76,14 @@ def _batch_writer(
     followed: Followed,
     expected: Mapping[str, int],
     predicates: Sequence[str],
-    reduce_above: int | None,
-    max_rounds: int,
+    reduction: Mapping[str, int | None],
     console: Console | None,
 ) -> Callable[[DataFrame, int], None]:
-    """The ``foreachBatch`` function: evaluate one micro-batch and replace its output folder."""
+    """The ``foreachBatch`` function: evaluate one micro-batch and replace its output folder.
+
+    `reduction` holds the keyword arguments ``reduce_above``, ``max_rounds`` and ``finish_edges``
+    of :func:`~stablewatch.pipeline.evaluate.evaluate_snapshots`.
+    """
 
     def write(batch: DataFrame, batch_id: int) -> None:
         try:
@@ -88,14 +91,7 @@ def _batch_writer(
             days = [row["day"] for row in batch.select("day").distinct().collect()]
             archive = open_archive(batch.sparkSession, root, min(days, default=None), max(days, default=None))
             earlier = _earlier_baselines(out / "baselines", batch_id)
-            evaluated = evaluate_snapshots(
-                archive,
-                batch,
-                {**earlier, **expected},
-                predicates,
-                reduce_above=reduce_above,
-                max_rounds=max_rounds,
-            )
+            evaluated = evaluate_snapshots(archive, batch, {**earlier, **expected}, predicates, **reduction)
             write_evaluations(evaluated.evaluations, out / "evaluations" / f"batch={batch_id}", archive)
         except ArchiveError as error:
             followed.error = error
@@ -129,6 +125,7 @@ def follow(
     max_files: int | None = None,
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    finish_edges: int = DEFAULT_FINISH_EDGES,
     spark: SparkSession | None = None,
 ) -> Followed:
     """Evaluate every batch of snapshots that lands in `archive`, into ``out/evaluations/batch=N``.
@@ -153,7 +150,8 @@ def follow(
     reader = spark.readStream.schema(spark_schema("snapshots"))
     if max_files:
         reader = reader.option("maxFilesPerTrigger", max_files)
-    writer = _batch_writer(root, out, followed, dict(expected or {}), predicates, reduce_above, max_rounds, console)
+    reduction = {"reduce_above": reduce_above, "max_rounds": max_rounds, "finish_edges": finish_edges}
+    writer = _batch_writer(root, out, followed, dict(expected or {}), predicates, reduction, console)
     query = (
         reader.parquet(str(source))
         .writeStream.queryName("stablewatch-follow")

@@ -35,7 +35,7 @@ from rich.console import Console
 
 from stablewatch.pipeline.chart import draw_history
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, write_evaluations
-from stablewatch.pipeline.reduce import DEFAULT_MAX_ROUNDS
+from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.summary import history_report
 from stablewatch.pipeline.tables import Archive, open_archive
@@ -379,6 +379,7 @@ def run_history(
     bucket_seconds: int = 60,
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
+    finish_edges: int = DEFAULT_FINISH_EDGES,
     chart: bool = True,
     first_day: str | None = None,
     last_day: str | None = None,
@@ -396,7 +397,9 @@ def run_history(
     out = Path(out)
     evaluated = aborted = 0
     if evaluations is None:
-        result = evaluate_archive(opened, expected, predicates, reduce_above=reduce_above, max_rounds=max_rounds)
+        result = evaluate_archive(
+            opened, expected, predicates, reduce_above=reduce_above, max_rounds=max_rounds, finish_edges=finish_edges
+        )
         evaluated, aborted = result.snapshots, result.aborted
         evaluations = out / "evaluations"
         write_evaluations(result.evaluations, evaluations, opened)

@@ -35,8 +35,10 @@ from pyspark.sql import functions as F
 from stablewatch.detector.evaluation.deadlock import AND, OR
 
 __all__ = [
+    "DEFAULT_FINISH_EDGES",
     "DEFAULT_MAX_ROUNDS",
     "WaitForFrames",
+    "counted_rows",
     "graph_counts",
     "numbered_edges",
     "reduce_wait_for",
@@ -47,6 +49,8 @@ __all__ = [
 
 #: Reduction rounds on DataFrames before what remains is finished by one process.
 DEFAULT_MAX_ROUNDS = 8
+#: Edges that one process finishes without reducing on DataFrames first (networkx holds them in about 1 GB).
+DEFAULT_FINISH_EDGES = 1_000_000
 
 _SHIFT = 2**31  # packs two int32 positions into one sortable int64
 _ID = "snapshot_id"
@@ -210,15 +214,18 @@ def numbered_edges(frames: WaitForFrames) -> tuple[DataFrame, DataFrame]:
     return nodes, edges.select("waiter", "target", "is_or")
 
 
-def reduce_wait_for(edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS) -> tuple[DataFrame, int]:
+def reduce_wait_for(
+    edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS, finish_edges: int = 0
+) -> tuple[DataFrame, int]:
     """Release waiters round by round; return the edges that remain and the number of rounds run.
 
     `edges` has columns ``waiter``, ``target`` and ``is_or`` (the waiter's model), one row per
     distinct edge; a node is a waiter while it has edges, so every other node is free. A round
     releases the targets that have no edges and removes the edges into them, and every edge of an
     OR waiter that had one. It stops at a fixpoint (then the waiters that remain are exactly the
-    deadlocked nodes) or after `max_rounds` rounds. Each round is materialized with
-    ``localCheckpoint``, so the plan does not grow with the rounds.
+    deadlocked nodes), after `max_rounds` rounds, or as soon as at most `finish_edges` edges
+    remain (one process finishes those faster than more rounds would). Each round is
+    materialized with ``localCheckpoint``, so the plan does not grow with the rounds.
 
     Whatever remains has the same deadlocked nodes as `edges` (reduction is confluent): finish it
     with :func:`~stablewatch.detector.evaluation.deadlock.deadlocked_nodes`.
@@ -228,7 +235,7 @@ def reduce_wait_for(edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS) -> t
     remaining = edges.localCheckpoint()
     size = remaining.count()
     rounds = 0
-    while rounds < max_rounds and size:
+    while rounds < max_rounds and size > finish_edges:
         blocked = remaining.select(F.col("waiter").alias("target")).distinct().withColumn("blocked", F.lit(True))
         marked = remaining.join(blocked, "target", "left")
         released = F.col("blocked").isNull()
@@ -248,25 +255,24 @@ def reduce_wait_for(edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS) -> t
     return remaining, rounds
 
 
+def counted_rows(frames: WaitForFrames) -> DataFrame:
+    """Every counted edge with its labels, model, flow control and orders, for :func:`remaining_graphs`."""
+    return frames.edges.filter("counted").drop("is_or", "counted").join(frames.waiters, [_ID, "process", "task"])
+
+
 def remaining_rows(frames: WaitForFrames, nodes: DataFrame, remaining: DataFrame) -> DataFrame:
-    """The remaining edges with their labels, models, flow control and orders, for :func:`remaining_graphs`."""
+    """The `remaining` edges (numbered as by :func:`numbered_edges`) as :func:`counted_rows` gives them."""
     waiter = nodes.withColumnRenamed("node", "waiter")
     target = nodes.select(
-        _ID, F.col("process").alias("target_process"), F.col("task").alias("target_task"), F.col("node").alias("target")
+        F.col("process").alias("target_process"), F.col("task").alias("target_task"), F.col("node").alias("target")
     )
-    labelled = remaining.join(waiter, "waiter").join(target.drop(_ID), "target")
-    return (
-        labelled.select(_ID, "process", "task", "target_process", "target_task")
-        .join(
-            frames.edges.select(_ID, "process", "task", "target_process", "target_task", "flow_control", "position"),
-            [_ID, "process", "task", "target_process", "target_task"],
-        )
-        .join(frames.waiters, [_ID, "process", "task"])
-    )
+    labelled = remaining.join(waiter, "waiter").join(target, "target")
+    keys = [_ID, "process", "task", "target_process", "target_task"]
+    return labelled.select(*keys).join(counted_rows(frames), keys)
 
 
 def remaining_graphs(rows: pa.Table) -> dict[int, nx.DiGraph]:
-    """Build each snapshot's remaining wait-for graph from :func:`remaining_rows`, in the whole graph's order.
+    """Build each snapshot's wait-for graph from :func:`counted_rows` or :func:`remaining_rows`, in its order.
 
     Waiters are added by rank with their ``model``, then each waiter's edges by position (with
     ``flow_control=True`` where set), so node and successor orders match ``build_wait_for``'s
