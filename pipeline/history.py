@@ -394,6 +394,8 @@ def run_history(
     """
     spark = spark or get_session()
     opened = open_archive(spark, Path(archive), first_day, last_day)
+    for table in ("snapshots", "channels"):  # check every file it reads before any work
+        opened.files(table)
     out = Path(out)
     evaluated = aborted = 0
     if evaluations is None:
