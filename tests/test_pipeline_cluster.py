@@ -1,9 +1,10 @@
 """``evaluate`` through ``spark-submit`` on a real standalone cluster gives the local result.
 
 A Spark master and one worker are started from the installed PySpark (``spark-class``), on
-127.0.0.1 and free ports; the job is submitted with ``spark-submit --master spark://...`` and
-the documented entry file ``pipeline/jobs.py``, unchanged. Master, worker and its executors are
-killed afterwards, by process group.
+127.0.0.1 and free ports; the job is submitted with the documented example,
+``deploy/spark/submit.sh spark://...``, which runs ``spark-submit`` on the entry file
+``pipeline/jobs.py``, unchanged. Master, worker and its executors are killed afterwards, by
+process group.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def free_port() -> int:
 
 
 def master_state(ui_port: int) -> dict | None:
+    """The master's state from its web UI, or None while it is not answering (or not yet with JSON)."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{ui_port}/json/", timeout=5) as response:
             return json.load(response)
-    except OSError:
+    except (OSError, ValueError):
         return None
 
 
