@@ -67,6 +67,7 @@ __all__ = [
     "evaluate_blobs",
     "find_totals",
     "order_key",
+    "result_table",
     "write_evaluations",
 ]
 
@@ -161,8 +162,9 @@ def _evidence_json(result: PredicateResult) -> str:
     )
 
 
-def _result_table(heads: pa.RecordBatch | pa.Table, per_snapshot: Sequence[Sequence[PredicateResult]]) -> pa.Table:
-    """:data:`EVALUATIONS` rows: for each row of `heads`, one per result of its snapshot, in order."""
+def result_table(heads: pa.RecordBatch | pa.Table, per_snapshot: Sequence[Sequence[PredicateResult]]) -> pa.Table:
+    """:data:`EVALUATIONS` rows: for each row of `heads` (columns ``snapshot_id, started_at,
+    finished_at, day``), one per result of its snapshot in `per_snapshot`, in order."""
     repeat = pa.array([i for i, results in enumerate(per_snapshot) for _ in results], pa.int64())
     flat = [r for results in per_snapshot for r in results]
     columns: dict[str, Any] = {
@@ -199,7 +201,7 @@ def _evaluate_batches(
         ):
             evaluation = evaluate(GlobalSnapshot.FromString(blob), totals.before((order, sid)), plugins)
             per_snapshot.append(evaluation.results)
-        yield from _result_table(batch, per_snapshot).to_batches()
+        yield from result_table(batch, per_snapshot).to_batches()
 
 
 def _with_order(snapshots: DataFrame) -> DataFrame:
@@ -309,8 +311,10 @@ def _rebuild_light(archive: Archive, heads: Sequence[dict[str, Any]], max_rows: 
     return large
 
 
-def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int) -> int:
-    """Build, reduce and finish the wait-for graphs of the `large` snapshots, all at once; return the rounds run.
+def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int) -> tuple[int, int]:
+    """Build, reduce and finish the wait-for graphs of the `large` snapshots, all at once.
+
+    Returns the rounds run and the edges left to the shared algorithm.
 
     When all their counted edges together are `finish_edges` or fewer, no round runs: the edges
     go straight to the shared algorithm.
@@ -328,11 +332,12 @@ def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, f
         rows = remaining_rows(frames, nodes, remaining)
     else:
         rows = counted_rows(frames)
-    graphs = remaining_graphs(rows.toArrow())
+    table = rows.toArrow()
+    graphs = remaining_graphs(table)
     for sid, item in large.items():
         item.graph = WaitFor(sid, graphs.get(sid) or nx.DiGraph(), ())
         item.deadlock = find_deadlock(item.graph)
-    return rounds
+    return rounds, table.num_rows
 
 
 def _plural(n: int, word: str) -> str:
@@ -387,6 +392,7 @@ class Evaluated:
     aborted: int  # aborted snapshots in the range (not evaluated)
     large: int  # snapshots evaluated through the DataFrame reduction
     rounds: int  # reduction rounds run
+    remaining: int  # wait edges left to the shared algorithm after the rounds
     totals: Totals
 
 
@@ -439,15 +445,15 @@ def evaluate_snapshots(
             light = GlobalSnapshot.FromString(item.light)
             candidates += [(counter, key, total) for counter, total in _baseline_candidates(light, configured)]
         totals = find_totals(candidates, configured)
-        rounds = _reduce_large(archive, large, max_rounds, finish_edges) if large else 0
+        rounds, remaining = _reduce_large(archive, large, max_rounds, finish_edges) if large else (0, 0)
 
     evaluations = evaluate_blobs(small, totals, predicates)
     if large:
         names = [plugin.name for plugin in _plugins(tuple(predicates))]
         results = [_evaluate_large(large[sid], totals, names) for sid in heads.column("snapshot_id").to_pylist()]
-        evaluations = evaluations.unionByName(archive.spark.createDataFrame(_result_table(heads, results)))
+        evaluations = evaluations.unionByName(archive.spark.createDataFrame(result_table(heads, results)))
     assert outcomes is not None
-    return Evaluated(evaluations, outcomes["completed"], outcomes["aborted"], len(large), rounds, totals)
+    return Evaluated(evaluations, outcomes["completed"], outcomes["aborted"], len(large), rounds, remaining, totals)
 
 
 def _small_candidates(small: DataFrame, configured: Mapping[str, int]) -> list[tuple[str, tuple[int, int], int]]:
