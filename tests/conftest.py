@@ -1,9 +1,10 @@
-"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector."""
+"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector, a local Spark."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from certs import issue, make_certs
@@ -59,3 +60,12 @@ def detector() -> Iterator[StubDetector]:
     stub = StubDetector()
     yield stub
     stub.stop()
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """One local Spark session (local[2]) for all the pipeline's tests, stopped at the end."""
+    from spark_session import local_spark  # PySpark is imported only by the tests that need it
+
+    with local_spark() as session:
+        yield session

@@ -9,6 +9,8 @@
 * ``archive export``, ``archive check``: backfill a Parquet archive from a detector's store (beside
   the live detector, if one runs), and check every file of an archive
   (:mod:`stablewatch.detector.archive`).
+* ``pipeline``: the Spark jobs over the snapshot archive, handed to :mod:`stablewatch.pipeline.cli`
+  (imported only then: PySpark is an optional extra).
 
 Exit statuses: 0 success, 1 the detector is unreachable or refused (or a simulation differs from
 the expected snapshots), 2 bad flags or input (for ``archive``: a bad store, archive or file), 3
@@ -240,6 +242,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     checking.add_argument("--archive", type=Path, required=True, metavar="DIR", help="the archive folder")
     checking.add_argument("--json", action="store_true", help="print one JSON object")
+    # Listed for --help only: main() hands `pipeline ...` to the pipeline's own parser.
+    commands.add_parser("pipeline", help="analyse the snapshot archive with Spark: evaluate, history, follow")
     return parser
 
 
@@ -259,6 +263,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["pipeline"]:  # PySpark is an optional extra: imported only for this command
+        from stablewatch.pipeline.cli import main as pipeline_main
+
+        return pipeline_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if (getattr(args, "tls_cert", None) is None) != (getattr(args, "tls_key", None) is None):

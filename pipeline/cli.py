@@ -1,0 +1,296 @@
+"""``stablewatch pipeline evaluate|history|follow``: the Spark jobs from the command line.
+
+The same ``main`` runs under ``spark-submit`` through :mod:`.jobs`. Spark starts only once the
+flags are parsed, and this module imports PySpark only then, so that a missing PySpark is
+reported with how to install it.
+
+Exit statuses: 0 done, 1 the job failed inside Spark, 2 bad flags or bad input (the message names
+the file and the reason), 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+__all__ = ["main"]
+
+EXIT_FAILED = 1
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130
+INSTALL_HINT = (
+    "pip install 'stablewatch[spark]' (and a Java 17 or later runtime: e.g. apt-get install openjdk-17-jre-headless)"
+)
+
+
+def _expected_total(text: str) -> tuple[str, int]:
+    counter, sep, total = text.partition("=")
+    try:
+        if sep and counter.strip():
+            return counter.strip(), int(total.strip())
+    except ValueError:
+        pass
+    raise argparse.ArgumentTypeError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
+    return value
+
+
+def _day(text: str) -> str:
+    parts = text.split("-")
+    if len(text) != 10 or len(parts) != 3 or not all(p.isdigit() for p in parts):
+        raise argparse.ArgumentTypeError(f"expected a day YYYY-MM-DD, not {text!r}")
+    return text
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, not {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, not {text}")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    """The ``stablewatch pipeline`` argument parser."""
+    top = argparse.ArgumentParser(
+        prog="stablewatch pipeline",
+        description="Analyse the detector's snapshot archive with Spark (local[*] unless spark-submit sets a master).",
+    )
+    jobs = top.add_subparsers(dest="job", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--archive", type=Path, required=True, metavar="DIR", help="the detector's archive folder")
+    common.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the job writes its tables")
+    common.add_argument(
+        "--expect",
+        type=_expected_total,
+        action="append",
+        default=[],
+        metavar="COUNTER=TOTAL",
+        help="expected total of a conserved counter (repeatable; default: the first closed snapshot's)",
+    )
+    common.add_argument(
+        "--predicate",
+        action="append",
+        default=[],
+        metavar="MODULE:FUNCTION",
+        help="a user predicate, as for the detector (repeatable; installed entry points always run)",
+    )
+    common.add_argument(
+        "--reduce-above",
+        type=_count,
+        metavar="EDGES",
+        help="also reduce on DataFrames the snapshots with more wait edges (default: only those "
+        "archived without their blob)",
+    )
+    common.add_argument(
+        "--max-rounds",
+        type=_count,
+        default=8,
+        metavar="N",
+        help="DataFrame reduction rounds before one process finishes (%(default)s)",
+    )
+    common.add_argument(
+        "--finish-edges",
+        type=_count,
+        default=1_000_000,
+        metavar="EDGES",
+        help="no more rounds once this many wait edges or fewer remain: one process finishes them (%(default)s)",
+    )
+    common.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    days = argparse.ArgumentParser(add_help=False)
+    days.add_argument("--from-day", type=_day, metavar="YYYY-MM-DD", help="first day partition to read")
+    days.add_argument("--to-day", type=_day, metavar="YYYY-MM-DD", help="last day partition to read")
+
+    evaluate = jobs.add_parser("evaluate", parents=[common, days], help="every predicate for every snapshot")
+    evaluate.add_argument("--from-id", type=_count, metavar="ID", help="first snapshot id")
+    evaluate.add_argument("--to-id", type=_count, metavar="ID", help="last snapshot id")
+
+    history = jobs.add_parser(
+        "history", parents=[common, days], help="deadlock episodes, termination, drift, backlog, outcomes; a chart"
+    )
+    history.add_argument(
+        "--evaluations",
+        type=Path,
+        metavar="DIR",
+        help="read the results of an earlier `evaluate` (its OUT/evaluations) instead of evaluating",
+    )
+    history.add_argument("--bucket", type=_count, default=60, metavar="S", help="backlog time buckets (%(default)s s)")
+    history.add_argument("--no-chart", action="store_true", help="do not draw history.png")
+
+    follow = jobs.add_parser("follow", parents=[common], help="evaluate each new batch of snapshots as it lands")
+    follow.add_argument("--checkpoint", type=Path, metavar="DIR", help="streaming checkpoint (default OUT/_checkpoint)")
+    follow.add_argument("--once", action="store_true", help="process what is there now, then stop")
+    follow.add_argument("--interval", type=_seconds, default=5.0, metavar="S", help="look for new batches every S s")
+    follow.add_argument("--max-files", type=_count, metavar="N", help="at most N batches per micro-batch")
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one pipeline job; returns the exit status."""
+    args = parser().parse_args(argv)
+    if importlib.util.find_spec("pyspark") is None:
+        print(f"stablewatch: the pipeline needs PySpark, which is not installed: {INSTALL_HINT}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from py4j.protocol import Py4JJavaError
+    from pyspark.errors import PySparkException
+
+    from stablewatch.detector.archive.schema import ArchiveError
+    from stablewatch.detector.evaluation.plugins import PluginError, load_predicate
+    from stablewatch.pipeline.tables import check_archive
+
+    console = Console()
+    try:
+        check_archive(args.archive)  # before Spark starts: bad input fails fast
+        for spec in args.predicate:
+            load_predicate(spec)
+        return _JOBS[args.job](args, console)
+    except (ArchiveError, PluginError) as error:
+        _fail(args, str(error))
+        return EXIT_BAD_INPUT
+    except (Py4JJavaError, PySparkException) as error:
+        _fail(args, f"the Spark job failed: {_first_line(error)}")
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        return EXIT_INTERRUPTED
+
+
+def _fail(args: argparse.Namespace, message: str) -> None:
+    print(f"stablewatch: {message}", file=sys.stderr)
+    if args.json:
+        _print_json({"error": message})
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
+
+
+def _print_json(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj, default=str), flush=True)
+
+
+def _evaluation_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags every job passes to the evaluation."""
+    return {
+        "expected": dict(args.expect),
+        "predicates": args.predicate,
+        "reduce_above": args.reduce_above,
+        "max_rounds": args.max_rounds,
+        "finish_edges": args.finish_edges,
+    }
+
+
+def _evaluate(args: argparse.Namespace, console: Console) -> int:
+    from pyspark.sql import functions as F
+
+    from stablewatch.pipeline.evaluate import evaluate_archive, write_evaluations
+    from stablewatch.pipeline.session import get_session
+    from stablewatch.pipeline.summary import evaluate_report
+    from stablewatch.pipeline.tables import open_archive
+
+    spark = get_session("stablewatch-evaluate")
+    archive = open_archive(spark, args.archive, args.from_day, args.to_day)
+    evaluated = evaluate_archive(archive, **_evaluation_options(args), first_id=args.from_id, last_id=args.to_id)
+    out = args.out / "evaluations"
+    write_evaluations(evaluated.evaluations, out, archive)
+    error = F.coalesce(F.col("error"), F.lit("")) != ""
+    verdicts = (
+        spark.read.parquet(str(out))
+        .groupBy("name")
+        .agg(
+            F.min("position").alias("position"),
+            F.count(F.when(F.col("holds"), 1)).alias("true"),
+            F.count(F.when(~F.col("holds") & ~F.col("unknown") & ~error, 1)).alias("false"),
+            F.count(F.when(F.col("unknown") | error, 1)).alias("unknown"),
+        )
+        .orderBy("position", "name")
+        .drop("position")
+        .toArrow()
+    )
+    if args.json:
+        _print_json(
+            {
+                "snapshots": evaluated.snapshots,
+                "aborted": evaluated.aborted,
+                "large": evaluated.large,
+                "rounds": evaluated.rounds,
+                "out": str(out),
+                "predicates": verdicts.to_pylist(),
+            }
+        )
+    else:
+        console.print(
+            evaluate_report(
+                verdicts, evaluated.snapshots, evaluated.aborted, evaluated.large, evaluated.rounds, str(out)
+            )
+        )
+    return 0
+
+
+def _history(args: argparse.Namespace, console: Console) -> int:
+    from stablewatch.pipeline.history import run_history
+
+    history = run_history(
+        args.archive,
+        args.out,
+        None if args.json else console,
+        **_evaluation_options(args),
+        evaluations=args.evaluations,
+        bucket_seconds=args.bucket,
+        chart=not args.no_chart,
+        first_day=args.from_day,
+        last_day=args.to_day,
+    )
+    if args.json:
+        _print_json(
+            {
+                "evaluated": history.evaluated,
+                "aborted": history.aborted,
+                "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
+                "termination_episodes": history.tables["termination_episodes"].num_rows,
+                "tables": [str(path) for path in history.files],
+                "chart": None if history.chart is None else str(history.chart),
+            }
+        )
+    return 0
+
+
+def _follow(args: argparse.Namespace, console: Console) -> int:
+    from stablewatch.pipeline.follow import follow
+
+    followed = follow(
+        args.archive,
+        args.out,
+        None if args.json else console,
+        **_evaluation_options(args),
+        checkpoint=args.checkpoint,
+        once=args.once,
+        interval=args.interval,
+        max_files=args.max_files,
+    )
+    if args.json:
+        _print_json({"batches": followed.batches, "snapshots": followed.snapshots, "out": str(args.out)})
+    return 0
+
+
+_JOBS = {"evaluate": _evaluate, "history": _history, "follow": _follow}
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,414 @@
+"""History across snapshots, as plain DataFrame functions over the evaluations and the archive.
+
+* :func:`runs` and :func:`episodes` — when a predicate began and stopped holding. Snapshots are
+  taken in the order they started; an unknown result (an open cut that could not decide) is
+  skipped, neither ending nor extending an episode. An episode *began* between the snapshot
+  before it (``began_after``, the last one where it did not hold) and its first snapshot
+  (``began_at``); it *ended* by the first later snapshot where it did not hold (``ended_at``,
+  null while it still holds). ``duration_seconds`` is from ``began_at`` to ``ended_at`` (or to
+  the last snapshot that saw it, ``last_seen_at``, while ``ongoing``).
+* :func:`deadlock_episodes` adds the processes and tasks involved; :func:`recurring_processes`
+  ranks the processes most often deadlocked; termination's episodes give the termination time.
+* :func:`conservation_drift` and :func:`conservation_summary` — observed, expected and drift
+  of every counter over time.
+* :func:`channel_backlog` — percentiles of the messages and bytes in flight per channel, over
+  time buckets and over the whole range; :func:`timeline` — one row per snapshot for the chart.
+* :func:`snapshot_outcomes` and :func:`abort_reasons` — how snapshots ended and how long they took.
+
+Every function is lazy; :func:`build_history` evaluates (or reads earlier evaluations), collects
+the tables (aggregates, small), writes them and draws the chart. :func:`run_history` is the job.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema
+from rich.console import Console
+
+from stablewatch.pipeline.chart import draw_history
+from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, write_evaluations
+from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
+from stablewatch.pipeline.session import get_session
+from stablewatch.pipeline.summary import history_report
+from stablewatch.pipeline.tables import Archive, open_archive
+
+__all__ = [
+    "History",
+    "abort_reasons",
+    "build_history",
+    "channel_backlog",
+    "conservation_drift",
+    "conservation_summary",
+    "deadlock_episodes",
+    "deadlocked_nodes",
+    "episodes",
+    "recurring_processes",
+    "run_history",
+    "runs",
+    "snapshot_outcomes",
+    "timeline",
+]
+
+_PERCENTILES = [0.5, 0.9, 0.99]
+_ACCURACY = 10_000
+_NODES = "struct<deadlocked: array<struct<process: string, task: string>>>"
+# MessageToJson writes int64 fields as strings and leaves out zeros.
+_CONSERVATION = "struct<counter: string, expected: string, observed: string, drift: string, baseline: boolean>"
+
+
+def _seconds(later: Column | str, earlier: Column | str) -> Column:
+    return (F.unix_micros(later) - F.unix_micros(earlier)) / 1e6
+
+
+def _verdict() -> Column:
+    error = F.coalesce(F.col("error"), F.lit("")) != ""
+    return F.when(F.col("unknown") | error, "unknown").when(F.col("holds"), "true").otherwise("false")
+
+
+def runs(evaluations: DataFrame, name: str) -> DataFrame:
+    """The decided snapshots of predicate `name`, in start order, numbered by run of equal verdicts.
+
+    Columns: ``snapshot_id, started_at, holds, run, prev_at, next_at`` — `run` increases each
+    time the verdict changes, `prev_at`/`next_at` are the starts of the decided snapshots just
+    before and after. One partition (one row per snapshot): O(n log n).
+    """
+    order = Window.partitionBy("name").orderBy("started_at", "snapshot_id")
+    decided = evaluations.filter((F.col("name") == name) & (_verdict() != "unknown"))
+    changed = F.lag("holds").over(order).isNull() | (F.lag("holds").over(order) != F.col("holds"))
+    return decided.select(
+        "name",
+        "snapshot_id",
+        "started_at",
+        "holds",
+        F.sum(F.when(changed, 1).otherwise(0)).over(order.rowsBetween(Window.unboundedPreceding, 0)).alias("run"),
+        F.lag("started_at").over(order).alias("prev_at"),
+        F.lead("started_at").over(order).alias("next_at"),
+    )
+
+
+def episodes(evaluations: DataFrame, name: str) -> DataFrame:
+    """The episodes in which predicate `name` held (see the module doc for the bounds).
+
+    Columns: ``episode, run, first_snapshot_id, last_snapshot_id, snapshots, began_after,
+    began_at, last_seen_at, ended_at, ongoing, duration_seconds``; episodes numbered from 1.
+    """
+    held = runs(evaluations, name).filter("holds")
+    order = F.struct("started_at", "snapshot_id")
+    found = held.groupBy("run").agg(
+        F.min(order).alias("first"),
+        F.max(order).alias("last"),
+        F.count(F.lit(1)).alias("snapshots"),
+        F.min_by("prev_at", order).alias("began_after"),
+        F.max_by("next_at", order).alias("ended_at"),
+    )
+    numbered = Window.partitionBy(F.lit(name)).orderBy("began_at")
+    return (
+        found.select(
+            "run",
+            F.col("first.snapshot_id").alias("first_snapshot_id"),
+            F.col("last.snapshot_id").alias("last_snapshot_id"),
+            "snapshots",
+            "began_after",
+            F.col("first.started_at").alias("began_at"),
+            F.col("last.started_at").alias("last_seen_at"),
+            "ended_at",
+        )
+        .withColumn("ongoing", F.col("ended_at").isNull())
+        .withColumn("duration_seconds", _seconds(F.coalesce("ended_at", "last_seen_at"), "began_at"))
+        .withColumn("episode", F.row_number().over(numbered))
+        .select("episode", *[c for c in _EPISODE_COLUMNS if c != "episode"])
+    )
+
+
+_EPISODE_COLUMNS = [
+    "episode",
+    "run",
+    "first_snapshot_id",
+    "last_snapshot_id",
+    "snapshots",
+    "began_after",
+    "began_at",
+    "last_seen_at",
+    "ended_at",
+    "ongoing",
+    "duration_seconds",
+]
+
+
+def deadlocked_nodes(evaluations: DataFrame) -> DataFrame:
+    """Every deadlocked node of every snapshot: ``snapshot_id, started_at, process, task, label``."""
+    deadlocks = evaluations.filter((F.col("name") == "deadlock") & F.col("holds"))
+    nodes = deadlocks.select(
+        "snapshot_id", "started_at", F.explode(F.from_json("evidence", _NODES)["deadlocked"]).alias("node")
+    )
+    task = F.coalesce(F.col("node.task"), F.lit(""))
+    return nodes.select(
+        "snapshot_id",
+        "started_at",
+        F.col("node.process").alias("process"),
+        task.alias("task"),
+        F.when(task == "", F.col("node.process")).otherwise(F.concat_ws("/", "node.process", task)).alias("label"),
+    )
+
+
+def deadlock_episodes(evaluations: DataFrame) -> DataFrame:
+    """:func:`episodes` of ``deadlock``, with the ``processes`` and ``tasks`` (``P/task``) involved and
+    ``max_deadlocked_nodes``, the most nodes deadlocked in one snapshot."""
+    nodes = deadlocked_nodes(evaluations).join(
+        runs(evaluations, "deadlock").select("snapshot_id", "run"), "snapshot_id"
+    )
+    involved = nodes.groupBy("run").agg(
+        F.array_sort(F.collect_set("process")).alias("processes"),
+        F.array_sort(F.collect_set(F.when(F.col("task") != "", F.col("label")))).alias("tasks"),
+    )
+    most = nodes.groupBy("run", "snapshot_id").count().groupBy("run").agg(F.max("count").alias("max_deadlocked_nodes"))
+    return episodes(evaluations, "deadlock").join(involved, "run", "left").join(most, "run", "left").orderBy("episode")
+
+
+def recurring_processes(evaluations: DataFrame) -> DataFrame:
+    """The processes found deadlocked, most often first: in how many snapshots and episodes, first and last seen."""
+    nodes = deadlocked_nodes(evaluations).join(
+        runs(evaluations, "deadlock").select("snapshot_id", "run"), "snapshot_id"
+    )
+    return (
+        nodes.groupBy("process")
+        .agg(
+            F.countDistinct("snapshot_id").alias("snapshots"),
+            F.countDistinct("run").alias("episodes"),
+            F.min("started_at").alias("first_seen_at"),
+            F.max("started_at").alias("last_seen_at"),
+            F.array_sort(F.collect_set(F.when(F.col("task") != "", F.col("label")))).alias("tasks"),
+        )
+        .orderBy(F.desc("snapshots"), F.desc("episodes"), "process")
+    )
+
+
+def conservation_drift(evaluations: DataFrame) -> DataFrame:
+    """Every conservation result: ``snapshot_id, started_at, counter, verdict, expected, observed, drift, baseline``."""
+    evidence = F.from_json("evidence", _CONSERVATION)
+    rows = evaluations.filter(F.col("name").startswith("conservation(")).withColumn("e", evidence)
+    return rows.select(
+        "snapshot_id",
+        "started_at",
+        F.col("e.counter").alias("counter"),
+        _verdict().alias("verdict"),
+        *(F.coalesce(F.col(f"e.{n}").cast("long"), F.lit(0)).alias(n) for n in ("expected", "observed", "drift")),
+        F.coalesce("e.baseline", F.lit(False)).alias("baseline"),
+    ).orderBy("started_at", "snapshot_id", "counter")
+
+
+def conservation_summary(drift: DataFrame) -> DataFrame:
+    """Per counter, from :func:`conservation_drift`: how often it held, was violated or unknown; the worst drift."""
+    violated = F.col("verdict") == "false"
+    last_decided = F.when(F.col("verdict") != "unknown", F.struct("started_at", "snapshot_id"))  # max_by skips nulls
+    return (
+        drift.groupBy("counter")
+        .agg(
+            F.count(F.lit(1)).alias("snapshots"),
+            F.count(F.when(F.col("verdict") == "true", 1)).alias("held"),
+            F.count(F.when(violated, 1)).alias("violated"),
+            F.count(F.when(F.col("verdict") == "unknown", 1)).alias("unknown"),
+            F.max(F.when(F.col("verdict") != "unknown", F.abs("drift"))).alias("max_abs_drift"),
+            F.min(F.when(violated, F.col("started_at"))).alias("first_violation_at"),
+            F.max_by("drift", last_decided).alias("last_drift"),
+            F.max_by("expected", last_decided).alias("expected"),
+        )
+        .orderBy("counter")
+    )
+
+
+def _percentiles(column: str, prefix: str) -> list[Column]:
+    values = F.percentile_approx(column, _PERCENTILES, _ACCURACY)
+    named = [values[i].alias(f"{prefix}_p{round(p * 100)}") for i, p in enumerate(_PERCENTILES)]
+    return [*named, F.max(column).alias(f"{prefix}_max")]
+
+
+def channel_backlog(channels: DataFrame, snapshots: DataFrame, bucket_seconds: int | None = None) -> DataFrame:
+    """Percentiles (p50, p90, p99, max) of messages and bytes in flight per channel, over completed snapshots.
+
+    With `bucket_seconds`, one row per time bucket (``bucket_start``) and channel; without, one
+    row per channel over the whole range. Approximate percentiles (``percentile_approx``, exact
+    for up to 10 000 values per group).
+    """
+    started = snapshots.filter(F.col("outcome") == "completed").select("snapshot_id", "day", "started_at")
+    rows = channels.join(started, ["snapshot_id", "day"])
+    keys: list[Column] = [F.col("src"), F.col("dst")]
+    if bucket_seconds:
+        start = F.floor(F.unix_seconds("started_at") / bucket_seconds) * bucket_seconds
+        keys.insert(0, F.timestamp_seconds(start).alias("bucket_start"))
+    return (
+        rows.groupBy(*keys)
+        .agg(
+            F.countDistinct("snapshot_id").alias("snapshots"),
+            *_percentiles("recorded", "messages"),
+            *_percentiles("recorded_bytes", "bytes"),
+        )
+        .orderBy(*(["bucket_start"] if bucket_seconds else []), "src", "dst")
+    )
+
+
+def timeline(evaluations: DataFrame, snapshots: DataFrame, channels: DataFrame) -> DataFrame:
+    """One row per completed snapshot: deadlock verdict, deadlocked processes, messages and bytes in flight.
+
+    Columns: ``snapshot_id, started_at, deadlock, deadlocked_processes, messages_in_flight,
+    recorded_bytes, busiest_channel_messages``.
+    """
+    deadlock = evaluations.filter(F.col("name") == "deadlock").select("snapshot_id", _verdict().alias("deadlock"))
+    processes = (
+        deadlocked_nodes(evaluations)
+        .groupBy("snapshot_id")
+        .agg(F.countDistinct("process").alias("deadlocked_processes"))
+    )
+    busiest = channels.groupBy("snapshot_id").agg(F.max("recorded").alias("busiest_channel_messages"))
+    completed = snapshots.filter(F.col("outcome") == "completed")
+    return (
+        completed.select("snapshot_id", "started_at", "messages_in_flight", "recorded_bytes")
+        .join(deadlock, "snapshot_id", "left")
+        .join(processes, "snapshot_id", "left")
+        .join(busiest, "snapshot_id", "left")
+        .fillna(0, ["deadlocked_processes", "busiest_channel_messages"])
+        .select(
+            "snapshot_id",
+            "started_at",
+            "deadlock",
+            "deadlocked_processes",
+            "messages_in_flight",
+            "recorded_bytes",
+            "busiest_channel_messages",
+        )
+        .orderBy("started_at", "snapshot_id")
+    )
+
+
+def snapshot_outcomes(snapshots: DataFrame) -> DataFrame:
+    """Snapshots by outcome and abort kind, with their durations' percentiles (seconds)."""
+    duration = _seconds("finished_at", "started_at")
+    return (
+        snapshots.withColumn("seconds", duration)
+        .groupBy("outcome", F.coalesce("abort_kind", F.lit("")).alias("abort_kind"))
+        .agg(F.count(F.lit(1)).alias("snapshots"), *_percentiles("seconds", "seconds"))
+        .orderBy("outcome", "abort_kind")
+    )
+
+
+def abort_reasons(snapshots: DataFrame, top: int = 20) -> DataFrame:
+    """The `top` most frequent abort reasons: kind, reason, how many, first and last time."""
+    return (
+        snapshots.filter(F.col("outcome") == "aborted")
+        .groupBy("abort_kind", "abort_reason")
+        .agg(
+            F.count(F.lit(1)).alias("snapshots"),
+            F.min("started_at").alias("first_at"),
+            F.max("started_at").alias("last_at"),
+        )
+        .orderBy(F.desc("snapshots"), "abort_kind", "abort_reason")
+        .limit(top)
+    )
+
+
+# -- the job ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class History:
+    """The history tables (collected: they are aggregates) and where they were written."""
+
+    tables: dict[str, pa.Table]
+    out: Path
+    chart: Path | None = None
+    evaluated: int = 0  # snapshots evaluated in this run (0 when earlier evaluations were read)
+    aborted: int = 0
+    first_at: datetime | None = None  # the first and last completed snapshot's start
+    last_at: datetime | None = None
+    files: list[Path] = field(default_factory=list)
+
+
+def build_history(
+    archive: Archive, evaluations: DataFrame, out: Path, bucket_seconds: int = 60, chart: bool = True
+) -> History:
+    """Compute every history table from `evaluations` and `archive`; write them to ``out/history``; draw the chart."""
+    snapshots = archive.table("snapshots").drop("snapshot")
+    channels = archive.table("channels")
+    drift = conservation_drift(evaluations)
+    frames = {
+        "deadlock_episodes": deadlock_episodes(evaluations),
+        "recurring_processes": recurring_processes(evaluations),
+        "termination_episodes": episodes(evaluations, "termination"),
+        "conservation": drift,
+        "conservation_summary": conservation_summary(drift),
+        "channel_backlog": channel_backlog(channels, snapshots),
+        "channel_backlog_over_time": channel_backlog(channels, snapshots, bucket_seconds),
+        "timeline": timeline(evaluations, snapshots, channels),
+        "snapshot_outcomes": snapshot_outcomes(snapshots),
+        "abort_reasons": abort_reasons(snapshots),
+    }
+    with archive.reading():
+        tables = {name: frame.toArrow() for name, frame in frames.items()}
+    folder = out / "history"
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for name, table in tables.items():
+        path = folder / f"{name}.parquet"
+        pq.write_table(table, path)
+        files.append(path)
+    history = History(tables, out, files=files)
+    times = tables["timeline"].column("started_at")
+    if len(times):
+        history.first_at, history.last_at = times[0].as_py(), times[-1].as_py()
+    if chart:
+        history.chart = draw_history(tables["timeline"], tables["deadlock_episodes"], out / "history.png")
+    return history
+
+
+def run_history(
+    archive: Path,
+    out: Path,
+    console: Console | None = None,
+    *,
+    expected: Mapping[str, int] | None = None,
+    predicates: Sequence[str] = (),
+    evaluations: Path | None = None,
+    bucket_seconds: int = 60,
+    reduce_above: int | None = None,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    finish_edges: int = DEFAULT_FINISH_EDGES,
+    chart: bool = True,
+    first_day: str | None = None,
+    last_day: str | None = None,
+    spark: SparkSession | None = None,
+) -> History:
+    """The ``history`` job, callable from Python: evaluate `archive` (or read `evaluations`, the output
+    of an earlier ``evaluate``), write ``out/evaluations``, ``out/history/*.parquet`` and
+    ``out/history.png``, and print the summary on `console` (when given). `first_day` and
+    `last_day` limit the day partitions read.
+
+    Raises ArchiveError (naming the file) for bad input.
+    """
+    spark = spark or get_session()
+    opened = open_archive(spark, Path(archive), first_day, last_day)
+    for table in ("snapshots", "channels"):  # check every file it reads before any work
+        opened.files(table)
+    out = Path(out)
+    evaluated = aborted = 0
+    if evaluations is None:
+        result = evaluate_archive(
+            opened, expected, predicates, reduce_above=reduce_above, max_rounds=max_rounds, finish_edges=finish_edges
+        )
+        evaluated, aborted = result.snapshots, result.aborted
+        evaluations = out / "evaluations"
+        write_evaluations(result.evaluations, evaluations, opened)
+    frame = spark.read.schema(from_arrow_schema(EVALUATIONS)).parquet(str(evaluations)).cache()
+    history = build_history(opened, frame, out, bucket_seconds, chart)
+    frame.unpersist()
+    history.evaluated, history.aborted = evaluated, aborted
+    if console is not None:
+        console.print(history_report(history))
+    return history

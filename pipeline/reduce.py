@@ -1,0 +1,292 @@
+"""Deadlock in wait-for graphs too large for one worker: graph reduction on DataFrames, then the shared algorithm.
+
+Theory of operation. A snapshot archived without its blob (over ``MAX_BLOB_BYTES``) may hold
+millions of wait-for nodes: too many for one Python process and networkx. Its wait-for graph is
+built from the archive's rows with the very rules of :func:`~stablewatch.detector.evaluation.waitfor.build_wait_for`
+(:func:`wait_for_frames`), then reduced on DataFrames (:func:`reduce_wait_for`): each round
+releases every node without remaining out-edges, drops the edges into them, and drops every
+edge of an OR waiter that had one (it is released too). An AND waiter is released once it has
+lost all its edges. Each round cuts the lineage (``localCheckpoint``) and the rounds are capped:
+a chain of n links would cost n rounds, so after the cap the edges that remain go to one process
+(:func:`remaining_graphs`) and :func:`~stablewatch.detector.evaluation.waitfor.find_deadlock`
+finishes the job there. Graph reduction is confluent (Holt, 1972): whatever was released in
+whatever order, the nodes never released are the same, so stopping after any round and
+finishing elsewhere gives exactly the deadlocked set of the whole graph.
+
+The remaining graph keeps the whole graph's node order for its waiters and each waiter's edge
+order, so the deadlock evidence (the cycle found, rotated to its smallest node; the knot; the
+empty channels; the number of separate deadlocks) is the shared function's on the whole graph:
+it only looks at deadlocked nodes and the edges among them, which reduction never removes.
+
+References
+----------
+R. C. Holt, "Some deadlock properties of computer systems", ACM Computing Surveys 4(3), 1972.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import networkx as nx
+import pyarrow as pa
+from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import functions as F
+
+from stablewatch.detector.evaluation.deadlock import AND, OR
+
+__all__ = [
+    "DEFAULT_FINISH_EDGES",
+    "DEFAULT_MAX_ROUNDS",
+    "WaitForFrames",
+    "counted_rows",
+    "graph_counts",
+    "numbered_edges",
+    "reduce_wait_for",
+    "remaining_graphs",
+    "remaining_rows",
+    "wait_for_frames",
+]
+
+#: Reduction rounds on DataFrames before what remains is finished by one process.
+DEFAULT_MAX_ROUNDS = 8
+#: Edges that one process finishes without reducing on DataFrames first (networkx holds them in about 1 GB).
+DEFAULT_FINISH_EDGES = 1_000_000
+
+_SHIFT = 2**31  # packs two int32 positions into one sortable int64
+_ID = "snapshot_id"
+
+
+@dataclass(frozen=True)
+class WaitForFrames:
+    """The wait-for graphs of some snapshots as two DataFrames.
+
+    `waiters`: one row per waiter node — ``snapshot_id, process, task, is_or, rank`` — where
+    `rank` orders the waiters as ``build_wait_for`` inserts them (by process, then by the
+    waiter's first wait; a passive process's implicit OR over its tasks last).
+
+    `edges`: one row per ``(waiter, target)`` pair — ``snapshot_id, process, task,
+    target_process, target_task, is_or, counted, flow_control, position`` — where `counted` is
+    False for a pair set aside by the in-flight rule, `flow_control` marks a counted edge from a
+    flow-control wait, and `position` orders a waiter's edges as ``build_wait_for`` adds them.
+    """
+
+    waiters: DataFrame
+    edges: DataFrame
+
+
+def _pack(high: Column, low: Column | int) -> Column:
+    return high.cast("long") * _SHIFT + (low if isinstance(low, Column) else F.lit(low)).cast("long")
+
+
+def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataFrame) -> WaitForFrames:
+    """Return the wait-for graphs of the snapshots in the three archive tables (same columns as the archive).
+
+    The rules are those of ``build_wait_for``: every declared wait makes its ``(process, task)`` a
+    waiter, AND unless all its waits are OR; a passive process with waiting tasks and no wait of
+    its own is an OR waiter over those tasks; a recorded message on ``target -> waiter`` that may
+    wake the waiter (not ``no_wake``; its ``wakes_task`` empty or the waiter's task) satisfies
+    that edge unless it is a flow-control wait; a satisfied edge releases an OR waiter (all its
+    edges are set aside) and is set aside from an AND waiter (a pair is counted while any wait on
+    it is unmet). Every node that is not a waiter is free.
+
+    Lazy: a few joins and aggregations, O(processes + wait edges + messages) rows shuffled.
+    """
+    waits = wait_edges.select(
+        _ID,
+        F.col("waiter_process").alias("process"),
+        F.coalesce("waiter_task", F.lit("")).alias("task"),
+        "target_process",
+        F.coalesce("target_task", F.lit("")).alias("target_task"),
+        (F.col("model") == OR).alias("or_wait"),
+        F.coalesce("flow_control", F.lit(False)).alias("flow_control"),
+        "wait_index",
+        "target_index",
+    )
+    procs = processes.select(_ID, F.col("process_id").alias("process"), "process_index", "active")
+
+    declared = waits.groupBy(_ID, "process", "task").agg(
+        F.min("wait_index").alias("first_wait"), F.bool_and("or_wait").alias("is_or")
+    )
+    has = waits.groupBy(_ID, "process").agg(
+        F.bool_or(F.col("task") == "").alias("own_wait"), F.bool_or(F.col("task") != "").alias("task_waits")
+    )
+    implicit = (
+        has.filter(~F.col("own_wait") & F.col("task_waits"))
+        .join(procs.filter(~F.coalesce("active", F.lit(False))), [_ID, "process"])
+        .select(_ID, "process", "process_index")
+    )
+    waiters = declared.join(procs, [_ID, "process"]).select(
+        _ID, "process", "task", "is_or", _pack(F.col("process_index"), F.col("first_wait")).alias("rank")
+    )
+    waiters = waiters.unionByName(
+        implicit.select(
+            _ID,
+            "process",
+            F.lit("").alias("task"),
+            F.lit(True).alias("is_or"),
+            _pack(F.col("process_index"), _SHIFT - 1).alias("rank"),
+        )
+    )
+
+    stated = waits.filter(F.col("target_process").isNotNull()).select(
+        _ID,
+        "process",
+        "task",
+        "target_process",
+        "target_task",
+        "flow_control",
+        _pack(F.col("wait_index"), F.col("target_index")).alias("position"),
+    )
+    over_tasks = (
+        declared.filter(F.col("task") != "")
+        .join(implicit, [_ID, "process"])
+        .select(
+            _ID,
+            "process",
+            F.lit("").alias("task"),
+            F.col("process").alias("target_process"),
+            F.col("task").alias("target_task"),
+            F.lit(False).alias("flow_control"),
+            _pack(F.col("first_wait"), 0).alias("position"),
+        )
+    )
+    instances = stated.unionByName(over_tasks).join(
+        waiters.select(_ID, "process", "task", "is_or"), [_ID, "process", "task"]
+    )
+
+    waking = (
+        messages.filter(~F.coalesce("no_wake", F.lit(False)))
+        .groupBy(_ID, F.col("src").alias("target_process"), F.col("dst").alias("process"))
+        .agg(
+            F.bool_or(F.coalesce("wakes_task", F.lit("")) == "").alias("wakes_all"),
+            F.collect_set("wakes_task").alias("wakes_tasks"),
+        )
+    )
+    satisfied = (
+        ~F.col("flow_control")
+        & F.col("wakes_all").isNotNull()
+        & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("task")))
+    )
+    waiter = Window.partitionBy(_ID, "process", "task")
+    instances = (
+        instances.join(waking, [_ID, "target_process", "process"], "left")
+        .withColumn("satisfied", satisfied)
+        .withColumn("or_released", F.col("is_or") & F.bool_or("satisfied").over(waiter))
+    )
+    edges = instances.groupBy(_ID, "process", "task", "target_process", "target_task").agg(
+        F.first("is_or").alias("is_or"),
+        (F.bool_or(~F.col("satisfied")) & ~F.first("or_released")).alias("counted"),
+        F.bool_or(~F.col("satisfied") & F.col("flow_control")).alias("flow_control"),
+        F.min("position").alias("position"),
+    )
+    return WaitForFrames(waiters, edges)
+
+
+def graph_counts(frames: WaitForFrames) -> DataFrame:
+    """Per snapshot: ``waiters``, counted ``edges`` and ``discounted`` pairs (what the no-deadlock summary counts)."""
+    waiters = frames.waiters.groupBy(_ID).agg(F.count(F.lit(1)).alias("waiters"))
+    edges = frames.edges.groupBy(_ID).agg(
+        F.count(F.when(F.col("counted"), 1)).alias("edges"), F.count(F.when(~F.col("counted"), 1)).alias("discounted")
+    )
+    return waiters.join(edges, _ID, "left").fillna(0, ["edges", "discounted"])
+
+
+def numbered_edges(frames: WaitForFrames) -> tuple[DataFrame, DataFrame]:
+    """Number every node and return ``(nodes, edges)``: the counted edges as ``waiter, target, is_or`` longs.
+
+    `nodes` maps ``snapshot_id, process, task`` to ``node`` (unique across snapshots) and is
+    materialized (``localCheckpoint``), since the numbers are not deterministic. Reduction then
+    shuffles integers, not strings.
+    """
+    counted = frames.edges.filter("counted")
+    nodes = (
+        counted.select(_ID, "process", "task")
+        .unionByName(counted.select(_ID, F.col("target_process").alias("process"), F.col("target_task").alias("task")))
+        .distinct()
+        .withColumn("node", F.monotonically_increasing_id())
+        .localCheckpoint()
+    )
+    waiter = nodes.withColumnRenamed("node", "waiter")
+    target = nodes.select(
+        _ID, F.col("process").alias("target_process"), F.col("task").alias("target_task"), F.col("node").alias("target")
+    )
+    edges = counted.join(waiter, [_ID, "process", "task"]).join(target, [_ID, "target_process", "target_task"])
+    return nodes, edges.select("waiter", "target", "is_or")
+
+
+def reduce_wait_for(
+    edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS, finish_edges: int = 0
+) -> tuple[DataFrame, int]:
+    """Release waiters round by round; return the edges that remain and the number of rounds run.
+
+    `edges` has columns ``waiter``, ``target`` and ``is_or`` (the waiter's model), one row per
+    distinct edge; a node is a waiter while it has edges, so every other node is free. A round
+    releases the targets that have no edges and removes the edges into them, and every edge of an
+    OR waiter that had one. It stops at a fixpoint (then the waiters that remain are exactly the
+    deadlocked nodes), after `max_rounds` rounds, or as soon as at most `finish_edges` edges
+    remain (one process finishes those faster than more rounds would). Each round is
+    materialized with ``localCheckpoint``, so the plan does not grow with the rounds.
+
+    Whatever remains has the same deadlocked nodes as `edges` (reduction is confluent): finish it
+    with :func:`~stablewatch.detector.evaluation.deadlock.deadlocked_nodes`.
+
+    Complexity: per round, two shuffles of the remaining edges; rounds at most `max_rounds`.
+    """
+    remaining = edges.localCheckpoint()
+    size = remaining.count()
+    rounds = 0
+    while rounds < max_rounds and size > finish_edges:
+        blocked = remaining.select(F.col("waiter").alias("target")).distinct().withColumn("blocked", F.lit(True))
+        marked = remaining.join(blocked, "target", "left")
+        released = F.col("blocked").isNull()
+        or_released = marked.filter(F.col("is_or") & released).select("waiter").distinct()
+        after = (
+            marked.filter(~released)
+            .join(or_released, "waiter", "left_anti")
+            .select("waiter", "target", "is_or")
+            .localCheckpoint()
+        )
+        rounds += 1
+        after_size = after.count()
+        remaining, unchanged = after, after_size == size
+        size = after_size
+        if unchanged:
+            break
+    return remaining, rounds
+
+
+def counted_rows(frames: WaitForFrames) -> DataFrame:
+    """Every counted edge with its labels, model, flow control and orders, for :func:`remaining_graphs`."""
+    return frames.edges.filter("counted").drop("is_or", "counted").join(frames.waiters, [_ID, "process", "task"])
+
+
+def remaining_rows(frames: WaitForFrames, nodes: DataFrame, remaining: DataFrame) -> DataFrame:
+    """The `remaining` edges (numbered as by :func:`numbered_edges`) as :func:`counted_rows` gives them."""
+    waiter = nodes.withColumnRenamed("node", "waiter")
+    target = nodes.select(
+        F.col("process").alias("target_process"), F.col("task").alias("target_task"), F.col("node").alias("target")
+    )
+    labelled = remaining.join(waiter, "waiter").join(target, "target")
+    keys = [_ID, "process", "task", "target_process", "target_task"]
+    return labelled.select(*keys).join(counted_rows(frames), keys)
+
+
+def remaining_graphs(rows: pa.Table) -> dict[int, nx.DiGraph]:
+    """Build each snapshot's wait-for graph from :func:`counted_rows` or :func:`remaining_rows`, in its order.
+
+    Waiters are added by rank with their ``model``, then each waiter's edges by position (with
+    ``flow_control=True`` where set), so node and successor orders match ``build_wait_for``'s
+    on the whole snapshot. O(rows log rows).
+    """
+    columns = ["snapshot_id", "rank", "position", "process", "task", "is_or", "target_process", "target_task"]
+    ordered = rows.sort_by([("snapshot_id", "ascending"), ("rank", "ascending"), ("position", "ascending")])
+    graphs: dict[int, nx.DiGraph] = {}
+    records = list(zip(*(ordered.column(name).to_pylist() for name in [*columns, "flow_control"]), strict=True))
+    for sid, _, _, process, task, is_or, _, _, _ in records:
+        graphs.setdefault(sid, nx.DiGraph()).add_node((process, task), model=OR if is_or else AND)
+    for sid, _, _, process, task, _, target_process, target_task, flow_control in records:
+        if flow_control:
+            graphs[sid].add_edge((process, task), (target_process, target_task), flow_control=True)
+        else:
+            graphs[sid].add_edge((process, task), (target_process, target_task))
+    return graphs

@@ -1,0 +1,203 @@
+"""The jobs' terminal summaries, with rich: what a person reads after ``evaluate`` or ``history``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import TYPE_CHECKING, Any
+
+import pyarrow as pa
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:  # only for the annotation: history imports this module
+    from stablewatch.pipeline.history import History
+
+__all__ = ["evaluate_report", "history_report"]
+
+_ROWS = 10  # rows shown per table; the Parquet tables have them all
+
+
+def _when(moment: datetime | None) -> str:
+    return "—" if moment is None else moment.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _terminated(terminations: list[dict[str, Any]]) -> str:
+    if not terminations:
+        return "; never terminated"
+    first = _when(terminations[0]["began_at"])
+    return (
+        f"; terminated by {first}"
+        if len(terminations) == 1
+        else f"; terminated {len(terminations)} times, first by {first}"
+    )
+
+
+def _names(names: Sequence[str] | None, shown: int = 6) -> str:
+    names = list(names or [])
+    return ", ".join(names[:shown]) + (f", … ({len(names) - shown} more)" if len(names) > shown else "")
+
+
+def _table(title: str, columns: Sequence[str], rows: list[list[Any]], total: int) -> Table:
+    table = Table(title=title if total <= len(rows) else f"{title} ({len(rows)} of {total})", title_justify="left")
+    for column in columns:
+        table.add_column(column)
+    for row in rows:
+        table.add_row(*(str(cell) for cell in row))
+    return table
+
+
+def evaluate_report(verdicts: pa.Table, evaluated: int, aborted: int, large: int, rounds: int, out: str) -> Group:
+    """The ``evaluate`` summary: how many snapshots, and each predicate's true/false/unknown counts.
+
+    `verdicts` has columns ``name, true, false, unknown`` (one row per predicate).
+    """
+    line = f"evaluated {evaluated} snapshots ({aborted} aborted, not evaluated)"
+    if large:
+        line += f"; {large} too large for one worker, reduced on DataFrames in {rounds} rounds"
+    table = _table(
+        "predicates",
+        ["predicate", "true", "false", "unknown"],
+        [[r["name"], r["true"], r["false"], r["unknown"]] for r in verdicts.to_pylist()],
+        verdicts.num_rows,
+    )
+    return Group(Text(line), table, Text(f"results: {out}", style="dim"))
+
+
+def history_report(history: History) -> Group:
+    """The ``history`` summary: the headline, then deadlock episodes, recurring processes, termination,
+    conservation, snapshot outcomes and the busiest channels."""
+    t = history.tables
+    deadlocks = t["deadlock_episodes"].to_pylist()
+    ongoing = sum(1 for e in deadlocks if e["ongoing"])
+    terminations = t["termination_episodes"].to_pylist()
+    head = Text.assemble(
+        (f"{t['timeline'].num_rows} snapshots", "bold"),
+        f" from {_when(history.first_at)} to {_when(history.last_at)} UTC; ",
+        (f"{len(deadlocks)} deadlock episodes", "bold red" if deadlocks else "bold green"),
+        f" ({ongoing} ongoing)" if ongoing else "",
+        _terminated(terminations),
+    )
+    parts: list[RenderableType] = [head]
+    parts.append(
+        _table(
+            "deadlock episodes",
+            ["#", "began (after → by)", "ended by", "lasted", "snapshots", "processes", "tasks"],
+            [
+                [
+                    e["episode"],
+                    f"{_when(e['began_after'])} → {_when(e['began_at'])}",
+                    "ongoing" if e["ongoing"] else _when(e["ended_at"]),
+                    _duration(e["duration_seconds"]),
+                    f"{e['first_snapshot_id']}..{e['last_snapshot_id']} ({e['snapshots']})",
+                    _names(e["processes"]),
+                    _names(e["tasks"]),
+                ]
+                for e in deadlocks[:_ROWS]
+            ],
+            len(deadlocks),
+        )
+    )
+    recurring = t["recurring_processes"].to_pylist()
+    parts.append(
+        _table(
+            "processes most often deadlocked",
+            ["process", "snapshots", "episodes", "first seen", "last seen"],
+            [
+                [r["process"], r["snapshots"], r["episodes"], _when(r["first_seen_at"]), _when(r["last_seen_at"])]
+                for r in recurring[:_ROWS]
+            ],
+            len(recurring),
+        )
+    )
+    parts.append(
+        _table(
+            "termination",
+            ["#", "terminated (after → by)", "snapshot", "until"],
+            [
+                [
+                    e["episode"],
+                    f"{_when(e['began_after'])} → {_when(e['began_at'])}",
+                    e["first_snapshot_id"],
+                    "still terminated" if e["ongoing"] else _when(e["ended_at"]),
+                ]
+                for e in terminations[:_ROWS]
+            ],
+            len(terminations),
+        )
+    )
+    counters = t["conservation_summary"].to_pylist()
+    parts.append(
+        _table(
+            "conservation",
+            ["counter", "expected", "held", "violated", "unknown", "max |drift|", "last drift", "first violation"],
+            [
+                [
+                    c["counter"],
+                    c["expected"],
+                    c["held"],
+                    c["violated"],
+                    c["unknown"],
+                    c["max_abs_drift"],
+                    c["last_drift"],
+                    _when(c["first_violation_at"]),
+                ]
+                for c in counters
+            ],
+            len(counters),
+        )
+    )
+    outcomes = t["snapshot_outcomes"].to_pylist()
+    parts.append(
+        _table(
+            "snapshot outcomes",
+            ["outcome", "abort kind", "snapshots", "p50", "p99", "max"],
+            [
+                [
+                    o["outcome"],
+                    o["abort_kind"],
+                    o["snapshots"],
+                    _duration(o["seconds_p50"]),
+                    _duration(o["seconds_p99"]),
+                    _duration(o["seconds_max"]),
+                ]
+                for o in outcomes
+            ],
+            len(outcomes),
+        )
+    )
+    channels = sorted(t["channel_backlog"].to_pylist(), key=lambda c: (-c["messages_p99"], c["src"], c["dst"]))
+    parts.append(
+        _table(
+            "busiest channels (messages in flight per snapshot)",
+            ["channel", "p50", "p90", "p99", "max", "bytes p99"],
+            [
+                [
+                    f"{c['src']} → {c['dst']}",
+                    c["messages_p50"],
+                    c["messages_p90"],
+                    c["messages_p99"],
+                    c["messages_max"],
+                    c["bytes_p99"],
+                ]
+                for c in channels[:5]
+            ],
+            len(channels),
+        )
+    )
+    written = f"tables: {history.out / 'history'}"
+    if history.chart is not None:
+        written += f"; chart: {history.chart}"
+    parts.append(Text(written, style="dim"))
+    return Group(*parts)

@@ -1,0 +1,188 @@
+"""Seeded random global snapshots and archives for the pipeline's tests.
+
+The snapshots mix what the wait-for rules distinguish: AND, OR and unspecified waits, waits of
+tasks and of processes, flow-control waits, targets outside the cut, active and passive
+processes, recorded messages that wake their receiver, only one of its tasks, or nobody
+(heartbeats), and counters on processes and on messages; cuts are open or closed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from stablewatch.detector.archive.files import ensure_archive, write_batch
+from stablewatch.detector.archive.schema import snapshot_rows
+from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
+from stablewatch.pipeline.evaluate import order_key
+from stablewatch.v1 import (
+    WAIT_MODEL_AND,
+    WAIT_MODEL_OR,
+    ChannelSnapshot,
+    Evaluation,
+    GlobalSnapshot,
+    LocalState,
+    ProcessSnapshot,
+    RecordedMessage,
+    Wait,
+    WaitNode,
+)
+from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED, SnapshotSummary
+
+START = datetime(2026, 3, 1, 23, 50, tzinfo=UTC)  # snapshots a few minutes apart cross midnight: two days
+_TASKS = ["", "", "", "t0", "t1"]
+_MODELS = [WAIT_MODEL_AND, WAIT_MODEL_OR, WAIT_MODEL_OR, 0]  # 0: unspecified, which counts as AND
+
+
+@dataclass
+class Archived:
+    """One archived snapshot: its summary, and its global state unless it was aborted."""
+
+    summary: SnapshotSummary
+    snapshot: GlobalSnapshot | None = None
+
+
+def random_snapshot(
+    rng: random.Random, snapshot_id: int, started_at: datetime, processes: int = 0, max_millis: int = 90_000
+) -> GlobalSnapshot:
+    """A random snapshot of `processes` processes (2 to 8 when 0) that took up to `max_millis`, seeded by `rng`."""
+    n = processes or rng.randint(2, 8)
+    pids = [f"P{i}" for i in range(n)]
+    outsiders = ["X0", "X1"] if rng.random() < 0.4 else []
+    snapshot = GlobalSnapshot(snapshot_id=snapshot_id)
+    snapshot.started_at.FromDatetime(started_at)
+    snapshot.completed_at.FromDatetime(started_at + timedelta(milliseconds=rng.randint(1, max_millis)))
+
+    def target() -> WaitNode:
+        process = rng.choice(outsiders) if outsiders and rng.random() < 0.1 else rng.choice(pids)
+        return WaitNode(process=process, task=rng.choice(_TASKS))
+
+    for pid in pids:
+        state = LocalState(active=rng.random() < 0.2)
+        for _ in range(rng.choice([0, 1, 1, 1, 2, 3])):
+            wait = Wait(task=rng.choice(_TASKS), model=rng.choice(_MODELS), flow_control=rng.random() < 0.1)
+            wait.targets.extend(target() for _ in range(rng.choice([0, 1, 1, 2, 2, 3])))
+            state.waits.append(wait)
+        if rng.random() < 0.8:
+            state.counters["tokens"] = rng.randint(0, 20)
+        if rng.random() < 0.2:
+            state.counters["credits"] = rng.randint(-3, 9)
+        if rng.random() < 0.2:
+            state.attributes.update({"queue": rng.randint(0, 5), "role": rng.choice(["a", "b"])})
+        snapshot.processes.append(ProcessSnapshot(process_id=pid, state=state))
+
+    for src, dst in rng.sample(
+        [(a, b) for a in pids for b in pids if a != b], k=min(n * (n - 1), rng.randint(0, 2 * n))
+    ):
+        messages = []
+        for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+            message = RecordedMessage(payload=rng.randbytes(rng.randint(0, 40)), no_wake=rng.random() < 0.3)
+            message.wakes_task = rng.choice(["", "", "t0", "t1"])
+            if rng.random() < 0.5:
+                message.counters["tokens"] = rng.randint(0, 5)
+            messages.append(message)
+        received = rng.randint(0, 50)
+        snapshot.channels.append(
+            ChannelSnapshot(
+                src=src,
+                dst=dst,
+                sent_before_marker=received + len(messages),
+                received_before_recording=received,
+                messages=messages,
+            )
+        )
+    snapshot.expected_members.extend(pids + (["P_gone"] if rng.random() < 0.08 else []))
+    if rng.random() < 0.05:
+        snapshot.expected_member_count = n + 1
+    if outsiders and rng.random() < 0.3:
+        snapshot.outside_peers.append(outsiders[0])
+    return snapshot
+
+
+def summary_of(snapshot: GlobalSnapshot) -> SnapshotSummary:
+    """The detector's summary of a completed `snapshot`."""
+    summary = SnapshotSummary(
+        snapshot_id=snapshot.snapshot_id,
+        outcome=SNAPSHOT_OUTCOME_COMPLETED,
+        processes=len(snapshot.processes),
+        channels=len(snapshot.channels),
+        messages_in_flight=sum(len(c.messages) for c in snapshot.channels),
+    )
+    summary.started_at.CopyFrom(snapshot.started_at)
+    summary.finished_at.CopyFrom(snapshot.completed_at)
+    return summary
+
+
+def aborted(snapshot_id: int, started_at: datetime, kind: str = "deadline", seconds: float = 5.0) -> Archived:
+    """An aborted snapshot: a summary row only."""
+    summary = SnapshotSummary(
+        snapshot_id=snapshot_id, outcome=SNAPSHOT_OUTCOME_ABORTED, abort_kind=kind, abort_reason=f"{kind}: test"
+    )
+    summary.started_at.FromDatetime(started_at)
+    summary.finished_at.FromDatetime(started_at + timedelta(seconds=seconds))
+    return Archived(summary)
+
+
+def random_archive(
+    seed: int, count: int, aborted_every: int = 0, max_millis: int = 90_000, first: int = 1
+) -> list[Archived]:
+    """`count` random snapshots a minute apart (ids from `first`); every `aborted_every`-th one aborted.
+
+    Snapshots take up to `max_millis`: over a minute, some finish after the next one.
+    """
+    rng = random.Random(seed)
+    items = []
+    for sid in range(first, first + count):
+        started = START + timedelta(minutes=sid)
+        if aborted_every and sid % aborted_every == 0:
+            items.append(aborted(sid, started))
+        else:
+            snapshot = random_snapshot(rng, sid, started, max_millis=max_millis)
+            items.append(Archived(summary_of(snapshot), snapshot))
+    return items
+
+
+def write_archive(
+    root: Path,
+    items: Iterable[Archived],
+    batch_size: int = 25,
+    evaluations: dict[int, Evaluation] | None = None,
+    blobless: Iterable[int] = (),
+) -> Path:
+    """Write `items` to the archive at `root` in batches of `batch_size` snapshots, as the detector does.
+
+    The snapshots whose ids are in `blobless` are archived as rows only, as the detector does for
+    one larger than ``MAX_BLOB_BYTES``.
+    """
+    ensure_archive(root)
+    batch: dict[str, list[dict]] = {}
+    items = list(items)
+    without_blob = set(blobless)
+    for i, item in enumerate(items, 1):
+        evaluation = (evaluations or {}).get(item.summary.snapshot_id)
+        rows = snapshot_rows(item.summary, item.snapshot, evaluation)
+        if item.summary.snapshot_id in without_blob:
+            rows["snapshots"][0]["snapshot"] = None
+        for table, table_rows in rows.items():
+            batch.setdefault(table, []).extend(table_rows)
+        if i % batch_size == 0 or i == len(items):
+            write_batch(root, batch)
+            batch = {}
+    return root
+
+
+def detector_evaluations(
+    items: Sequence[Archived], expected: dict[str, int] | None = None, plugins: Sequence[UserPredicate] = ()
+) -> dict[int, Evaluation]:
+    """Evaluate the completed snapshots as the detector does: in the order they finished, keeping baselines."""
+    totals = dict(expected or {})
+    completed = [item.snapshot for item in items if item.snapshot is not None]
+    evaluations = {}
+    for snapshot in sorted(completed, key=lambda s: order_key(s.completed_at.ToDatetime(UTC), s.snapshot_id)):
+        evaluation = evaluate(snapshot, totals, plugins)
+        totals.update(new_baselines(evaluation))
+        evaluations[snapshot.snapshot_id] = evaluation
+    return evaluations

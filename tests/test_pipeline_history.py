@@ -1,0 +1,174 @@
+"""``history`` finds episodes that begin and end, with the right bounds, and the rest of the history.
+
+A scripted archive of 25 snapshots a minute apart, processes P0..P4 holding 20 tokens each:
+
+* 5-8: P0 and P1 wait on each other (deadlock episode 1); 9 is aborted, so it ends by 10;
+* 13: an open cut without a deadlock: unknown, skipped by episodes;
+* 14-17: P2's task t0 and P3 wait on each other, P2 passive (episode 2, begun after 12);
+  15 is missing 5 tokens;
+* 21-23: every process passive, nothing in flight: terminated, until 24;
+* 24-25: P4 and P0 wait on each other (episode 3, still going at the end).
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime, timedelta
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from pyspark.sql import SparkSession
+from rich.console import Console
+from snapshot_gen import START, Archived, aborted, summary_of, write_archive
+
+from stablewatch.pipeline import cli
+from stablewatch.pipeline.history import History, run_history
+from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, LocalState, ProcessSnapshot, RecordedMessage, Wait, WaitNode
+
+pytestmark = pytest.mark.timeout(600)
+
+PIDS = ["P0", "P1", "P2", "P3", "P4"]
+CYCLES = {**dict.fromkeys(range(5, 9), ("P0", "P1")), **dict.fromkeys(range(24, 26), ("P4", "P0"))}
+
+
+def at(sid: int) -> datetime:
+    """When snapshot `sid` started."""
+    return START + timedelta(minutes=sid)
+
+
+def scripted_snapshot(sid: int) -> GlobalSnapshot:
+    snapshot = GlobalSnapshot(snapshot_id=sid, expected_members=PIDS + (["P9"] if sid == 13 else []))
+    snapshot.started_at.FromDatetime(at(sid))
+    snapshot.completed_at.FromDatetime(at(sid) + timedelta(seconds=2))
+    terminated = 21 <= sid <= 23
+    for pid in PIDS:
+        state = LocalState(
+            active=not terminated and pid == ("P2" if sid in CYCLES else "P0" if 14 <= sid <= 17 else "P1")
+        )
+        state.counters["tokens"] = 15 if (sid, pid) == (15, "P4") else 20
+        if sid in CYCLES and pid in CYCLES[sid]:
+            other = CYCLES[sid][1 - CYCLES[sid].index(pid)]
+            state.waits.append(Wait(targets=[WaitNode(process=other)]))
+        if 14 <= sid <= 17 and pid == "P2":
+            state.waits.append(Wait(task="t0", targets=[WaitNode(process="P3")]))
+        if 14 <= sid <= 17 and pid == "P3":
+            state.waits.append(Wait(targets=[WaitNode(process="P2", task="t0")]))
+        snapshot.processes.append(ProcessSnapshot(process_id=pid, state=state))
+    backlog = 0 if terminated else sid % 4
+    snapshot.channels.append(
+        ChannelSnapshot(
+            src="P1",
+            dst="P2",
+            sent_before_marker=backlog,
+            messages=[RecordedMessage(payload=b"x" * 10) for _ in range(backlog)],
+        )
+    )
+    return snapshot
+
+
+def scripted() -> list[Archived]:
+    items = []
+    for sid in range(1, 26):
+        if sid == 9:
+            items.append(aborted(sid, at(sid), kind="deadline", seconds=5))
+        else:
+            snapshot = scripted_snapshot(sid)
+            items.append(Archived(summary_of(snapshot), snapshot))
+    return items
+
+
+@pytest.fixture(scope="module")
+def history(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> History:
+    archive = write_archive(tmp_path_factory.mktemp("archive"), scripted(), batch_size=4)
+    return run_history(archive, tmp_path_factory.mktemp("out"), bucket_seconds=600)
+
+
+def test_deadlock_episodes_begin_and_end_with_their_bounds(history: History) -> None:
+    found = history.tables["deadlock_episodes"].to_pylist()
+    columns = ["episode", "first_snapshot_id", "last_snapshot_id", "snapshots", "began_after", "began_at"]
+    columns += ["last_seen_at", "ended_at", "ongoing", "duration_seconds"]
+    bounds = [tuple(e[c] for c in columns) for e in found]
+    assert bounds == [
+        (1, 5, 8, 4, at(4), at(5), at(8), at(10), False, 300.0),  # 9 was aborted: ended by 10
+        (2, 14, 17, 4, at(12), at(14), at(17), at(18), False, 240.0),  # 13 was unknown: began after 12
+        (3, 24, 25, 2, at(23), at(24), at(25), None, True, 60.0),  # still deadlocked at the end
+    ]
+    assert [(e["processes"], e["tasks"], e["max_deadlocked_nodes"]) for e in found] == [
+        (["P0", "P1"], [], 2),
+        (["P2", "P3"], ["P2/t0"], 3),  # P2 itself waits (OR) on its task t0
+        (["P0", "P4"], [], 2),
+    ]
+
+
+def test_termination_and_the_processes_most_often_deadlocked(history: History) -> None:
+    (terminated,) = history.tables["termination_episodes"].to_pylist()
+    assert (terminated["first_snapshot_id"], terminated["began_after"], terminated["began_at"]) == (21, at(20), at(21))
+    assert (terminated["ended_at"], terminated["ongoing"]) == (at(24), False)
+    recurring = [
+        (r["process"], r["snapshots"], r["episodes"]) for r in history.tables["recurring_processes"].to_pylist()
+    ]
+    assert recurring == [("P0", 6, 2), ("P1", 4, 1), ("P2", 4, 1), ("P3", 4, 1), ("P4", 2, 1)]
+
+
+def test_conservation_backlog_and_outcomes(history: History) -> None:
+    (tokens,) = history.tables["conservation_summary"].to_pylist()
+    assert (tokens["counter"], tokens["expected"], tokens["held"], tokens["violated"], tokens["unknown"]) == (
+        "tokens",
+        100,
+        22,
+        1,
+        1,
+    )
+    assert (tokens["max_abs_drift"], tokens["first_violation_at"], tokens["last_drift"]) == (5, at(15), 0)
+    drift = {r["snapshot_id"]: r["drift"] for r in history.tables["conservation"].to_pylist()}
+    assert drift[15] == -5 and drift[16] == 0
+    (channel,) = history.tables["channel_backlog"].to_pylist()
+    assert (channel["src"], channel["dst"], channel["snapshots"], channel["messages_max"], channel["bytes_max"]) == (
+        "P1",
+        "P2",
+        24,
+        3,
+        30,
+    )
+    buckets = history.tables["channel_backlog_over_time"].to_pylist()
+    assert sum(b["snapshots"] for b in buckets) == 24 and len(buckets) == 3  # 10-minute buckets
+    outcomes = {(o["outcome"], o["abort_kind"]): o for o in history.tables["snapshot_outcomes"].to_pylist()}
+    assert outcomes["completed", ""]["snapshots"] == 24 and outcomes["completed", ""]["seconds_max"] == 2.0
+    assert outcomes["aborted", "deadline"]["snapshots"] == 1
+    timeline = history.tables["timeline"].to_pylist()
+    assert [r["deadlocked_processes"] for r in timeline if r["deadlock"] == "true"] == [2] * 4 + [2] * 4 + [2] * 2
+    assert [r["snapshot_id"] for r in timeline if r["deadlock"] == "unknown"] == [13]
+
+
+def test_tables_chart_and_summary_are_written(history: History) -> None:
+    for path in history.files:
+        assert pq.read_table(path).num_rows == history.tables[path.stem].num_rows
+    assert history.chart is not None and history.chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert pq.read_table(history.out / "evaluations").num_rows == 24 * 3  # deadlock, termination, tokens
+
+
+def test_history_from_earlier_evaluations_via_the_command(
+    history: History, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    archive = write_archive(tmp_path / "archive", scripted(), batch_size=4)
+    args = ["history", "--archive", str(archive), "--out", str(tmp_path / "out")]
+    status = cli.main([*args, "--evaluations", str(history.out / "evaluations"), "--no-chart"])
+    assert status == 0
+    console = " ".join(capsys.readouterr().out.split())  # as printed, wrapped at 80 columns
+    assert "24 snapshots" in console and "3 deadlock episodes" in console and "1 ongoing" in console
+    assert "P2/t0" in console
+    assert not (tmp_path / "out" / "history.png").exists()
+    status = cli.main([*args, "--json", "--evaluations", str(history.out / "evaluations")])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status == 0
+    assert (printed["deadlock_episodes"], printed["termination_episodes"]) == (3, 1)
+    assert Path(printed["chart"]).is_file()
+
+
+def test_history_is_callable_from_python_with_a_console(spark: SparkSession, tmp_path: Path) -> None:
+    archive = write_archive(tmp_path / "archive", scripted()[:12], batch_size=5)
+    console = Console(record=True, width=160)
+    found = run_history(archive, tmp_path / "out", console)
+    assert found.evaluated == 11 and found.aborted == 1
+    assert "1 deadlock episodes" in console.export_text()
