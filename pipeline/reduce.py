@@ -60,9 +60,10 @@ _ID = "snapshot_id"
 class WaitForFrames:
     """The wait-for graphs of some snapshots as two DataFrames.
 
-    `waiters`: one row per waiter node — ``snapshot_id, process, task, is_or, rank`` — where
-    `rank` orders the waiters as ``build_wait_for`` inserts them (by process, then by the
-    waiter's first wait; a passive process's implicit OR over its tasks last).
+    `waiters`: one row per waiter node — ``snapshot_id, process, task, is_or, rank, sub`` — where
+    ``(rank, sub)`` orders the waiters as ``build_wait_for`` inserts them (by process, then by
+    the waiter's first wait, a split waiter's own wait nodes right after it; a passive process's
+    implicit OR over its tasks last).
 
     `edges`: one row per ``(waiter, target)`` pair — ``snapshot_id, process, task,
     target_process, target_task, is_or, counted, flow_control, position`` — where `counted` is
@@ -82,12 +83,14 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
     """Return the wait-for graphs of the snapshots in the three archive tables (same columns as the archive).
 
     The rules are those of ``build_wait_for``: every declared wait makes its ``(process, task)`` a
-    waiter, AND unless all its waits are OR; a passive process with waiting tasks and no wait of
-    its own is an OR waiter over those tasks; a recorded message on ``target -> waiter`` that may
-    wake the waiter (not ``no_wake``; its ``wakes_task`` empty or the waiter's task) satisfies
-    that edge unless it is a flow-control wait; a satisfied edge releases an OR waiter (all its
-    edges are set aside) and is set aside from an AND waiter (a pair is counted while any wait on
-    it is unmet). Every node that is not a waiter is free.
+    waiter; one wait keeps its model and AND waits merge into one AND waiter, while several waits
+    that are not all AND each become a node ``(process, "task[wait k]")`` of their own, the waiter
+    being an AND waiter over them; a passive process with waiting tasks and no wait of its own is
+    an OR waiter over those tasks; a recorded message on ``target -> waiter`` that may wake the
+    waiter (not ``no_wake``; its ``wakes_task`` empty or the waiter's task) satisfies that edge
+    unless it is a flow-control wait; a satisfied edge releases an OR waiter (all its edges are
+    set aside) and is set aside from an AND waiter (a pair is counted while any wait on it is
+    unmet). Every node that is not a waiter is free.
 
     Lazy: a few joins and aggregations, O(processes + wait edges + messages) rows shuffled.
     """
@@ -105,7 +108,14 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
     procs = processes.select(_ID, F.col("process_id").alias("process"), "process_index", "active")
 
     declared = waits.groupBy(_ID, "process", "task").agg(
-        F.min("wait_index").alias("first_wait"), F.bool_and("or_wait").alias("is_or")
+        F.min("wait_index").alias("first_wait"),
+        F.bool_and("or_wait").alias("all_or"),
+        F.bool_or("or_wait").alias("any_or"),
+        F.countDistinct("wait_index").alias("waits"),
+    )
+    # Several waits, not all AND: each wait becomes a node of its own, ``task[wait k]``.
+    declared = declared.withColumn("split", (F.col("waits") > 1) & F.col("any_or")).withColumn(
+        "is_or", F.col("all_or") & ~F.col("split")
     )
     has = waits.groupBy(_ID, "process").agg(
         F.bool_or(F.col("task") == "").alias("own_wait"), F.bool_or(F.col("task") != "").alias("task_waits")
@@ -115,8 +125,39 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
         .join(procs.filter(~F.coalesce("active", F.lit(False))), [_ID, "process"])
         .select(_ID, "process", "process_index")
     )
-    waiters = declared.join(procs, [_ID, "process"]).select(
-        _ID, "process", "task", "is_or", _pack(F.col("process_index"), F.col("first_wait")).alias("rank")
+    ranked = declared.join(procs, [_ID, "process"])
+    waiters = ranked.select(
+        _ID,
+        "process",
+        "task",
+        "is_or",
+        _pack(F.col("process_index"), F.col("first_wait")).alias("rank"),
+        F.lit(0).alias("sub"),
+    )
+
+    # The split waiters' own waits: node ``task[wait k]``, k numbering the waiter's waits in order.
+    split_waits = (
+        waits.join(
+            ranked.filter("split").select(_ID, "process", "task", "process_index", "first_wait"),
+            [_ID, "process", "task"],
+        )
+        .withColumn("k", F.dense_rank().over(Window.partitionBy(_ID, "process", "task").orderBy("wait_index")))
+        .withColumn("wait_task", F.concat(F.col("task"), F.lit("[wait "), F.col("k").cast("string"), F.lit("]")))
+    )
+    wait_nodes = split_waits.groupBy(_ID, "process", "task", "wait_task", "k").agg(
+        F.first("or_wait").alias("is_or"),
+        F.first("process_index").alias("process_index"),
+        F.first("first_wait").alias("first_wait"),
+    )
+    waiters = waiters.unionByName(
+        wait_nodes.select(
+            _ID,
+            "process",
+            F.col("wait_task").alias("task"),
+            "is_or",
+            _pack(F.col("process_index"), F.col("first_wait")).alias("rank"),
+            F.col("k").alias("sub"),
+        )
     )
     waiters = waiters.unionByName(
         implicit.select(
@@ -125,17 +166,41 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
             F.lit("").alias("task"),
             F.lit(True).alias("is_or"),
             _pack(F.col("process_index"), _SHIFT - 1).alias("rank"),
+            F.lit(0).alias("sub"),
         )
     )
 
-    stated = waits.filter(F.col("target_process").isNotNull()).select(
+    # Every edge as (node, its owner's task for the wake rule, target, flow control, position).
+    plain = waits.join(declared.filter(~F.col("split")).select(_ID, "process", "task"), [_ID, "process", "task"])
+    stated = plain.filter(F.col("target_process").isNotNull()).select(
         _ID,
         "process",
         "task",
+        F.col("task").alias("owner_task"),
         "target_process",
         "target_task",
         "flow_control",
         _pack(F.col("wait_index"), F.col("target_index")).alias("position"),
+    )
+    of_waits = split_waits.filter(F.col("target_process").isNotNull()).select(
+        _ID,
+        "process",
+        F.col("wait_task").alias("task"),
+        F.col("task").alias("owner_task"),
+        "target_process",
+        "target_task",
+        "flow_control",
+        _pack(F.col("wait_index"), F.col("target_index")).alias("position"),
+    )
+    to_waits = wait_nodes.select(
+        _ID,
+        "process",
+        "task",
+        F.col("task").alias("owner_task"),
+        F.col("process").alias("target_process"),
+        F.col("wait_task").alias("target_task"),
+        F.lit(False).alias("flow_control"),
+        F.col("k").cast("long").alias("position"),
     )
     over_tasks = (
         declared.filter(F.col("task") != "")
@@ -144,14 +209,18 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
             _ID,
             "process",
             F.lit("").alias("task"),
+            F.lit("").alias("owner_task"),
             F.col("process").alias("target_process"),
             F.col("task").alias("target_task"),
             F.lit(False).alias("flow_control"),
             _pack(F.col("first_wait"), 0).alias("position"),
         )
     )
-    instances = stated.unionByName(over_tasks).join(
-        waiters.select(_ID, "process", "task", "is_or"), [_ID, "process", "task"]
+    instances = (
+        stated.unionByName(of_waits)
+        .unionByName(to_waits)
+        .unionByName(over_tasks)
+        .join(waiters.select(_ID, "process", "task", "is_or"), [_ID, "process", "task"])
     )
 
     waking = (
@@ -165,7 +234,7 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
     satisfied = (
         ~F.col("flow_control")
         & F.col("wakes_all").isNotNull()
-        & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("task")))
+        & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))
     )
     waiter = Window.partitionBy(_ID, "process", "task")
     instances = (
@@ -278,13 +347,14 @@ def remaining_graphs(rows: pa.Table) -> dict[int, nx.DiGraph]:
     ``flow_control=True`` where set), so node and successor orders match ``build_wait_for``'s
     on the whole snapshot. O(rows log rows).
     """
-    columns = ["snapshot_id", "rank", "position", "process", "task", "is_or", "target_process", "target_task"]
-    ordered = rows.sort_by([("snapshot_id", "ascending"), ("rank", "ascending"), ("position", "ascending")])
+    columns = ["snapshot_id", "rank", "sub", "position", "process", "task", "is_or", "target_process", "target_task"]
+    order = ["snapshot_id", "rank", "sub", "position"]
+    ordered = rows.sort_by([(name, "ascending") for name in order])
     graphs: dict[int, nx.DiGraph] = {}
     records = list(zip(*(ordered.column(name).to_pylist() for name in [*columns, "flow_control"]), strict=True))
-    for sid, _, _, process, task, is_or, _, _, _ in records:
+    for sid, _, _, _, process, task, is_or, _, _, _ in records:
         graphs.setdefault(sid, nx.DiGraph()).add_node((process, task), model=OR if is_or else AND)
-    for sid, _, _, process, task, _, target_process, target_task, flow_control in records:
+    for sid, _, _, _, process, task, _, target_process, target_task, flow_control in records:
         if flow_control:
             graphs[sid].add_edge((process, task), (target_process, target_task), flow_control=True)
         else:

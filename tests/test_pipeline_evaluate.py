@@ -90,6 +90,7 @@ def test_generated_archive_covers_what_the_rules_distinguish(items: list[Archive
     assert any(edge.discounted for edge in edges) and any(edge.flow_control for edge in edges)
     assert {edge.model for edge in edges} == {1, 2}  # AND (unspecified counts as AND) and OR
     assert any(edge.waiter.task for edge in edges)
+    assert any("[wait " in edge.target.task for edge in edges)  # several waits of one waiter, not all AND
     deadlocks = [e.results[0].deadlock for e in evaluations.values() if e.results[0].holds]
     assert any(d.knot for d in deadlocks) and any(d.empty_channels for d in deadlocks)
     assert any(d.separate_deadlocks > 1 for d in deadlocks)
