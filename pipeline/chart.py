@@ -8,8 +8,12 @@ import matplotlib
 
 matplotlib.use("Agg")  # no display: the chart is a file
 
+import matplotlib.dates as mdates
 import matplotlib.pyplot as plt
 import pyarrow as pa
+from matplotlib.ticker import MaxNLocator
+
+from stablewatch.detector.evaluation.text import plural
 
 __all__ = ["draw_history"]
 
@@ -33,7 +37,8 @@ def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path) ->
         ):
             top.axvspan(began, ended or last, color="tab:red", alpha=0.12, linewidth=0)
         top.set_ylabel("deadlocked processes")
-        top.set_title(f"stablewatch history: {len(times)} snapshots, {deadlock_episodes.num_rows} deadlock episodes")
+        episodes = plural(deadlock_episodes.num_rows, "deadlock episode")
+        top.set_title(f"stablewatch history: {plural(len(times), 'snapshot')}, {episodes}")
         top.grid(alpha=0.3)
 
         bottom.plot(times, timeline.column("messages_in_flight").to_pylist(), label="all channels")
@@ -42,7 +47,12 @@ def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path) ->
         bottom.set_xlabel("snapshot start (UTC)")
         bottom.legend(loc="upper left")
         bottom.grid(alpha=0.3)
-        figure.autofmt_xdate()
+        for axes in (top, bottom):  # counts: whole numbers, from zero
+            axes.set_ylim(bottom=0, top=max(1.0, axes.get_ylim()[1]) * 1.1)
+            axes.yaxis.set_major_locator(MaxNLocator(integer=True))
+        locator = mdates.AutoDateLocator()
+        bottom.xaxis.set_major_locator(locator)
+        bottom.xaxis.set_major_formatter(mdates.ConciseDateFormatter(locator))
         path.parent.mkdir(parents=True, exist_ok=True)
         figure.savefig(path, dpi=100)
     finally:

@@ -10,14 +10,18 @@ set only when nobody set them, because the jobs' meaning depends on them, not th
   ``spark.pyspark.python`` in ``spark-submit``);
 * the SQL session time zone: UTC, the time zone of the archive's day partitions.
 
-Spark's console progress bar is always off: the jobs report their own progress.
+Spark's console progress bar is always off: the jobs report their own progress. A session this
+module starts logs Spark's errors only (``log4j2.properties`` beside this file), unless the
+driver's Java options were configured.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
+from pyspark import SparkConf
 from pyspark.sql import SparkSession
 
 __all__ = ["get_session"]
@@ -36,6 +40,9 @@ def get_session(app_name: str = "stablewatch-pipeline", log_level: str = "ERROR"
     if active is not None:
         return active
     builder = SparkSession.builder.appName(app_name).config("spark.ui.showConsoleProgress", "false")
+    if not SparkConf().contains("spark.driver.extraJavaOptions"):
+        quiet = (Path(__file__).with_name("log4j2.properties")).as_uri()
+        builder = builder.config("spark.driver.extraJavaOptions", f"-Dlog4j2.configurationFile={quiet}")
     session = builder.getOrCreate()
     conf = session.sparkContext.getConf()
     for key, value in _DEFAULTS.items():

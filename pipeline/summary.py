@@ -11,6 +11,8 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from stablewatch.detector.evaluation.text import plural
+
 if TYPE_CHECKING:  # only for the annotation: history imports this module
     from stablewatch.pipeline.history import History
 
@@ -83,9 +85,9 @@ def history_report(history: History) -> Group:
     ongoing = sum(1 for e in deadlocks if e["ongoing"])
     terminations = t["termination_episodes"].to_pylist()
     head = Text.assemble(
-        (f"{t['timeline'].num_rows} snapshots", "bold"),
+        (plural(t["timeline"].num_rows, "snapshot"), "bold"),
         f" from {_when(history.first_at)} to {_when(history.last_at)} UTC; ",
-        (f"{len(deadlocks)} deadlock episodes", "bold red" if deadlocks else "bold green"),
+        (plural(len(deadlocks), "deadlock episode"), "bold red" if deadlocks else "bold green"),
         f" ({ongoing} ongoing)" if ongoing else "",
         _terminated(terminations),
     )

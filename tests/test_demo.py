@@ -25,7 +25,7 @@ def test_demo_reports_the_deadlock_termination_and_conservation(tmp_path: Path) 
         [str(script), "demo", "--duration", "90", "--json", "--data-dir", str(tmp_path / "data"), "--out", str(out)],
         capture_output=True,
         text=True,
-        timeout=180,
+        timeout=360,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     lines = run.stdout.strip().splitlines()
@@ -46,6 +46,21 @@ def test_demo_reports_the_deadlock_termination_and_conservation(tmp_path: Path) 
         assert Path(report["graph_png"]).read_bytes().startswith(PNG_MAGIC)
     else:
         assert report["graph_png"] is None
+    # Every finished snapshot is archived, and the Spark history job ran on the philosophers' archive.
+    assert set(report["archives"]) == {"bank", "philosophers", "job"}
+    check = subprocess.run(
+        [str(script), "archive", "check", "--archive", report["archives"]["bank"], "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert check.returncode == 0, check.stderr
+    history = report["history"]
+    assert history["archive"] == report["archives"]["philosophers"]
+    assert history["evaluated"] >= 5
+    assert history["deadlock_episodes"] == 1  # the philosophers deadlock once, for good
+    assert Path(history["chart"]).read_bytes().startswith(PNG_MAGIC)
+    assert all(Path(table).exists() for table in history["tables"])
     # Termination is reported only after the job's own predicate says every task is done.
     job = report["systems"]["job"]["first_seen_seconds"]
     assert job["all_tasks_done"] <= job["termination"]

@@ -63,6 +63,7 @@ ALERTS = {
     "StablewatchNoRecentSnapshot",
     "StablewatchSnapshotsAborting",
     "StablewatchPartsRejected",
+    "StablewatchRefused",
     "StablewatchNoAgents",
 }
 GRPC_PORT = int(DetectorConfig().listen.rsplit(":", 1)[1])

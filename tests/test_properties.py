@@ -110,7 +110,11 @@ class Run:
 
     def __post_init__(self) -> None:
         scenario = self.scenario
-        options = {} if self.max_recorded_bytes is None else {"max_recorded_bytes": self.max_recorded_bytes}
+        # Scenarios start any number of snapshots at once: the bound on concurrent recordings (its
+        # refusals are tested in test_agent_recordings.py) is lifted so every start is explored.
+        options: dict[str, int] = {"max_recordings": 10_000}
+        if self.max_recorded_bytes is not None:
+            options["max_recorded_bytes"] = self.max_recorded_bytes
         self.cores = {
             process: SnapshotCore(process, [d for s, d in sorted(scenario.declared) if s == process], **options)
             for process in scenario.processes

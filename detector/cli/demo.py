@@ -10,7 +10,9 @@ run in this process, each with its own gRPC API, /metrics endpoint and SQLite st
 they listen, their addresses are printed whole (a JSON line with ``--json``). The demo ends when
 all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C), stops every process it
 started, and removes its temporary data; what it leaves is in the output folder: the wait-for
-graph of the deadlock (DOT, and PNG when Graphviz is installed).
+graph of the deadlock (DOT, and PNG when Graphviz is installed) and the Parquet archive of every
+finished snapshot, one per system (``archive/<system>``, replaced on every run), which the
+pipeline's jobs read.
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ class DemoReport:
     bank_totals: dict[str, int]
     graph_dot: str | None  # the deadlock's wait-for graph, in the output folder
     graph_png: str | None  # the same drawn by Graphviz, when `dot` is installed
+    archives: dict[str, str]  # system -> its Parquet archive of finished snapshots
     out_dir: str
     data_dir: str | None  # kept only when given; a temporary one is removed
     systems: dict[str, dict[str, object]]
+    history: dict[str, object] | None = None  # the pipeline's history job on the philosophers' archive
 
 
 async def run_demo(
@@ -115,10 +119,16 @@ async def run_demo(
     work = Path(tempfile.mkdtemp(prefix="stablewatch-demo-")) if data_dir is None else data_dir
     work.mkdir(parents=True, exist_ok=True)
     out_dir.mkdir(parents=True, exist_ok=True)
+    archives = out_dir / "archive"
+    shutil.rmtree(archives, ignore_errors=True)  # this run's snapshots only
     systems = [
-        _system("bank", "bank", BANK, ["--branches", ",".join(BANK), "--tokens", str(TOKENS_PER_BRANCH)], work),
-        _system("philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work),
-        _system("job", "job", WORKERS, ["--workers", ",".join(WORKERS), "--tasks", "30"], work),
+        _system(
+            "bank", "bank", BANK, ["--branches", ",".join(BANK), "--tokens", str(TOKENS_PER_BRANCH)], work, archives
+        ),
+        _system(
+            "philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work, archives
+        ),
+        _system("job", "job", WORKERS, ["--workers", ",".join(WORKERS), "--tasks", "30"], work, archives),
     ]
     started = time.monotonic()
     stop = asyncio.Event()
@@ -152,7 +162,7 @@ async def run_demo(
     return report
 
 
-def _system(name: str, module: str, ids: list[str], options: list[str], work: Path) -> _System:
+def _system(name: str, module: str, ids: list[str], options: list[str], work: Path, archives: Path) -> _System:
     config = DetectorConfig(
         data_dir=work / name / "data",
         listen="127.0.0.1:0",
@@ -164,6 +174,8 @@ def _system(name: str, module: str, ids: list[str], options: list[str], work: Pa
         min_members=len(ids),  # no snapshot before every service is attached
         expected_members=tuple(ids),  # a cut without one of them proves no termination or conservation
         expected_totals={"tokens": TOKENS_PER_BRANCH * len(ids)} if name == "bank" else {},
+        archive=archives / name,
+        archive_age=2.0,  # a short demo: small batches, written often
     )
     plugins = [load_predicate("stablewatch.examples.job:all_tasks_done")] if name == "job" else []
     return _System(name, module, ids, options, Detector(config, plugins=plugins))
@@ -287,6 +299,7 @@ def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | 
         bank_totals=totals,
         graph_dot=graph_dot,
         graph_png=graph_png,
+        archives={system.name: str(system.detector.config.archive) for system in systems},
         out_dir=str(out_dir),
         data_dir=None if kept is None else str(kept),
         systems={

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
@@ -112,6 +113,11 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true", help="no live view; print one JSON object at the end")
     demo.add_argument(
         "--stay", action="store_true", help="keep running for the whole duration, to query the detectors meanwhile"
+    )
+    demo.add_argument(
+        "--no-history",
+        action="store_true",
+        help="skip the Spark history job on the philosophers' archive at the end",
     )
 
     config = DetectorConfig()
@@ -317,12 +323,42 @@ def _demo(args: argparse.Namespace, console: Console) -> int:
         run_demo(args.duration, args.data_dir, args.out, console, live=not args.json, stay=args.stay, on_ready=ready)
     )
     found = report.deadlock_detected and report.termination_detected and report.conservation_ok
+    if not args.json:
+        console.print()
+        console.print(demo_summary(report))
+    if not args.no_history:
+        report.history = _demo_history(Path(report.archives["philosophers"]), args.out / "pipeline", console, args.json)
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))
-        return 0 if found else 1
-    console.print()
-    console.print(demo_summary(report))
-    return 0 if found else 1
+    return 0 if found and (args.no_history or report.history is not None) else 1
+
+
+def _demo_history(archive: Path, out: Path, console: Console, quiet: bool) -> dict[str, object] | None:
+    """Run the pipeline's ``history`` job on `archive` with Spark (local), print its summary; None if it cannot run."""
+    if importlib.util.find_spec("pyspark") is None:
+        from stablewatch.pipeline.cli import INSTALL_HINT
+
+        print(f"stablewatch: the history job needs PySpark, which is not installed: {INSTALL_HINT}", file=sys.stderr)
+        return None
+    if shutil.which("java") is None and not os.environ.get("JAVA_HOME"):
+        print("stablewatch: the history job needs a Java 17 or later runtime for Spark, and none is on PATH "
+              "(e.g. apt-get install openjdk-17-jre-headless)", file=sys.stderr)  # fmt: skip
+        return None
+    from stablewatch.pipeline.history import run_history
+
+    if not quiet:
+        console.print(f"\nThe pipeline's history job on {archive}, with Spark (local):")
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # the demo's Spark stays on loopback
+    history = run_history(archive, out, None if quiet else console)
+    episodes = history.tables["deadlock_episodes"]
+    return {
+        "archive": str(archive),
+        "out": str(out),
+        "evaluated": history.evaluated,
+        "deadlock_episodes": episodes.num_rows,
+        "chart": None if history.chart is None else str(history.chart),
+        "tables": [str(path) for path in history.files],
+    }
 
 
 # -- simulate, demo -----------------------------------------------------------------------------------------

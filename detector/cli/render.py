@@ -6,6 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from google.protobuf.json_format import MessageToDict
@@ -288,4 +289,7 @@ def demo_summary(report: DemoReport) -> Group:
     lines.append(
         Text(f"results in {report.out_dir}" + (f"; data kept in {report.data_dir}" if report.data_dir else ""))
     )
+    if report.archives:
+        archive = Path(next(iter(report.archives.values()))).parent
+        lines.append(Text(f"every finished snapshot archived as Parquet in {archive}/<system>"))
     return Group(*lines)
