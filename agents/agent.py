@@ -499,7 +499,11 @@ class Agent:
                     state.waits.extend(waits)
                 self.metrics.snapshot_recorded()
                 undelivered = self._inbox.undelivered() if self._inbox else None
-                self._carry_out(self._core.record_state(action.snapshot_id, state, undelivered))
+                # Where acknowledgements stand, for the detector to tell one in transit.
+                acked = self._inbound.acked() if self._inbound else None
+                seen = {dst: ack for dst, channel in self._outbound.items() if (ack := channel.ack_seen) is not None}
+                recorded = self._core.record_state(action.snapshot_id, state, undelivered, acked=acked, acks_seen=seen)
+                self._carry_out(recorded)
             elif isinstance(action, ReportPart):
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
