@@ -43,7 +43,9 @@ The contract with the service
   itself when the send is inside a message handler (the process then takes no message until the
   handler returns), else the asyncio task that sends (named by its task name). Handlers blocked
   sending to each other with full windows and full receive queues are a deadlock: the detector
-  reports it, with its cycle.
+  reports it, with its cycle. With the state go the channels' acknowledgement positions (the
+  highest acknowledgement each inbound channel sent, each outbound channel received), so that the
+  detector can tell an acknowledgement in transit that will give a blocked send space.
 * **Recordings end.** A recording ends when the detector finishes it, or at its deadline: the
   lifetime its ``StartSnapshot`` gives, or ``recording_lifetime`` for one begun by a marker (or a
   local one), checked every ``expire_interval`` seconds and reported as a failure. At most
