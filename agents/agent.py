@@ -43,7 +43,9 @@ The contract with the service
   itself when the send is inside a message handler (the process then takes no message until the
   handler returns), else the asyncio task that sends (named by its task name). Handlers blocked
   sending to each other with full windows and full receive queues are a deadlock: the detector
-  reports it, with its cycle.
+  reports it, with its cycle. With the state go the channels' acknowledgement positions (the
+  highest acknowledgement each inbound channel sent, each outbound channel received), so that the
+  detector can tell an acknowledgement in transit that will give a blocked send space.
 * **Recordings end.** A recording ends when the detector finishes it, or at its deadline: the
   lifetime its ``StartSnapshot`` gives, or ``recording_lifetime`` for one begun by a marker (or a
   local one), checked every ``expire_interval`` seconds and reported as a failure. At most
@@ -499,7 +501,11 @@ class Agent:
                     state.waits.extend(waits)
                 self.metrics.snapshot_recorded()
                 undelivered = self._inbox.undelivered() if self._inbox else None
-                self._carry_out(self._core.record_state(action.snapshot_id, state, undelivered))
+                # Where acknowledgements stand, for the detector to tell one in transit.
+                acked = self._inbound.acked() if self._inbound else None
+                seen = {dst: ack for dst, channel in self._outbound.items() if (ack := channel.ack_seen) is not None}
+                recorded = self._core.record_state(action.snapshot_id, state, undelivered, acked=acked, acks_seen=seen)
+                self._carry_out(recorded)
             elif isinstance(action, ReportPart):
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):

@@ -5,7 +5,9 @@ queue, so a full window usually means acknowledgements on their way; only when t
 said it holds the window (its receive queue is full, :attr:`OutboundChannel.held`) is the sender
 waiting for the receiver to consume. Exactly then the recorded state carries a ``Wait`` with
 ``flow_control=True`` on the destination process (the detector never discounts such an edge by a
-message in flight: only the receiver consuming releases it). The waiter is the process itself
+message in flight: only the receiver consuming releases it, or an acknowledgement it sent before
+its recording that had not arrived at ours, which the two ends' acknowledgement positions in the
+cut reveal). The waiter is the process itself
 when the send is inside a message handler (the process then takes no message until it returns),
 else the asyncio task that sends, by its name.
 """

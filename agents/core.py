@@ -36,6 +36,12 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
 * **Proof counts.** For each outbound channel the part carries ``n``, the messages sent before
   the marker; for each inbound channel ``m``, the messages received before recording. The
   detector checks ``m + len(recorded) == n`` for every channel.
+* **Acknowledgements.** The transport's acknowledgements travel back on a channel's stream,
+  which no recording covers, so the cut alone cannot tell an acknowledgement in transit (a sender
+  blocked on a full window that is about to get space). At :meth:`SnapshotCore.record_state` the
+  driver passes, per channel, where acknowledgements stood at that moment: the highest one each
+  inbound channel had sent (``acked``) and the highest one each outbound channel had seen
+  (``acks_seen``). The parts carry them as they are; the detector compares the two ends.
 * **Concurrency.** Every snapshot id has its own recording; one message may be recorded for
   several snapshots at once.
 * **Bounds.** A snapshot whose recorded bytes pass ``max_recorded_bytes`` fails with a reason
@@ -75,6 +81,7 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from stablewatch.v1 import (
+    AckPosition,
     InboundChannelState,
     LocalSnapshotPart,
     LocalState,
@@ -195,6 +202,7 @@ class _Recording:
     # Protobuf objects are built once, when the channel's marker arrives.
     recorded: dict[str, list[tuple[Sequence[AppMessage], int]]] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
+    acked: Mapping[str, AckPosition] = field(default_factory=dict)  # per inbound channel, at recording
     recorded_bytes: int = 0
     failed: bool = False
 
@@ -326,12 +334,21 @@ class SnapshotCore:
         return self._begin_recording(snapshot_id, None, now + (lifetime or self.default_lifetime), bool(lifetime))
 
     def record_state(
-        self, snapshot_id: int, state: LocalState, undelivered: Mapping[str, Sequence[Run]] | None = None
+        self,
+        snapshot_id: int,
+        state: LocalState,
+        undelivered: Mapping[str, Sequence[Run]] | None = None,
+        *,
+        acked: Mapping[str, AckPosition] | None = None,
+        acks_seen: Mapping[str, AckPosition] | None = None,
     ) -> tuple[Action, ...]:
         """Hand over the state captured for the :class:`RecordState` action just returned.
 
         ``undelivered`` holds, per inbound channel, the runs of messages that arrived but that the
         application has not received yet, in arrival order: they are in flight for this snapshot.
+        ``acked`` holds, per inbound channel, the highest acknowledgement sent on it by now, and
+        ``acks_seen``, per outbound channel, the highest one received (channels without one are
+        left out); the parts carry them to the detector.
         """
         if self._awaiting_state != snapshot_id:
             expected = "no state" if self._awaiting_state is None else f"snapshot {self._awaiting_state}"
@@ -339,14 +356,18 @@ class SnapshotCore:
         recording = self._recordings[snapshot_id]
         if undelivered:
             self._take_undelivered(recording, undelivered)
+        if acked:
+            recording.acked = dict(acked)
         self._awaiting_state = None
         if recording.recorded_bytes > self.max_recorded_bytes:
             bound = f"({recording.recorded_bytes} > {self.max_recorded_bytes})"
             return (self._fail(recording, f"undelivered bytes exceeded the bound {bound}"),)
         part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
         part.state.CopyFrom(state)
+        seen = acks_seen or {}
         part.outbound.extend(
-            OutboundCount(dst=dst, sent_before_marker=self._sent[dst]) for dst in self.outbound_channels
+            OutboundCount(dst=dst, sent_before_marker=self._sent[dst], ack_seen=seen.get(dst))
+            for dst in self.outbound_channels
         )
         part.inbound.extend(self._inbound_state(recording, src) for src in sorted(recording.closed))
         return (ReportPart(part),)
@@ -563,7 +584,9 @@ class SnapshotCore:
         return tuple(actions)
 
     def _inbound_state(self, recording: _Recording, src: str) -> InboundChannelState:
-        state = InboundChannelState(src=src, received_before_recording=recording.received_at_record.get(src, 0))
+        state = InboundChannelState(
+            src=src, received_before_recording=recording.received_at_record.get(src, 0), acked=recording.acked.get(src)
+        )
         add = state.messages.add
         for run, first_arrival in recording.recorded.pop(src, ()):
             for index, message in enumerate(run, start=first_arrival):

@@ -43,7 +43,7 @@ from stablewatch.agents.frames import FrameError, decode
 from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.tls import check_channel_peer
-from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
+from stablewatch.v1 import AckPosition, ChannelAck, ChannelFrame, channel_pb2_grpc
 
 __all__ = ["InboundChannels"]
 
@@ -234,6 +234,31 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
             # A stream of an earlier incarnation of the sender: what it carries is stale.
             raise FrameError("unknown_channel", "superseded by a stream of a newer sender incarnation")
         return expected
+
+    def acked(self) -> dict[str, AckPosition]:
+        """Per inbound channel, the highest acknowledgement sent to its sender's current incarnation.
+
+        Only streams still open count: an acknowledgement sent on a broken stream may be lost, and
+        the sender's next stream learns only what this process acknowledges then. Recorded with
+        the process's state (see :attr:`OutboundChannel.ack_seen
+        <stablewatch.agents.outbound.OutboundChannel.ack_seen>`).
+        """
+        highest: dict[str, int] = {}
+        for stream in self._streams:
+            expected = stream.expected
+            if expected is None or not stream.hello_answered:
+                continue
+            if self._expected.get(stream.src) is not expected:  # a stream of an earlier sender incarnation
+                continue
+            highest[stream.src] = max(highest.get(stream.src, 0), stream.acked)
+        return {
+            src: AckPosition(
+                sender_incarnation=self._expected[src].sender_incarnation,
+                receiver_incarnation=self._incarnation,
+                next_seq=next_seq,
+            )
+            for src, next_seq in highest.items()
+        }
 
     def _room(self) -> None:
         """The receive queue has room again: every stream may acknowledge what it holds."""

@@ -29,7 +29,7 @@ import grpc
 from stablewatch.agents.core import Marker
 from stablewatch.agents.frames import ENTRY_OVERHEAD, Outgoing, encode
 from stablewatch.agents.metrics import AgentMetrics
-from stablewatch.v1 import ChannelAck, ChannelFrame, ChannelHello, channel_pb2_grpc
+from stablewatch.v1 import AckPosition, ChannelAck, ChannelFrame, ChannelHello, channel_pb2_grpc
 
 __all__ = ["ChannelSettings", "OutboundChannel"]
 
@@ -149,6 +149,22 @@ class OutboundChannel:
     def unacknowledged(self) -> int:
         """Entries in the window (written or not) that the receiver has not acknowledged."""
         return len(self._entries) - self._head
+
+    @property
+    def ack_seen(self) -> AckPosition | None:
+        """The highest acknowledgement received so far, or None before the first.
+
+        Recorded with the process's state: the detector compares it with the receiver's
+        :meth:`InboundChannels.acked <stablewatch.agents.inbound.InboundChannels.acked>` to tell an
+        acknowledgement in transit, which will give a blocked send window space.
+        """
+        if self._receiver_incarnation is None:
+            return None
+        return AckPosition(
+            sender_incarnation=self._hello.sender_incarnation,
+            receiver_incarnation=self._receiver_incarnation,
+            next_seq=self._acked,
+        )
 
     def has_space(self) -> bool:
         """Whether the application may add a message without passing the window."""

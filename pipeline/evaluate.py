@@ -320,7 +320,7 @@ def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, f
     go straight to the shared algorithm.
     """
     heads = [item.head for item in large.values()]
-    tables = (_rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages"))
+    tables = (_rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages", "channels"))
     frames = wait_for_frames(*tables)
     frames = WaitForFrames(frames.waiters.localCheckpoint(), frames.edges.localCheckpoint())
     for row in graph_counts(frames).collect():

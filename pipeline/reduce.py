@@ -79,8 +79,10 @@ def _pack(high: Column, low: Column | int) -> Column:
     return high.cast("long") * _SHIFT + (low if isinstance(low, Column) else F.lit(low)).cast("long")
 
 
-def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataFrame) -> WaitForFrames:
-    """Return the wait-for graphs of the snapshots in the three archive tables (same columns as the archive).
+def wait_for_frames(
+    processes: DataFrame, wait_edges: DataFrame, messages: DataFrame, channels: DataFrame
+) -> WaitForFrames:
+    """Return the wait-for graphs of the snapshots in the four archive tables (same columns as the archive).
 
     The rules are those of ``build_wait_for``: every declared wait makes its ``(process, task)`` a
     waiter; one wait keeps its model and AND waits merge into one AND waiter, while several waits
@@ -90,9 +92,11 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
     waiter (not ``no_wake``; its ``wakes_task`` empty or the waiter's task) satisfies that edge
     unless it is a flow-control wait; a satisfied edge releases an OR waiter (all its edges are
     set aside) and is set aside from an AND waiter (a pair is counted while any wait on it is
-    unmet). Every node that is not a waiter is free.
+    unmet). A flow-control edge is satisfied instead when an acknowledgement is in transit on
+    ``waiter -> target``: the channel's ``receiver_acked`` is ahead of its ``sender_ack_seen``,
+    both of the same incarnations. Every node that is not a waiter is free.
 
-    Lazy: a few joins and aggregations, O(processes + wait edges + messages) rows shuffled.
+    Lazy: a few joins and aggregations, O(processes + wait edges + messages + channels) rows shuffled.
     """
     waits = wait_edges.select(
         _ID,
@@ -231,14 +235,21 @@ def wait_for_frames(processes: DataFrame, wait_edges: DataFrame, messages: DataF
             F.collect_set("wakes_task").alias("wakes_tasks"),
         )
     )
-    satisfied = (
-        ~F.col("flow_control")
-        & F.col("wakes_all").isNotNull()
-        & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))
+    acked, seen = F.col("receiver_acked"), F.col("sender_ack_seen")
+    acking = channels.filter(
+        acked.isNotNull()
+        & seen.isNotNull()
+        & (acked["sender_incarnation"] == seen["sender_incarnation"])
+        & (acked["receiver_incarnation"] == seen["receiver_incarnation"])
+        & (acked["next_seq"] > seen["next_seq"])
+    ).select(_ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking"))
+    satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull()).otherwise(
+        F.col("wakes_all").isNotNull() & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))
     )
     waiter = Window.partitionBy(_ID, "process", "task")
     instances = (
         instances.join(waking, [_ID, "target_process", "process"], "left")
+        .join(acking, [_ID, "process", "target_process"], "left")
         .withColumn("satisfied", satisfied)
         .withColumn("or_released", F.col("is_or") & F.bool_or("satisfied").over(waiter))
     )

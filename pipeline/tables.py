@@ -25,7 +25,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
 from stablewatch.detector.archive.files import check_marker, parquet_files, read_file
-from stablewatch.detector.archive.schema import METADATA_KEY, SCHEMA_VERSION, TABLES, ArchiveError
+from stablewatch.detector.archive.schema import METADATA_KEY, SCHEMA_VERSION, TABLES, ArchiveError, table_schema
 
 __all__ = ["Archive", "check_archive", "check_file", "open_archive", "spark_schema"]
 
@@ -55,9 +55,11 @@ def check_file(path: Path, table: str) -> None:
             f"{path}: schema version {int(version)} is newer than this stablewatch reads ({SCHEMA_VERSION}); "
             "upgrade stablewatch"
         )
-    expected = TABLES[table].remove(TABLES[table].get_field_index("day"))
+    # An older file lacks the columns added since: Spark reads them as null.
+    expected = table_schema(table, int(version))
+    expected = expected.remove(expected.get_field_index("day"))
     if not schema.remove_metadata().equals(expected):
-        raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {SCHEMA_VERSION}")
+        raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {int(version)}")
 
 
 @dataclass

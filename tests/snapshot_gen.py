@@ -3,7 +3,9 @@
 The snapshots mix what the wait-for rules distinguish: AND, OR and unspecified waits, waits of
 tasks and of processes, flow-control waits, targets outside the cut, active and passive
 processes, recorded messages that wake their receiver, only one of its tasks, or nobody
-(heartbeats), and counters on processes and on messages; cuts are open or closed.
+(heartbeats), acknowledgement positions on channels (one in transit, none, of other
+incarnations, unknown), mostly on the channels of flow-control waits, and counters on processes
+and on messages; cuts are open or closed.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from stablewatch.pipeline.evaluate import order_key
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,
+    AckPosition,
     ChannelSnapshot,
     Evaluation,
     GlobalSnapshot,
@@ -94,12 +97,59 @@ def random_snapshot(
                 messages=messages,
             )
         )
+    _add_ack_positions(random.Random(snapshot_id * 1_000_003 + n), snapshot)
     snapshot.expected_members.extend(pids + (["P_gone"] if rng.random() < 0.08 else []))
     if rng.random() < 0.05:
         snapshot.expected_member_count = n + 1
     if outsiders and rng.random() < 0.3:
         snapshot.outside_peers.append(outsiders[0])
     return snapshot
+
+
+def _add_ack_positions(rng: random.Random, snapshot: GlobalSnapshot) -> None:
+    """Give channels acknowledgement positions, most of those a flow-control wait sends on (adding
+    such a channel, empty, now and then), so that the acknowledgement rule applies and does not.
+
+    Its own `rng`, so that the rest of the generated snapshots stays as it was.
+    """
+    members = {p.process_id for p in snapshot.processes}
+    flow = {
+        (p.process_id, t.process)
+        for p in snapshot.processes
+        for w in p.state.waits
+        if w.flow_control
+        for t in w.targets
+        if t.process in members and t.process != p.process_id
+    }
+    have = {(c.src, c.dst) for c in snapshot.channels}
+    for src, dst in sorted(flow - have):
+        if rng.random() < 0.5:
+            count = rng.randint(0, 30)
+            snapshot.channels.append(
+                ChannelSnapshot(src=src, dst=dst, sent_before_marker=count, received_before_recording=count)
+            )
+    for channel in snapshot.channels:
+        if rng.random() >= (0.9 if (channel.src, channel.dst) in flow else 0.3):
+            continue
+        incarnations = (rng.choice([1, 7, 2**63 + 5, 2**64 - 1]), rng.choice([2, 9, 2**63]))
+        seen = rng.randint(0, 40)
+        acked = seen + rng.choice([-3, 0, 0, 1, 1, 4])
+        if acked < 0:
+            acked = 0
+        case = rng.random()
+        if case < 0.8 or case >= 0.85:
+            channel.receiver_acked.CopyFrom(_position(incarnations, acked))
+        if case < 0.85:
+            channel.sender_ack_seen.CopyFrom(_position(incarnations, seen))
+        if 0.7 <= case < 0.8:  # a restart between them: positions of other incarnations
+            channel.receiver_acked.receiver_incarnation += 1
+        elif 0.85 <= case < 0.9:
+            channel.ClearField("receiver_acked")
+
+
+def _position(incarnations: tuple[int, int], next_seq: int) -> AckPosition:
+    sender, receiver = incarnations
+    return AckPosition(sender_incarnation=sender, receiver_incarnation=receiver, next_seq=next_seq)
 
 
 def summary_of(snapshot: GlobalSnapshot) -> SnapshotSummary:

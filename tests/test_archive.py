@@ -30,7 +30,15 @@ from polling import async_poll, poll
 from stablewatch.detector.archive.export import export
 from stablewatch.detector.archive.files import batch_name, ensure_archive, parquet_files, read_table
 from stablewatch.detector.archive.reader import check, read_snapshots
-from stablewatch.detector.archive.schema import MARKER_FILE, METADATA_KEY, TABLES, ArchiveError, snapshot_rows
+from stablewatch.detector.archive.schema import (
+    MARKER_FILE,
+    METADATA_KEY,
+    TABLES,
+    ArchiveError,
+    snapshot_from_rows,
+    snapshot_rows,
+    table_schema,
+)
 from stablewatch.detector.archive.writer import ArchiveWriter, load, write_finished
 from stablewatch.detector.cli.main import main
 from stablewatch.detector.service.detector import DetectorConfig
@@ -341,13 +349,13 @@ def foreign(root: Path) -> Path:
 def newer_file(root: Path) -> Path:
     path = some_file(root)
     table = pq.read_table(path)
-    pq.write_table(table.replace_schema_metadata({METADATA_KEY: b"2"}), path)
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: b"3"}), path)
     return path
 
 
 def newer_marker(root: Path) -> Path:
     marker = root / MARKER_FILE
-    marker.write_text(json.dumps({"format": "stablewatch-archive", "schema_version": 2}))
+    marker.write_text(json.dumps({"format": "stablewatch-archive", "schema_version": 3}))
     return marker
 
 
@@ -368,8 +376,8 @@ def twice(root: Path) -> Path:
     [
         (corrupt, "not a readable Parquet file"),
         (foreign, "not a stablewatch archive file"),
-        (newer_file, "schema version 2 is newer than this stablewatch reads (1); upgrade stablewatch"),
-        (newer_marker, "archive schema version 2 is newer than this stablewatch reads (1)"),
+        (newer_file, "schema version 3 is newer than this stablewatch reads (2); upgrade stablewatch"),
+        (newer_marker, "archive schema version 3 is newer than this stablewatch reads (2)"),
         (not_an_archive, "is not a stablewatch archive"),
         (twice, "is archived twice"),
     ],
@@ -487,3 +495,21 @@ def test_a_detector_killed_while_writing_leaves_a_readable_archive_and_restarts_
         assert len(finished_ids(store)) >= killed.rows["snapshots"]
         assert store.unarchived(100_000) == []
         assert_archived_exactly_once(store, root)
+
+
+def test_a_channels_file_of_version_1_reads_without_acknowledgement_positions(tmp_path: Path) -> None:
+    root = tmp_path / "archive"
+    ensure_archive(root)
+    old = table_schema("channels", 1)
+    assert "receiver_acked" not in old.names and "receiver_acked" in TABLES["channels"].names
+    row = {"snapshot_id": 1, "src": "a", "dst": "b", "channel_index": 0, "sent_before_marker": 2}
+    row |= {"received_before_recording": 2, "recorded": 0, "recorded_bytes": 0}
+    path = root / "channels" / "day=2026-03-01" / batch_name([1])
+    path.parent.mkdir(parents=True)
+    table = pa.Table.from_pylist([row], schema=old.remove(old.get_field_index("day")))
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: b"1"}), path)
+    [read] = read_table(root, "channels").to_pylist()
+    assert (read["receiver_acked"], read["sender_ack_seen"], read["day"]) == (None, None, "2026-03-01")
+    head = {"snapshot_id": 1}
+    snapshot = snapshot_from_rows(head, [], [], [], [read], [])
+    assert not snapshot.channels[0].HasField("receiver_acked")

@@ -24,7 +24,7 @@ from stablewatch.agents.core import (
     apply_recording,
 )
 from stablewatch.detector.service.assembly import Assembler, Completed
-from stablewatch.v1 import GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
+from stablewatch.v1 import AckPosition, GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
 
 TOKENS = "tokens"
 
@@ -743,3 +743,42 @@ def test_undelivered_bytes_count_against_the_bound() -> None:
     (failed,) = core.record_state(1, LocalState(), {"q": [Run([AppMessage(b"abcd")], 1)]})
     assert isinstance(failed, SnapshotFailed) and "bound" in failed.reason
     assert core.receive_marker("q", 1) == ()
+
+
+def test_acknowledgement_positions_at_recording_travel_in_the_parts() -> None:
+    """The driver's acknowledgement positions at the recording moment reach the parts as given:
+    per outbound channel in the state part, per inbound channel in that channel's part, even when
+    its marker comes after further acknowledgements."""
+    seen_by_p = AckPosition(sender_incarnation=10, receiver_incarnation=20, next_seq=3)
+    acked_by_p = AckPosition(sender_incarnation=30, receiver_incarnation=10, next_seq=7)
+    core = SnapshotCore("p", ["q", "r"])
+    assert isinstance(core.start_snapshot(1)[0], RecordState)
+    first = only_part(core.record_state(1, balance(0), acked={"q": acked_by_p}, acks_seen={"q": seen_by_p}))
+    assert {count.dst: count.ack_seen for count in first.outbound} == {"q": seen_by_p, "r": AckPosition()}
+    assert first.outbound[0].HasField("ack_seen") and not first.outbound[1].HasField("ack_seen")
+    channel = inbound(only_part(core.receive_marker("q", 1)), "q")
+    assert channel.acked == acked_by_p
+    assert not inbound(only_part(core.receive_marker("s", 1)), "s").HasField("acked")  # none was passed
+
+
+def test_acknowledgement_positions_reach_the_global_snapshot() -> None:
+    seen = AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=4)
+    acked = AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=6)
+    p, q = SnapshotCore("p", ["q"]), SnapshotCore("q", ["p"])
+    assembler = Assembler()
+    assembler.begin(1, ["p", "q"])
+    for core in (p, q):
+        assert isinstance(core.start_snapshot(1)[0], RecordState)  # the markers cross: no message
+    actions = [
+        *p.record_state(1, balance(0), acks_seen={"q": seen}),
+        *q.record_state(1, balance(0), acked={"p": acked}),
+        *q.receive_marker("p", 1),
+        *p.receive_marker("q", 1),
+    ]
+    done = [assembler.add_part(part) for part in parts(actions)]
+    snapshot = next(result for result in done if isinstance(result, Completed)).snapshot
+    by_channel = {(c.src, c.dst): c for c in snapshot.channels}
+    assert by_channel["p", "q"].sender_ack_seen == seen
+    assert by_channel["p", "q"].receiver_acked == acked
+    assert not by_channel["q", "p"].HasField("sender_ack_seen")
+    assert not by_channel["q", "p"].HasField("receiver_acked")

@@ -5,7 +5,10 @@ from the graph code: a waiter is released when each of its waits is met; a wait 
 has no targets, or (AND) every target is released or has a waking message in flight to the
 waiter, or (OR) any one is. A passive process with waiting tasks and no wait of its own is
 released when one of its tasks is. Anything that waits on nothing, and any process outside the
-cut, is free. A flow-control wait is never met by a message in flight. Whatever is never
+cut, is free. A flow-control wait is never met by a message in flight; its target is met instead
+when an acknowledgement is on its way back to the waiter: on the channel from the waiter's
+process to the target's, the receiver had acknowledged further at its recording than the sender
+had seen at its own, both positions known and of the same incarnations. Whatever is never
 released is deadlocked.
 """
 
@@ -20,6 +23,7 @@ from stablewatch.detector.evaluation import evaluate
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,
+    AckPosition,
     ChannelSnapshot,
     GlobalSnapshot,
     LocalState,
@@ -49,6 +53,14 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                 return any(not m.no_wake and m.wakes_task in ("", task) for m in c.messages)
         return False
 
+    def acknowledged(src: str, dst: str) -> bool:
+        for c in snapshot.channels:
+            if c.src == src and c.dst == dst and c.HasField("receiver_acked") and c.HasField("sender_ack_seen"):
+                r, s = c.receiver_acked, c.sender_ack_seen
+                same = r.sender_incarnation == s.sender_incarnation and r.receiver_incarnation == s.receiver_incarnation
+                return same and r.next_seq > s.next_seq
+        return False
+
     waiters = set(waits) | {(pid, "") for pid in passive_with_tasks}
     released: set[Node] = set()
 
@@ -64,7 +76,8 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                 ok = True
                 for w in waits[waiter]:
                     met = [
-                        free((t.process, t.task)) or (not w.flow_control and wakes(t.process, pid, task))
+                        free((t.process, t.task))
+                        or (acknowledged(pid, t.process) if w.flow_control else wakes(t.process, pid, task))
                         for t in w.targets
                     ]
                     if met and not (any(met) if w.model == WAIT_MODEL_OR else all(met)):
@@ -88,7 +101,8 @@ class Shape:
 @st.composite
 def snapshots(draw: st.DrawFn, shape: Shape = Shape()) -> GlobalSnapshot:
     """Random mixed AND/OR waits between processes and tasks, with messages in flight that do and do
-    not wake, some aimed at one task, flow-control waits, and targets outside the cut."""
+    not wake, some aimed at one task, flow-control waits, acknowledgement positions, and targets
+    outside the cut."""
     n = draw(st.integers(2, shape.processes))
     pids = [f"P{i}" for i in range(n)]
     tasks = {pid: [f"t{k}" for k in range(draw(st.integers(0, shape.tasks)))] for pid in pids}
@@ -122,7 +136,19 @@ def snapshots(draw: st.DrawFn, shape: Shape = Shape()) -> GlobalSnapshot:
                 )
                 for _ in range(draw(st.integers(0, 2)))
             ]
-            channels.append(ChannelSnapshot(src=src, dst=dst, sent_before_marker=len(messages), messages=messages))
+            channel = ChannelSnapshot(src=src, dst=dst, sent_before_marker=len(messages), messages=messages)
+            # Acknowledgement positions: unknown at either end, or the receiver's behind, level or
+            # ahead, of the same incarnations or not.
+            seen, ahead = draw(st.integers(0, 3)), draw(st.integers(-1, 2))
+            if draw(st.booleans()):
+                seen_at_sender = AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=seen)
+                channel.sender_ack_seen.CopyFrom(seen_at_sender)
+            if draw(st.booleans()):
+                receiver = draw(st.sampled_from([2, 2, 2, 3]))
+                channel.receiver_acked.CopyFrom(
+                    AckPosition(sender_incarnation=1, receiver_incarnation=receiver, next_seq=max(0, seen + ahead))
+                )
+            channels.append(channel)
     return GlobalSnapshot(snapshot_id=1, processes=processes, channels=channels)
 
 
@@ -195,3 +221,17 @@ def test_a_message_for_another_task_does_not_release_a_wait() -> None:
         ),
     )
     assert deadlocked(snapshot) == {("C", "caller"), ("C", ""), ("S", "")} == oracle(snapshot)
+
+
+def test_an_acknowledgement_in_transit_releases_a_flow_control_wait() -> None:
+    """The race: S is blocked sending to R (R held the window); R consumed and acknowledged before
+    it recorded, the acknowledgement not yet at S when S recorded; then R waited on S."""
+    blocked = Wait(targets=[WaitNode(process="R")], flow_control=True)
+    channel = ChannelSnapshot(src="S", dst="R", sent_before_marker=4, received_before_recording=4)
+    channel.sender_ack_seen.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=2))
+    channel.receiver_acked.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=4))
+    snapshot = _snapshot(_waits("S", blocked), _waits("R", _on("S")), channels=(channel,))
+    assert deadlocked(snapshot) == set() == oracle(snapshot)
+    channel = snapshot.channels[0]
+    channel.receiver_acked.next_seq = 2  # every acknowledgement arrived: R holds the window
+    assert deadlocked(snapshot) == {("S", ""), ("R", "")} == oracle(snapshot)

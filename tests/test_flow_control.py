@@ -25,7 +25,7 @@ from polling import async_poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 from stablewatch.detector.evaluation import evaluate, result_named, verdict
 from stablewatch.detector.evaluation.waitfor import label
-from stablewatch.v1 import Evaluation, GlobalSnapshot
+from stablewatch.v1 import AckPosition, Evaluation, GlobalSnapshot
 
 BALLS = "balls"
 
@@ -145,6 +145,17 @@ def test_handlers_blocked_sending_to_each_other_are_reported_as_a_deadlock_with_
             # The balls stuck in the full windows and queues are in flight: they wake no one,
             # since only the receiver consuming releases a flow-control wait.
             assert any(channel.messages for channel in snapshot.channels)
+            # Every acknowledgement has arrived: the positions at the two ends' recordings are
+            # those of the channel's incarnations, and equal (none is in transit to release a wait).
+            for channel in snapshot.channels:
+                sender, receiver = court.agents[channel.src], court.agents[channel.dst]
+                position = AckPosition(
+                    sender_incarnation=sender.incarnation,
+                    receiver_incarnation=receiver.incarnation,
+                    next_seq=channel.sender_ack_seen.next_seq,
+                )
+                assert channel.sender_ack_seen == position, channel
+                assert channel.receiver_acked == position, channel
         finally:
             await court.stop()
 

@@ -50,7 +50,7 @@ def test_an_archive_of_a_newer_version(archive: Path, tmp_path: Path, capsys: py
     (archive / MARKER_FILE).write_text(json.dumps({"format": "stablewatch-archive", "schema_version": 9}))
     status, err = run(capsys, "follow", archive, tmp_path / "out", "--once")
     assert status == 2
-    assert f"{archive / MARKER_FILE}: archive schema version 9 is newer than this stablewatch reads (1)" in err
+    assert f"{archive / MARKER_FILE}: archive schema version 9 is newer than this stablewatch reads (2)" in err
 
 
 def _write_with(path: Path, table: pa.Table, version: bytes | None) -> None:
@@ -68,7 +68,7 @@ def _snapshots_table() -> pa.Table:
     [
         ("garbage", "not a readable Parquet file"),
         ("foreign", "not a stablewatch archive file (no stablewatch.archive.schema_version metadata)"),
-        ("newer", "schema version 2 is newer than this stablewatch reads (1); upgrade stablewatch"),
+        ("newer", "schema version 3 is newer than this stablewatch reads (2); upgrade stablewatch"),
         ("columns", "its columns do not match the snapshots table of schema version 1"),
     ],
 )
@@ -81,7 +81,7 @@ def test_a_bad_file_is_named_with_the_reason(
     elif damage == "foreign":
         _write_with(bad, _snapshots_table(), None)
     elif damage == "newer":
-        _write_with(bad, _snapshots_table(), b"2")
+        _write_with(bad, _snapshots_table(), b"3")
     else:
         _write_with(bad, pa.table({"snapshot_id": pa.array([1], pa.int64())}), b"1")
     for job in ("evaluate", "history", "follow"):

@@ -1,7 +1,8 @@
 """The pipeline's ``evaluate`` gives the detector's results, snapshot by snapshot, on a real local Spark.
 
 The archive holds 260 generated snapshots (AND and OR waits, tasks, flow control, in-flight
-messages that do and do not wake, counters on processes and channels, open and closed cuts),
+messages that do and do not wake, acknowledgements in transit or not, counters on processes and
+channels, open and closed cuts),
 some aborted and some archived without their blob. The detector's side is the shared
 ``evaluate`` called in the order the snapshots finished, keeping baselines as the detector does.
 """
@@ -29,6 +30,9 @@ pytestmark = pytest.mark.timeout(900)
 
 COUNT = 260
 BLOBLESS = set(range(7, COUNT + 1, 11))  # archived as rows only: rebuilt and reduced on DataFrames
+# ... and these too: snapshots whose deadlock the acknowledgement rule decides (an acknowledgement
+# in transit releases a flow-control wait that would otherwise close a cycle).
+BLOBLESS |= {89, 169}
 
 
 @pytest.fixture(scope="module")

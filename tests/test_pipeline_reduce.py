@@ -141,7 +141,8 @@ def test_a_ten_thousand_process_chain_archived_without_its_blob(
 def test_wait_for_frames_build_the_graph_build_wait_for_builds(spark: SparkSession, tmp_path: Path) -> None:
     items = random_archive(seed=9, count=150)
     archive = open_archive(spark, write_archive(tmp_path, items))
-    frames = wait_for_frames(archive.table("processes"), archive.table("wait_edges"), archive.table("messages"))
+    tables = ("processes", "wait_edges", "messages", "channels")
+    frames = wait_for_frames(*(archive.table(name) for name in tables))
     waiters = frames.waiters.toArrow().to_pylist()
     edges = frames.edges.toArrow().to_pylist()
     graphs = remaining_graphs(counted_rows(frames).toArrow())

@@ -11,6 +11,7 @@ from google.protobuf.struct_pb2 import Struct
 from stablewatch.detector.service.store import DB_FILENAME, RESTART_REASON, SCHEMA_VERSION, Store, StoreError
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
+    AckPosition,
     ChannelRef,
     ChannelSnapshot,
     ConservationEvidence,
@@ -65,6 +66,9 @@ def global_snapshot(snapshot_id: int) -> GlobalSnapshot:
                     RecordedMessage(payload=b"x", counters={"tokens": 1}, receive_index=4),
                     RecordedMessage(payload=b"\x00\xff", no_wake=True, receive_index=6),
                 ],
+                # Incarnations use all 64 bits; the sender's position is unknown on b -> a.
+                receiver_acked=AckPosition(sender_incarnation=2**64 - 1, receiver_incarnation=2**63, next_seq=9),
+                sender_ack_seen=AckPosition(sender_incarnation=2**64 - 1, receiver_incarnation=2**63, next_seq=7),
             ),
             ChannelSnapshot(
                 src="b",
@@ -74,6 +78,7 @@ def global_snapshot(snapshot_id: int) -> GlobalSnapshot:
                 messages=[
                     RecordedMessage(payload=b"y", counters={"tokens": 2}),
                 ],
+                receiver_acked=AckPosition(sender_incarnation=5, receiver_incarnation=6, next_seq=0),
             ),
             ChannelSnapshot(src="a", dst="c"),
         ],

@@ -1,10 +1,12 @@
-"""The wait-for graph of a snapshot: nodes, models, the process-over-tasks rule, the in-flight rule."""
+"""The wait-for graph of a snapshot: nodes, models, the process-over-tasks rule, the in-flight and
+acknowledgement rules."""
 
 import pytest
 
 from stablewatch.detector.evaluation.deadlock import AND, OR
 from stablewatch.detector.evaluation.dot import wait_for_dot
 from stablewatch.detector.evaluation.waitfor import (
+    acks_in_transit,
     build_wait_for,
     find_deadlock,
     label,
@@ -14,6 +16,7 @@ from stablewatch.detector.evaluation.waitfor import (
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,
+    AckPosition,
     ChannelSnapshot,
     GlobalSnapshot,
     LocalState,
@@ -256,3 +259,71 @@ def test_to_dot() -> None:
 def test_label() -> None:
     assert label(("P1", "")) == "P1"
     assert label(("P1", "t")) == "P1/t"
+
+
+# -- the acknowledgement rule: a flow-control wait with an acknowledgement in transit ----------
+
+
+def ack(next_seq: int, sender: int = 1, receiver: int = 2) -> AckPosition:
+    return AckPosition(sender_incarnation=sender, receiver_incarnation=receiver, next_seq=next_seq)
+
+
+def ack_race(acked: AckPosition | None, seen: AckPosition | None) -> GlobalSnapshot:
+    """S's send is blocked on R's full window (flow control), R waits on S, channel S -> R is empty,
+    with the acknowledgement positions of S -> R at the two recordings."""
+    blocked = Wait(targets=[node("R")], model=WAIT_MODEL_AND, flow_control=True)
+    channel = ChannelSnapshot(src="S", dst="R", sent_before_marker=5, received_before_recording=5)
+    if acked is not None:
+        channel.receiver_acked.CopyFrom(acked)
+    if seen is not None:
+        channel.sender_ack_seen.CopyFrom(seen)
+    return snapshot(proc("S", blocked), proc("R", wait("S")), channels=(channel,))
+
+
+def test_an_acknowledgement_in_transit_releases_a_flow_control_wait() -> None:
+    # R consumed its queue and acknowledged up to 6 before recording; S had seen only 3.
+    race = ack_race(ack(6), ack(3))
+    assert acks_in_transit(race) == {("S", "R")}
+    wf = build_wait_for(race)
+    assert list(wf.graph.edges) == [(("R", ""), ("S", ""))]
+    assert wf.discounted == ((("S", ""), ("R", "")),)
+    assert find_deadlock(wf).deadlocked == []
+    edges = {(label(e.waiter), label(e.target)): e.discounted for e in to_proto(wf).edges}
+    assert edges == {("R", "S"): False, ("S", "R"): True}
+
+
+@pytest.mark.parametrize(
+    ("acked", "seen"),
+    [
+        (ack(3), ack(3)),  # S has seen every acknowledgement: R holds the window
+        (ack(3), ack(6)),  # S is ahead (R's recording came first): nothing in transit
+        (ack(6, receiver=9), ack(3)),  # R restarted: positions of different incarnations
+        (ack(6, sender=9), ack(3)),  # S restarted
+        (ack(6), None),  # S had received no acknowledgement
+        (None, ack(3)),  # R had sent none (or its part carries none)
+        (None, None),  # agents that do not report positions
+    ],
+)
+def test_without_an_acknowledgement_in_transit_the_flow_control_cycle_is_a_deadlock(
+    acked: AckPosition | None, seen: AckPosition | None
+) -> None:
+    wf = build_wait_for(ack_race(acked, seen))
+    assert wf.discounted == ()
+    assert wf.graph.edges[("S", ""), ("R", "")] == {"flow_control": True}
+    deadlock = find_deadlock(wf)
+    assert deadlock.deadlocked == [("R", ""), ("S", "")]
+    assert deadlock.empty_channels == [("S", "R")]  # R -> S only: the flow-control edge names no channel
+
+
+def test_an_acknowledgement_satisfies_flow_control_waits_only() -> None:
+    # S waits on R for a message (not flow control): an acknowledgement to S wakes no one.
+    race = ack_race(ack(6), ack(3))
+    race.processes[0].state.waits[0].flow_control = False
+    race.processes[0].state.waits[0].targets[0].process = "R"
+    wf = build_wait_for(race)
+    assert wf.discounted == ()
+    assert find_deadlock(wf).deadlocked == [("R", ""), ("S", "")]
+    # And an acknowledgement on R -> S (the other direction) does not release S's wait on R.
+    race = ack_race(None, None)
+    race.channels.append(ChannelSnapshot(src="R", dst="S", receiver_acked=ack(6), sender_ack_seen=ack(3)))
+    assert find_deadlock(build_wait_for(race)).deadlocked == [("R", ""), ("S", "")]

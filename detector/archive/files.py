@@ -36,6 +36,7 @@ from stablewatch.detector.archive.schema import (
     TABLES,
     ArchiveError,
     table_from_rows,
+    table_schema,
 )
 
 __all__ = [
@@ -183,8 +184,8 @@ def parquet_files(root: Path, table: str) -> list[Path]:
     return sorted(p for p in folder.glob("day=*/*.parquet") if not p.name.startswith("."))
 
 
-def _open(path: Path) -> pq.ParquetFile:
-    """An archive file opened, its schema version checked; ArchiveError naming the file otherwise."""
+def _open(path: Path) -> tuple[pq.ParquetFile, int]:
+    """An archive file opened, and its schema version, checked; ArchiveError naming the file otherwise."""
     try:
         file = pq.ParquetFile(path)
     except (OSError, pa.ArrowException) as exc:
@@ -202,27 +203,34 @@ def _open(path: Path) -> pq.ParquetFile:
             f"{path}: schema version {number} is newer than this stablewatch reads ({SCHEMA_VERSION}); "
             "upgrade stablewatch"
         )
-    return file
+    return file, number
 
 
 def read_file(path: Path, table: str) -> pa.Table:
     """One archive file as an Arrow table with its ``day`` column; ArchiveError naming the file if it
-    is corrupt, foreign, or of a newer schema version."""
-    file = _open(path)
-    expected = TABLES[table].remove(TABLES[table].get_field_index("day"))
+    is corrupt, foreign, or of a newer schema version. A file of an older version gets the columns
+    added since, null."""
+    file, version = _open(path)
+    expected = table_schema(table, version)
+    expected = expected.remove(expected.get_field_index("day"))
     try:
         arrow = file.read()
     except (OSError, pa.ArrowException) as exc:
         raise ArchiveError(f"{path}: corrupt Parquet file ({exc})") from exc
     if not arrow.schema.remove_metadata().equals(expected):
-        raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {SCHEMA_VERSION}")
+        raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {version}")
     day = path.parent.name.removeprefix("day=")
-    return arrow.append_column("day", pa.array([day] * arrow.num_rows, pa.string()))
+    arrow = arrow.append_column("day", pa.array([day] * arrow.num_rows, pa.string()))
+    if version < SCHEMA_VERSION:
+        columns = {name: arrow[name] for name in arrow.column_names}
+        nulls = {f.name: pa.nulls(arrow.num_rows, f.type) for f in TABLES[table] if f.name not in columns}
+        arrow = pa.table({f.name: columns.get(f.name, nulls.get(f.name)) for f in TABLES[table]}, schema=TABLES[table])
+    return arrow
 
 
 def read_ids(path: Path) -> list[int]:
     """The ``snapshot_id`` column of one archive file, read alone (cheap); ArchiveError as :func:`read_file`."""
-    file = _open(path)
+    file, _ = _open(path)
     schema = file.schema_arrow
     if "snapshot_id" not in schema.names or schema.field("snapshot_id").type != pa.int64():
         raise ArchiveError(f"{path}: it has no int64 snapshot_id column, as every archive table does")

@@ -12,7 +12,8 @@ Every row carries its ``snapshot_id``. One row per:
 * ``wait_edges`` — a declared wait edge: waiter process/task -> target process/task, model,
   flow control, and which wait of the process it belongs to (a wait without targets is one row
   with null targets);
-* ``channels`` — a channel: n, m, recorded count and bytes;
+* ``channels`` — a channel: n, m, recorded count and bytes, and the acknowledgement positions at
+  the receiver's and the sender's recordings (null when unknown; since version 2);
 * ``messages`` — a recorded message: position, payload, size, counters, no_wake, wakes_task;
 * ``results`` — a predicate result: holds, unknown, summary, error, missing processes, evidence
   as JSON, and the serialized ``PredicateResult``.
@@ -35,6 +36,7 @@ from google.protobuf import json_format
 from google.protobuf.struct_pb2 import Struct
 
 from stablewatch.v1 import (
+    AckPosition,
     ChannelSnapshot,
     Evaluation,
     GlobalSnapshot,
@@ -59,10 +61,11 @@ __all__ = [
     "outcome_word",
     "snapshot_from_rows",
     "snapshot_rows",
+    "table_schema",
 ]
 
-#: The archive format this code writes and reads.
-SCHEMA_VERSION = 1
+#: The archive format this code writes and reads (and every older one).
+SCHEMA_VERSION = 2
 #: The file at the archive's root that says it is one, and of which version.
 MARKER_FILE = "_stablewatch_archive.json"
 #: The Parquet key-value metadata key holding the schema version of every file.
@@ -79,6 +82,11 @@ class ArchiveError(Exception):
 _ts = pa.timestamp("us", tz="UTC")
 
 #: Every table's Arrow schema; ``day`` is the partition column, kept in the folder names.
+# An AckPosition: incarnations and next_seq (uint64) kept in int64 by their bits.
+_ACK_POSITION = pa.struct(
+    [("sender_incarnation", pa.int64()), ("receiver_incarnation", pa.int64()), ("next_seq", pa.int64())]
+)
+
 TABLES: dict[str, pa.Schema] = {
     "snapshots": pa.schema(
         [
@@ -146,6 +154,8 @@ TABLES: dict[str, pa.Schema] = {
             ("received_before_recording", pa.int64()),  # m
             ("recorded", pa.int64()),  # messages in flight: m + recorded == n
             ("recorded_bytes", pa.int64()),
+            ("receiver_acked", _ACK_POSITION),  # since version 2
+            ("sender_ack_seen", _ACK_POSITION),  # since version 2
             ("day", pa.string()),
         ]
     ),
@@ -180,6 +190,8 @@ TABLES: dict[str, pa.Schema] = {
         ]
     ),
 }
+#: Columns added after version 1: table -> column -> the version that added it.
+_ADDED: dict[str, dict[str, int]] = {"channels": {"receiver_acked": 2, "sender_ack_seen": 2}}
 
 _OUTCOMES = {2: "completed", 3: "aborted"}  # SnapshotOutcome values of a finished snapshot
 
@@ -332,6 +344,8 @@ def snapshot_rows(
                 "received_before_recording": channel.received_before_recording,
                 "recorded": len(channel.messages),
                 "recorded_bytes": channel_bytes,
+                "receiver_acked": _ack_row(channel, "receiver_acked"),
+                "sender_ack_seen": _ack_row(channel, "sender_ack_seen"),
                 "day": day,
             }
         )
@@ -437,6 +451,8 @@ def snapshot_from_rows(
                 dst=row["dst"],
                 sent_before_marker=row["sent_before_marker"],
                 received_before_recording=row["received_before_recording"],
+                receiver_acked=_ack_position(row.get("receiver_acked")),
+                sender_ack_seen=_ack_position(row.get("sender_ack_seen")),
                 messages=[
                     RecordedMessage(
                         payload=m["payload"],
@@ -458,6 +474,34 @@ def snapshot_from_rows(
             target = snapshot.started_at if name == "started_at" else snapshot.completed_at
             target.FromMicroseconds(round(moment.timestamp() * 1_000_000))
     return snapshot
+
+
+def _ack_row(channel: ChannelSnapshot, name: str) -> dict[str, int] | None:
+    """An ``AckPosition`` field of `channel` as a row value; uint64 numbers kept in int64 by their bits."""
+    if not channel.HasField(name):
+        return None
+    position = getattr(channel, name)
+    return {field: _signed(getattr(position, field)) for field in _ACK_POSITION.names}
+
+
+def _ack_position(value: Mapping[str, int] | None) -> AckPosition | None:
+    """The inverse of :func:`_ack_row`."""
+    if value is None:
+        return None
+    return AckPosition(**{field: number % 2**64 for field, number in value.items()})
+
+
+def _signed(number: int) -> int:
+    return number - 2**64 if number >= 2**63 else number
+
+
+def table_schema(table: str, version: int = SCHEMA_VERSION) -> pa.Schema:
+    """The columns of `table` in files of schema `version` (an older one lacks the columns added since)."""
+    schema = TABLES[table]
+    for name, added in _ADDED.get(table, {}).items():
+        if version < added:
+            schema = schema.remove(schema.get_field_index(name))
+    return schema
 
 
 def _state(states: dict[str, LocalState], pid: str, snapshot_id: int) -> LocalState:

@@ -18,7 +18,7 @@ def _quote(text: str) -> str:
 
 def wait_for_dot(graph: WaitForGraph) -> str:
     """Return DOT text for `graph`: deadlocked nodes and the deadlock cycle in red, OR waiters as
-    diamonds, edges set aside by the in-flight rule dashed grey, flow-control waits labelled.
+    diamonds, edges set aside (in-flight and acknowledgement rules) dashed grey, flow-control waits labelled.
 
     O(nodes + edges).
 

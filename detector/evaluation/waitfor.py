@@ -22,6 +22,14 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   all its edges are set aside. Heartbeats (``no_wake``) satisfy nothing, and neither does any
   message for a ``flow_control`` wait (a send blocked on a full window: only the target consuming
   releases it). Edges set aside are kept apart, as *discounted*, for reporting.
+* **Acknowledgement rule.** A ``flow_control`` edge from a waiter in p to a target in q is
+  satisfied when an acknowledgement is in transit on ``p -> q``: the channel's
+  ``receiver_acked`` (where q's acknowledgements stood at q's recording) is ahead of its
+  ``sender_ack_seen`` (the highest one p had received at p's recording), both of the same sender
+  and receiver incarnations. q consumed and acknowledged before it recorded, and p will get window
+  space: without the rule, a receiver that consumed, acknowledged, and then waited on p would
+  close a cycle that is no deadlock. It is set aside like an edge the in-flight rule satisfies.
+  When a position is missing or the incarnations differ, nothing is known and the edge counts.
 
 Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`).
 """
@@ -60,6 +68,7 @@ __all__ = [
     "Deadlock",
     "Node",
     "WaitFor",
+    "acks_in_transit",
     "build_wait_for",
     "evidence_proto",
     "find_deadlock",
@@ -76,7 +85,7 @@ class WaitFor:
     `graph` holds the counted edges; every waiter has node attribute ``model`` (``"and"`` or
     ``"or"``), free nodes have none; an edge from a flow-control wait has attribute
     ``flow_control=True``. `discounted` holds the ``(waiter, target)`` edges set aside by the
-    in-flight rule; their nodes are in `graph` too.
+    in-flight and acknowledgement rules; their nodes are in `graph` too.
     """
 
     snapshot_id: int
@@ -126,10 +135,31 @@ def waking_channels(snapshot: GlobalSnapshot) -> set[Channel]:
     return set(_waking(snapshot))
 
 
-def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
-    """Build the wait-for graph of `snapshot`, applying the in-flight rule (see the module doc).
+def acks_in_transit(snapshot: GlobalSnapshot) -> set[Channel]:
+    """Return the ``(src, dst)`` channels with an acknowledgement on its way back to src.
 
-    O(processes + waits + targets + recorded messages).
+    That is, the receiver had acknowledged further at its recording than the sender had seen at
+    its own, both positions of the same sender and receiver incarnations. O(channels).
+    """
+    channels: set[Channel] = set()
+    for c in snapshot.channels:
+        if not (c.HasField("receiver_acked") and c.HasField("sender_ack_seen")):
+            continue
+        acked, seen = c.receiver_acked, c.sender_ack_seen
+        same = (acked.sender_incarnation, acked.receiver_incarnation) == (
+            seen.sender_incarnation,
+            seen.receiver_incarnation,
+        )
+        if same and acked.next_seq > seen.next_seq:
+            channels.add((c.src, c.dst))
+    return channels
+
+
+def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
+    """Build the wait-for graph of `snapshot`, applying the in-flight and acknowledgement rules
+    (see the module doc).
+
+    O(processes + waits + targets + recorded messages + channels).
     """
     # waiter -> (model, [(target, flow_control), ...]); `owner` maps a wait's own node to its waiter.
     waits: dict[Node, tuple[str, list[tuple[Node, bool]]]] = {}
@@ -156,9 +186,12 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
             waits[(pid, "")] = (OR, [(task, False) for task in tasks])
 
     waking = _waking(snapshot)
+    acking = acks_in_transit(snapshot)
 
     def satisfied(waiter: Node, target: Node, flow_control: bool) -> bool:
-        if flow_control or (target[0], waiter[0]) not in waking:
+        if flow_control:  # window space comes from an acknowledgement, never from a message
+            return (waiter[0], target[0]) in acking
+        if (target[0], waiter[0]) not in waking:
             return False
         tasks = waking[(target[0], waiter[0])]
         return tasks is None or owner.get(waiter, waiter)[1] in tasks

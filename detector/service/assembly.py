@@ -24,6 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stablewatch.v1 import (
+    AckPosition,
     ChannelSnapshot,
     GlobalSnapshot,
     InboundChannelState,
@@ -85,6 +86,7 @@ class _Pending:
     outside: set[str] = field(default_factory=set)  # channel peers that are not members
     states: dict[str, LocalState] = field(default_factory=dict)
     sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (src, dst) -> n
+    ack_seen: dict[tuple[str, str], AckPosition] = field(default_factory=dict)  # (src, dst) -> at src's recording
     inbound: dict[tuple[str, str], InboundChannelState] = field(default_factory=dict)
 
     def is_complete(self) -> bool:
@@ -145,6 +147,8 @@ class Assembler:
         for count in part.outbound:
             if count.dst in pending.members:
                 pending.sent[(process, count.dst)] = count.sent_before_marker
+                if count.HasField("ack_seen"):
+                    pending.ack_seen[(process, count.dst)] = count.ack_seen
             else:
                 pending.outside.add(count.dst)
         for channel in part.inbound:
@@ -286,6 +290,8 @@ def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
                 sent_before_marker=sent,
                 received_before_recording=channel.received_before_recording,
                 messages=channel.messages,
+                receiver_acked=channel.acked if channel.HasField("acked") else None,
+                sender_ack_seen=pending.ack_seen.get((src, dst)),
             )
         )
     return snapshot

@@ -15,6 +15,7 @@ from stablewatch.v1.predicates_pb2 import (
     WaitForGraph,
 )
 from stablewatch.v1.snapshot_pb2 import (
+    AckPosition,
     ChannelSnapshot,
     GlobalSnapshot,
     InboundChannelState,
@@ -28,6 +29,7 @@ from stablewatch.v1.state_pb2 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalState, 
 __all__ = [
     "WAIT_MODEL_AND",
     "WAIT_MODEL_OR",
+    "AckPosition",
     "AgentMessage",
     "ChannelAck",
     "ChannelFrame",

@@ -31,23 +31,37 @@ class RecordedMessage(_message.Message):
     wakes_task: str
     def __init__(self, payload: _Optional[bytes] = ..., counters: _Optional[_Mapping[str, int]] = ..., no_wake: _Optional[bool] = ..., receive_index: _Optional[int] = ..., wakes_task: _Optional[str] = ...) -> None: ...
 
+class AckPosition(_message.Message):
+    __slots__ = ("sender_incarnation", "receiver_incarnation", "next_seq")
+    SENDER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    NEXT_SEQ_FIELD_NUMBER: _ClassVar[int]
+    sender_incarnation: int
+    receiver_incarnation: int
+    next_seq: int
+    def __init__(self, sender_incarnation: _Optional[int] = ..., receiver_incarnation: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
+
 class OutboundCount(_message.Message):
-    __slots__ = ("dst", "sent_before_marker")
+    __slots__ = ("dst", "sent_before_marker", "ack_seen")
     DST_FIELD_NUMBER: _ClassVar[int]
     SENT_BEFORE_MARKER_FIELD_NUMBER: _ClassVar[int]
+    ACK_SEEN_FIELD_NUMBER: _ClassVar[int]
     dst: str
     sent_before_marker: int
-    def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ...) -> None: ...
+    ack_seen: AckPosition
+    def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., ack_seen: _Optional[_Union[AckPosition, _Mapping]] = ...) -> None: ...
 
 class InboundChannelState(_message.Message):
-    __slots__ = ("src", "received_before_recording", "messages")
+    __slots__ = ("src", "received_before_recording", "messages", "acked")
     SRC_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
     src: str
     received_before_recording: int
     messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
-    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ...) -> None: ...
+    acked: AckPosition
+    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ...) -> None: ...
 
 class LocalSnapshotPart(_message.Message):
     __slots__ = ("snapshot_id", "process_id", "state", "outbound", "inbound")
@@ -72,18 +86,22 @@ class ProcessSnapshot(_message.Message):
     def __init__(self, process_id: _Optional[str] = ..., state: _Optional[_Union[_state_pb2.LocalState, _Mapping]] = ...) -> None: ...
 
 class ChannelSnapshot(_message.Message):
-    __slots__ = ("src", "dst", "sent_before_marker", "received_before_recording", "messages")
+    __slots__ = ("src", "dst", "sent_before_marker", "received_before_recording", "messages", "receiver_acked", "sender_ack_seen")
     SRC_FIELD_NUMBER: _ClassVar[int]
     DST_FIELD_NUMBER: _ClassVar[int]
     SENT_BEFORE_MARKER_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVER_ACKED_FIELD_NUMBER: _ClassVar[int]
+    SENDER_ACK_SEEN_FIELD_NUMBER: _ClassVar[int]
     src: str
     dst: str
     sent_before_marker: int
     received_before_recording: int
     messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
-    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ...) -> None: ...
+    receiver_acked: AckPosition
+    sender_ack_seen: AckPosition
+    def __init__(self, src: _Optional[str] = ..., dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., receiver_acked: _Optional[_Union[AckPosition, _Mapping]] = ..., sender_ack_seen: _Optional[_Union[AckPosition, _Mapping]] = ...) -> None: ...
 
 class GlobalSnapshot(_message.Message):
     __slots__ = ("snapshot_id", "processes", "channels", "started_at", "completed_at", "expected_members", "expected_member_count", "outside_peers")
