@@ -17,7 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +97,10 @@ class LineReader:
             self.lines.put(line)
         self.lines.put(None)
 
-    def next(self, timeout: float = 15) -> str:
+    def next(self, timeout: float = 15, fail: Callable[[], str] = lambda: "") -> str:
+        """The next line; `fail` says why when the stream ended instead (e.g. the process's stderr)."""
         line = self.lines.get(timeout=timeout)
-        assert line is not None, "the stream ended"
+        assert line is not None, f"the stream ended: {fail()}"
         return line
 
 
@@ -258,7 +259,8 @@ def test_watch_ends_cleanly_on_ctrl_c(system: System) -> None:
         preexec_fn=default_sigint,
     )
     try:
-        json.loads(LineReader(watch.stdout).next())  # it is streaming
+        line = LineReader(watch.stdout).next(fail=lambda: watch.stderr.read() if watch.wait(10) is not None else "")
+        json.loads(line)  # it is streaming
         watch.send_signal(signal.SIGINT)
         assert watch.wait(timeout=15) == 0
         assert "Traceback" not in watch.stderr.read()

@@ -171,4 +171,4 @@ def test_history_is_callable_from_python_with_a_console(spark: SparkSession, tmp
     console = Console(record=True, width=160)
     found = run_history(archive, tmp_path / "out", console)
     assert found.evaluated == 11 and found.aborted == 1
-    assert "1 deadlock episode " in console.export_text()
+    assert "1 deadlock episode;" in console.export_text()
