@@ -23,7 +23,9 @@ Prints a table, then one JSON object as the last line: ``rows_small``, ``rows_la
 result row equal between spark and local, both archives and the big snapshot), ``scaling``
 (spark large / spark small), ``ratio_large`` (spark large / local large),
 ``big_snapshot_seconds`` and the targets met. Targets: identical; scaling <= 12; ratio_large <= 1.0.
-Archives are generated once into `--workdir` and reused.
+Archives are generated once into `--workdir` and reused. Spark's driver gets `--driver-memory`
+(8g; in ``local[*]`` the executors live in the driver's JVM) unless ``PYSPARK_SUBMIT_ARGS`` is set:
+the default 1g cannot hold the big snapshot's million-node graph.
 
     python bench/pipeline.py
     python bench/pipeline.py --rows-small 20000 --rows-large 200000 --big-nodes 20000 --big-edges 60000 --rounds 1
@@ -241,8 +243,10 @@ def main() -> None:
     parser.add_argument("--no-big-local", action="store_true", help="skip the single-process run of the big snapshot")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=418)
+    parser.add_argument("--driver-memory", default="8g", help="Spark driver memory (%(default)s)")
     parser.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "stablewatch-bench-pipeline")
     args = parser.parse_args()
+    os.environ.setdefault("PYSPARK_SUBMIT_ARGS", f"--driver-memory {args.driver_memory} pyspark-shell")
     console = Console()
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)

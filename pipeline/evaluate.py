@@ -19,6 +19,7 @@ Aborted snapshots have no global state and are not evaluated.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from typing import Any
 import networkx as nx
 import pyarrow as pa
 from google.protobuf import json_format
-from pyspark.sql import DataFrame
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
@@ -319,6 +320,35 @@ def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, f
     When all their counted edges together are `finish_edges` or fewer, no round runs: the edges
     go straight to the shared algorithm.
     """
+    with _no_broadcast_joins(archive.spark):
+        return _reduce_large_graphs(archive, large, max_rounds, finish_edges)
+
+
+@contextlib.contextmanager
+def _no_broadcast_joins(spark: SparkSession) -> Iterator[None]:
+    """Plan every join as a shuffle meanwhile: the graphs of large snapshots are too big to broadcast.
+
+    Spark's size estimates of filtered and aggregated frames are often far below what they hold
+    (a million-node graph was estimated small enough), and a broadcast that does not fit stops the
+    job; shuffled joins only spill. The session's settings are restored afterwards.
+    """
+    keys = ("spark.sql.autoBroadcastJoinThreshold", "spark.sql.adaptive.autoBroadcastJoinThreshold")
+    before = {key: spark.conf.get(key, None) for key in keys}
+    for key in keys:
+        spark.conf.set(key, "-1")
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                spark.conf.unset(key)
+            else:
+                spark.conf.set(key, value)
+
+
+def _reduce_large_graphs(
+    archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int
+) -> tuple[int, int]:
     heads = [item.head for item in large.values()]
     tables = (_rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages", "channels"))
     frames = wait_for_frames(*tables)
