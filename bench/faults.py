@@ -31,6 +31,7 @@ import collections
 import itertools
 import json
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -171,18 +172,21 @@ def kill_phase(kills: int, work: Path, deadline: float = 3.0) -> dict[str, Any]:
         connect_all(list(nodes.values()))
         for round_ in range(kills):
             poll(lambda: len(detector.detector.coordinator.members) == 3, "three agents attached")
-            nodes["C"].command("slow", seconds=1.0)  # C's handler dawdles, so the snapshot waits on it
             nodes["A"].command("transfer", count=20, seed=round_)
             nodes["A"].expect("transferred")
+            # Freeze C before the snapshot starts: it cannot answer the marker, so the snapshot
+            # is certainly still waiting on C when C dies (a live C can finish in milliseconds).
+            nodes["C"].process.send_signal(signal.SIGSTOP)
             pending = asyncio.run_coroutine_threadsafe(
                 detector.detector.take_snapshot(deadline=deadline), detector.loop
             )
-            poll(lambda: detector.detector.coordinator.running, "the snapshot running")
+            poll(lambda p=pending: detector.detector.coordinator.running or p.done(), "the snapshot running")
             killed_at = time.monotonic()
             nodes["C"].kill()
             aborted = pending.result(deadline + 30)
             abort_seconds.append(time.monotonic() - killed_at)
             if outcome_name(aborted.snapshot.outcome) != "aborted":
+                failures.append(f"round {round_}: the snapshot {outcome_name(aborted.snapshot.outcome)} without C")
                 continue
             nodes["C"] = Node("C", *args)
             connect_all(list(nodes.values()))

@@ -198,6 +198,10 @@ class TcpProxy:
         self._accepts.add(task)
         try:
             await self._connect(client_reader, client_writer, task)
+        except asyncio.CancelledError:
+            # Only stop() cancels an accept. Ending quietly matters: Python 3.11's stream server
+            # asks a cancelled handler task for its exception and logs the CancelledError it gets.
+            client_writer.transport.abort()
         finally:
             self._accepts.discard(task)
 

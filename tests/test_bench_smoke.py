@@ -44,6 +44,6 @@ def test_fault_benchmark_prints_its_json_line() -> None:
     assert keys <= result.keys()
     assert result["resets"] >= 20
     assert (result["lost"], result["duplicated"], result["crashes"]) == (0, 0, 0)
-    assert result["kills_recovered"] == result["kills"] == 1
-    assert result["completed_after_restart"] == result["detector_restarts"] == 2
+    assert result["kills_recovered"] == result["kills"] == 1, result
+    assert result["completed_after_restart"] == result["detector_restarts"] == 2, result
     assert result["fuzzed"] == 3000
