@@ -83,7 +83,7 @@ from stablewatch.agents.core import (
     SnapshotCore,
     SnapshotFailed,
 )
-from stablewatch.agents.frames import COUNTER_OVERHEAD, ENTRY_OVERHEAD, entry_size
+from stablewatch.agents.frames import COUNTER_OVERHEAD, ENTRY_OVERHEAD, entry_size, payload_bytes
 from stablewatch.agents.inbound import InboundChannels
 from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
@@ -297,6 +297,11 @@ class Agent:
         channel = self._outbound.get(dest) or self._open(dest)
         if not channel.has_space():
             await self._wait_for_space(channel)
+        if counters is None and wakes and type(payload) is bytes and len(payload) <= self._max_message_bytes:
+            # A plain message, the common case, inline: every message of a busy service is sent here.
+            self._core.send(dest)
+            channel.push(payload, len(payload) + ENTRY_OVERHEAD)
+            return
         self._send_now(channel, dest, payload, counters, wakes)
 
     def try_send(
@@ -437,7 +442,7 @@ class Agent:
         if actions:
             self._carry_out(actions)
         if self._handler_is_async or self._inbox:
-            nbytes = sum(len(message.payload) for message in messages)
+            nbytes = payload_bytes(messages)
             self._inbox.put(src, messages, self._core.arrivals - len(messages) + 1, nbytes)
         else:  # nothing can interleave with a synchronous handler: deliver now, in the reader
             self._hand_over_now(src, messages)
@@ -469,7 +474,7 @@ class Agent:
                     await handler(src, message)  # type: ignore[misc]
                 except Exception:
                     _log.exception("the message handler of %s failed on a message from %s", self.process_id, src)
-        self.metrics.received(src, len(run.messages), sum(len(m.payload) for m in run.messages))
+        self.metrics.received(src, len(run.messages), payload_bytes(run.messages))
 
     def _hand_over_now(self, src: str, messages: Sequence[AppMessage]) -> None:
         """Credit units in transit and call a synchronous handler (or none), message by message."""
@@ -483,7 +488,7 @@ class Agent:
                     handler(src, message)
                 except Exception:
                     _log.exception("the message handler of %s failed on a message from %s", self.process_id, src)
-        self.metrics.received(src, len(messages), sum(len(m.payload) for m in messages))
+        self.metrics.received(src, len(messages), payload_bytes(messages))
 
     def _carry_out(self, actions: Sequence[Action]) -> None:
         """Do what the core asks, in order, without yielding to the loop."""

@@ -7,20 +7,35 @@ that the receiver hands, one at a time, to a handler:
   frame size), acknowledged per frame, with the same per-message handler call;
 * ``agent``: an :class:`~stablewatch.agents.Agent` channel, both agents attached to a detector
   (this process) that takes no snapshot;
-* ``agent+snapshots``: the same while the detector takes 10 snapshots a second.
+* ``agent+snapshots``: the same while the detector takes snapshots on its own schedule, every
+  0.1 s (10 a second, at most 2 at once: the detector's defaults for ``--interval 0.1``).
 
-Throughput is messages over the time from the sender's start to the receiver's last delivery.
-The cases run interleaved, ``--rounds`` times; the table shows each median. The last line is one
-JSON object: ``agent_msgs_per_s``, ``raw_msgs_per_s``, ``ratio`` (agent / raw),
-``with_snapshots_msgs_per_s`` and ``snapshot_overhead`` (1 - with / without).
+The sender sends as fast as the channel takes messages until it is told to stop. The receiver
+reports its delivery count every 0.1 s; a case's throughput is the deliveries between the first
+report after ``--warmup`` seconds and the first report ``--seconds`` later, over that time: the
+steady state, without start-up or the drain at the end.
 
-    python bench/channel_throughput.py [--messages 300000] [--rounds 3]
+The cases run in interleaved rounds (raw, agent, agent+snapshots, raw, ...), ``--rounds`` times,
+so that the machine's noise hits every case alike. The ratio and the overhead are computed per
+round (the cases of one round ran side by side) and summarized by their median and their spread
+(lowest and highest round). The table shows every round. The last line is one JSON object:
+``raw_msgs_per_s``, ``agent_msgs_per_s``, ``with_snapshots_msgs_per_s`` (medians over rounds),
+``ratio`` (agent / raw) and ``snapshot_overhead`` (1 - with / without snapshots) as medians of
+the per-round values, with ``ratio_spread`` and ``snapshot_overhead_spread`` ([lowest, highest]),
+``*_spread`` for each case's throughput, ``snapshots_completed`` and ``snapshots_per_s`` (what
+the detector achieved while measured), and the ``targets``: ratio >= 0.8, agent >= 200 000
+messages/s, overhead <= 0.05.
+
+    python bench/channel_throughput.py [--seconds 10] [--warmup 2] [--rounds 5]
+
+A full run takes about (warm-up + seconds + 2) x 3 x rounds seconds: about 4 minutes by default.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import sys
@@ -30,10 +45,13 @@ import grpc
 
 from stablewatch.agents import Agent, AppMessage
 from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
+from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc, control_pb2_grpc
 
 PAYLOAD = b"x" * 64
 FRAME_ENTRIES = 512
+REPORT_EVERY = 0.1  # seconds between the receiver's delivery counts
+CASES = ("raw", "agent", "agent+snapshots")
 
 
 def emit(**fields: object) -> None:
@@ -45,27 +63,41 @@ async def wait_for_stdin_close() -> None:
 
 
 class Counter:
-    """The receiving application: counts deliveries and reports the moment the last one arrives."""
+    """The receiving application: counts deliveries."""
 
-    def __init__(self, expected: int) -> None:
-        self.expected = expected
+    def __init__(self) -> None:
         self.count = 0
 
     def __call__(self, *_: object) -> None:
         self.count += 1
-        if self.count == self.expected:
-            emit(done=time.monotonic())
+
+
+async def report_counts(counter: Counter) -> None:
+    """Print the delivery count, with the time, every REPORT_EVERY seconds until cancelled."""
+    while True:
+        emit(t=time.monotonic(), count=counter.count)
+        await asyncio.sleep(REPORT_EVERY)
+
+
+async def receive_until_closed(counter: Counter) -> None:
+    reporter = asyncio.ensure_future(report_counts(counter))
+    await wait_for_stdin_close()
+    reporter.cancel()
+
+
+async def wait_for_go() -> None:
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
 
 
 # -- the four roles, each in its own process -------------------------------------------------------
 
 
 async def agent_receiver(args: argparse.Namespace) -> None:
-    counter = Counter(args.messages)
+    counter = Counter()
     agent = Agent("receiver", detector=args.detector, handler=counter)
     await agent.start()
     emit(address=agent.address)
-    await wait_for_stdin_close()
+    await receive_until_closed(counter)
     await agent.stop()
 
 
@@ -73,18 +105,13 @@ async def agent_sender(args: argparse.Namespace) -> None:
     agent = Agent("sender", peers={"receiver": args.peer}, detector=args.detector)
     await agent.start()
     emit(ready=True)
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    await wait_for_go()
+    stopping = asyncio.ensure_future(wait_for_stdin_close())
     emit(start=time.monotonic())
-    if args.try_send:  # the non-waiting call, awaiting only when the window is full
-        try_send, send = agent.try_send, agent.send
-        for _ in range(args.messages):
-            if not try_send("receiver", PAYLOAD):
-                await send("receiver", PAYLOAD)
-    else:
-        send = agent.send
-        for _ in range(args.messages):
+    send = agent.send
+    while not stopping.done():
+        for _ in range(FRAME_ENTRIES):  # check for the stop only now and then
             await send("receiver", PAYLOAD)
-    await wait_for_stdin_close()
     await agent.stop()
 
 
@@ -103,35 +130,34 @@ class RawReceiver(channel_pb2_grpc.PeerServicer):
 
 
 async def raw_receiver(args: argparse.Namespace) -> None:
+    counter = Counter()
     server = grpc.aio.server()
-    channel_pb2_grpc.add_PeerServicer_to_server(RawReceiver(Counter(args.messages)), server)
+    channel_pb2_grpc.add_PeerServicer_to_server(RawReceiver(counter), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     emit(address=f"127.0.0.1:{port}")
-    await wait_for_stdin_close()
+    await receive_until_closed(counter)
     await server.stop(0)
 
 
 async def raw_sender(args: argparse.Namespace) -> None:
-    """Queue every message the way an application would, and stream them in frames."""
+    """Queue messages the way an application would, and stream them in frames."""
     async with grpc.aio.insecure_channel(args.peer) as channel:
         call = channel_pb2_grpc.PeerStub(channel).Channel()
         emit(ready=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await wait_for_go()
+        stopping = asyncio.ensure_future(wait_for_stdin_close())
         emit(start=time.monotonic())
-        pending: list[bytes] = []
         acks = asyncio.ensure_future(_drain(call))
         sent = 0
-        for _ in range(args.messages):
-            pending.append(PAYLOAD)
-            if len(pending) == FRAME_ENTRIES:
-                await call.write(ChannelFrame(first_seq=sent, payloads=pending))
-                sent += len(pending)
-                pending = []
-        if pending:
+        while not stopping.done():
+            pending: list[bytes] = []
+            for _ in range(FRAME_ENTRIES):
+                pending.append(PAYLOAD)
             await call.write(ChannelFrame(first_seq=sent, payloads=pending))
-        await wait_for_stdin_close()
+            sent += len(pending)
         acks.cancel()
+        call.cancel()
 
 
 async def _drain(call: grpc.aio.StreamStreamCall) -> None:
@@ -178,9 +204,13 @@ class Child:
         assert self.process.stdin is not None
         self.process.stdin.write(text.encode())
 
-    async def close(self) -> None:
+    def close_stdin(self) -> None:
         assert self.process.stdin is not None
-        self.process.stdin.close()
+        if not self.process.stdin.is_closing():
+            self.process.stdin.close()
+
+    async def close(self) -> None:
+        self.close_stdin()
         try:
             await asyncio.wait_for(self.process.wait(), 30)
         except TimeoutError:
@@ -188,16 +218,26 @@ class Child:
             await self.process.wait()
 
 
-async def run_case(case: str, messages: int, coordinator: Coordinator, detector: str) -> tuple[float, int, float]:
-    """One sender/receiver pair: messages per second, snapshots completed, this process's CPU share."""
+class Measured:
+    """One case of one round: steady-state throughput, and the snapshots that ran meanwhile."""
+
+    def __init__(self, rate: float, seconds: float, snapshots: int, detector_cpu: float) -> None:
+        self.rate = rate
+        self.seconds = seconds
+        self.snapshots = snapshots
+        self.detector_cpu = detector_cpu
+
+
+async def run_case(case: str, args: argparse.Namespace, coordinator: Coordinator, detector: str) -> Measured:
+    """One sender/receiver pair, measured over ``args.seconds`` after ``args.warmup``."""
     kind = "raw" if case == "raw" else "agent"
-    count = ["--messages", str(messages)]
     with_detector = [] if kind == "raw" else ["--detector", detector]
-    receiver = await Child.start(f"{kind}-receiver", *count, *with_detector)
+    receiver = await Child.start(f"{kind}-receiver", *with_detector)
     sender = None
+    snapshots: asyncio.Future[list[float]] | None = None
     try:
         address = (await receiver.read())["address"]
-        sender = await Child.start(f"{kind}-sender", *count, "--peer", str(address), *with_detector)
+        sender = await Child.start(f"{kind}-sender", "--peer", str(address), *with_detector)
         await sender.read()  # ready
         if kind == "agent":
             deadline = time.monotonic() + 30
@@ -206,39 +246,64 @@ async def run_case(case: str, messages: int, coordinator: Coordinator, detector:
                     raise TimeoutError("agents did not attach to the detector")
                 await asyncio.sleep(0.01)
         sender.write("go\n")
-        cpu_before = time.process_time()
         start = float((await sender.read())["start"])
-        snapshots = asyncio.ensure_future(take_snapshots(coordinator)) if case == "agent+snapshots" else None
-        done = float((await receiver.read())["done"])
-        detector_cpu = (time.process_time() - cpu_before) / (done - start)
+        if case == "agent+snapshots":
+            snapshots = asyncio.ensure_future(take_snapshots(coordinator))
+        first = await count_at(receiver, start + args.warmup)
+        cpu_before = time.process_time()
+        last = await count_at(receiver, first[0] + args.seconds)
+        detector_cpu = (time.process_time() - cpu_before) / (last[0] - first[0])
         completed = 0
         if snapshots is not None:
-            snapshots.cancel()
-            completed = await snapshots
-        return messages / (done - start), completed, detector_cpu
+            finished = await stop_snapshots(snapshots)
+            completed = sum(first[0] <= t <= last[0] for t in finished)
+        seconds = last[0] - first[0]
+        return Measured((last[1] - first[1]) / seconds, seconds, completed, detector_cpu)
     finally:
+        if snapshots is not None and not snapshots.done():
+            snapshots.cancel()
         for child in (sender, receiver):
             if child is not None:
                 await child.close()
 
 
-async def take_snapshots(coordinator: Coordinator, per_second: float = 10) -> int:
-    """Begin a snapshot every 1/per_second seconds until cancelled; returns how many completed."""
-    completed = 0
-    pending: list[asyncio.Future] = []
-    try:
-        while True:
-            _, result = coordinator.begin_snapshot()
-            pending.append(result)
-            await asyncio.sleep(1 / per_second)
-    except asyncio.CancelledError:
-        for result in pending:
-            try:
-                await asyncio.wait_for(asyncio.shield(result), 5)
-                completed += 1
-            except (SnapshotAborted, TimeoutError):
-                pass
-        return completed
+async def stop_snapshots(snapshots: asyncio.Future[list[float]]) -> list[float]:
+    """Stop the schedule; the completion times of the snapshots it took."""
+    snapshots.cancel()
+    return await snapshots
+
+
+async def count_at(receiver: Child, moment: float) -> tuple[float, int]:
+    """The receiver's first (time, count) report at or after ``moment``."""
+    while True:
+        report = await receiver.read(timeout=60)
+        if float(report["t"]) >= moment:
+            return float(report["t"]), int(report["count"])
+
+
+async def take_snapshots(coordinator: Coordinator, per_second: float = 10) -> list[float]:
+    """Snapshots on the detector's own schedule until cancelled; returns when each completed.
+
+    The detector's :class:`Scheduler` with its defaults (jitter 0.1, at most 2 at once, deadline
+    5 s): what a user gets from ``stablewatch detector --interval 0.1``.
+    """
+    completed: list[float] = []
+
+    async def take() -> None:
+        with contextlib.suppress(SnapshotAborted):
+            await coordinator.snapshot(5.0)
+            completed.append(time.monotonic())
+
+    scheduler = Scheduler(take, interval=1 / per_second, seed=1)
+    scheduler.start()
+    with contextlib.suppress(asyncio.CancelledError):
+        await asyncio.Event().wait()  # until the case ends and cancels this task
+    await scheduler.stop()
+    return completed
+
+
+def spread(values: list[float]) -> list[float]:
+    return [min(values), max(values)]
 
 
 async def orchestrate(args: argparse.Namespace) -> None:
@@ -247,45 +312,80 @@ async def orchestrate(args: argparse.Namespace) -> None:
     control_pb2_grpc.add_ControlServicer_to_server(coordinator, server)
     detector = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
     await server.start()
-    cases = ("raw", "agent", "agent+snapshots")
-    rates: dict[str, list[float]] = {case: [] for case in cases}
-    detector_cpu: dict[str, list[float]] = {case: [] for case in cases}
-    snapshots = 0
-    for _ in range(args.rounds):
-        for case in cases:
-            rate, completed, cpu = await run_case(case, args.messages, coordinator, detector)
-            rates[case].append(rate)
-            detector_cpu[case].append(cpu)
-            snapshots += completed
-    await server.stop(0)
+    rounds: list[dict[str, Measured]] = []
+    try:
+        for number in range(args.rounds):
+            measured = {case: await run_case(case, args, coordinator, detector) for case in args.cases}
+            rounds.append(measured)
+            rates = ", ".join(f"{case} {m.rate:,.0f}/s" for case, m in measured.items())
+            print(f"round {number + 1}/{args.rounds}: {rates}", file=sys.stderr, flush=True)
+    finally:
+        await server.stop(0)
+    if set(args.cases) == set(CASES):
+        report(args, rounds)
 
-    median = {case: statistics.median(values) for case, values in rates.items()}
+
+def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"64-byte messages, one channel, 2 processes, {args.messages:,} messages, {args.rounds} rounds")
+    rates = {case: [r[case].rate for r in rounds] for case in CASES}
+    median = {case: statistics.median(values) for case, values in rates.items()}
+    ratios = [r["agent"].rate / r["raw"].rate for r in rounds]
+    overheads = [1 - r["agent+snapshots"].rate / r["agent"].rate for r in rounds]
+    snapshot_seconds = sum(r["agent+snapshots"].seconds for r in rounds)
+    snapshots = sum(r["agent+snapshots"].snapshots for r in rounds)
+    ratio, overhead = statistics.median(ratios), statistics.median(overheads)
+
+    table = Table(
+        title=f"64-byte messages, one channel, 2 processes: {args.rounds} interleaved rounds of "
+        f"{args.seconds:g} s per case after {args.warmup:g} s of warm-up"
+    )
     table.add_column("case")
-    table.add_column("median msgs/s", justify="right")
-    table.add_column("all rounds", justify="right")
-    table.add_column("detector CPU", justify="right")
-    for case in cases:
-        cpu = f"{statistics.median(detector_cpu[case]):.1%}"
-        table.add_row(case, f"{median[case]:,.0f}", ", ".join(f"{r:,.0f}" for r in rates[case]), cpu)
-    table.add_row("agent / raw", f"{median['agent'] / median['raw']:.3f}", "target >= 0.8")
-    table.add_row("snapshot overhead", f"{1 - median['agent+snapshots'] / median['agent']:.3f}", "target <= 0.05")
-    table.add_row("snapshots completed", str(snapshots), "during agent+snapshots")
+    table.add_column("median", justify="right")
+    for number in range(len(rounds)):
+        table.add_column(f"round {number + 1}", justify="right")
+    table.add_column("target", justify="right")
+    for case in CASES:
+        table.add_row(f"{case} msgs/s", f"{median[case]:,.0f}", *(f"{r:,.0f}" for r in rates[case]), "")
+    table.add_row("agent / raw", f"{ratio:.3f}", *(f"{r:.3f}" for r in ratios), ">= 0.8")
+    table.add_row("snapshot overhead", f"{overhead:.3f}", *(f"{o:.3f}" for o in overheads), "<= 0.05")
+    table.add_row(
+        "detector CPU (snapshots)",
+        f"{statistics.median(r['agent+snapshots'].detector_cpu for r in rounds):.1%}",
+        *(f"{r['agent+snapshots'].detector_cpu:.1%}" for r in rounds),
+        "",
+    )
+    table.add_row(
+        "snapshots/s completed",
+        f"{snapshots / snapshot_seconds:.1f}",
+        *(f"{r['agent+snapshots'].snapshots / r['agent+snapshots'].seconds:.1f}" for r in rounds),
+        "10 asked",
+    )
     Console().print(table)
     print(
         json.dumps(
             {
-                "messages": args.messages,
+                "seconds": args.seconds,
+                "warmup": args.warmup,
                 "rounds": args.rounds,
                 "raw_msgs_per_s": round(median["raw"]),
                 "agent_msgs_per_s": round(median["agent"]),
-                "ratio": round(median["agent"] / median["raw"], 4),
                 "with_snapshots_msgs_per_s": round(median["agent+snapshots"]),
-                "snapshot_overhead": round(1 - median["agent+snapshots"] / median["agent"], 4),
+                "raw_spread": [round(v) for v in spread(rates["raw"])],
+                "agent_spread": [round(v) for v in spread(rates["agent"])],
+                "with_snapshots_spread": [round(v) for v in spread(rates["agent+snapshots"])],
+                "ratio": round(ratio, 4),
+                "ratio_spread": [round(v, 4) for v in spread(ratios)],
+                "snapshot_overhead": round(overhead, 4),
+                "snapshot_overhead_spread": [round(v, 4) for v in spread(overheads)],
                 "snapshots_completed": snapshots,
+                "snapshots_per_s": round(snapshots / snapshot_seconds, 2),
+                "targets": {
+                    "ratio_at_least_0.8": ratio >= 0.8,
+                    "agent_at_least_200k": median["agent"] >= 200_000,
+                    "overhead_at_most_0.05": overhead <= 0.05,
+                },
             }
         ),
         flush=True,
@@ -294,12 +394,18 @@ async def orchestrate(args: argparse.Namespace) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--messages", type=int, default=300_000)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--seconds", type=float, default=10.0, help="steady-state seconds measured per case")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds of each case before measuring")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--cases",
+        type=lambda text: text.split(","),
+        default=list(CASES),
+        help="comma-separated cases to run (all three for the table and the JSON line; fewer to profile one)",
+    )
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--detector", help=argparse.SUPPRESS)
-    parser.add_argument("--try-send", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     asyncio.run(ROLES[args.role](args) if args.role else orchestrate(args))
 

@@ -47,3 +47,23 @@ def test_fault_benchmark_prints_its_json_line() -> None:
     assert result["kills_recovered"] == result["kills"] == 1, result
     assert result["completed_after_restart"] == result["detector_restarts"] == 2, result
     assert result["fuzzed"] == 3000
+
+
+@pytest.mark.timeout(180)
+def test_channel_benchmark_prints_its_json_line() -> None:
+    sizes = ["--seconds", "1", "--warmup", "0.5", "--rounds", "2"]
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "channel_throughput.py"), *sizes],
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    for case in ("raw", "agent", "with_snapshots"):
+        low, high = result[f"{case}_spread"]
+        assert 0 < low <= high, result
+    assert result["ratio_spread"][0] <= result["ratio"] <= result["ratio_spread"][1], result
+    assert result["rounds"] == 2
+    assert result["snapshots_completed"] >= 1, result  # the detector's schedule ran while measured
+    assert set(result["targets"]) == {"ratio_at_least_0.8", "agent_at_least_200k", "overhead_at_most_0.05"}
