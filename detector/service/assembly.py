@@ -25,12 +25,10 @@ from dataclasses import dataclass, field
 
 from stablewatch.v1 import (
     AckPosition,
-    ChannelSnapshot,
     GlobalSnapshot,
     InboundChannelState,
     LocalSnapshotPart,
     LocalState,
-    ProcessSnapshot,
 )
 
 __all__ = ["REJECTION_REASONS", "Aborted", "Assembler", "Completed", "PartRejected"]
@@ -278,20 +276,18 @@ def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
         expected_member_count=pending.expected_count,
         outside_peers=sorted(pending.outside),
     )
-    snapshot.processes.extend(
-        ProcessSnapshot(process_id=process, state=pending.states[process]) for process in sorted(pending.states)
-    )
+    # Built in place with add(): append() would copy each channel's recorded messages once more.
+    for process in sorted(pending.states):
+        snapshot.processes.add(process_id=process, state=pending.states[process])
     for (src, dst), sent in sorted(pending.sent.items()):
         channel = pending.inbound[(src, dst)]
-        snapshot.channels.append(
-            ChannelSnapshot(
-                src=src,
-                dst=dst,
-                sent_before_marker=sent,
-                received_before_recording=channel.received_before_recording,
-                messages=channel.messages,
-                receiver_acked=channel.acked if channel.HasField("acked") else None,
-                sender_ack_seen=pending.ack_seen.get((src, dst)),
-            )
+        snapshot.channels.add(
+            src=src,
+            dst=dst,
+            sent_before_marker=sent,
+            received_before_recording=channel.received_before_recording,
+            messages=channel.messages,
+            receiver_acked=channel.acked if channel.HasField("acked") else None,
+            sender_ack_seen=pending.ack_seen.get((src, dst)),
         )
     return snapshot
