@@ -283,7 +283,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             watcher = StreamWatcher(detector.address)
             # A server-streaming call sends nothing before its first event: ask the detector (in
             # this process) whether the stream's subscription is in place.
-            await watcher.start(lambda: bool(detector._watchers))
+            await watcher.start(lambda: detector._watch.watchers > 0)
             published = Published(cluster)
             poller = MetricPoller(detector.metrics_url, args.poll)
             poller.start()
