@@ -90,7 +90,7 @@ class Host:
 
     async def _send_traffic(self, rate: float) -> None:
         senders = [pid for pid in self.agents if self.links.get(pid)]
-        if not senders:
+        if not senders or rate <= 0:
             return
         period = 1 / (rate * len(senders))
         next_at = time.monotonic()
@@ -106,7 +106,7 @@ class Host:
         for agent in self.agents.values():
             await agent.start()
         emit(event="ready", addresses={pid: agent.address for pid, agent in self.agents.items()})
-        reader = asyncio.StreamReader()
+        reader = asyncio.StreamReader(limit=1 << 24)  # a peers line for 1 024 agents is long
         loop = asyncio.get_running_loop()
         await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
         while line := await reader.readline():

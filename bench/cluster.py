@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.limits import Limits
 
 HOST_SCRIPT = Path(__file__).with_name("agent_host.py")
 
@@ -67,7 +68,11 @@ class Cluster:
         deadline: float = 5.0,
         max_concurrent: int = 4,
         seed: int | None = None,
+        heartbeat_timeout: float = 5.0,
+        limits: Limits | None = None,
+        one_by_one: bool = False,
     ) -> None:
+        """``one_by_one`` starts each host process only once the previous one is ready (large clusters)."""
         self.ids = [f"a{i}" for i in range(agents)]
         self.processes = processes
         self.folder = tempfile.TemporaryDirectory(prefix="stablewatch-bench-")
@@ -80,7 +85,11 @@ class Cluster:
             max_concurrent=max_concurrent,
             max_snapshots=100_000,
             seed=seed,
+            heartbeat_timeout=heartbeat_timeout,
+            limits=limits or Limits(),
         )
+        self.one_by_one = one_by_one
+        self.addresses: dict[str, str] = {}  # of the agents of the hosts that reported ready
         self.detector = Detector(config)
         self.hosts: list[Host] = []
         self.host_of: dict[str, Host] = {}
@@ -113,15 +122,22 @@ class Cluster:
             self.hosts.append(host)
             for pid in group:
                 self.host_of[pid] = host
+            if self.one_by_one:
+                self.addresses.update((await host.expect("ready", 120))["addresses"])
 
-    async def connect(self, links: dict[str, list[str]]) -> None:
-        """Exchange addresses, set each agent's neighbours, and wait until all have attached."""
-        addresses: dict[str, str] = {}
+    async def connect(self, links: dict[str, list[str]], timeout: float = 60) -> None:
+        """Exchange addresses, set each agent's neighbours, and wait until all have attached.
+
+        ``timeout`` bounds each host's start and then the attaching of every agent (seconds).
+        """
+        addresses = self.addresses
+        if not self.one_by_one:
+            for host in self.hosts:
+                addresses.update((await host.expect("ready", timeout))["addresses"])
         for host in self.hosts:
-            addresses.update((await host.expect("ready"))["addresses"])
-        for host in self.hosts:
-            await host.ask("peers", "peers", peers=addresses, links=links)
-        deadline = time.monotonic() + 60
+            own = {pid: links[pid] for pid in host.ids if pid in links}
+            await host.ask("peers", "peers", peers=addresses, links=own)
+        deadline = time.monotonic() + timeout
         while len(self.detector.coordinator.members) < len(self.ids):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{len(self.detector.coordinator.members)} of {len(self.ids)} agents attached")
