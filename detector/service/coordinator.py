@@ -314,21 +314,17 @@ class Coordinator(control_pb2_grpc.ControlServicer):
     ) -> AsyncIterator[DetectorMessage]:
         """Send the member its messages while reading its stream, until either ends."""
         reader = asyncio.ensure_future(self._read(member, request_iterator))
-        getter: asyncio.Future[DetectorMessage] | None = None
+        # The reader's end queues the same empty message as detach(): one queue to wait on, and no
+        # task or wait per message sent (a snapshot sends one to every member, several times).
+        reader.add_done_callback(lambda _: member.send(DetectorMessage()))
         try:
             while True:
-                getter = asyncio.ensure_future(member.outbox.get())
-                done, _ = await asyncio.wait((getter, reader), return_when=asyncio.FIRST_COMPLETED)
-                if getter not in done:
-                    break
-                message = getter.result()
-                if not message.WhichOneof("kind"):  # detach(): end this stream
+                message = await member.outbox.get()
+                if not message.WhichOneof("kind"):  # detach() or the agent's stream ended
                     break
                 yield message
         finally:
-            for task in (getter, reader):
-                if task is not None:
-                    task.cancel()
+            reader.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
                 await reader
             self._lose(member)

@@ -13,9 +13,16 @@ import logging
 import random
 from collections.abc import Awaitable, Callable
 
-__all__ = ["Scheduler"]
+__all__ = ["Scheduler", "next_tick"]
 
 _log = logging.getLogger(__name__)
+
+
+def next_tick(previous: float, now: float, period: float) -> float:
+    """When the tick after ``previous`` is due: on a timetable, so that the loop's lag at each tick
+    does not stretch every period; a schedule fallen behind skips the ticks it missed (one tick
+    at once, not a burst)."""
+    return max(previous + period, now)
 
 
 class Scheduler:
@@ -68,9 +75,12 @@ class Scheduler:
         self._task = None
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_at = loop.time()
         while True:
             stretch = 1 + self._jitter * (2 * self._random.random() - 1)
-            await asyncio.sleep(self._interval * stretch)
+            next_at = next_tick(next_at, loop.time(), self._interval * stretch)
+            await asyncio.sleep(next_at - loop.time())
             if len(self._running) >= self._max_concurrent or not self._ready():
                 continue
             task = asyncio.ensure_future(self._take())
