@@ -11,7 +11,7 @@ machine): the moment the deadlock formed. The bench measures the time until
 
 * **watch**: the detector's real gRPC ``Query.Watch`` stream (``changes_only``), read by a client
   in this process, delivers a change of ``deadlock`` to holds=True (timestamped on receipt);
-* **metric**: a thread polling ``/metrics`` over HTTP every 2 ms first reads
+* **metric**: a thread polling ``/metrics`` over HTTP every 20 ms (``--poll``) first reads
   ``stablewatch_predicate_value{predicate="deadlock"} 1``.
 
 It also checks that the detecting snapshot's deadlock evidence names exactly the ring's agents.
@@ -408,7 +408,12 @@ async def main() -> None:
     parser.add_argument("--degree", type=int, default=4, help="random neighbours per agent (random topology)")
     parser.add_argument("--ring-min", type=int, default=4)
     parser.add_argument("--ring-max", type=int, default=8)
-    parser.add_argument("--poll", type=float, default=0.002, help="seconds between /metrics polls")
+    parser.add_argument(
+        "--poll",
+        type=float,
+        default=0.02,
+        help="seconds between /metrics polls (each poll costs the detector a scrape, in its own process)",
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each report")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="print every trial as a JSON line")
