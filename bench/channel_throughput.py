@@ -15,10 +15,14 @@ reports its delivery count every 0.1 s; a case's throughput is the deliveries be
 report after ``--warmup`` seconds and the first report ``--seconds`` later, over that time: the
 steady state, without start-up or the drain at the end.
 
-The cases run in interleaved rounds (raw, agent, agent+snapshots, raw, ...), ``--rounds`` times,
-so that the machine's noise hits every case alike. The ratio and the overhead are computed per
-round (the cases of one round ran side by side) and summarized by their median and their spread
-(lowest and highest round). The table shows every round. The last line is one JSON object:
+The cases run in interleaved rounds, ``--rounds`` times, so that the machine's noise hits every
+case alike. In each round, ``raw`` runs on a pair of processes of its own; ``agent`` and
+``agent+snapshots`` are two phases of one agent pair, back to back, in alternating order from
+round to round (snapshots off then on, then on then off): two fresh pairs of processes differ by
+more, from where the operating system puts them, than the overhead being measured. The ratio
+and the overhead are computed per round (the cases of one round ran side by side) and
+summarized by their median and their spread (lowest and highest round). The table shows every
+round. The last line is one JSON object:
 ``raw_msgs_per_s``, ``agent_msgs_per_s``, ``with_snapshots_msgs_per_s`` (medians over rounds),
 ``ratio`` (agent / raw) and ``snapshot_overhead`` (1 - with / without snapshots) as medians of
 the per-round values, with ``ratio_spread`` and ``snapshot_overhead_spread`` ([lowest, highest]),
@@ -28,7 +32,7 @@ messages/s, overhead <= 0.05.
 
     python bench/channel_throughput.py [--seconds 10] [--warmup 2] [--rounds 5]
 
-A full run takes about (warm-up + seconds + 2) x 3 x rounds seconds: about 4 minutes by default.
+A full run takes about (2 x warm-up + 3 x seconds + 5) x rounds seconds: about 3 minutes by default.
 """
 
 from __future__ import annotations
@@ -228,13 +232,20 @@ class Measured:
         self.detector_cpu = detector_cpu
 
 
-async def run_case(case: str, args: argparse.Namespace, coordinator: Coordinator, detector: str) -> Measured:
-    """One sender/receiver pair, measured over ``args.seconds`` after ``args.warmup``."""
-    kind = "raw" if case == "raw" else "agent"
+async def run_pair(
+    kind: str, phases: list[str], args: argparse.Namespace, coordinator: Coordinator, detector: str
+) -> dict[str, Measured]:
+    """One sender/receiver pair of ``kind`` (raw or agent), measured in ``phases`` back to back.
+
+    Each phase is ``args.seconds`` of steady state: the first after ``args.warmup``, the next after
+    a settling second. The agent cases are phases of one pair (snapshots off, then on, or the
+    other way round), so they differ only in the snapshots: not in the processes or where the
+    operating system put them, which moves a 10-second figure by more than the overhead sought.
+    """
     with_detector = [] if kind == "raw" else ["--detector", detector]
     receiver = await Child.start(f"{kind}-receiver", *with_detector)
     sender = None
-    snapshots: asyncio.Future[list[float]] | None = None
+    measured: dict[str, Measured] = {}
     try:
         address = (await receiver.read())["address"]
         sender = await Child.start(f"{kind}-sender", "--peer", str(address), *with_detector)
@@ -246,22 +257,22 @@ async def run_case(case: str, args: argparse.Namespace, coordinator: Coordinator
                     raise TimeoutError("agents did not attach to the detector")
                 await asyncio.sleep(0.01)
         sender.write("go\n")
-        start = float((await sender.read())["start"])
-        if case == "agent+snapshots":
-            snapshots = asyncio.ensure_future(take_snapshots(coordinator))
-        first = await count_at(receiver, start + args.warmup)
-        cpu_before = time.process_time()
-        last = await count_at(receiver, first[0] + args.seconds)
-        detector_cpu = (time.process_time() - cpu_before) / (last[0] - first[0])
-        completed = 0
-        if snapshots is not None:
-            finished = await stop_snapshots(snapshots)
+        settle = float((await sender.read())["start"]) + args.warmup
+        for case in phases:
+            snapshots = asyncio.ensure_future(take_snapshots(coordinator)) if case == "agent+snapshots" else None
+            try:
+                first = await count_at(receiver, settle)
+                cpu_before = time.process_time()
+                last = await count_at(receiver, first[0] + args.seconds)
+                detector_cpu = (time.process_time() - cpu_before) / (last[0] - first[0])
+            finally:
+                finished = await stop_snapshots(snapshots) if snapshots is not None else []
             completed = sum(first[0] <= t <= last[0] for t in finished)
-        seconds = last[0] - first[0]
-        return Measured((last[1] - first[1]) / seconds, seconds, completed, detector_cpu)
+            seconds = last[0] - first[0]
+            measured[case] = Measured((last[1] - first[1]) / seconds, seconds, completed, detector_cpu)
+            settle = time.monotonic() + 1.0  # the last snapshots finish, the pipeline refills
+        return measured
     finally:
-        if snapshots is not None and not snapshots.done():
-            snapshots.cancel()
         for child in (sender, receiver):
             if child is not None:
                 await child.close()
@@ -315,7 +326,14 @@ async def orchestrate(args: argparse.Namespace) -> None:
     rounds: list[dict[str, Measured]] = []
     try:
         for number in range(args.rounds):
-            measured = {case: await run_case(case, args, coordinator, detector) for case in args.cases}
+            measured: dict[str, Measured] = {}
+            if "raw" in args.cases:
+                measured.update(await run_pair("raw", ["raw"], args, coordinator, detector))
+            agent_phases = [case for case in ("agent", "agent+snapshots") if case in args.cases]
+            if number % 2:  # alternate which phase comes first, so a drift within a pair cancels out
+                agent_phases.reverse()
+            if agent_phases:
+                measured.update(await run_pair("agent", agent_phases, args, coordinator, detector))
             rounds.append(measured)
             rates = ", ".join(f"{case} {m.rate:,.0f}/s" for case, m in measured.items())
             print(f"round {number + 1}/{args.rounds}: {rates}", file=sys.stderr, flush=True)
