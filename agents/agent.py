@@ -297,11 +297,6 @@ class Agent:
         channel = self._outbound.get(dest) or self._open(dest)
         if not channel.has_space():
             await self._wait_for_space(channel)
-        if counters is None and wakes and type(payload) is bytes and len(payload) <= self._max_message_bytes:
-            # A plain message, the common case, inline: every message of a busy service is sent here.
-            self._core.send(dest)
-            channel.push(payload, len(payload) + ENTRY_OVERHEAD)
-            return
         self._send_now(channel, dest, payload, counters, wakes)
 
     def try_send(

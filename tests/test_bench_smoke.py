@@ -67,3 +67,19 @@ def test_channel_benchmark_prints_its_json_line() -> None:
     assert result["rounds"] == 2
     assert result["snapshots_completed"] >= 1, result  # the detector's schedule ran while measured
     assert set(result["targets"]) == {"ratio_at_least_0.8", "agent_at_least_200k", "overhead_at_most_0.05"}
+
+
+def test_hot_path_benchmark_prints_its_json_line() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--seconds", "0.05", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    cases = ("send", "await_floor", "append_floor", "decode", "decode_before")
+    cases += ("part_build", "part_serialize", "assembly", "assembly_before")
+    for case in cases:
+        low, high = result[f"{case}_spread"]
+        assert 0 < low <= result[f"{case}_ns"] <= high, (case, result)

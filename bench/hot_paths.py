@@ -1,0 +1,165 @@
+"""Benchmark: the per-message and per-snapshot hot paths of an agent and the detector, in one process.
+
+Each case is timed against the way it was done before (or against the floor it cannot beat), in
+interleaved rounds of about ``--seconds`` each, and reported as the median cost per message and
+the spread (lowest and highest round):
+
+* ``send``: ``await agent.send(dest, payload)`` for a plain 64-byte message into a wide window,
+  against an awaited empty coroutine (the floor of any awaited API) and ``list.append`` (what the
+  raw case of ``channel_throughput.py`` does per message);
+* ``decode``: the messages of a 512-entry frame, built in C (``frames.decode``) against a list
+  comprehension of ``AppMessage(payload)``;
+* ``part``: a recorded channel of 2 000 messages turned into a part's ``InboundChannelState``,
+  and that part serialized (what the receiver pays per snapshot);
+* ``assembly``: a 2 000-message channel put into the global snapshot with ``add()`` against the
+  former ``append(ChannelSnapshot(...))``, which copied the messages twice.
+
+The last line is one JSON object: per case, ``*_ns`` (median per message) and ``*_spread``.
+
+    python bench/hot_paths.py [--seconds 1] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+from rich.console import Console
+from rich.table import Table
+
+from stablewatch.agents import Agent, AppMessage, ChannelSettings
+from stablewatch.agents.frames import decode, encode
+from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, InboundChannelState, LocalSnapshotPart
+
+PAYLOAD = b"x" * 64
+FRAME = encode(0, [PAYLOAD] * 512)
+RECORDED = [AppMessage(PAYLOAD) for _ in range(2000)]
+
+
+def per_item(run: Callable[[], int], seconds: float) -> float:
+    """Seconds per item: ``run()`` (which returns how many items it did) repeated for ``seconds``."""
+    items, start = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - start) < seconds:
+        items += run()
+    return elapsed / items
+
+
+def build_channel() -> InboundChannelState:
+    state = InboundChannelState(src="a", received_before_recording=5)
+    add = state.messages.add
+    for index, message in enumerate(RECORDED, start=100):
+        add(payload=message.payload, receive_index=index)
+    return state
+
+
+CHANNEL = build_channel()
+
+
+def sync_cases() -> dict[str, Callable[[], int]]:
+    def decode_in_c() -> int:
+        return len(decode(FRAME))
+
+    def decode_listcomp() -> int:
+        return len([AppMessage(payload) for payload in FRAME.payloads])
+
+    def part_build() -> int:
+        return len(build_channel().messages)
+
+    def part_serialize() -> int:
+        part = LocalSnapshotPart(snapshot_id=1, process_id="b")
+        part.inbound.append(CHANNEL)
+        part.SerializeToString()
+        return len(CHANNEL.messages)
+
+    def assembly_add() -> int:
+        GlobalSnapshot().channels.add(src="a", dst="b", messages=CHANNEL.messages)
+        return len(CHANNEL.messages)
+
+    def assembly_append() -> int:
+        GlobalSnapshot().channels.append(ChannelSnapshot(src="a", dst="b", messages=CHANNEL.messages))
+        return len(CHANNEL.messages)
+
+    return {
+        "decode": decode_in_c,
+        "decode_before": decode_listcomp,
+        "part_build": part_build,
+        "part_serialize": part_serialize,
+        "assembly": assembly_add,
+        "assembly_before": assembly_append,
+    }
+
+
+async def send_cases(seconds: float, rounds: int) -> dict[str, list[float]]:
+    """The awaited cases, in interleaved rounds, on an agent whose window never fills."""
+    batch = 100_000
+    settings = ChannelSettings(window_entries=1 << 30, window_bytes=1 << 40, backoff_initial=3600, backoff_max=3600)
+    agent = Agent("a", peers={"b": "127.0.0.1:9"}, channel_settings=settings)
+    await agent.start()
+    try:
+        await agent.send("b", PAYLOAD)  # opens the channel
+        channel = agent._outbound["b"]
+
+        async def send() -> None:
+            for _ in range(batch):
+                await agent.send("b", PAYLOAD)
+
+        async def nothing(dest: str, payload: bytes) -> None:
+            return None
+
+        async def await_floor() -> None:
+            for _ in range(batch):
+                await nothing("b", PAYLOAD)
+
+        async def append_floor() -> None:
+            pending: list[bytes] = []
+            for _ in range(batch):
+                pending.append(PAYLOAD)
+
+        cases = {"send": send, "await_floor": await_floor, "append_floor": append_floor}
+        results: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(rounds):
+            for name, case in cases.items():
+                items, start = 0, time.perf_counter()
+                while (elapsed := time.perf_counter() - start) < seconds:
+                    await case()
+                    items += batch
+                    channel._entries.clear()  # keep memory flat: nothing is ever sent
+                    channel._sizes.clear()
+                    channel._window_bytes = 0
+                results[name].append(elapsed / items)
+        return results
+    finally:
+        await agent.stop()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=1.0, help="seconds per case per round")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    results = asyncio.run(send_cases(args.seconds, args.rounds))
+    cases = sync_cases()
+    results.update({name: [] for name in cases})
+    for _ in range(args.rounds):
+        for name, case in cases.items():
+            results[name].append(per_item(case, args.seconds))
+
+    table = Table(title=f"hot paths, ns per message: {args.rounds} interleaved rounds of {args.seconds:g} s per case")
+    for column in ("case", "median", "lowest", "highest"):
+        table.add_column(column, justify="right" if column != "case" else "left")
+    summary: dict[str, object] = {"seconds": args.seconds, "rounds": args.rounds}
+    for name, values in results.items():
+        median = statistics.median(values) * 1e9
+        table.add_row(name, f"{median:,.0f}", f"{min(values) * 1e9:,.0f}", f"{max(values) * 1e9:,.0f}")
+        summary[f"{name}_ns"] = round(median, 1)
+        summary[f"{name}_spread"] = [round(min(values) * 1e9, 1), round(max(values) * 1e9, 1)]
+    Console().print(table)
+    print(json.dumps(summary), flush=True)
+
+
+if __name__ == "__main__":
+    main()
