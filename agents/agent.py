@@ -299,6 +299,34 @@ class Agent:
             await self._wait_for_space(channel)
         self._send_now(channel, dest, payload, counters, wakes)
 
+    async def send_many(self, dest: str, payloads: Sequence[bytes]) -> None:
+        """Send plain messages (no counters, each can wake) to ``dest``, in order: the same as
+        ``send`` for each in turn, in far fewer steps (a stream processor's batch).
+
+        As much of the batch as the window takes goes at once; the rest waits for space, and the
+        process may record between two such pieces (never within one). A payload that is not
+        bytes or is too large raises before any message of the batch is sent.
+        """
+        if not all(type(payload) is bytes for payload in payloads):
+            wrong = next(type(payload).__name__ for payload in payloads if type(payload) is not bytes)
+            raise TypeError(f"send_many takes bytes payloads, got {wrong}")
+        sizes = [size + ENTRY_OVERHEAD for size in map(len, payloads)]
+        if sizes and max(sizes) - ENTRY_OVERHEAD > self._max_message_bytes:
+            largest = max(sizes) - ENTRY_OVERHEAD
+            raise MessageTooLarge(
+                f"message of {largest} bytes to {dest} exceeds max_message_bytes={self._max_message_bytes}"
+            )
+        channel = self._outbound.get(dest) or self._open(dest)
+        start = 0
+        while start < len(payloads):
+            if not channel.has_space():
+                await self._wait_for_space(channel)
+            # No await from here to the push: the piece is sent atomically with respect to recording.
+            end = start + channel.free_entries(sizes[start : start + self._settings.window_entries])
+            self._core.send(dest, end - start)
+            channel.push_many(payloads[start:end], sizes[start:end])
+            start = end
+
     def try_send(
         self, dest: str, payload: bytes, *, counters: Mapping[str, int] | None = None, wakes: bool = True
     ) -> bool:

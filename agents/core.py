@@ -298,8 +298,9 @@ class SnapshotCore:
         self._sent[dst] = 0
         return self._markers_for_new_channel(dst)
 
-    def send(self, dst: str) -> None:
-        """An application message is sent on ``self -> dst``; the driver puts it on that channel next.
+    def send(self, dst: str, messages: int = 1) -> None:
+        """``messages`` application messages are sent on ``self -> dst``; the driver puts them on that
+        channel next, in order, with nothing between them.
 
         The channel must be open (constructor or :meth:`open_outbound`), so that the markers of
         running snapshots are already on it. Only the count matters to the protocol, not the content.
@@ -309,7 +310,7 @@ class SnapshotCore:
         count = self._sent.get(dst)
         if count is None:
             raise LocalProtocolError(f"channel {self.process_id} -> {dst} is not open: call open_outbound first")
-        self._sent[dst] = count + 1
+        self._sent[dst] = count + messages
 
     def start_snapshot(
         self, snapshot_id: int, *, now: float | None = None, lifetime: float | None = None

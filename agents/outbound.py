@@ -178,6 +178,21 @@ class OutboundChannel:
             if self._closed:
                 raise ConnectionError(f"channel {self.src} -> {self.dst} is closed")
 
+    def free_entries(self, sizes: Sequence[int]) -> int:
+        """How many of the next entries (of window bytes ``sizes``) fit the window now: the entries
+        left in it, and as many bytes as are left (at least one entry while :meth:`has_space`)."""
+        left = self._max_entries - (len(self._entries) - self._head)
+        fitting = bisect.bisect_right(list(itertools.accumulate(sizes[:left])), self._max_bytes - self._window_bytes)
+        return max(1, fitting) if self.has_space() else 0
+
+    def push_many(self, entries: Sequence[Outgoing], sizes: Sequence[int]) -> None:
+        """Append ``entries`` (window bytes ``sizes``), in order, after everything in the channel."""
+        self._entries.extend(entries)
+        self._sizes.extend(sizes)
+        self._window_bytes += sum(sizes)
+        if not self._data.is_set():
+            self._data.set()
+
     def push(self, entry: Outgoing, size: int) -> None:
         """Append an entry of ``size`` window bytes (see ``entry_size``) after everything in the channel."""
         self._entries.append(entry)

@@ -1,14 +1,16 @@
 """Benchmark: one agent channel between two OS processes against a raw grpc.aio stream, same run.
 
-Three cases, each a sender process and a receiver process on 127.0.0.1 moving 64-byte messages
+Four cases, each a sender process and a receiver process on 127.0.0.1 moving 64-byte messages
 that the receiver hands, one at a time, to a handler:
 
 * ``raw``: a bare grpc.aio bidirectional stream carrying frames of up to 512 payloads (the agent's
   frame size), acknowledged per frame, with the same per-message handler call;
-* ``agent``: an :class:`~stablewatch.agents.Agent` channel, both agents attached to a detector
-  (this process) that takes no snapshot;
-* ``agent+snapshots``: the same while the detector takes snapshots on its own schedule, every
-  0.1 s (10 a second, at most 2 at once: the detector's defaults for ``--interval 0.1``).
+* ``agent``: an :class:`~stablewatch.agents.Agent` channel, one ``await send`` per message, both
+  agents attached to a detector (this process) that takes no snapshot;
+* ``agent+snapshots``: the ``agent`` case while the detector takes snapshots on its own schedule,
+  every 0.1 s (10 a second, at most 2 at once: the detector's defaults for ``--interval 0.1``);
+* ``agent batches``: an agent channel whose sender hands the agent batches of 512 messages
+  (``Agent.send_many``), as the raw sender hands gRPC frames of 512.
 
 The sender sends as fast as the channel takes messages until it is told to stop. The receiver
 reports its delivery count every 0.1 s; a case's throughput is the deliveries between the first
@@ -16,23 +18,23 @@ report after ``--warmup`` seconds and the first report ``--seconds`` later, over
 steady state, without start-up or the drain at the end.
 
 The cases run in interleaved rounds, ``--rounds`` times, so that the machine's noise hits every
-case alike. In each round, ``raw`` runs on a pair of processes of its own; ``agent`` and
-``agent+snapshots`` are two phases of one agent pair, back to back, in alternating order from
-round to round (snapshots off then on, then on then off): two fresh pairs of processes differ by
-more, from where the operating system puts them, than the overhead being measured. The ratio
-and the overhead are computed per round (the cases of one round ran side by side) and
-summarized by their median and their spread (lowest and highest round). The table shows every
-round. The last line is one JSON object:
-``raw_msgs_per_s``, ``agent_msgs_per_s``, ``with_snapshots_msgs_per_s`` (medians over rounds),
-``ratio`` (agent / raw) and ``snapshot_overhead`` (1 - with / without snapshots) as medians of
-the per-round values, with ``ratio_spread`` and ``snapshot_overhead_spread`` ([lowest, highest]),
-``*_spread`` for each case's throughput, ``snapshots_completed`` and ``snapshots_per_s`` (what
-the detector achieved while measured), and the ``targets``: ratio >= 0.8, agent >= 200 000
-messages/s, overhead <= 0.05.
+case alike. In each round, ``raw`` and ``agent batches`` run on process pairs of their own;
+``agent`` and ``agent+snapshots`` are two phases of one agent pair, back to back, in alternating
+order from round to round (snapshots off then on, then on then off): two fresh pairs of
+processes differ by more, from where the operating system puts them, than the overhead being
+measured. Ratios and the overhead are computed per round (the cases of one round ran side by
+side) and summarized by their median and their spread (lowest and highest round). The table
+shows every round. The last line is one JSON object: ``raw_msgs_per_s``, ``agent_msgs_per_s``,
+``with_snapshots_msgs_per_s``, ``batch_msgs_per_s`` (medians over rounds); ``ratio`` (agent /
+raw), ``batch_ratio`` (agent batches / raw) and ``snapshot_overhead`` (1 - with / without
+snapshots) as medians of the per-round values, with ``ratio_spread``, ``batch_ratio_spread`` and
+``snapshot_overhead_spread`` ([lowest, highest]); ``*_spread`` for each case's throughput;
+``snapshots_completed`` and ``snapshots_per_s`` (what the detector achieved while measured); and
+the ``targets``: ratio >= 0.8, agent >= 200 000 messages/s, overhead <= 0.05.
 
     python bench/channel_throughput.py [--seconds 10] [--warmup 2] [--rounds 5]
 
-A full run takes about (2 x warm-up + 3 x seconds + 5) x rounds seconds: about 3 minutes by default.
+A full run takes about (3 x warm-up + 4 x seconds + 7) x rounds seconds: about 4 minutes by default.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc, control_p
 PAYLOAD = b"x" * 64
 FRAME_ENTRIES = 512
 REPORT_EVERY = 0.1  # seconds between the receiver's delivery counts
-CASES = ("raw", "agent", "agent+snapshots")
+CASES = ("raw", "agent", "agent+snapshots", "agent batches")
 
 
 def emit(**fields: object) -> None:
@@ -112,10 +114,18 @@ async def agent_sender(args: argparse.Namespace) -> None:
     await wait_for_go()
     stopping = asyncio.ensure_future(wait_for_stdin_close())
     emit(start=time.monotonic())
-    send = agent.send
-    while not stopping.done():
-        for _ in range(FRAME_ENTRIES):  # check for the stop only now and then
-            await send("receiver", PAYLOAD)
+    if args.batch:  # queue messages the way the raw case does, and hand the agent the batch
+        send_many = agent.send_many
+        while not stopping.done():
+            pending: list[bytes] = []
+            for _ in range(FRAME_ENTRIES):
+                pending.append(PAYLOAD)
+            await send_many("receiver", pending)
+    else:
+        send = agent.send
+        while not stopping.done():
+            for _ in range(FRAME_ENTRIES):  # check for the stop only now and then
+                await send("receiver", PAYLOAD)
     await agent.stop()
 
 
@@ -233,7 +243,12 @@ class Measured:
 
 
 async def run_pair(
-    kind: str, phases: list[str], args: argparse.Namespace, coordinator: Coordinator, detector: str
+    kind: str,
+    phases: list[str],
+    args: argparse.Namespace,
+    coordinator: Coordinator,
+    detector: str,
+    sender_options: tuple[str, ...] = (),
 ) -> dict[str, Measured]:
     """One sender/receiver pair of ``kind`` (raw or agent), measured in ``phases`` back to back.
 
@@ -248,7 +263,7 @@ async def run_pair(
     measured: dict[str, Measured] = {}
     try:
         address = (await receiver.read())["address"]
-        sender = await Child.start(f"{kind}-sender", "--peer", str(address), *with_detector)
+        sender = await Child.start(f"{kind}-sender", "--peer", str(address), *with_detector, *sender_options)
         await sender.read()  # ready
         if kind == "agent":
             deadline = time.monotonic() + 30
@@ -334,6 +349,9 @@ async def orchestrate(args: argparse.Namespace) -> None:
                 agent_phases.reverse()
             if agent_phases:
                 measured.update(await run_pair("agent", agent_phases, args, coordinator, detector))
+            if "agent batches" in args.cases:
+                batches = await run_pair("agent", ["agent batches"], args, coordinator, detector, ("--batch",))
+                measured.update(batches)
             rounds.append(measured)
             rates = ", ".join(f"{case} {m.rate:,.0f}/s" for case, m in measured.items())
             print(f"round {number + 1}/{args.rounds}: {rates}", file=sys.stderr, flush=True)
@@ -350,6 +368,7 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     rates = {case: [r[case].rate for r in rounds] for case in CASES}
     median = {case: statistics.median(values) for case, values in rates.items()}
     ratios = [r["agent"].rate / r["raw"].rate for r in rounds]
+    batch_ratios = [r["agent batches"].rate / r["raw"].rate for r in rounds]
     overheads = [1 - r["agent+snapshots"].rate / r["agent"].rate for r in rounds]
     snapshot_seconds = sum(r["agent+snapshots"].seconds for r in rounds)
     snapshots = sum(r["agent+snapshots"].snapshots for r in rounds)
@@ -367,6 +386,9 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     for case in CASES:
         table.add_row(f"{case} msgs/s", f"{median[case]:,.0f}", *(f"{r:,.0f}" for r in rates[case]), "")
     table.add_row("agent / raw", f"{ratio:.3f}", *(f"{r:.3f}" for r in ratios), ">= 0.8")
+    table.add_row(
+        "agent batches / raw", f"{statistics.median(batch_ratios):.3f}", *(f"{r:.3f}" for r in batch_ratios), ""
+    )
     table.add_row("snapshot overhead", f"{overhead:.3f}", *(f"{o:.3f}" for o in overheads), "<= 0.05")
     table.add_row(
         "detector CPU (snapshots)",
@@ -393,6 +415,10 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
                 "raw_spread": [round(v) for v in spread(rates["raw"])],
                 "agent_spread": [round(v) for v in spread(rates["agent"])],
                 "with_snapshots_spread": [round(v) for v in spread(rates["agent+snapshots"])],
+                "batch_msgs_per_s": round(median["agent batches"]),
+                "batch_spread": [round(v) for v in spread(rates["agent batches"])],
+                "batch_ratio": round(statistics.median(batch_ratios), 4),
+                "batch_ratio_spread": [round(v, 4) for v in spread(batch_ratios)],
                 "ratio": round(ratio, 4),
                 "ratio_spread": [round(v, 4) for v in spread(ratios)],
                 "snapshot_overhead": round(overhead, 4),
@@ -424,6 +450,7 @@ def main() -> None:
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--detector", help=argparse.SUPPRESS)
+    parser.add_argument("--batch", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     asyncio.run(ROLES[args.role](args) if args.role else orchestrate(args))
 

@@ -60,7 +60,7 @@ def test_channel_benchmark_prints_its_json_line() -> None:
         check=True,
     )
     result = json.loads(run.stdout.strip().splitlines()[-1])
-    for case in ("raw", "agent", "with_snapshots"):
+    for case in ("raw", "agent", "with_snapshots", "batch"):
         low, high = result[f"{case}_spread"]
         assert 0 < low <= high, result
     assert result["ratio_spread"][0] <= result["ratio"] <= result["ratio_spread"][1], result
