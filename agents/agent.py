@@ -82,8 +82,9 @@ from stablewatch.agents.core import (
     SendEntry,
     SnapshotCore,
     SnapshotFailed,
+    payload_bytes,
 )
-from stablewatch.agents.frames import COUNTER_OVERHEAD, ENTRY_OVERHEAD, entry_size, payload_bytes
+from stablewatch.agents.frames import COUNTER_OVERHEAD, ENTRY_OVERHEAD, entry_size
 from stablewatch.agents.inbound import InboundChannels
 from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
@@ -307,15 +308,13 @@ class Agent:
         process may record between two such pieces (never within one). A payload that is not
         bytes or is too large raises before any message of the batch is sent.
         """
-        if not all(type(payload) is bytes for payload in payloads):
-            wrong = next(type(payload).__name__ for payload in payloads if type(payload) is not bytes)
-            raise TypeError(f"send_many takes bytes payloads, got {wrong}")
+        for payload in payloads:
+            if type(payload) is not bytes:
+                raise TypeError(f"send_many takes bytes payloads, got {type(payload).__name__}")
         sizes = [size + ENTRY_OVERHEAD for size in map(len, payloads)]
-        if sizes and max(sizes) - ENTRY_OVERHEAD > self._max_message_bytes:
-            largest = max(sizes) - ENTRY_OVERHEAD
-            raise MessageTooLarge(
-                f"message of {largest} bytes to {dest} exceeds max_message_bytes={self._max_message_bytes}"
-            )
+        largest = max(sizes, default=ENTRY_OVERHEAD) - ENTRY_OVERHEAD
+        if largest > self._max_message_bytes:
+            raise self._too_large(dest, largest)
         channel = self._outbound.get(dest) or self._open(dest)
         start = 0
         while start < len(payloads):
@@ -388,9 +387,7 @@ class Agent:
             payload = bytes(payload)
         size = len(payload)
         if size > self._max_message_bytes:
-            raise MessageTooLarge(
-                f"message of {size} bytes to {dest} exceeds max_message_bytes={self._max_message_bytes}"
-            )
+            raise self._too_large(dest, size)
         if counters or not wakes:
             outgoing: bytes | AppMessage = AppMessage(payload, counters or None, not wakes)
             if counters:
@@ -401,6 +398,10 @@ class Agent:
             outgoing = payload
         self._core.send(dest)
         channel.push(outgoing, size + ENTRY_OVERHEAD)
+
+    def _too_large(self, dest: str, size: int) -> MessageTooLarge:
+        """The error for a message of ``size`` payload bytes over ``max_message_bytes``."""
+        return MessageTooLarge(f"message of {size} bytes to {dest} exceeds max_message_bytes={self._max_message_bytes}")
 
     def _open(self, dest: str) -> OutboundChannel:
         channel = OutboundChannel(

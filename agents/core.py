@@ -105,6 +105,7 @@ __all__ = [
     "SnapshotCore",
     "SnapshotFailed",
     "apply_recording",
+    "payload_bytes",
 ]
 
 DEFAULT_MAX_RECORDED_BYTES = 64 * 1024 * 1024
@@ -207,10 +208,14 @@ class _Recording:
     failed: bool = False
 
 
+def payload_bytes(messages: Sequence[AppMessage]) -> int:
+    """The payload bytes of a run of messages (summed in C: every run delivered passes here)."""
+    return sum(map(len, map(_payload, messages)))
+
+
 def _size(messages: Sequence[AppMessage]) -> int:
     """The bytes a run of messages is charged against ``max_recorded_bytes``."""
-    size = sum(map(len, map(_payload, messages)))
-    return size + _COUNTER_COST * sum(map(len, filter(None, map(_counters, messages))))
+    return payload_bytes(messages) + _COUNTER_COST * sum(map(len, filter(None, map(_counters, messages))))
 
 
 class SnapshotCore:

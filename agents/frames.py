@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
-from operator import itemgetter
 
 from stablewatch.agents.core import AppMessage, Entry, Marker
 from stablewatch.v1 import ChannelFrame, ChannelHello
@@ -27,7 +26,6 @@ __all__ = [
     "decode",
     "encode",
     "entry_size",
-    "payload_bytes",
 ]
 
 #: Every reason a frame can be refused for (bounded: safe as a metric label).
@@ -53,14 +51,6 @@ def entry_size(entry: Entry) -> int:
         return ENTRY_OVERHEAD
     counters = entry.counters
     return len(entry.payload) + ENTRY_OVERHEAD + (COUNTER_OVERHEAD * len(counters) if counters else 0)
-
-
-def payload_bytes(messages: Sequence[AppMessage]) -> int:
-    """The payload bytes of a run of messages (summed in C: runs pass here at every delivery)."""
-    return sum(map(len, map(_payload, messages)))
-
-
-_payload = itemgetter(0)
 
 
 def encode(first_seq: int, entries: Sequence[Outgoing], hello: ChannelHello | None = None) -> ChannelFrame:

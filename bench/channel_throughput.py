@@ -218,13 +218,10 @@ class Child:
         assert self.process.stdin is not None
         self.process.stdin.write(text.encode())
 
-    def close_stdin(self) -> None:
+    async def close(self) -> None:
         assert self.process.stdin is not None
         if not self.process.stdin.is_closing():
             self.process.stdin.close()
-
-    async def close(self) -> None:
-        self.close_stdin()
         try:
             await asyncio.wait_for(self.process.wait(), 30)
         except TimeoutError:

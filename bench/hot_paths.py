@@ -9,8 +9,9 @@ the spread (lowest and highest round):
   raw case of ``channel_throughput.py`` does per message);
 * ``decode``: the messages of a 512-entry frame, built in C (``frames.decode``) against a list
   comprehension of ``AppMessage(payload)``;
-* ``part``: a recorded channel of 2 000 messages turned into a part's ``InboundChannelState``,
-  and that part serialized (what the receiver pays per snapshot);
+* ``part``: 2 000 messages in flight recorded by the core and turned into a part's
+  ``InboundChannelState`` when the marker arrives, and that part serialized (what the receiver
+  pays per snapshot);
 * ``assembly``: a 2 000-message channel put into the global snapshot with ``add()`` against the
   former ``append(ChannelSnapshot(...))``, which copied the messages twice.
 
@@ -32,8 +33,9 @@ from rich.console import Console
 from rich.table import Table
 
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
+from stablewatch.agents.core import RecordState, ReportPart, SnapshotCore
 from stablewatch.agents.frames import decode, encode
-from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, InboundChannelState, LocalSnapshotPart
+from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
 
 PAYLOAD = b"x" * 64
 FRAME = encode(0, [PAYLOAD] * 512)
@@ -49,11 +51,15 @@ def per_item(run: Callable[[], int], seconds: float) -> float:
 
 
 def build_channel() -> InboundChannelState:
-    state = InboundChannelState(src="a", received_before_recording=5)
-    add = state.messages.add
-    for index, message in enumerate(RECORDED, start=100):
-        add(payload=message.payload, receive_index=index)
-    return state
+    """The receiver's own path: record, take RECORDED in flight on ``a -> b``, close it by the marker."""
+    core = SnapshotCore("b")
+    (record,) = core.start_snapshot(1, now=0.0)
+    assert isinstance(record, RecordState)
+    core.record_state(1, LocalState())
+    core.receive_messages("a", RECORDED)
+    (report,) = core.receive_marker("a", 1)
+    assert isinstance(report, ReportPart)
+    return report.part.inbound[0]
 
 
 CHANNEL = build_channel()

@@ -5,22 +5,28 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
 from conftest import ROOT
 
 
-def test_predicate_benchmark_prints_its_json_line() -> None:
-    sizes = ["--nodes", "2000", "--edges", "6000", "--chain", "100", "--repeat", "1"]
+def bench_json(script: str, *options: str, timeout: float) -> dict[str, Any]:
+    """Run ``bench/<script>`` with ``options``; the JSON object on its last line of output."""
     run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "predicates.py"), *sizes],
+        [sys.executable, str(ROOT / "bench" / script), *options],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
         check=True,
     )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_predicate_benchmark_prints_its_json_line() -> None:
+    sizes = ["--nodes", "2000", "--edges", "6000", "--chain", "100", "--repeat", "1"]
+    result = bench_json("predicates.py", *sizes, timeout=120)
     assert {"nodes", "edges", "deadlock_seconds", "scc_seconds", "ratio"} <= result.keys()
     assert result["nodes"] == 2100
     assert result["edges"] == 6100
@@ -32,14 +38,7 @@ def test_predicate_benchmark_prints_its_json_line() -> None:
 @pytest.mark.timeout(300)
 def test_fault_benchmark_prints_its_json_line() -> None:
     sizes = ["--resets", "20", "--kills", "1", "--restarts", "2", "--fuzz", "3000"]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "faults.py"), *sizes],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=True,
-    )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("faults.py", *sizes, timeout=280)
     keys = {"resets", "lost", "duplicated", "kills", "kills_recovered", "detector_restarts", "fuzzed", "crashes"}
     assert keys <= result.keys()
     assert result["resets"] >= 20
@@ -52,14 +51,7 @@ def test_fault_benchmark_prints_its_json_line() -> None:
 @pytest.mark.timeout(180)
 def test_channel_benchmark_prints_its_json_line() -> None:
     sizes = ["--seconds", "1", "--warmup", "0.5", "--rounds", "2"]
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "channel_throughput.py"), *sizes],
-        capture_output=True,
-        text=True,
-        timeout=150,
-        check=True,
-    )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("channel_throughput.py", *sizes, timeout=150)
     for case in ("raw", "agent", "with_snapshots", "batch"):
         low, high = result[f"{case}_spread"]
         assert 0 < low <= high, result
@@ -70,14 +62,7 @@ def test_channel_benchmark_prints_its_json_line() -> None:
 
 
 def test_hot_path_benchmark_prints_its_json_line() -> None:
-    run = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "hot_paths.py"), "--seconds", "0.05", "--rounds", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=True,
-    )
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = bench_json("hot_paths.py", "--seconds", "0.05", "--rounds", "2", timeout=120)
     cases = ("send", "await_floor", "append_floor", "decode", "decode_before")
     cases += ("part_build", "part_serialize", "assembly", "assembly_before")
     for case in cases:
