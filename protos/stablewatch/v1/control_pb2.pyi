@@ -7,16 +7,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Register(_message.Message):
-    __slots__ = ("process_id", "address", "incarnation", "agent_version")
+    __slots__ = ("process_id", "address", "incarnation", "agent_version", "rpc_mode")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RPC_MODE_FIELD_NUMBER: _ClassVar[int]
     process_id: str
     address: str
     incarnation: int
     agent_version: str
-    def __init__(self, process_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., agent_version: _Optional[str] = ...) -> None: ...
+    rpc_mode: bool
+    def __init__(self, process_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., agent_version: _Optional[str] = ..., rpc_mode: _Optional[bool] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
     __slots__ = ("sequence",)
@@ -92,6 +94,20 @@ class SnapshotDone(_message.Message):
     snapshot_id: int
     def __init__(self, snapshot_id: _Optional[int] = ...) -> None: ...
 
+class ChannelTarget(_message.Message):
+    __slots__ = ("snapshot_id", "src", "sent", "src_incarnation", "session")
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    SRC_INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    src: str
+    sent: int
+    src_incarnation: int
+    session: int
+    def __init__(self, snapshot_id: _Optional[int] = ..., src: _Optional[str] = ..., sent: _Optional[int] = ..., src_incarnation: _Optional[int] = ..., session: _Optional[int] = ...) -> None: ...
+
 class Ping(_message.Message):
     __slots__ = ("nonce",)
     NONCE_FIELD_NUMBER: _ClassVar[int]
@@ -99,17 +115,19 @@ class Ping(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class DetectorMessage(_message.Message):
-    __slots__ = ("registered", "refused", "start", "abort", "done", "ping")
+    __slots__ = ("registered", "refused", "start", "abort", "done", "ping", "channel_target")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
+    CHANNEL_TARGET_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     refused: Refused
     start: StartSnapshot
     abort: AbortSnapshot
     done: SnapshotDone
     ping: Ping
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., done: _Optional[_Union[SnapshotDone, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ...) -> None: ...
+    channel_target: ChannelTarget
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., done: _Optional[_Union[SnapshotDone, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., channel_target: _Optional[_Union[ChannelTarget, _Mapping]] = ...) -> None: ...

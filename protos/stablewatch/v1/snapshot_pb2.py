@@ -26,7 +26,7 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from stablewatch.v1 import state_pb2 as stablewatch_dot_v1_dot_state__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstablewatch/v1/snapshot.proto\x12\x0establewatch.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1astablewatch/v1/state.proto\"\xd0\x01\n\x0fRecordedMessage\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12?\n\x08\x63ounters\x18\x02 \x03(\x0b\x32-.stablewatch.v1.RecordedMessage.CountersEntry\x12\x0f\n\x07no_wake\x18\x03 \x01(\x08\x12\x15\n\rreceive_index\x18\x04 \x01(\x04\x12\x12\n\nwakes_task\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Y\n\x0b\x41\x63kPosition\x12\x1a\n\x12sender_incarnation\x18\x01 \x01(\x04\x12\x1c\n\x14receiver_incarnation\x18\x02 \x01(\x04\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\"g\n\rOutboundCount\x12\x0b\n\x03\x64st\x18\x01 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x02 \x01(\x04\x12-\n\x08\x61\x63k_seen\x18\x03 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\"\xa4\x01\n\x13InboundChannelState\x12\x0b\n\x03src\x18\x01 \x01(\t\x12!\n\x19received_before_recording\x18\x02 \x01(\x04\x12\x31\n\x08messages\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12*\n\x05\x61\x63ked\x18\x04 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\"\xce\x01\n\x11LocalSnapshotPart\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\x12/\n\x08outbound\x18\x04 \x03(\x0b\x32\x1d.stablewatch.v1.OutboundCount\x12\x34\n\x07inbound\x18\x05 \x03(\x0b\x32#.stablewatch.v1.InboundChannelState\"P\n\x0fProcessSnapshot\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\"\x88\x02\n\x0f\x43hannelSnapshot\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x03 \x01(\x04\x12!\n\x19received_before_recording\x18\x04 \x01(\x04\x12\x31\n\x08messages\x18\x05 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12\x33\n\x0ereceiver_acked\x18\x06 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x34\n\x0fsender_ack_seen\x18\x07 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\"\xbe\x02\n\x0eGlobalSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x32\n\tprocesses\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.ProcessSnapshot\x12\x31\n\x08\x63hannels\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.ChannelSnapshot\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ompleted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x65xpected_members\x18\x06 \x03(\t\x12\x1d\n\x15\x65xpected_member_count\x18\x07 \x01(\r\x12\x15\n\routside_peers\x18\x08 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstablewatch/v1/snapshot.proto\x12\x0establewatch.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1astablewatch/v1/state.proto\"\xd0\x01\n\x0fRecordedMessage\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12?\n\x08\x63ounters\x18\x02 \x03(\x0b\x32-.stablewatch.v1.RecordedMessage.CountersEntry\x12\x0f\n\x07no_wake\x18\x03 \x01(\x08\x12\x15\n\rreceive_index\x18\x04 \x01(\x04\x12\x12\n\nwakes_task\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Y\n\x0b\x41\x63kPosition\x12\x1a\n\x12sender_incarnation\x18\x01 \x01(\x04\x12\x1c\n\x14receiver_incarnation\x18\x02 \x01(\x04\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\"x\n\rOutboundCount\x12\x0b\n\x03\x64st\x18\x01 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x02 \x01(\x04\x12-\n\x08\x61\x63k_seen\x18\x03 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x0f\n\x07session\x18\x04 \x01(\x04\"\xb5\x01\n\x13InboundChannelState\x12\x0b\n\x03src\x18\x01 \x01(\t\x12!\n\x19received_before_recording\x18\x02 \x01(\x04\x12\x31\n\x08messages\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12*\n\x05\x61\x63ked\x18\x04 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x0f\n\x07session\x18\x05 \x01(\x04\"\xce\x01\n\x11LocalSnapshotPart\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\x12/\n\x08outbound\x18\x04 \x03(\x0b\x32\x1d.stablewatch.v1.OutboundCount\x12\x34\n\x07inbound\x18\x05 \x03(\x0b\x32#.stablewatch.v1.InboundChannelState\"P\n\x0fProcessSnapshot\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\"\x88\x02\n\x0f\x43hannelSnapshot\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x03 \x01(\x04\x12!\n\x19received_before_recording\x18\x04 \x01(\x04\x12\x31\n\x08messages\x18\x05 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12\x33\n\x0ereceiver_acked\x18\x06 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x34\n\x0fsender_ack_seen\x18\x07 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\"\xbe\x02\n\x0eGlobalSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x32\n\tprocesses\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.ProcessSnapshot\x12\x31\n\x08\x63hannels\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.ChannelSnapshot\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ompleted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x65xpected_members\x18\x06 \x03(\t\x12\x1d\n\x15\x65xpected_member_count\x18\x07 \x01(\r\x12\x15\n\routside_peers\x18\x08 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,15 +42,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ACKPOSITION']._serialized_start=321
   _globals['_ACKPOSITION']._serialized_end=410
   _globals['_OUTBOUNDCOUNT']._serialized_start=412
-  _globals['_OUTBOUNDCOUNT']._serialized_end=515
-  _globals['_INBOUNDCHANNELSTATE']._serialized_start=518
-  _globals['_INBOUNDCHANNELSTATE']._serialized_end=682
-  _globals['_LOCALSNAPSHOTPART']._serialized_start=685
-  _globals['_LOCALSNAPSHOTPART']._serialized_end=891
-  _globals['_PROCESSSNAPSHOT']._serialized_start=893
-  _globals['_PROCESSSNAPSHOT']._serialized_end=973
-  _globals['_CHANNELSNAPSHOT']._serialized_start=976
-  _globals['_CHANNELSNAPSHOT']._serialized_end=1240
-  _globals['_GLOBALSNAPSHOT']._serialized_start=1243
-  _globals['_GLOBALSNAPSHOT']._serialized_end=1561
+  _globals['_OUTBOUNDCOUNT']._serialized_end=532
+  _globals['_INBOUNDCHANNELSTATE']._serialized_start=535
+  _globals['_INBOUNDCHANNELSTATE']._serialized_end=716
+  _globals['_LOCALSNAPSHOTPART']._serialized_start=719
+  _globals['_LOCALSNAPSHOTPART']._serialized_end=925
+  _globals['_PROCESSSNAPSHOT']._serialized_start=927
+  _globals['_PROCESSSNAPSHOT']._serialized_end=1007
+  _globals['_CHANNELSNAPSHOT']._serialized_start=1010
+  _globals['_CHANNELSNAPSHOT']._serialized_end=1274
+  _globals['_GLOBALSNAPSHOT']._serialized_start=1277
+  _globals['_GLOBALSNAPSHOT']._serialized_end=1595
 # @@protoc_insertion_point(module_scope)

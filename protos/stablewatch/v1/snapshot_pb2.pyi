@@ -42,26 +42,30 @@ class AckPosition(_message.Message):
     def __init__(self, sender_incarnation: _Optional[int] = ..., receiver_incarnation: _Optional[int] = ..., next_seq: _Optional[int] = ...) -> None: ...
 
 class OutboundCount(_message.Message):
-    __slots__ = ("dst", "sent_before_marker", "ack_seen")
+    __slots__ = ("dst", "sent_before_marker", "ack_seen", "session")
     DST_FIELD_NUMBER: _ClassVar[int]
     SENT_BEFORE_MARKER_FIELD_NUMBER: _ClassVar[int]
     ACK_SEEN_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     dst: str
     sent_before_marker: int
     ack_seen: AckPosition
-    def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., ack_seen: _Optional[_Union[AckPosition, _Mapping]] = ...) -> None: ...
+    session: int
+    def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., ack_seen: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class InboundChannelState(_message.Message):
-    __slots__ = ("src", "received_before_recording", "messages", "acked")
+    __slots__ = ("src", "received_before_recording", "messages", "acked", "session")
     SRC_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     src: str
     received_before_recording: int
     messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
     acked: AckPosition
-    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ...) -> None: ...
+    session: int
+    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class LocalSnapshotPart(_message.Message):
     __slots__ = ("snapshot_id", "process_id", "state", "outbound", "inbound")
