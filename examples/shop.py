@@ -149,8 +149,8 @@ class Outstanding:
         now = time.monotonic()
         with self._lock:
             calls = [
-                {"to": callee, "method": method, "thread": thread, "age_ms": round((now - since) * 1000, 3)}
-                for callee, method, thread, since in self._calls.values()
+                {"id": token, "to": callee, "method": method, "thread": thread, "age_ms": round((now - since) * 1e3, 3)}
+                for token, (callee, method, thread, since) in self._calls.items()
             ]
             return {"outstanding": calls, "busy": self._busy, "counts": dict(self.counts)}
 
