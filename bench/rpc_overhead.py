@@ -1,0 +1,382 @@
+"""Benchmark: unary gRPC calls through RPC mode's interceptors against plain gRPC, same run.
+
+Two OS processes on 127.0.0.1, both with the synchronous gRPC API: a server process serving the
+same echo method (64-byte requests and responses, generic byte handlers) on two servers with the
+same worker pool, one plain and one with an RPC-mode agent's server interceptor; and a client
+process with ``--concurrency`` threads, each calling in a closed loop (the next call as soon as
+the last returned), through a plain channel or through a channel with the agent's client
+interceptor. Both agents attach to a detector in this process. Three cases:
+
+* ``plain``: the plain channel to the plain server;
+* ``intercepted``: the intercepted channel to the intercepted server, the detector taking no snapshot;
+* ``intercepted+snapshots``: the same while the detector's own scheduler takes a snapshot every
+  0.1 s (10 a second, at most 2 at once: what ``stablewatch detector --interval 0.1`` does).
+
+Each case runs ``--warmup`` seconds, then is measured for ``--seconds``: the latency of every call
+that started in that window (its p50 and p99, in µs) and the calls completed per second. The cases
+run in interleaved rounds (``--rounds``), in an order that rotates from round to round, all in the
+same two processes (the plain server idles while the intercepted one is measured and the other
+way round), so the machine's noise and drift hit every case alike. Ratios are computed within each
+round and summarized by their median and spread (lowest and highest round).
+
+The last line is one JSON object: ``plain_p50_us``, ``intercepted_p50_us``,
+``with_snapshots_p50_us`` (medians over rounds) and their ``*_spread``; ``overhead_p50``
+(intercepted p50 / plain p50 - 1) and ``overhead_p50_with_snapshots``; ``throughput_ratio``
+(intercepted calls/s over plain) and ``throughput_ratio_with_snapshots``, each with its spread;
+the p99s and calls/s of every case; ``snapshots_per_s`` (what the detector achieved while
+measured) and ``snapshots_completed``; and the ``targets``: p50 overhead <= 5 %, throughput >= 0.95
+x plain, with and without snapshots.
+
+    python bench/rpc_overhead.py [--seconds 5] [--warmup 1] [--rounds 5] [--concurrency 4]
+
+A full run takes about 3 x (warm-up + seconds) x rounds + 5 seconds: about 95 s by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from stablewatch.agents.rpc import RpcAgent
+from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
+from stablewatch.detector.service.scheduler import Scheduler
+from stablewatch.v1 import control_pb2_grpc
+
+ECHO = "/bench.Echo/Call"
+PAYLOAD = b"x" * 64
+CASES = ("plain", "intercepted", "intercepted+snapshots")
+SNAPSHOTS_PER_S = 10.0
+
+
+def emit(**fields: object) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def echo_handler() -> grpc.GenericRpcHandler:
+    handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
+    return grpc.method_handlers_generic_handler("bench.Echo", {"Call": handler})
+
+
+def start_agent(process_id: str, detector: str) -> RpcAgent:
+    agent = RpcAgent(process_id, detector=detector)
+    agent.start()
+    return agent
+
+
+# -- the two roles, each in its own process --------------------------------------------------------
+
+
+def serve(args: argparse.Namespace) -> None:
+    """The plain and the intercepted server, until stdin closes."""
+    agent = start_agent("server", args.detector)
+    servers = {}
+    for kind, interceptors in (("plain", []), ("intercepted", [agent.server_interceptor(workers=args.workers)])):
+        pool = futures.ThreadPoolExecutor(args.workers, thread_name_prefix=f"{kind}-worker")
+        server = grpc.server(pool, interceptors=interceptors)
+        server.add_generic_rpc_handlers([echo_handler()])
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers[kind] = (server, f"127.0.0.1:{port}")
+    emit(**{kind: address for kind, (_, address) in servers.items()})
+    sys.stdin.read()  # until the orchestrator closes it
+    for server, _ in servers.values():
+        server.stop(0).wait()
+    agent.stop()
+
+
+def call(args: argparse.Namespace) -> None:
+    """Measure phases on the orchestrator's command (one JSON line in, one out) until stdin closes."""
+    agent = start_agent("client", args.detector)
+    addresses = json.loads(args.peer)
+    channels = {
+        "plain": grpc.insecure_channel(addresses["plain"]),
+        "intercepted": grpc.intercept_channel(
+            grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor()
+        ),
+    }
+    methods = {kind: channel.unary_unary(ECHO) for kind, channel in channels.items()}
+    for method in methods.values():  # connect both before anything is measured
+        method(PAYLOAD, wait_for_ready=True, timeout=30)
+    emit(ready=True)
+    for line in sys.stdin:
+        phase = json.loads(line)
+        emit(**measure(methods[phase["channel"]], args.concurrency, phase["warmup"], phase["seconds"]))
+    for channel in channels.values():
+        channel.close()
+    agent.stop()
+
+
+def measure(method: grpc.UnaryUnaryMultiCallable, concurrency: int, warmup: float, seconds: float) -> dict:
+    """`concurrency` closed-loop callers for warmup + seconds; the calls started in the measured window."""
+    start = time.monotonic() + warmup
+    end = start + seconds
+    start_ns, end_ns = int(start * 1e9), int(end * 1e9)
+    latencies: list[list[int]] = [[] for _ in range(concurrency)]
+    completed_at: list[int] = [0] * concurrency
+
+    def loop(mine: list[int], number: int) -> None:
+        clock = time.monotonic_ns
+        while True:
+            began = clock()
+            if began >= end_ns:
+                return
+            method(PAYLOAD)
+            done = clock()
+            if began >= start_ns:
+                mine.append(done - began)
+                completed_at[number] = done
+
+    threads = [threading.Thread(target=loop, args=(latencies[n], n)) for n in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    samples = sorted(value for mine in latencies for value in mine)
+    window = (max(completed_at) - start_ns) / 1e9 if samples else seconds
+    return {
+        "calls": len(samples),
+        "window": [start, start + window],
+        "per_s": len(samples) / window,
+        "p50_us": samples[len(samples) // 2] / 1000,
+        "p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000,
+    }
+
+
+ROLES = {"server": serve, "client": call}
+
+
+# -- the orchestrator ------------------------------------------------------------------------------------
+
+
+class Child:
+    def __init__(self, process: asyncio.subprocess.Process) -> None:
+        self.process = process
+
+    @classmethod
+    async def start(cls, role: str, *extra: str) -> Child:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--role",
+            role,
+            *extra,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        return cls(process)
+
+    async def read(self, timeout: float = 120) -> dict:
+        assert self.process.stdout is not None
+        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
+        if not line:
+            raise RuntimeError(f"child exited with {await self.process.wait()}")
+        return json.loads(line)
+
+    def write(self, **fields: object) -> None:
+        assert self.process.stdin is not None
+        self.process.stdin.write((json.dumps(fields) + "\n").encode())
+
+    async def close(self) -> None:
+        assert self.process.stdin is not None
+        if not self.process.stdin.is_closing():
+            self.process.stdin.close()
+        try:
+            await asyncio.wait_for(self.process.wait(), 30)
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+
+
+@dataclass
+class Phase:
+    """One case of one round."""
+
+    p50_us: float
+    p99_us: float
+    per_s: float
+    seconds: float
+    snapshots: int = 0
+
+
+async def take_snapshots(coordinator: Coordinator, completed: list[float]) -> None:
+    """Snapshots on the detector's own schedule (10/s, at most 2 at once) until cancelled."""
+
+    async def take() -> None:
+        with contextlib.suppress(SnapshotAborted):
+            await coordinator.snapshot(5.0)
+            completed.append(time.monotonic())
+
+    scheduler = Scheduler(take, interval=1 / SNAPSHOTS_PER_S, seed=1)
+    scheduler.start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await scheduler.stop()
+
+
+async def run_phase(client: Child, case: str, args: argparse.Namespace, coordinator: Coordinator) -> Phase:
+    completed: list[float] = []
+    snapshots = asyncio.ensure_future(take_snapshots(coordinator, completed)) if case.endswith("snapshots") else None
+    try:
+        channel = "plain" if case == "plain" else "intercepted"
+        client.write(channel=channel, warmup=args.warmup, seconds=args.seconds)
+        result = await client.read(timeout=args.warmup + args.seconds + 120)
+    finally:
+        if snapshots is not None:
+            snapshots.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await snapshots
+    start, end = result["window"]
+    taken = sum(start <= t <= end for t in completed)
+    return Phase(result["p50_us"], result["p99_us"], result["per_s"], end - start, taken)
+
+
+async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
+    coordinator = Coordinator(heartbeat_interval=1.0)
+    detector_server = grpc.aio.server()
+    control_pb2_grpc.add_ControlServicer_to_server(coordinator, detector_server)
+    detector = f"127.0.0.1:{detector_server.add_insecure_port('127.0.0.1:0')}"
+    await detector_server.start()
+    server = client = None
+    rounds: list[dict[str, Phase]] = []
+    try:
+        server = await Child.start("server", "--detector", detector, "--workers", str(args.workers))
+        addresses = await server.read()
+        client = await Child.start(
+            "client", "--detector", detector, "--peer", json.dumps(addresses), "--concurrency", str(args.concurrency)
+        )
+        await client.read()  # ready: both channels connected
+        deadline = time.monotonic() + 30
+        while set(coordinator.members) != {"server", "client"}:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"agents did not attach to the detector: {sorted(coordinator.members)}")
+            await asyncio.sleep(0.01)
+        for number in range(args.rounds):
+            order = CASES[number % len(CASES) :] + CASES[: number % len(CASES)]  # rotate against drift
+            measured = {case: await run_phase(client, case, args, coordinator) for case in order}
+            rounds.append(measured)
+            line = ", ".join(f"{case} p50 {m.p50_us:.0f} µs {m.per_s:,.0f}/s" for case, m in measured.items())
+            print(f"round {number + 1}/{args.rounds}: {line}", file=sys.stderr, flush=True)
+    finally:
+        for child in (client, server):
+            if child is not None:
+                await child.close()
+        await detector_server.stop(0)
+    return rounds
+
+
+def spread(values: list[float], digits: int = 4) -> list[float]:
+    return [round(min(values), digits), round(max(values), digits)]
+
+
+def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str, object]:
+    def per_round(function: Callable[[dict[str, Phase]], float]) -> list[float]:
+        return [function(r) for r in rounds]
+
+    p50 = {case: per_round(lambda r, c=case: r[c].p50_us) for case in CASES}
+    p99 = {case: per_round(lambda r, c=case: r[c].p99_us) for case in CASES}
+    rate = {case: per_round(lambda r, c=case: r[c].per_s) for case in CASES}
+    overhead = per_round(lambda r: r["intercepted"].p50_us / r["plain"].p50_us - 1)
+    overhead_snap = per_round(lambda r: r["intercepted+snapshots"].p50_us / r["plain"].p50_us - 1)
+    ratio = per_round(lambda r: r["intercepted"].per_s / r["plain"].per_s)
+    ratio_snap = per_round(lambda r: r["intercepted+snapshots"].per_s / r["plain"].per_s)
+    snapshots = sum(r["intercepted+snapshots"].snapshots for r in rounds)
+    snapshot_seconds = sum(r["intercepted+snapshots"].seconds for r in rounds)
+    median = statistics.median
+    keys = {"plain": "plain", "intercepted": "intercepted", "intercepted+snapshots": "with_snapshots"}
+    result: dict[str, object] = {"seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds}
+    result["concurrency"] = args.concurrency
+    result["workers"] = args.workers
+    for case, key in keys.items():
+        result[f"{key}_p50_us"] = round(median(p50[case]), 1)
+        result[f"{key}_p50_us_spread"] = spread(p50[case], 1)
+        result[f"{key}_p99_us"] = round(median(p99[case]), 1)
+        result[f"{key}_calls_per_s"] = round(median(rate[case]))
+        result[f"{key}_calls_per_s_spread"] = spread(rate[case], 0)
+    result |= {
+        "overhead_p50": round(median(overhead), 4),
+        "overhead_p50_spread": spread(overhead),
+        "overhead_p50_with_snapshots": round(median(overhead_snap), 4),
+        "overhead_p50_with_snapshots_spread": spread(overhead_snap),
+        "throughput_ratio": round(median(ratio), 4),
+        "throughput_ratio_spread": spread(ratio),
+        "throughput_ratio_with_snapshots": round(median(ratio_snap), 4),
+        "throughput_ratio_with_snapshots_spread": spread(ratio_snap),
+        "snapshots_completed": snapshots,
+        "snapshots_per_s": round(snapshots / snapshot_seconds, 2),
+        "targets": {
+            "overhead_p50_at_most_0.05": median(overhead) <= 0.05,
+            "throughput_ratio_at_least_0.95": median(ratio) >= 0.95,
+            "overhead_p50_with_snapshots_at_most_0.05": median(overhead_snap) <= 0.05,
+            "throughput_ratio_with_snapshots_at_least_0.95": median(ratio_snap) >= 0.95,
+        },
+    }
+    return result
+
+
+def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result: dict[str, object]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(
+        title=f"unary calls, 64-byte echo, {args.concurrency} client threads, {args.workers} server workers: "
+        f"{args.rounds} interleaved rounds of {args.seconds:g} s per case after {args.warmup:g} s of warm-up"
+    )
+    table.add_column("case")
+    table.add_column("median", justify="right")
+    for number in range(len(rounds)):
+        table.add_column(f"round {number + 1}", justify="right")
+    table.add_column("target", justify="right")
+    for case in CASES:
+        values = [r[case].p50_us for r in rounds]
+        table.add_row(f"{case} p50 µs", f"{statistics.median(values):.0f}", *(f"{v:.0f}" for v in values), "")
+    for case in CASES:
+        values = [r[case].per_s for r in rounds]
+        table.add_row(f"{case} calls/s", f"{statistics.median(values):,.0f}", *(f"{v:,.0f}" for v in values), "")
+    for label, case, target in (
+        ("p50 overhead", "intercepted", "<= 0.05"),
+        ("p50 overhead, snapshots", "intercepted+snapshots", "<= 0.05"),
+    ):
+        values = [r[case].p50_us / r["plain"].p50_us - 1 for r in rounds]
+        table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), target)
+    for label, case in (("throughput ratio", "intercepted"), ("throughput ratio, snapshots", "intercepted+snapshots")):
+        values = [r[case].per_s / r["plain"].per_s for r in rounds]
+        table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), ">= 0.95")
+    rates = [r["intercepted+snapshots"].snapshots / r["intercepted+snapshots"].seconds for r in rounds]
+    table.add_row("snapshots/s completed", f"{result['snapshots_per_s']:.1f}", *(f"{v:.1f}" for v in rates), "10 asked")
+    Console(width=200).print(table)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per case and round (5)")
+    parser.add_argument("--warmup", type=float, default=1.0, help="seconds of each case before measuring (1)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
+    parser.add_argument("--concurrency", type=int, default=4, help="client threads calling at once (4)")
+    parser.add_argument("--workers", type=int, default=4, help="worker threads of each server (4)")
+    parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
+    parser.add_argument("--detector", help=argparse.SUPPRESS)
+    parser.add_argument("--peer", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.role:
+        ROLES[args.role](args)
+        return
+    rounds = asyncio.run(orchestrate(args))
+    result = report(args, rounds)
+    print_table(args, rounds, result)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,328 @@
+"""Benchmark: phantom deadlocks among gRPC services, RPC mode's snapshots against a naive poller.
+
+The shop of ``stablewatch.examples.shop`` under its ``churn`` workload: orders, payments and
+inventory (each its own OS process, a plain gRPC server with a bounded pool, instrumented with an
+RPC-mode agent) and a client keeping 3 orders going. The call graph has a cycle (``orders.Place ->
+payments.Charge -> inventory.Reserve -> orders.Confirm``), Charges and Reserves queue for their
+2-worker pools, but orders has a worker more than the client has orders out, so a Confirm always
+gets one: the shop never deadlocks.
+
+Two detectors watch it at the same time:
+
+* **stablewatch**: the detector in this process takes scheduled snapshots (every ``--interval``
+  seconds, at most ``--max-concurrent`` at once). Each complete snapshot is a consistent cut whose
+  wait-for graph comes from the calls themselves (a caller's task waits on the callee's call, a
+  queued request on the busy workers); a deadlock it reports here is a false alarm and a bug. For
+  each cut the bench also counts the waits it holds (calls out, requests queued) and whether the
+  cut's waits, seen process to process (the naive poller's granularity), form a cycle.
+* **naive**: polls each process's books (``/shop.Admin/Status``: the calls it has out right now)
+  one process after another, so each is seen at a different moment, draws an edge from a service to
+  every service it has a call out to, and reports a deadlock when those edges form a cycle (networkx
+  ``find_cycle``). Each of its reports is a phantom (the shop never deadlocks); the bench also proves
+  it for each one: a deadlocked call never ends, so if, on some edge of the cycle, every call that
+  made that edge has ended by the last poll round, that edge was no lasting wait and the cycle no
+  deadlock.
+
+Runs until stablewatch has ``--snapshots`` complete snapshots (at most ``--max-seconds``), then
+prints a table and, as the last line, a JSON object: ``snapshots``, ``stablewatch_deadlocks``,
+``naive_polls``, ``naive_deadlocks``, ``naive_deadlocks_proven``, ``aborted``, ``seconds``,
+``places`` and ``places_per_s`` (orders completed: the shop kept moving), the cut counts, and
+``target_met`` (stablewatch 0 deadlocks over >= 1000 snapshots while the naive poller reports some).
+
+    python bench/rpc_phantom.py [--snapshots 1000] [--interval 0.05] [--max-concurrent 2]
+
+At the default 20 snapshots a second, 1000 snapshots take about a minute (plus ~5 s of start-up),
+on a quiet 2-core machine; a loaded machine completes fewer per second (``snapshots_per_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import json
+import logging
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import networkx as nx
+from rich.console import Console
+from rich.table import Table
+
+from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.examples.shop import ROLES, WORKLOADS, read_status
+from stablewatch.examples.shop_processes import ShopProcesses
+from stablewatch.v1 import GlobalSnapshot, WaitModel, query_pb2
+
+
+@dataclass
+class Stablewatch:
+    """What the detector's snapshots showed."""
+
+    completed: int = 0
+    aborted: int = 0
+    abort_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+    deadlocks: list[int] = field(default_factory=list)  # ids of snapshots that reported deadlock
+    durations: list[float] = field(default_factory=list)
+    with_calls: int = 0  # cuts with at least one call out
+    with_queued: int = 0  # cuts with at least one request queued for a worker
+    with_service_cycle: int = 0  # cuts whose waits, process to process, form a cycle
+
+
+@dataclass
+class Round:
+    """One naive poll round: every process's books, asked one process after another."""
+
+    started: float
+    finished: float
+    placed: int
+    outstanding: dict[str, set[int]]  # process -> ids of its calls out
+    cycle: list[tuple[str, str]] | None
+    cycle_calls: list[tuple[str, set[int]]] | None  # per edge of the cycle: (caller, the calls behind it)
+
+
+def service_cycle(snapshot: GlobalSnapshot) -> bool:
+    """Whether the cut's waits, each drawn from the waiter's process to its target's, form a cycle."""
+    graph = nx.DiGraph()
+    for process in snapshot.processes:
+        for wait in process.state.waits:
+            graph.add_edges_from(
+                (process.process_id, t.process) for t in wait.targets if t.process != process.process_id
+            )
+    try:
+        nx.find_cycle(graph)
+    except nx.NetworkXNoCycle:
+        return False
+    return True
+
+
+async def observe_stablewatch(detector: Detector, seen: Stablewatch, done: asyncio.Event, target: int) -> None:
+    async for event in detector.watch():
+        summary = event.results.snapshot
+        if summary.outcome != query_pb2.SNAPSHOT_OUTCOME_COMPLETED:
+            seen.aborted += 1
+            seen.abort_reasons[summary.abort_reason.split(",")[0][:80]] += 1
+            continue
+        seen.completed += 1
+        seen.durations.append((summary.finished_at.ToNanoseconds() - summary.started_at.ToNanoseconds()) / 1e9)
+        deadlock = next(r for r in event.results.results if r.name == "deadlock")
+        if deadlock.holds:
+            seen.deadlocks.append(summary.snapshot_id)
+        snapshot = detector.store.snapshot(summary.snapshot_id)
+        if snapshot is not None:
+            waits = [w for p in snapshot.processes for w in p.state.waits]
+            seen.with_calls += any(w.model != WaitModel.WAIT_MODEL_OR for w in waits)
+            seen.with_queued += any(w.model == WaitModel.WAIT_MODEL_OR for w in waits)
+            seen.with_service_cycle += service_cycle(snapshot)
+        if seen.completed >= target:
+            done.set()
+
+
+async def poll_naively(admins: dict[str, str], rounds: list[Round], stop: asyncio.Event, extra: int) -> None:
+    """Read every process's books in turn until ``stop``, then ``extra`` more rounds (to prove phantoms)."""
+    while not stop.is_set() or extra > 0:
+        if stop.is_set():
+            extra -= 1
+            await asyncio.sleep(0.05)  # give the calls time to end between the proving rounds
+        graph = nx.DiGraph()
+        outstanding: dict[str, set[int]] = {}
+        placed = 0
+        started = time.monotonic()
+        for role in ROLES:
+            status = await asyncio.to_thread(read_status, admins[role])
+            outstanding[role] = {call["id"] for call in status["outstanding"]}
+            for call in status["outstanding"]:
+                if graph.has_edge(role, call["to"]):
+                    graph.edges[role, call["to"]]["calls"].add(call["id"])
+                else:
+                    graph.add_edge(role, call["to"], calls={call["id"]})
+            if role == "client":
+                placed = status["counts"].get("/shop.Orders/Place", 0)
+        finished = time.monotonic()
+        try:
+            cycle = [(u, v) for u, v, *_ in nx.find_cycle(graph)]
+            calls = [(u, set(graph.edges[u, v]["calls"])) for u, v in cycle]
+        except nx.NetworkXNoCycle:
+            cycle, calls = None, None
+        rounds.append(Round(started, finished, placed, outstanding, cycle, calls))
+
+
+def proven_phantom(found: Round, last: Round) -> bool:
+    """Some edge of `found`'s cycle has none of its calls still out at `last`: no lasting wait, no deadlock."""
+    assert found.cycle_calls is not None
+    return any(not (calls & last.outstanding[caller]) for caller, calls in found.cycle_calls)
+
+
+async def run(args: argparse.Namespace) -> dict[str, object]:
+    seen = Stablewatch()
+    rounds: list[Round] = []
+    with tempfile.TemporaryDirectory(prefix="stablewatch-rpc-phantom-") as folder:
+        config = DetectorConfig(
+            data_dir=Path(folder) / "data",
+            listen="127.0.0.1:0",
+            metrics_port=None,
+            interval=args.interval,
+            deadline=args.deadline,
+            max_concurrent=args.max_concurrent,
+            min_members=len(ROLES),  # no snapshot before the whole shop is attached
+            expected_members=ROLES,
+            max_snapshots=100_000,
+            seed=args.seed,
+        )
+        detector = Detector(config)
+        await detector.start()
+        shop = ShopProcesses(Path(folder) / "shop", "churn", detector.address, ("--seed", str(args.seed)))
+        try:
+            await asyncio.to_thread(shop.start)
+            admins = {role: shop.admin(role) for role in ROLES}
+            started = time.monotonic()
+            placed_before = (await asyncio.to_thread(read_status, admins["client"]))["counts"].get(
+                "/shop.Orders/Place", 0
+            )
+            done, stop_naive = asyncio.Event(), asyncio.Event()
+            observer = asyncio.ensure_future(observe_stablewatch(detector, seen, done, args.snapshots))
+            naive = asyncio.ensure_future(poll_naively(admins, rounds, stop_naive, extra=3))
+            waiting = asyncio.ensure_future(done.wait())
+            try:
+                await asyncio.wait(
+                    {waiting, observer, naive}, timeout=args.max_seconds, return_when=asyncio.FIRST_COMPLETED
+                )
+            finally:
+                elapsed = time.monotonic() - started
+                finished = done.is_set()
+                waiting.cancel()
+                stop_naive.set()
+                try:
+                    await asyncio.wait_for(naive, 30)
+                finally:
+                    observer.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await observer
+            shop.check_running()
+        finally:
+            # Teardown: snapshots in flight abort as the shop stops; not part of the measurement.
+            logging.getLogger("stablewatch").setLevel(logging.ERROR)
+            await asyncio.to_thread(shop.stop)
+            await detector.stop()
+    measured = [r for r in rounds if r.finished <= started + elapsed]
+    naive_deadlocks = [i for i, r in enumerate(measured) if r.cycle is not None]
+    proven = [i for i in naive_deadlocks if proven_phantom(rounds[i], rounds[-1])]
+    placed = (measured[-1].placed if measured else 0) - placed_before
+    return {
+        "finished": finished,
+        "elapsed": elapsed,
+        "seen": seen,
+        "rounds": measured,
+        "naive_deadlocks": naive_deadlocks,
+        "naive_proven": proven,
+        "placed": placed,
+        "moving_at_end": len(rounds) >= 2 and rounds[-1].placed > rounds[-2].placed,
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--snapshots", type=int, default=1000, help="complete stablewatch snapshots to take (1000)")
+    parser.add_argument("--interval", type=float, default=0.05, help="seconds between scheduled snapshots (0.05)")
+    parser.add_argument("--max-concurrent", type=int, default=2, help="scheduled snapshots at once (2)")
+    parser.add_argument("--deadline", type=float, default=2.0, help="snapshot deadline, seconds (2)")
+    parser.add_argument("--max-seconds", type=float, default=900, help="give up after this long (900)")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+
+    outcome = await run(args)
+    seen: Stablewatch = outcome["seen"]
+    rounds: list[Round] = outcome["rounds"]
+    elapsed = outcome["elapsed"]
+    deadlocks = len(seen.deadlocks)
+    naive_deadlocks = len(outcome["naive_deadlocks"])
+    proven = len(outcome["naive_proven"])
+    skews = [(r.finished - r.started) * 1000 for r in rounds]
+    durations = [d * 1000 for d in seen.durations]
+    workload = WORKLOADS["churn"]
+
+    table = Table(
+        title=(
+            f"phantom deadlocks among gRPC services: the shop's churn workload (pools {workload.workers}, "
+            f"{workload.concurrency} orders at once), {outcome['placed'] / elapsed:.0f} orders/s "
+            f"({outcome['placed']} in {elapsed:.1f} s)"
+        )
+    )
+    for column in ("detector", "observations", "deadlocks reported", "rate", "notes"):
+        table.add_column(column, justify="right")
+    table.add_row(
+        f"stablewatch (snapshots every {args.interval:g} s)",
+        f"{seen.completed} snapshots",
+        str(deadlocks),
+        f"{deadlocks / max(1, seen.completed):.2%}",
+        f"{seen.aborted} aborted; p50 {statistics.median(durations) if durations else 0:.1f} ms each; "
+        f"cuts with calls out {seen.with_calls}, with requests queued {seen.with_queued}, "
+        f"with a cycle process to process {seen.with_service_cycle}",
+    )
+    table.add_row(
+        "naive (each process's calls out in turn)",
+        f"{len(rounds)} poll rounds",
+        str(naive_deadlocks),
+        f"{naive_deadlocks / max(1, len(rounds)):.2%}",
+        f"{proven} proven phantoms (calls on the cycle ended after); "
+        f"round p50 {statistics.median(skews) if skews else 0:.1f} ms",
+    )
+    console = Console(width=200)
+    console.print(table)
+    if seen.abort_reasons:
+        console.print("aborted snapshots: " + "; ".join(f"{n} x {r}" for r, n in seen.abort_reasons.most_common(5)))
+    if deadlocks:
+        console.print(f"[red]BUG: stablewatch reported deadlock in snapshots {seen.deadlocks[:20]}[/red]")
+    if not outcome["finished"]:
+        console.print(
+            f"[red]stopped early (time limit or the watch stream ended) after {elapsed:.1f} s "
+            f"with {seen.completed} of {args.snapshots} snapshots[/red]"
+        )
+    if not outcome["moving_at_end"]:
+        console.print("[red]the shop was not completing orders any more at the end[/red]")
+    print("target: stablewatch 0 deadlocks over >= 1000 snapshots while the naive poller reports some")
+    print(
+        json.dumps(
+            {
+                "snapshots": seen.completed,
+                "stablewatch_deadlocks": deadlocks,
+                "stablewatch_deadlock_ids": seen.deadlocks[:20],
+                "aborted": seen.aborted,
+                "snapshot_p50_ms": round(statistics.median(durations), 3) if durations else None,
+                "snapshots_per_s": round(seen.completed / elapsed, 2),
+                "cuts_with_calls_out": seen.with_calls,
+                "cuts_with_requests_queued": seen.with_queued,
+                "cuts_with_process_cycle": seen.with_service_cycle,
+                "naive_polls": len(rounds),
+                "naive_deadlocks": naive_deadlocks,
+                "naive_deadlocks_proven": proven,
+                "naive_round_p50_ms": round(statistics.median(skews), 3) if skews else None,
+                "places": outcome["placed"],
+                "places_per_s": round(outcome["placed"] / elapsed, 1),
+                "moving_at_end": outcome["moving_at_end"],
+                "seconds": round(elapsed, 2),
+                "interval": args.interval,
+                "seed": args.seed,
+                "finished": outcome["finished"],
+                "target_met": bool(
+                    outcome["finished"]
+                    and seen.completed >= 1000
+                    and deadlocks == 0
+                    and naive_deadlocks > 0
+                    and outcome["moving_at_end"]
+                ),
+            }
+        ),
+        flush=True,
+    )
+    if deadlocks:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
