@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from stablewatch.agents.rpc import RpcAgent
+from stablewatch.agents.rpc_agent import RpcAgent
 from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
 from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.v1 import control_pb2_grpc
@@ -102,7 +102,7 @@ def call(args: argparse.Namespace) -> None:
     channels = {
         "plain": grpc.insecure_channel(addresses["plain"]),
         "intercepted": grpc.intercept_channel(
-            grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor()
+            grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor("server")
         ),
     }
     methods = {kind: channel.unary_unary(ECHO) for kind, channel in channels.items()}

@@ -2,8 +2,9 @@
 
 What it demonstrates: RPC mode. The services are plain synchronous ``grpc.server`` processes with
 bounded worker pools and generic byte handlers (no generated stubs); stablewatch sees them only
-through the interceptors of an :class:`~stablewatch.agents.rpc.RpcAgent`, two lines in
-:func:`serve`. Without ``--detector`` they run the same, without stablewatch.
+through the interceptors of an :class:`~stablewatch.agents.rpc_agent.RpcAgent`, two lines in
+:func:`_instrument`; each process's stablewatch id is its service's name. Without ``--detector``
+they run the same, without stablewatch.
 
 The call graph (each arrow a unary call without deadline, made from inside the handler)::
 
@@ -40,7 +41,7 @@ Run the shop (one terminal each, or in the background), with peers found through
 
 or with fixed addresses: ``--listen 127.0.0.1:7001 --peer payments=127.0.0.1:7002 ...``. Once
 serving, each process prints one JSON line on stdout:
-``{"event": "ready", "service": ..., "id": ..., "address": ..., "admin": ...}``.
+``{"event": "ready", "service": ..., "address": ..., "admin": ...}``.
 """
 
 from __future__ import annotations
@@ -58,9 +59,11 @@ from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 
+from stablewatch.agents.rpc_agent import RpcAgent
 from stablewatch.examples._common import PeerDirectory
 
 __all__ = [
@@ -162,11 +165,11 @@ class Peers:
         self,
         fixed: dict[str, str],
         directory: PeerDirectory | None,
-        interceptors: list[grpc.UnaryUnaryClientInterceptor],
+        interceptors: Callable[[str], list[Any]],
     ) -> None:
         self._fixed = fixed
         self._directory = directory
-        self._interceptors = interceptors
+        self._interceptors = interceptors  # service -> the client interceptors of a channel to it
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._methods: dict[str, Callable[[bytes], bytes]] = {}
@@ -183,8 +186,8 @@ class Peers:
                 channel = self._channels.get(service)
                 if channel is None:
                     channel = grpc.insecure_channel(self._resolve(service))
-                    if self._interceptors:
-                        channel = grpc.intercept_channel(channel, *self._interceptors)
+                    if interceptors := self._interceptors(service):
+                        channel = grpc.intercept_channel(channel, *interceptors)
                     self._channels[service] = channel
                 callable_ = self._methods[method] = channel.unary_unary(method)
         return callable_
@@ -301,21 +304,18 @@ def read_status(admin: str, timeout: float = 5.0) -> dict[str, object]:
         return json.loads(channel.unary_unary(STATUS)(b"", timeout=timeout))
 
 
-def _instrument(args: argparse.Namespace, workers: int) -> tuple[list, list, Callable[[], None]]:
-    """The server and client interceptors of this process's RPC-mode agent, and how to stop it.
-
-    Without ``--detector`` there is no agent: plain gRPC.
+def _instrument(
+    args: argparse.Namespace, workers: int
+) -> tuple[list[grpc.ServerInterceptor], Callable[[str], list[Any]], Callable[[], None]]:
+    """This process's RPC-mode agent: its server interceptors, its client interceptors for a channel
+    to a given service, and how to stop it. Without ``--detector`` there is no agent: plain gRPC.
     """
     if args.detector is None:
-        return [], [], lambda: None
-    from stablewatch.agents.rpc import RpcAgent
-
-    agent = RpcAgent(args.id, detector=args.detector)
-    agent.start()
-    # The two lines a service adds: one interceptor on its server, one on its channels.
+        return [], lambda service: [], lambda: None
+    agent = RpcAgent(args.service, detector=args.detector).start()
+    # The two lines a service adds: one interceptor on its server, one on each channel (naming its peer).
     server_interceptors = [agent.server_interceptor(workers=workers)]
-    client_interceptors = [agent.client_interceptor()]
-    return server_interceptors, client_interceptors, agent.stop
+    return server_interceptors, lambda service: [agent.client_interceptor(service)], agent.stop
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -345,7 +345,7 @@ def serve(args: argparse.Namespace) -> int:
         server.start()
         if directory is not None:
             directory.publish(args.service, address)
-    ready = {"event": "ready", "service": args.service, "id": args.id, "address": address, "admin": admin_address}
+    ready = {"event": "ready", "service": args.service, "address": address, "admin": admin_address}
     print(json.dumps(ready), flush=True)
     concurrency = args.concurrency or workload.concurrency
     serving = f"{concurrency} buyers" if server is None else f"on {address}, {workers} workers"
@@ -393,8 +393,9 @@ def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m stablewatch.examples.shop", description=__doc__.splitlines()[0] if __doc__ else None
     )
-    parser.add_argument("--service", choices=ROLES, required=True, help="which process of the shop this is")
-    parser.add_argument("--id", help="this process's id for stablewatch (default: the service's name)")
+    parser.add_argument(
+        "--service", choices=ROLES, required=True, help="which process of the shop this is (also its stablewatch id)"
+    )
     parser.add_argument("--workload", choices=sorted(WORKLOADS), default="churn", help="(default churn)")
     parser.add_argument("--listen", default="127.0.0.1:0", help="the service's gRPC address (default: a free port)")
     parser.add_argument("--admin", default="127.0.0.1:0", help="the admin endpoint's address (default: a free port)")
@@ -415,13 +416,12 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    args.id = args.id or args.service
     if args.confirm_rate is None:
         args.confirm_rate = WORKLOADS[args.workload].confirm_rate
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,
-        format=f"%(asctime)s.%(msecs)03d {args.id} %(levelname)s %(message)s",
+        format=f"%(asctime)s.%(msecs)03d {args.service} %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
     logging.getLogger("stablewatch.agents").setLevel(logging.WARNING)

@@ -32,11 +32,21 @@ def test_demo_reports_the_deadlock_termination_and_conservation(tmp_path: Path) 
     # The addresses come first, whole, as soon as the detectors listen.
     ready = json.loads(lines[0])
     assert ready["event"] == "ready"
-    assert set(ready["systems"]) == {"bank", "philosophers", "job"}
+    assert set(ready["systems"]) == {"bank", "philosophers", "job", "shop"}
     assert all(s["address"].startswith("127.0.0.1:") for s in ready["systems"].values())
     report = json.loads(lines[-1])
     assert report["deadlock_detected"] is True
     assert sorted(report["deadlock_cycle"]) == ["P0", "P1", "P2", "P3", "P4"]
+    # The shop's gRPC services (RPC mode) deadlock: reported with the cycle of calls, then stopped.
+    assert report["shop_deadlock_detected"] is True
+    calls = report["shop_deadlock_calls"]
+    assert {c["service"] for c in calls} == {"orders", "payments", "inventory"}, calls
+    methods = {c["method"] for c in calls}
+    assert methods == {"/shop.Orders/Place", "/shop.Payments/Charge", "/shop.Inventory/Reserve", "/shop.Orders/Confirm"}
+    assert all(c["call"].split(":")[0] in ("client", "orders", "payments", "inventory") for c in calls), calls
+    assert report["shop_stopped"] is True
+    shop = report["systems"]["shop"]["first_seen_seconds"]
+    assert shop["deadlock"] < 20, shop
     assert report["termination_detected"] is True
     assert report["conservation_ok"] is True
     assert report["bank_totals"] == {"tokens": 3000}
@@ -47,7 +57,7 @@ def test_demo_reports_the_deadlock_termination_and_conservation(tmp_path: Path) 
     else:
         assert report["graph_png"] is None
     # Every finished snapshot is archived, and the Spark history job ran on the philosophers' archive.
-    assert set(report["archives"]) == {"bank", "philosophers", "job"}
+    assert set(report["archives"]) == {"bank", "philosophers", "job", "shop"}
     check = subprocess.run(
         [str(script), "archive", "check", "--archive", report["archives"]["bank"], "--json"],
         capture_output=True,

@@ -1,12 +1,16 @@
-"""The live demo: three detectors watching three small systems of real services, on this machine.
+"""The live demo: four detectors watching four small systems of real services, on this machine.
 
 * a token bank (three branches moving tokens): conservation holds in every snapshot;
 * dining philosophers (five seats): they eat for a while, then deadlock; the deadlock is
   reported with its cycle, the empty channels along it, and a picture of the wait-for graph;
-* a distributed job (three workers): termination is detected once, and only once, it is true.
+* a distributed job (three workers): termination is detected once, and only once, it is true;
+* a shop of ordinary gRPC services (orders, payments, inventory and a client, in RPC mode: only
+  interceptors): its call cycle exhausts the worker pools at once; the deadlock is reported with
+  its cycle of calls (service, method, call), and the shop is stopped as soon as it is.
 
-Every service is its own OS process embedding the agent (``stablewatch.examples``); the detectors
-run in this process, each with its own gRPC API, /metrics endpoint and SQLite store. As soon as
+Every service is its own OS process (``stablewatch.examples``), embedding the agent or, for the
+shop, its gRPC interceptors; the detectors run in this process, each with its own gRPC API,
+/metrics endpoint and SQLite store. As soon as
 they listen, their addresses are printed whole (a JSON line with ``--json``). The demo ends when
 all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C), stops every process it
 started, and removes its temporary data; what it leaves is in the output folder: the wait-for
@@ -34,12 +38,14 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.detector.cli.render import verdict_text, verdict_word
+from stablewatch.detector.cli.render import calls_text, verdict_text, verdict_word
 from stablewatch.detector.evaluation import wait_for_dot
 from stablewatch.detector.evaluation.plugins import load_predicate
 from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.examples.shop import ROLES as SHOP
+from stablewatch.examples.shop_processes import ShopProcesses
 from stablewatch.v1 import PredicateResult, WaitForGraph
 from stablewatch.v1.query_pb2 import SnapshotResults
 
@@ -66,6 +72,9 @@ class _System:
     latest: SnapshotResults | None = None
     first_seen: dict[str, float] = field(default_factory=dict)  # predicate -> elapsed s when first true
     conservation_broken: bool = False
+    shop: ShopProcesses | None = None  # the shop's processes, started and stopped together
+    calls: list[dict[str, str]] = field(default_factory=list)  # the shop's cycle of calls, once reported
+    stopped_at: float | None = None  # elapsed s when the shop was stopped (after its deadlock)
 
     def observe(self, results: SnapshotResults, elapsed: float) -> None:
         if outcome_name(results.snapshot.outcome) != "completed":
@@ -76,6 +85,8 @@ class _System:
         for result in results.results:
             if result.holds and not result.unknown and not result.error:
                 self.first_seen.setdefault(result.name, elapsed)
+            if result.name == "deadlock" and result.holds and not self.calls:
+                self.calls = [call_of(node.process, node.task) for node in result.deadlock.cycle]
             if result.name.startswith("conservation(") and not result.holds and not result.unknown:
                 self.conservation_broken = True
 
@@ -94,6 +105,9 @@ class DemoReport:
     graph_dot: str | None  # the deadlock's wait-for graph, in the output folder
     graph_png: str | None  # the same drawn by Graphviz, when `dot` is installed
     archives: dict[str, str]  # system -> its Parquet archive of finished snapshots
+    shop_deadlock_detected: bool
+    shop_deadlock_calls: list[dict[str, str]]  # the cycle of calls: service, method, call
+    shop_stopped: bool  # the shop's processes were stopped once the deadlock was reported
     out_dir: str
     data_dir: str | None  # kept only when given; a temporary one is removed
     systems: dict[str, dict[str, object]]
@@ -129,6 +143,7 @@ async def run_demo(
             "philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work, archives
         ),
         _system("job", "job", WORKERS, ["--workers", ",".join(WORKERS), "--tasks", "30"], work, archives),
+        _system("shop", "shop", list(SHOP), [], work, archives),
     ]
     started = time.monotonic()
     stop = asyncio.Event()
@@ -144,7 +159,7 @@ async def run_demo(
             on_ready({s.name: {"address": s.detector.address, "metrics": s.detector.metrics_url} for s in systems})
         for system in systems:
             watchers.append(asyncio.ensure_future(_follow(system, started)))
-            _launch(system, work)
+            await _launch(system, work)
         await _show(systems, started, duration, stop, console, live, stay)
         report = _report(systems, time.monotonic() - started, out_dir, None if temporary else work)
     finally:
@@ -152,6 +167,8 @@ async def run_demo(
             task.cancel()
         for system in systems:
             _terminate(system.processes)
+            if system.shop is not None:
+                system.shop.stop()
         for system in systems:
             await system.detector.stop()
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -181,7 +198,11 @@ def _system(name: str, module: str, ids: list[str], options: list[str], work: Pa
     return _System(name, module, ids, options, Detector(config, plugins=plugins))
 
 
-def _launch(system: _System, work: Path) -> None:
+async def _launch(system: _System, work: Path) -> None:
+    if system.name == "shop":
+        system.shop = ShopProcesses(work / "shop" / "processes", "deadlock", system.detector.address)
+        await asyncio.to_thread(system.shop.start)
+        return
     peers = work / system.name / "peers"
     peers.mkdir(parents=True, exist_ok=True)
     logs = work / system.name / "logs"
@@ -196,11 +217,26 @@ def _launch(system: _System, work: Path) -> None:
 async def _follow(system: _System, started: float) -> None:
     async for event in system.detector.watch():
         system.observe(event.results, time.monotonic() - started)
+        if system.shop is not None and system.calls and system.stopped_at is None:
+            # The shop's deadlock is reported: it will never move again, so stop its processes now.
+            await asyncio.to_thread(system.shop.stop)
+            system.stopped_at = time.monotonic() - started
+
+
+def call_of(service: str, task: str) -> dict[str, str]:
+    """A node of the shop's cycle as service, method and call (the task is ``{method}#{caller}:{seq}``)."""
+    method, _, call = task.partition("#")
+    return {"service": service, "method": method, "call": call}
 
 
 def _done(systems: list[_System]) -> bool:
-    bank, philosophers, job = systems
-    return bank.completed >= 20 and "deadlock" in philosophers.first_seen and "termination" in job.first_seen
+    bank, philosophers, job, shop = systems
+    return (
+        bank.completed >= 20
+        and "deadlock" in philosophers.first_seen
+        and "termination" in job.first_seen
+        and shop.stopped_at is not None
+    )
 
 
 async def _show(
@@ -241,6 +277,10 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
         for name, at in sorted(system.first_seen.items(), key=lambda item: item[1]):
             if name in ("deadlock", "termination"):
                 lines.append(Text(f"  {system.name}: {name} first reported at {at:.1f} s", style="bold"))
+        if system.calls:
+            lines.append(Text(f"    cycle of calls: {calls_text(system.calls)}"))
+        if system.stopped_at is not None:
+            lines.append(Text(f"    the shop's processes stopped at {system.stopped_at:.1f} s", style="dim"))
     return Group(*lines)
 
 
@@ -274,7 +314,7 @@ def write_graph(graph: WaitForGraph, dot: Path) -> tuple[Path, Path | None]:
 
 
 def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | None) -> DemoReport:
-    bank, philosophers, job = systems
+    bank, philosophers, job, shop = systems
     cycle: list[str] = []
     graph_dot = graph_png = None
     deadlock_id = _first_deadlock(philosophers)
@@ -300,6 +340,9 @@ def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | 
         graph_dot=graph_dot,
         graph_png=graph_png,
         archives={system.name: str(system.detector.config.archive) for system in systems},
+        shop_deadlock_detected="deadlock" in shop.first_seen,
+        shop_deadlock_calls=shop.calls,
+        shop_stopped=shop.stopped_at is not None,
         out_dir=str(out_dir),
         data_dir=None if kept is None else str(kept),
         systems={

@@ -101,7 +101,9 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
     demo = commands.add_parser(
-        "demo", help="live demo: a token bank, dining philosophers and a terminating job, each watched by a detector"
+        "demo",
+        help="live demo: a token bank, dining philosophers, a terminating job and a shop of gRPC services, "
+        "each watched by a detector",
     )
     demo.add_argument("--duration", type=_positive, default=60.0, metavar="S", help="stop after S seconds at most (60)")
     demo.add_argument(

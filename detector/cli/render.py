@@ -263,6 +263,11 @@ class WatchView:
         return Group(self.last, table)
 
 
+def calls_text(calls: Sequence[dict[str, str]]) -> str:
+    """A cycle of calls (each a service, a method and a call) on one line, closing back to the first."""
+    return " -> ".join(f"{c['service']} {c['method']}#{c['call']}" for c in [*calls, *calls[:1]])
+
+
 def demo_summary(report: DemoReport) -> Group:
     """What the live demo found: the deadlock with its evidence, termination, the bank's totals."""
     lines: list[Text] = []
@@ -275,6 +280,12 @@ def demo_summary(report: DemoReport) -> Group:
             lines.append(Text(f"  wait-for graph: {report.graph_dot}{drawn}"))
     else:
         lines.append(Text("no deadlock was reported among the philosophers in time", style="yellow"))
+    if report.shop_deadlock_detected:
+        cycle = calls_text(report.shop_deadlock_calls)
+        lines.append(Text(f"deadlock among the shop's gRPC services (RPC mode): {cycle}", style="red bold"))
+        lines.append(Text("  each call waits on the next; the queued ones on every busy worker of their pool"))
+    else:
+        lines.append(Text("no deadlock was reported among the shop's gRPC services in time", style="yellow"))
     job = report.systems.get("job", {}).get("first_seen_seconds", {})
     if report.termination_detected:
         lines.append(
