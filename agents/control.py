@@ -3,8 +3,9 @@
 The agent dials the detector and keeps a single bidirectional stream open. On it the agent sends
 ``Register`` first and then heartbeats, its local snapshot parts, snapshot failures and ``Pong``
 replies; the detector answers ``Registered`` (or ``Refused``) and then sends ``StartSnapshot``,
-``AbortSnapshot``, ``SnapshotDone`` and ``Ping``. This module only carries those messages; the
-protocol itself lives in :mod:`stablewatch.agents.core`.
+``AbortSnapshot``, ``SnapshotDone``, ``Ping`` and, to an agent in RPC mode, ``ChannelTarget``. This
+module only carries those messages; the protocol itself lives in :mod:`stablewatch.agents.core`
+(and :mod:`stablewatch.agents.rpc_core` in RPC mode).
 
 What the agent promises, and what :class:`ControlClient` guarantees for it:
 
@@ -12,7 +13,9 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   the detector: while the detector is down or slow, parts are refused (``report_part`` returns
   False) or dropped from a bounded queue, and the detector aborts those snapshots by its deadline.
 * **In order.** ``on_start`` callbacks run one at a time, in the order the detector sent them, and
-  ``on_finish(k)`` runs after an earlier ``on_start(k)`` has returned. Outgoing messages are sent in
+  ``on_finish(k)`` runs after an earlier ``on_start(k)`` has returned; in RPC mode
+  ``on_channel_target(target)`` runs in the same order (after the start of its snapshot that the
+  detector sent before it). Outgoing messages are sent in
   the order they were queued. A ``Ping`` is answered at once, even while an ``on_start`` runs.
 * **Deadlines pass through.** ``on_start(k, lifetime)`` gets the start's ``deadline_ms`` in
   seconds (None when the detector sent 0): the agent drops its recording of ``k`` after that long.
@@ -21,7 +24,8 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   stream, so the agent can forget every snapshot of the old epoch.
 * **Forget on loss.** When the stream breaks, queued messages are dropped and ``on_finish(k)`` is
   called for every snapshot started through this client and not yet finished: the detector aborts
-  them, so the agent must not keep recording them. Starts still waiting to run are skipped.
+  them, so the agent must not keep recording them. Starts and channel targets still waiting to
+  run are skipped.
 * **Reconnect.** The client retries with exponential backoff and jitter, capped at
   ``backoff_max``, until :meth:`ControlClient.stop`. A ``Refused`` registration (the same process
   id may still be attached through a previous, dying stream) is retried the same way, and so is
@@ -41,7 +45,7 @@ from typing import Any, Literal, NamedTuple, NoReturn
 import grpc
 
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
-from stablewatch.v1.control_pb2 import Heartbeat, Pong, Register, SnapshotFailure
+from stablewatch.v1.control_pb2 import ChannelTarget, Heartbeat, Pong, Register, SnapshotFailure
 from stablewatch.v1.control_pb2_grpc import ControlStub
 
 __all__ = ["EVENTS", "ControlClient"]
@@ -55,7 +59,7 @@ EVENTS = (
     "refused",  # the detector refused the registration; detail: its reason
     "unreachable",  # the attempt failed before registering; detail: why
     "dropped",  # an outgoing message was dropped; detail: its kind
-    "callback-error",  # on_start or on_finish raised; detail: the exception
+    "callback-error",  # on_start, on_finish, on_epoch or on_channel_target raised; detail: the exception
 )
 
 DEFAULT_MAX_QUEUED = 10_000
@@ -71,12 +75,13 @@ _REGISTER_TIMEOUT = 10.0
 
 
 class _Job(NamedTuple):
-    """One callback to run, in order: a start, a finish, a lost stream or a new epoch."""
+    """One callback to run, in order: a start, a finish, a channel target, a lost stream or a new epoch."""
 
-    kind: Literal["start", "finish", "lost", "epoch"]
+    kind: Literal["start", "finish", "target", "lost", "epoch"]
     value: int  # the snapshot id, or the epoch
-    generation: int  # the stream's: starts of a lost stream are skipped
+    generation: int  # the stream's: starts and targets of a lost stream are skipped
     lifetime: float | None = None  # of a start
+    target: ChannelTarget | None = None  # of a channel target
 
 
 class ControlClient:
@@ -86,7 +91,9 @@ class ControlClient:
     its deadline in seconds, or None); ``on_finish(k)`` is called when the detector says ``k`` is done
     or aborted, and for every open snapshot when the stream is lost; ``on_epoch(epoch)`` when the
     detector's epoch changed between two registrations. ``on_event(kind, detail)`` reports
-    connection changes (see :data:`EVENTS`).
+    connection changes (see :data:`EVENTS`). With ``rpc_mode`` the registration asks the detector
+    for a ``ChannelTarget`` per count another member reports towards this process, and
+    ``on_channel_target(target)`` is called with each.
     All methods must be called on the event loop that runs the client.
     """
 
@@ -108,10 +115,16 @@ class ControlClient:
         backoff_max: float = 2.0,
         max_queued: int = DEFAULT_MAX_QUEUED,
         on_event: Callable[[str, str], None] | None = None,
+        rpc_mode: bool = False,
+        on_channel_target: Callable[[ChannelTarget], None] | None = None,
     ) -> None:
         self.process_id = process_id
         self._register = Register(
-            process_id=process_id, address=address, incarnation=incarnation, agent_version=agent_version
+            process_id=process_id,
+            address=address,
+            incarnation=incarnation,
+            agent_version=agent_version,
+            rpc_mode=rpc_mode,
         )
         self._target = target
         self._credentials = credentials
@@ -125,6 +138,7 @@ class ControlClient:
         self._on_start = on_start
         self._on_finish = on_finish
         self._on_epoch = on_epoch
+        self._on_channel_target = on_channel_target
         self._on_event = on_event
         self._heartbeat_interval = heartbeat_interval
         self._backoff_initial = backoff_initial
@@ -307,6 +321,9 @@ class ControlClient:
                 self._jobs.put_nowait(_Job("finish", message.abort.snapshot_id, self._generation))
             elif kind == "done":
                 self._jobs.put_nowait(_Job("finish", message.done.snapshot_id, self._generation))
+            elif kind == "channel_target":
+                target = message.channel_target
+                self._jobs.put_nowait(_Job("target", target.snapshot_id, self._generation, target=target))
             elif kind == "ping":
                 self._send(AgentMessage(pong=Pong(nonce=message.ping.nonce)), "pong")
             elif kind == "refused":
@@ -341,9 +358,9 @@ class ControlClient:
     # -- callbacks --------------------------------------------------------------------------------
 
     async def _run_jobs(self) -> None:
-        """Run start, finish and epoch callbacks one at a time, in the order they came."""
+        """Run start, finish, channel target and epoch callbacks one at a time, in the order they came."""
         while True:
-            kind, snapshot_id, generation, lifetime = await self._jobs.get()
+            kind, snapshot_id, generation, lifetime, target = await self._jobs.get()
             if kind == "start":
                 if generation != self._generation:
                     continue  # its stream is gone: the detector aborts it
@@ -356,6 +373,9 @@ class ControlClient:
                     self.report_failure(snapshot_id, f"the agent could not start: {_describe(exc)}")
             elif kind == "finish":
                 self._finish(snapshot_id)
+            elif kind == "target":
+                if generation == self._generation and target is not None:
+                    self._channel_target(target)
             elif kind == "epoch":
                 self._new_epoch(snapshot_id)
             else:
@@ -368,6 +388,15 @@ class ControlClient:
             self._on_finish(snapshot_id)
         except Exception as exc:
             _log.exception("on_finish(%d) failed", snapshot_id)
+            self._event("callback-error", _describe(exc))
+
+    def _channel_target(self, target: ChannelTarget) -> None:
+        if self._on_channel_target is None:
+            return
+        try:
+            self._on_channel_target(target)
+        except Exception as exc:
+            _log.exception("on_channel_target(%d, %s) failed", target.snapshot_id, target.src)
             self._event("callback-error", _describe(exc))
 
     def _new_epoch(self, epoch: int) -> None:

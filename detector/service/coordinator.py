@@ -12,6 +12,11 @@ done or abort anyway): every recording an agent keeps ends. A process id that is
 elsewhere is refused. Registration answers with the detector's epoch, and every start carries
 the snapshot's deadline, so an agent can drop what no detector will ever finish.
 
+RPC mode (DESIGN.md, "RPC mode"): a member that registered with ``rpc_mode`` learns the counts other
+members report towards it. For every accepted part from q, each ``OutboundCount(dst=p)`` whose p is
+such a member is forwarded to p as a ``ChannelTarget`` (with q's registered incarnation and the
+count's session), so that p can report its end of the channel once ``m + recorded == n``.
+
 Who may attach: with an :class:`~.auth.Authorizer` (mutual TLS), the registered process id must be
 one the agent's certificate names, or the stream ends with PERMISSION_DENIED; parts are then taken
 only for that process (the assembler rejects a part naming another as ``spoofed``). The
@@ -83,6 +88,7 @@ class Member:
     incarnation: int
     attached_at: float  # wall-clock seconds
     last_heartbeat: float  # wall-clock seconds
+    rpc_mode: bool = False  # wants a ChannelTarget for every count aimed at it
     outbox: asyncio.Queue[DetectorMessage] = field(repr=False, default_factory=asyncio.Queue)
     pongs: dict[int, asyncio.Future[None]] = field(repr=False, default_factory=dict)
 
@@ -292,7 +298,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 f"{len(self.members)} agents are attached, the detector's limit; {register.process_id} is refused",
             )
         now = time.time()
-        member = Member(register.process_id, register.address, register.incarnation, now, now)
+        member = Member(register.process_id, register.address, register.incarnation, now, now, register.rpc_mode)
         self.members[member.process_id] = member
         self._on_membership()
         interval_ms = round(self.heartbeat_interval * 1000)
@@ -366,8 +372,27 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 aborted = SnapshotAborted(part.snapshot_id, rejected.aborted.reason, kind)
                 self._finish(rejected.aborted.snapshot_id, aborted)
             return
+        self._forward_targets(part, sender)
         if isinstance(outcome, Completed):
             self._finish(outcome.snapshot.snapshot_id, outcome.snapshot)
+
+    def _forward_targets(self, part: LocalSnapshotPart, sender: str) -> None:
+        """Send each RPC-mode member the count an accepted part of ``sender`` reports towards it."""
+        source = self.members.get(sender)
+        if source is None:
+            return
+        for count in part.outbound:
+            member = self.members.get(count.dst)
+            if member is None or not member.rpc_mode:
+                continue
+            target = control_pb2.ChannelTarget(
+                snapshot_id=part.snapshot_id,
+                src=sender,
+                sent=count.sent_before_marker,
+                src_incarnation=source.incarnation,
+                session=count.session,
+            )
+            member.send(DetectorMessage(channel_target=target))
 
     def _finish(self, snapshot_id: int, outcome: GlobalSnapshot | SnapshotAborted) -> None:
         running = self._running.pop(snapshot_id, None)
