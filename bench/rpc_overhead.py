@@ -272,6 +272,9 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
         for child in (client, server):
             if child is not None:
                 await child.close()
+        deadline = time.monotonic() + 5
+        while coordinator.members and time.monotonic() < deadline:  # the control streams end first
+            await asyncio.sleep(0.01)
         await detector_server.stop(0)
     return rounds
 

@@ -50,6 +50,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import grpc
 import networkx as nx
 from rich.console import Console
 from rich.table import Table
@@ -125,31 +126,41 @@ async def observe_stablewatch(detector: Detector, seen: Stablewatch, done: async
 
 async def poll_naively(admins: dict[str, str], rounds: list[Round], stop: asyncio.Event, extra: int) -> None:
     """Read every process's books in turn until ``stop``, then ``extra`` more rounds (to prove phantoms)."""
-    while not stop.is_set() or extra > 0:
-        if stop.is_set():
-            extra -= 1
-            await asyncio.sleep(0.05)  # give the calls time to end between the proving rounds
-        graph = nx.DiGraph()
-        outstanding: dict[str, set[int]] = {}
-        placed = 0
-        started = time.monotonic()
-        for role in ROLES:
-            status = await asyncio.to_thread(read_status, admins[role])
-            outstanding[role] = {call["id"] for call in status["outstanding"]}
-            for call in status["outstanding"]:
-                if graph.has_edge(role, call["to"]):
-                    graph.edges[role, call["to"]]["calls"].add(call["id"])
-                else:
-                    graph.add_edge(role, call["to"], calls={call["id"]})
-            if role == "client":
-                placed = status["counts"].get("/shop.Orders/Place", 0)
-        finished = time.monotonic()
-        try:
-            cycle = [(u, v) for u, v, *_ in nx.find_cycle(graph)]
-            calls = [(u, set(graph.edges[u, v]["calls"])) for u, v in cycle]
-        except nx.NetworkXNoCycle:
-            cycle, calls = None, None
-        rounds.append(Round(started, finished, placed, outstanding, cycle, calls))
+    channels = {role: grpc.insecure_channel(address) for role, address in admins.items()}
+    try:
+        while not stop.is_set() or extra > 0:
+            if stop.is_set():
+                extra -= 1
+                await asyncio.sleep(0.05)  # give the calls time to end between the proving rounds
+            rounds.append(await asyncio.to_thread(poll_round, channels))
+    finally:
+        for channel in channels.values():
+            channel.close()
+
+
+def poll_round(channels: dict[str, grpc.Channel]) -> Round:
+    """One round: each process's calls out, asked one after another; a cycle among them if any."""
+    graph = nx.DiGraph()
+    outstanding: dict[str, set[int]] = {}
+    placed = 0
+    started = time.monotonic()
+    for role in ROLES:
+        status = read_status(channels[role])
+        outstanding[role] = {call["id"] for call in status["outstanding"]}
+        for call in status["outstanding"]:
+            if graph.has_edge(role, call["to"]):
+                graph.edges[role, call["to"]]["calls"].add(call["id"])
+            else:
+                graph.add_edge(role, call["to"], calls={call["id"]})
+        if role == "client":
+            placed = status["counts"].get("/shop.Orders/Place", 0)
+    finished = time.monotonic()
+    try:
+        cycle = [(u, v) for u, v, *_ in nx.find_cycle(graph)]
+        calls = [(u, set(graph.edges[u, v]["calls"])) for u, v in cycle]
+    except nx.NetworkXNoCycle:
+        cycle, calls = None, None
+    return Round(started, finished, placed, outstanding, cycle, calls)
 
 
 def proven_phantom(found: Round, last: Round) -> bool:

@@ -298,10 +298,15 @@ class Shop:
                 time.sleep(0.1)
 
 
-def read_status(admin: str, timeout: float = 5.0) -> dict[str, object]:
-    """One process's ``/shop.Admin/Status``: its outstanding calls, busy handlers and counts."""
-    with grpc.insecure_channel(admin) as channel:
-        return json.loads(channel.unary_unary(STATUS)(b"", timeout=timeout))
+def read_status(admin: str | grpc.Channel, timeout: float = 5.0) -> dict[str, Any]:
+    """One process's ``/shop.Admin/Status``: its outstanding calls, busy handlers and counts.
+
+    `admin` is the admin endpoint's address, or a channel to it (to ask often).
+    """
+    if isinstance(admin, str):
+        with grpc.insecure_channel(admin) as channel:
+            return read_status(channel, timeout)
+    return json.loads(admin.unary_unary(STATUS)(b"", timeout=timeout))
 
 
 def _instrument(

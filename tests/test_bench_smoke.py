@@ -68,3 +68,38 @@ def test_hot_path_benchmark_prints_its_json_line() -> None:
     for case in cases:
         low, high = result[f"{case}_spread"]
         assert 0 < low <= result[f"{case}_ns"] <= high, (case, result)
+
+
+@pytest.mark.timeout(180)
+def test_rpc_phantom_benchmark_prints_its_json_line() -> None:
+    result = bench_json("rpc_phantom.py", "--snapshots", "30", "--max-seconds", "60", timeout=150)
+    assert result["finished"] is True, result
+    assert result["snapshots"] >= 30
+    assert result["stablewatch_deadlocks"] == 0, result  # the churn workload never deadlocks
+    assert result["cuts_with_calls_out"] > 0, result  # the cuts saw calls waiting
+    assert result["naive_polls"] > 0
+    assert 0 <= result["naive_deadlocks_proven"] <= result["naive_deadlocks"] <= result["naive_polls"]
+    assert result["places"] > 0 and result["moving_at_end"] is True, result
+    assert result["seconds"] > 0
+
+
+@pytest.mark.timeout(180)
+def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
+    sizes = ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "2", "--concurrency", "2"]
+    result = bench_json("rpc_overhead.py", *sizes, timeout=150)
+    for case in ("plain", "intercepted", "with_snapshots"):
+        low, high = result[f"{case}_p50_us_spread"]
+        assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
+        assert result[f"{case}_calls_per_s"] > 0, (case, result)
+    for key in ("overhead_p50", "throughput_ratio"):
+        low, high = result[f"{key}_spread"]
+        assert low <= result[key] <= high, (key, result)
+    assert result["throughput_ratio"] > 0
+    assert result["rounds"] == 2
+    assert result["snapshots_per_s"] > 0, result  # the detector's schedule ran while measured
+    assert set(result["targets"]) == {
+        "overhead_p50_at_most_0.05",
+        "throughput_ratio_at_least_0.95",
+        "overhead_p50_with_snapshots_at_most_0.05",
+        "throughput_ratio_with_snapshots_at_least_0.95",
+    }

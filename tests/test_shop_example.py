@@ -56,6 +56,15 @@ class DetectorProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def latest(self) -> query_pb2.SnapshotResults | None:
+        """The latest results; None before the first snapshot completed."""
+        try:
+            return self.query.GetLatestResults(query_pb2.GetLatestResultsRequest(), timeout=10)
+        except grpc.RpcError as error:
+            if error.code() == grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
     def members(self) -> set[str]:
         reply = self.query.ListMembers(query_pb2.ListMembersRequest(), timeout=10)
         return {member.process_id for member in reply.members}
@@ -151,7 +160,9 @@ def test_the_deadlock_is_reported_with_its_cycle_of_calls(tmp_path: Path, detect
         attached = time.monotonic()
 
         def deadlock() -> query_pb2.SnapshotResults | None:
-            latest = detector.query.GetLatestResults(query_pb2.GetLatestResultsRequest(), timeout=10)
+            latest = detector.latest()
+            if latest is None:
+                return None
             found = [r for r in latest.results if r.name == "deadlock" and r.holds]
             return latest if found else None
 
@@ -187,13 +198,7 @@ def test_the_deadlock_is_reported_with_its_cycle_of_calls(tmp_path: Path, detect
             assert name is not None and name["caller"] == callers[name["method"]], node.task
         # Real: the shop completed no order, and the deadlock stays reported.
         assert processes.placed() == 0
-        poll(
-            lambda: (
-                detector.query.GetLatestResults(query_pb2.GetLatestResultsRequest(), timeout=10).snapshot.snapshot_id
-                > snapshot_id + 3
-            ),
-            "three more snapshots",
-        )
+        poll(lambda: detector.latest().snapshot.snapshot_id > snapshot_id + 3, "three more snapshots")
         assert deadlock() is not None
         stop_cleanly(processes)
     finally:
