@@ -44,6 +44,7 @@ from stablewatch.detector.evaluation.plugins import load_predicate
 from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.examples.shop import PLACE
 from stablewatch.examples.shop import ROLES as SHOP
 from stablewatch.examples.shop_processes import ShopProcesses
 from stablewatch.v1 import PredicateResult, WaitForGraph
@@ -85,8 +86,10 @@ class _System:
         for result in results.results:
             if result.holds and not result.unknown and not result.error:
                 self.first_seen.setdefault(result.name, elapsed)
-            if result.name == "deadlock" and result.holds and not self.calls:
-                self.calls = [call_of(node.process, node.task) for node in result.deadlock.cycle]
+            if self.shop is not None and result.name == "deadlock" and result.holds and not self.calls:
+                calls = [call_of(node.process, node.task) for node in result.deadlock.cycle]
+                start = next((i for i, call in enumerate(calls) if call["method"] == PLACE), 0)
+                self.calls = calls[start:] + calls[:start]  # told from the order's side: Place first
             if result.name.startswith("conservation(") and not result.holds and not result.unknown:
                 self.conservation_broken = True
 
