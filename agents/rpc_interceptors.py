@@ -20,7 +20,9 @@ What travels (gRPC has metadata per call, not per message):
   ``RpcError``); an error without our server's stamp restarts the pair's counts (the request or the
   response may or may not have arrived).
 
-Limits: a streaming call's wait lasts the whole call; with the asyncio client interceptors a unary call
+Limits: a streaming call's wait lasts the whole call; grpc.aio runs client interceptors in a task of its
+own, so an aio call made outside a handler waits in the name of that task (one per call), not the
+caller's; with the asyncio client interceptors a unary call
 returns its response (the call object's metadata accessors see none) and a request stream must be given
 as an iterator (not written with ``call.write``).
 """

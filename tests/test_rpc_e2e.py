@@ -17,7 +17,7 @@ import grpc
 import pytest
 from detector_harness import Running
 
-from polling import poll
+from polling import async_poll, poll
 from stablewatch.agents.rpc_agent import RpcAgent
 from stablewatch.agents.rpc_core import STAMP_KEY
 from stablewatch.detector.service.detector import DetectorConfig
@@ -325,3 +325,52 @@ def test_a_peer_restart_mid_snapshot_fails_that_snapshot_and_the_next_completes(
         service.stop()
         s_agent.stop()
         c_agent.stop()
+
+
+def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running) -> None:
+    s_agent, c_agent = agent(running, "S"), agent(running, "C")
+
+    async def body() -> None:
+        release = asyncio.Event()
+
+        async def slow(request: bytes, context: Any) -> bytes:
+            await release.wait()
+            return b"done:" + request
+
+        server = grpc.aio.server(interceptors=[s_agent.aio_server_interceptor()])
+        methods = {"Slow": grpc.unary_unary_rpc_method_handler(slow)}
+        server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=c_agent.aio_client_interceptors("S"))
+        try:
+
+            async def caller() -> bytes:
+                return await channel.unary_unary(f"/{SERVICE}/Slow")(b"a", timeout=20)
+
+            reply = asyncio.create_task(caller(), name="caller")
+            await async_poll(lambda: stamped(c_agent, "request"), "the request sent")
+            first = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=10), running.loop)
+            results = await asyncio.wrap_future(first)
+            assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
+            waits = {p.process_id: p.state.waits for p in stored(running, results).processes}
+            (wait,) = waits["C"]  # grpc.aio runs interceptors in a task of its own: the waiter is that task
+            assert wait.task.startswith("Task-")
+            assert [(t.process, t.task) for t in wait.targets] == [("S", f"/{SERVICE}/Slow#C:1")]
+            release.set()
+            assert await reply == b"done:a"
+            assert stamped(s_agent, "response") == 1
+            after = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=10), running.loop)
+            results = await asyncio.wrap_future(after)
+            assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
+            assert not [w for p in stored(running, results).processes for w in p.state.waits]
+        finally:
+            release.set()
+            await channel.close()
+            await server.stop(0)
+
+    try:
+        asyncio.run(asyncio.wait_for(body(), 60))
+    finally:
+        c_agent.stop()
+        s_agent.stop()
