@@ -1,0 +1,564 @@
+"""The RPC-mode agent: ordinary gRPC services take part in snapshots through interceptors.
+
+A service creates one :class:`RpcAgent`, starts it, and installs its interceptors on its existing
+server and channels (see :mod:`stablewatch.agents.rpc_interceptors`)::
+
+    agent = RpcAgent("orders", detector="127.0.0.1:50051").start()
+    server = grpc.server(pool, interceptors=[agent.server_interceptor(workers=8)])
+    channel = grpc.intercept_channel(grpc.insecure_channel(addr), agent.client_interceptor("payments"))
+
+The protocol (Lai–Yang coloring, DESIGN.md "RPC mode") lives in the pure
+:class:`~stablewatch.agents.rpc_core.ColorCore`; this module owns one core behind one
+``threading.Lock`` and carries out its actions: it captures the local state (``agent.state`` plus the
+wait edges of the calls in progress) inside the same lock as the event that asked for it, reports
+parts and failures on the control stream (a :class:`~stablewatch.agents.control.ControlClient` in RPC
+mode, on a background event-loop thread), and drops recordings past their deadline on a timer.
+
+Wait edges (what the recorded state holds about calls; users add their own through ``agent.state``):
+
+* **Outgoing call.** While a call is outstanding, its caller waits (AND) on the callee's task for
+  that call, ``(callee, "{method}#{caller}:{seq}")``. The caller is the task of the handler the call
+  is made from (the same name, set by the server interceptor), else the thread's name (sync) or the
+  asyncio task's name (aio). The edge appears in the critical section that counts the request and
+  goes in the one that takes in the response (or ends the call).
+* **Queued request.** With ``server_interceptor(workers=N)``, a request that arrives while all N
+  workers are taken is queued: its task waits (OR) on every handler task running then. It turns into
+  a running handler when a worker frees up (the pool is first in, first out).
+* **Received.** A request is received when the server's interceptor takes it (its arrival in the
+  process): a request waiting for a worker is part of the process's state (the queued wait above),
+  not of the channel, so that a snapshot completes even when the request never runs (a deadlock). A
+  response is received when the interceptor hands it to the caller. A recording the message needs
+  always happens first.
+* A callee task the callee does not report (its request still in flight, its handler already done)
+  is a free node: never a false deadlock. A recorded response wakes only its caller's task
+  (``wakes_task``); a recorded request wakes nothing (``no_wake``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import prometheus_client
+
+from stablewatch import __version__
+from stablewatch.agents.control import ControlClient
+from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
+from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, Stamp
+from stablewatch.agents.rpc_metrics import RpcAgentMetrics
+from stablewatch.agents.state import LocalStateKeeper
+from stablewatch.agents.tls import TlsConfig
+from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalSnapshotPart, LocalState, RecordedMessage, Wait
+from stablewatch.v1.control_pb2 import ChannelTarget
+
+__all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RpcAgent"]
+
+_log = logging.getLogger(__name__)
+
+#: The metadata key carrying a request's call sequence number (the call's name is
+#: ``"{method}#{caller}:{seq}"``); the stamp itself travels under :data:`STAMP_KEY`.
+CALL_KEY = "stablewatch-call"
+#: Ends of a call without our server's stamp that leave open whether the request or the response
+#: arrived: the pair's counts restart (``reset_peer``).
+_UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
+
+
+class BadStamp(grpc.RpcError):
+    """A server's stamp was malformed or impossible: the call fails client side (status INTERNAL),
+    nothing is recorded, and the pair's counts restart."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.INTERNAL
+
+    def details(self) -> str:
+        return str(self)
+
+
+@dataclass(slots=True)
+class OutgoingCall:
+    """A call this process makes: who waits on whom while it is outstanding."""
+
+    seq: int
+    peer: str  # the callee's process id, or grpc://<target> for an uninstrumented one
+    method: str
+    caller_task: str
+    instrumented: bool  # False: the channel leads to a service without an agent; nothing is stamped
+    metadata: tuple[tuple[str, str], ...] = ()  # what the request carries
+    settled: bool = False  # its response (or end) was taken in
+
+
+@dataclass(slots=True)
+class IncomingCall:
+    """A call this process serves, from its arrival to the end of its handler."""
+
+    name: str  # the handler's task: "{method}#{caller}:{seq}"
+    peer: str | None  # the caller's process id; None until known (an uninstrumented caller)
+    instrumented: bool
+    error: str | None = None  # a bad stamp: the handler refuses the call
+    pool: WorkerPool | None = None
+    done: bool = False
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    """The worker threads of one sync server, as the server interceptor sees them (``workers=N``).
+
+    ``running`` holds the calls that have (or are about to get) a worker, ``queued`` those that wait
+    for one, first in first out, as grpc's thread pool hands them out.
+    """
+
+    workers: int
+    running: dict[str, None] = field(default_factory=dict)
+    queued: dict[str, None] = field(default_factory=dict)
+
+    def arrive(self, name: str) -> None:
+        if len(self.running) < self.workers and not self.queued:
+            self.running[name] = None
+        else:
+            self.queued[name] = None
+
+    def start(self, name: str) -> None:
+        if self.queued.pop(name, 0) is None:  # our picture lagged behind the pool
+            self.running[name] = None
+
+    def end(self, name: str) -> None:
+        self.running.pop(name, None)
+        self.queued.pop(name, None)
+        while self.queued and len(self.running) < self.workers:
+            head = next(iter(self.queued))
+            del self.queued[head]
+            self.running[head] = None
+
+    def waits(self, process_id: str) -> Iterable[Wait]:
+        """Every queued call waits on any running handler (OR)."""
+        if not self.running:
+            return
+        targets = [{"process": process_id, "task": name} for name in self.running]
+        for name in self.queued:
+            yield Wait(task=name, targets=targets, model=WAIT_MODEL_OR)
+
+
+class RpcAgent:
+    """One process's RPC-mode agent; see the module docstring.
+
+    ``detector``: the detector's address (None: no detector, parts go to :meth:`on_part` listeners
+    only). ``tls``: credentials for the control stream. Recording bounds and lifetimes are the
+    core's (``max_recordings``, ``max_recorded_bytes``, ``recording_lifetime``, ``max_skew``: how far
+    in the future a stamp's color may lie, in seconds of wall time). ``incarnation`` defaults to the
+    start time in nanoseconds, so that peers see a restart.
+    """
+
+    def __init__(
+        self,
+        process_id: str,
+        *,
+        detector: str | None = None,
+        tls: TlsConfig | None = None,
+        metrics_registry: prometheus_client.CollectorRegistry | None = None,
+        metrics_port: int | None = None,
+        metrics_address: str = "127.0.0.1",
+        max_recordings: int | None = None,
+        max_recorded_bytes: int | None = None,
+        recording_lifetime: float | None = None,
+        max_skew: float | None = None,
+        expire_interval: float = 1.0,
+        heartbeat_interval: float = 1.0,
+        incarnation: int | None = None,
+        call_timeout: float = 30.0,
+    ) -> None:
+        self.process_id = process_id
+        self.state = LocalStateKeeper()
+        self.metrics = RpcAgentMetrics(metrics_registry)
+        self.incarnation = incarnation if incarnation is not None else time.time_ns()
+        options: dict[str, Any] = {
+            "max_recordings": max_recordings,
+            "max_recorded_bytes": max_recorded_bytes,
+            "default_lifetime": recording_lifetime,
+            "max_skew": max_skew,
+        }
+        self._core = ColorCore(
+            process_id, incarnation=self.incarnation, **{k: v for k, v in options.items() if v is not None}
+        )
+        self._lock = threading.Lock()
+        self._detector = detector
+        self._tls = tls
+        self._heartbeat_interval = heartbeat_interval
+        self._expire_interval = expire_interval
+        self._call_timeout = call_timeout
+        self._metrics_port = metrics_port
+        self._metrics_bind = metrics_address
+        self._metrics_server: Any = None
+        self._seqs = itertools.count(1)
+        self._outgoing: dict[int, OutgoingCall] = {}
+        self._pools: list[WorkerPool] = []
+        self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name=f"stablewatch-rpc-{process_id}", daemon=True
+        )
+        self._control: ControlClient | None = None
+        self._expiry: asyncio.Task[None] | None = None
+        self._started = False
+
+    # -- lifecycle --------------------------------------------------------------------------------
+
+    def start(self) -> RpcAgent:
+        """Start the agent's thread and dial the detector (without waiting for it); returns the agent."""
+        if self._started:
+            return self
+        self._started = True
+        self._thread.start()
+        self._run(self._start())
+        if self._metrics_port is not None:
+            self._metrics_server, _ = self.metrics.serve_http(self._metrics_port, self._metrics_bind)
+        return self
+
+    def stop(self) -> None:
+        """Close the control stream and stop the agent's thread. Interceptors pass calls through after."""
+        if not self._started or not self._thread.is_alive():
+            return
+        try:
+            self._run(self._stop())
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(self._call_timeout)
+            self._loop.close()
+            if self._metrics_server is not None:
+                self._metrics_server.shutdown()
+                self._metrics_server.server_close()
+
+    def __enter__(self) -> RpcAgent:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def detector_connected(self) -> bool:
+        """Whether the detector has accepted this agent's registration."""
+        return self._control is not None and self._control.connected
+
+    @property
+    def color(self) -> int:
+        """The highest snapshot id this process has recorded (0 before any)."""
+        with self._lock:
+            return self._core.color
+
+    @property
+    def metrics_address(self) -> str | None:
+        """Where /metrics is served (host:port), when ``metrics_port`` was given."""
+        if self._metrics_server is None:
+            return None
+        return f"{self._metrics_bind}:{self._metrics_server.server_port}"
+
+    def on_part(self, listener: Callable[[LocalSnapshotPart], None]) -> None:
+        """Also hand every local snapshot part to ``listener`` (called under the agent's lock: be quick)."""
+        self._part_listeners.append(listener)
+
+    def start_snapshot(self, snapshot_id: int, *, lifetime: float | None = None) -> None:
+        """Record for ``snapshot_id`` now, as a detector's start would (for tests and detector-less use)."""
+        with self._lock:
+            self._carry_out(self._core.start_snapshot(snapshot_id, now=time.monotonic(), lifetime=lifetime))
+
+    # -- interceptors -----------------------------------------------------------------------------
+
+    def server_interceptor(self, workers: int | None = None) -> grpc.ServerInterceptor:
+        """The interceptor for a sync ``grpc.server``; ``workers``: its thread pool's ``max_workers``.
+
+        With ``workers``, requests that wait for a worker are reported as queued (waiting on the
+        running handlers); without it they never are (a deadlock through a full pool is then missed,
+        never invented). The pool must serve only this server.
+        """
+        from stablewatch.agents.rpc_interceptors import ServerInterceptor
+
+        return ServerInterceptor(self, self._pool(workers))
+
+    def client_interceptor(self, peer: str | None = None, *, target: str | None = None) -> Any:
+        """The interceptor for ``grpc.intercept_channel`` (unary and streaming calls).
+
+        ``peer``: the process id of the service the channel leads to (as its agent registers it).
+        Without ``peer`` the channel leads to a service without an agent: give its ``target``; calls
+        pass through unstamped and the part names the peer ``grpc://<target>``.
+        """
+        from stablewatch.agents.rpc_interceptors import ClientInterceptor
+
+        return ClientInterceptor(self, *_peer_of(peer, target))
+
+    def aio_server_interceptor(self) -> grpc.aio.ServerInterceptor:
+        """The interceptor for ``grpc.aio.server(interceptors=[...])`` (no worker pool: nothing queues)."""
+        from stablewatch.agents.rpc_interceptors import AioServerInterceptor
+
+        return AioServerInterceptor(self)
+
+    def aio_client_interceptors(self, peer: str | None = None, *, target: str | None = None) -> list[Any]:
+        """The interceptors for ``grpc.aio.insecure_channel(addr, interceptors=...)``; ``peer`` and
+        ``target`` as for :meth:`client_interceptor`."""
+        from stablewatch.agents.rpc_interceptors import aio_client_interceptors
+
+        return aio_client_interceptors(self, *_peer_of(peer, target))
+
+    # -- events from the interceptors (each in one critical section) ------------------------------
+
+    def call_out(self, peer: str, method: str, caller_task: str, instrumented: bool) -> OutgoingCall:
+        """A request is handed to gRPC now: count it, and make its caller wait on the callee's task."""
+        seq = next(self._seqs)
+        call = OutgoingCall(seq, peer, method, caller_task, instrumented)
+        with self._lock:
+            stamp = self._core.send(peer)
+            self._outgoing[seq] = call
+        if instrumented:
+            call.metadata = ((STAMP_KEY, stamp.encode()), (CALL_KEY, str(seq)))
+            self.metrics.stamped("request")
+        return call
+
+    def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
+        """The call's response (or its end, with ``code``) is about to reach the caller.
+
+        Takes the response in (recording first if its color asks for it) and ends the wait, in one
+        critical section; an error without our server's stamp restarts the pair's counts. Raises
+        :class:`BadStamp` when the server's stamp is bad or names another process. Runs once per call.
+        """
+        stamp = error = None
+        if stamp_text is not None and call.instrumented:
+            try:
+                stamp = Stamp.decode(stamp_text)
+                if stamp.process_id != call.peer:
+                    raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
+            except RemoteProtocolError as exc:
+                error = str(exc)
+        with self._lock:
+            if call.settled:
+                return
+            call.settled = True
+            try:
+                if stamp is not None:
+                    message = RecordedMessage(wakes_task=call.caller_task)
+                    try:
+                        self._carry_out(self._core.receive(stamp, message, now=time.monotonic(), wall=time.time()))
+                    except RemoteProtocolError as exc:
+                        error = str(exc)
+                if error is not None:
+                    reason = (
+                        f"call {call.method} to {call.peer} returned a bad stamp ({error}): channel counts restarted"
+                    )
+                    self._carry_out(self._core.reset_peer(call.peer, reason))
+                    self.metrics.peer_reset()
+                elif stamp is None and call.instrumented and code not in (None, grpc.StatusCode.OK):
+                    reason = f"call {call.method} to {call.peer} " + _UNKNOWN_OUTCOME.format(code=code.name)
+                    self._carry_out(self._core.reset_peer(call.peer, reason))
+                    self.metrics.peer_reset()
+            finally:
+                self._outgoing.pop(call.seq, None)
+        if error is not None:
+            self.metrics.bad_stamp("client")
+            raise BadStamp(f"stablewatch: the response of {call.method} from {call.peer} has a bad stamp: {error}")
+        if stamp is None and (code in (None, grpc.StatusCode.OK) or not call.instrumented):
+            self.metrics.uninstrumented("outbound")
+
+    def arrive(self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None) -> IncomingCall:
+        """A request reaches the server's interceptor: take it in (recording first if its color asks)."""
+        stamp_text = seq = None
+        for key, value in metadata or ():
+            if key == STAMP_KEY:
+                stamp_text = value
+            elif key == CALL_KEY:
+                seq = value
+        if stamp_text is None:
+            call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, pool=pool)
+            self.metrics.uninstrumented("inbound")
+            if pool is not None:
+                with self._lock:
+                    pool.arrive(call.name)
+            return call
+        try:
+            stamp = Stamp.decode(stamp_text)
+            seq_text = seq.decode() if isinstance(seq, bytes) else seq
+            if seq_text is None or not seq_text.isdigit():
+                raise RemoteProtocolError(f"metadata {CALL_KEY!r} must hold the call's sequence number")
+        except RemoteProtocolError as exc:
+            return self._refuse(method, str(exc), pool)
+        call = IncomingCall(f"{method}#{stamp.process_id}:{seq_text}", stamp.process_id, True, pool=pool)
+        message = RecordedMessage(no_wake=True)
+        with self._lock:
+            try:
+                actions = self._core.receive(stamp, message, now=time.monotonic(), wall=time.time())
+            except RemoteProtocolError as exc:
+                error = str(exc)
+            else:
+                error = None
+                self._carry_out(actions)
+                if pool is not None:
+                    pool.arrive(call.name)
+        if error is not None:
+            return self._refuse(method, error, pool)
+        return call
+
+    def _refuse(self, method: str, error: str, pool: WorkerPool | None) -> IncomingCall:
+        self.metrics.bad_stamp("server")
+        reason = f"stablewatch: bad stamp on a call of {method}: {error}"
+        call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, error=reason, pool=pool)
+        if pool is not None:
+            with self._lock:
+                pool.arrive(call.name)
+        return call
+
+    def handler_started(self, call: IncomingCall) -> None:
+        """The call's handler runs now (a queued call has its worker)."""
+        if call.pool is not None:
+            with self._lock:
+                call.pool.start(call.name)
+
+    def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None:
+        """The handler ended: count the response (when the call is still ``active``) and free the worker.
+
+        Returns the stamp to put in the trailing metadata, or None (refused, uninstrumented or
+        cancelled calls). A caller without an agent is counted as ``grpc://<host>`` so that the part
+        names it as a peer outside the cut.
+        """
+        with self._lock:
+            if call.done:
+                return None
+            call.done = True
+            if call.pool is not None:
+                call.pool.end(call.name)
+            if call.error is not None or not active:
+                return None
+            if not call.instrumented:
+                self._core.send(_outside_peer(peer_address))
+                return None
+            assert call.peer is not None
+            stamp = self._core.send(call.peer)
+        self.metrics.stamped("response")
+        return stamp
+
+    def callee_task(self, call: OutgoingCall) -> str:
+        """The name the callee gives the handler of ``call``: ``"{method}#{caller}:{seq}"``."""
+        return f"{call.method}#{self.process_id}:{call.seq}"
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _pool(self, workers: int | None) -> WorkerPool | None:
+        if workers is None:
+            return None
+        if workers < 1:
+            raise ValueError(f"workers must be at least 1, not {workers}")
+        pool = WorkerPool(workers)
+        with self._lock:
+            self._pools.append(pool)
+        return pool
+
+    def _capture(self) -> LocalState:
+        """The local state with the calls' wait edges; called under the lock."""
+        state = self.state.snapshot()
+        waits: dict[str, list[dict[str, str]]] = {}
+        for call in self._outgoing.values():
+            waits.setdefault(call.caller_task, []).append({"process": call.peer, "task": self.callee_task(call)})
+        for task, targets in waits.items():
+            state.waits.add(task=task, targets=targets, model=WAIT_MODEL_AND)
+        for pool in self._pools:
+            state.waits.extend(pool.waits(self.process_id))
+        return state
+
+    def _carry_out(self, actions: Iterable[Action]) -> None:
+        """Do what the core asks, in order; called under the lock."""
+        for action in actions:
+            if isinstance(action, RecordState):
+                self.metrics.snapshot_recorded()
+                self._carry_out(self._core.record_state(action.snapshot_id, self._capture()))
+            elif isinstance(action, ReportPart):
+                self._report(action.part)
+            elif isinstance(action, SnapshotFailed):
+                self.metrics.snapshot_failed()
+                _log.info("snapshot %d failed in %s: %s", action.snapshot_id, self.process_id, action.reason)
+                if self._control is not None and self._started:
+                    self._loop.call_soon_threadsafe(self._control.report_failure, action.snapshot_id, action.reason)
+
+    def _report(self, part: LocalSnapshotPart) -> None:
+        if self._control is not None and self._started:
+            self._loop.call_soon_threadsafe(self._control.report_part, part)
+        for listener in self._part_listeners:
+            listener(part)
+
+    def _run(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(self._call_timeout)
+
+    async def _start(self) -> None:
+        self._expiry = asyncio.create_task(self._expire_forever(), name=f"rpc-expiry-{self.process_id}")
+        if self._detector is None:
+            return
+        self._control = ControlClient(
+            self.process_id,
+            "",
+            self._detector,
+            on_start=self._detector_start,
+            on_finish=self._finish,
+            on_epoch=self._new_epoch,
+            credentials=self._tls.channel_credentials() if self._tls else None,
+            channel_options=self._tls.channel_options() if self._tls else (),
+            incarnation=self.incarnation,
+            agent_version=__version__,
+            heartbeat_interval=self._heartbeat_interval,
+            on_event=self._control_event,
+            rpc_mode=True,
+            on_channel_target=self._channel_target,
+        )
+        await self._control.start()
+
+    async def _stop(self) -> None:
+        if self._control is not None:
+            await self._control.stop()
+        if self._expiry is not None:
+            self._expiry.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._expiry
+
+    async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
+        self.start_snapshot(snapshot_id, lifetime=lifetime)
+
+    def _channel_target(self, target: ChannelTarget) -> None:
+        with self._lock:
+            self._carry_out(
+                self._core.channel_target(
+                    target.snapshot_id, target.src, target.sent, target.src_incarnation, target.session
+                )
+            )
+
+    def _finish(self, snapshot_id: int) -> None:
+        with self._lock:
+            self._core.finish_snapshot(snapshot_id)
+
+    def _new_epoch(self, epoch: int) -> None:
+        with self._lock:
+            self._core.new_epoch()
+
+    def _control_event(self, event: str, detail: str) -> None:
+        self.metrics.control_connected(event == "connected")
+
+    async def _expire_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._expire_interval)
+            with self._lock:
+                self._carry_out(self._core.expire(time.monotonic()))
+
+
+def _peer_of(peer: str | None, target: str | None) -> tuple[str, bool]:
+    """The peer id a client channel counts its calls under, and whether the peer has an agent."""
+    if peer is not None:
+        return peer, True
+    if not target:
+        raise ValueError("give the peer's process id, or the target of a service without an agent")
+    return f"grpc://{target}", False
+
+
+def _outside_peer(address: str) -> str:
+    """``grpc://<host>`` for a caller without an agent (``context.peer()`` without its port)."""
+    kind, _, rest = address.partition(":")
+    return f"grpc://{rest.rsplit(':', 1)[0]}" if kind in ("ipv4", "ipv6") else f"grpc://{address}"

@@ -1,0 +1,485 @@
+"""gRPC interceptors of the RPC-mode agent, for the sync and the asyncio APIs, server and client side.
+
+They are thin: each translates a gRPC event into one call of :class:`~stablewatch.agents.rpc_agent.RpcAgent`
+(which holds the lock, the core and the wait edges) and carries stamps in metadata.
+
+What travels (gRPC has metadata per call, not per message):
+
+* A request carries its caller's stamp under ``stablewatch-stamp`` and the call's sequence number under
+  ``stablewatch-call`` in its initial metadata. A response carries the server's stamp in the trailing
+  metadata, set when the handler ends (returns, raises or aborts). So every call is two messages of the
+  protocol: its opening, q -> p, and its end, p -> q. The messages inside a stream carry no stamp and are
+  not counted: they are data of the call, never part of a channel state.
+* Server side, the request is taken in (counted, recording first if its color asks) when the
+  interceptor sees the call arrive, before the handler can run; a bad stamp makes the handler abort the
+  call with ``INVALID_ARGUMENT`` without running the service's code. The handler runs with
+  :data:`CURRENT_TASK` set to the call's name, so the calls it makes wait in its name.
+* Client side, the end of the call is taken in before the caller sees it: the unary response (or the
+  error) before ``result()``/``await`` returns it, the end of a response stream before the iterator
+  stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc_agent.BadStamp` (an
+  ``RpcError``); an error without our server's stamp restarts the pair's counts (the request or the
+  response may or may not have arrived).
+
+Limits: a streaming call's wait lasts the whole call; grpc.aio runs client interceptors in a task of its
+own, so an aio call made outside a handler waits in the name of that task (one per call), not the
+caller's; with the asyncio client interceptors a unary call
+returns its response (the call object's metadata accessors see none) and a request stream must be given
+as an iterator (not written with ``call.write``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import contextvars
+import inspect
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import grpc
+
+from stablewatch.agents.rpc_agent import BadStamp, IncomingCall, OutgoingCall, WorkerPool
+from stablewatch.agents.rpc_core import STAMP_KEY
+
+if TYPE_CHECKING:
+    from stablewatch.agents.rpc_agent import RpcAgent
+
+__all__ = ["CURRENT_TASK", "AioServerInterceptor", "ClientInterceptor", "ServerInterceptor", "aio_client_interceptors"]
+
+#: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
+CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
+
+
+def current_task_name() -> str:
+    """The waiter of a call made here: the running handler's call name, else the asyncio task's or thread's name."""
+    name = CURRENT_TASK.get()
+    if name:
+        return name
+    try:
+        task = asyncio.current_task()
+    except RuntimeError:
+        task = None
+    return task.get_name() if task is not None else threading.current_thread().name
+
+
+def _stamp_of(metadata: Any) -> str | None:
+    for key, value in metadata or ():
+        if key == STAMP_KEY:
+            return value.decode(errors="replace") if isinstance(value, bytes) else value
+    return None
+
+
+def _method(details: Any) -> str:
+    method = details.method
+    return method.decode() if isinstance(method, bytes) else method
+
+
+# -- server side ----------------------------------------------------------------------------------
+
+
+def _end_sync(agent: RpcAgent, call: IncomingCall, context: grpc.ServicerContext) -> None:
+    stamp = agent.respond(call, context.peer(), context.is_active())
+    if stamp is not None:
+        context.set_trailing_metadata((*(context.trailing_metadata() or ()), (STAMP_KEY, stamp.encode())))
+
+
+def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+    def run(request: Any, context: grpc.ServicerContext) -> Any:
+        agent.handler_started(call)
+        token = CURRENT_TASK.set(call.name)
+        try:
+            if call.error is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+            return behavior(request, context)
+        finally:
+            CURRENT_TASK.reset(token)
+            _end_sync(agent, call, context)
+
+    return run
+
+
+def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+    def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        agent.handler_started(call)
+        token = CURRENT_TASK.set(call.name)
+        try:
+            if call.error is not None:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+            yield from behavior(request, context)
+        finally:
+            with contextlib.suppress(ValueError):  # closed from another context
+                CURRENT_TASK.reset(token)
+            _end_sync(agent, call, context)
+
+    return run
+
+
+def _wrap(handler: grpc.RpcMethodHandler, wrap_unary: Callable[..., Any], wrap_streaming: Callable[..., Any]) -> Any:
+    options = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(wrap_streaming(handler.stream_stream), **options)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **options)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(wrap_streaming(handler.unary_stream), **options)
+    return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **options)
+
+
+class ServerInterceptor(grpc.ServerInterceptor):
+    """The sync server's interceptor (``agent.server_interceptor(workers=N)``).
+
+    grpc calls ``intercept_service`` in the server's polling thread when a call arrives, before the
+    call is queued for the thread pool: that is where the request is taken in (and, with ``workers``,
+    where it joins the queue); the wrapped handler runs later in a worker.
+    """
+
+    def __init__(self, agent: RpcAgent, pool: WorkerPool | None) -> None:
+        self._agent = agent
+        self._pool = pool
+
+    def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        agent = self._agent
+        call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, self._pool)
+        return _wrap(
+            handler,
+            lambda behavior: _unary_sync(agent, behavior, call),
+            lambda behavior: _streaming_sync(agent, behavior, call),
+        )
+
+
+class _StampingContext:
+    """An aio servicer context whose ``abort`` carries the response's stamp (aio sends the status at once)."""
+
+    def __init__(self, agent: RpcAgent, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
+        self._agent, self._call, self._context = agent, call, context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        _end_aio(self._agent, self._call, self._context)
+        metadata = tuple(trailing_metadata) or tuple(self._context.trailing_metadata() or ())
+        await self._context.abort(code, details, metadata)
+
+
+def _end_aio(agent: RpcAgent, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
+    stamp = agent.respond(call, context.peer(), not context.done() and not context.cancelled())
+    if stamp is not None:
+        context.set_trailing_metadata((*(context.trailing_metadata() or ()), (STAMP_KEY, stamp.encode())))
+
+
+async def _call_behavior(behavior: Callable[..., Any], request: Any, context: Any) -> Any:
+    if inspect.iscoroutinefunction(behavior):
+        return await behavior(request, context)
+    return await asyncio.to_thread(behavior, request, context)
+
+
+def _unary_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+    async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        agent.handler_started(call)
+        CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
+        try:
+            if call.error is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+            return await _call_behavior(behavior, request, _StampingContext(agent, call, context))
+        finally:
+            _end_aio(agent, call, context)
+
+    return run
+
+
+def _streaming_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+    if inspect.isasyncgenfunction(behavior):
+
+        async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            agent.handler_started(call)
+            CURRENT_TASK.set(call.name)
+            try:
+                if call.error is not None:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                async for response in behavior(request, _StampingContext(agent, call, context)):
+                    yield response
+            finally:
+                _end_aio(agent, call, context)
+
+        return generate
+    return _unary_aio(agent, behavior, call)  # a handler that writes with context.write()
+
+
+class AioServerInterceptor(grpc.aio.ServerInterceptor):
+    """The asyncio server's interceptor (``agent.aio_server_interceptor()``)."""
+
+    def __init__(self, agent: RpcAgent) -> None:
+        self._agent = agent
+
+    async def intercept_service(
+        self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
+    ) -> Any:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
+        agent = self._agent
+        call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
+        return _wrap(
+            handler,
+            lambda behavior: _unary_aio(agent, behavior, call),
+            lambda behavior: _streaming_aio(agent, behavior, call),
+        )
+
+
+# -- client side ----------------------------------------------------------------------------------
+
+
+class _Details(NamedTuple):
+    method: Any
+    timeout: float | None
+    metadata: Any
+    credentials: Any
+    wait_for_ready: bool | None
+    compression: Any
+
+
+class _CallDetails(_Details, grpc.ClientCallDetails):
+    """Call details with the stamp added to the metadata."""
+
+
+def _details_with(details: Any, call: OutgoingCall) -> Any:
+    if not call.metadata:
+        return details
+    metadata = (*(details.metadata or ()), *call.metadata)
+    wait_for_ready = getattr(details, "wait_for_ready", None)
+    if isinstance(details, grpc.aio.ClientCallDetails):
+        return grpc.aio.ClientCallDetails(
+            details.method, details.timeout, metadata, details.credentials, wait_for_ready
+        )
+    compression = getattr(details, "compression", None)
+    return _CallDetails(details.method, details.timeout, metadata, details.credentials, wait_for_ready, compression)
+
+
+class _Settled:
+    """Takes in the end of one sync call exactly once, from whichever comes first: the caller or
+    the call's done callback (a call the caller abandons still ends its wait)."""
+
+    def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
+        self._agent, self._call, self._outcome = agent, call, outcome
+        self._lock = threading.Lock()
+        self._error: BadStamp | None = None
+        self._done = False
+        outcome.add_done_callback(lambda _: self.settle(quiet=True))
+
+    def settle(self, quiet: bool = False) -> None:
+        with self._lock:
+            if not self._done:
+                self._done = True
+                outcome = self._outcome
+                try:
+                    self._agent.call_returned(self._call, _stamp_of(outcome.trailing_metadata()), outcome.code())
+                except BadStamp as error:
+                    self._error = error
+        if self._error is not None and not quiet:
+            raise self._error
+
+
+class _UnaryOutcome(grpc.Call, grpc.Future):
+    """A sync unary call's result, handed over only after its end was taken in."""
+
+    def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
+        self._outcome = outcome
+        self._settled = _Settled(agent, call, outcome)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._outcome, name)
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            value = self._outcome.result(timeout)
+        except grpc.FutureTimeoutError:
+            raise
+        except BaseException:
+            self._settled.settle()
+            raise
+        self._settled.settle()
+        return value
+
+    def exception(self, timeout: float | None = None) -> Any:
+        error = self._outcome.exception(timeout)
+        try:
+            self._settled.settle()
+        except BadStamp as bad:
+            return bad
+        return error
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        return self._outcome.traceback(timeout)
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        self._outcome.add_done_callback(lambda _: fn(self))
+
+    def cancel(self) -> bool:
+        return self._outcome.cancel()
+
+    def cancelled(self) -> bool:
+        return self._outcome.cancelled()
+
+    def running(self) -> bool:
+        return self._outcome.running()
+
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    def is_active(self) -> bool:
+        return self._outcome.is_active()
+
+    def time_remaining(self) -> float | None:
+        return self._outcome.time_remaining()
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return self._outcome.add_callback(callback)
+
+    def initial_metadata(self) -> Any:
+        return self._outcome.initial_metadata()
+
+    def trailing_metadata(self) -> Any:
+        return self._outcome.trailing_metadata()
+
+    def code(self) -> grpc.StatusCode:
+        return self._outcome.code()
+
+    def details(self) -> str | None:
+        return self._outcome.details()
+
+
+class _StreamOutcome(_UnaryOutcome):
+    """A sync response stream: the iterator stops (or raises) only after the call's end was taken in."""
+
+    def __iter__(self) -> _StreamOutcome:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._outcome)
+        except (StopIteration, grpc.RpcError):
+            self._settled.settle()
+            raise
+
+
+class ClientInterceptor(
+    grpc.UnaryUnaryClientInterceptor,
+    grpc.UnaryStreamClientInterceptor,
+    grpc.StreamUnaryClientInterceptor,
+    grpc.StreamStreamClientInterceptor,
+):
+    """The sync client's interceptor (``agent.client_interceptor(peer)``), for every kind of call."""
+
+    def __init__(self, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+        self._agent, self._peer, self._instrumented = agent, peer, instrumented
+
+    def _invoke(self, continuation: Callable[..., Any], details: Any, request: Any, kind: type[_UnaryOutcome]) -> Any:
+        call = self._agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        try:
+            outcome = continuation(_details_with(details, call), request)
+        except BaseException:
+            self._agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
+            raise
+        return kind(self._agent, call, outcome)
+
+    def intercept_unary_unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
+        return self._invoke(continuation, client_call_details, request, _UnaryOutcome)
+
+    def intercept_stream_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return self._invoke(continuation, client_call_details, request_iterator, _UnaryOutcome)
+
+    def intercept_unary_stream(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
+        return self._invoke(continuation, client_call_details, request, _StreamOutcome)
+
+    def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return self._invoke(continuation, client_call_details, request_iterator, _StreamOutcome)
+
+
+class _AioClient:
+    def __init__(self, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+        self._agent, self._peer, self._instrumented = agent, peer, instrumented
+
+    async def _unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+        agent = self._agent
+        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        try:
+            grpc_call = await continuation(_details_with(details, call), request)
+            response = await grpc_call
+        except grpc.aio.AioRpcError as error:
+            agent.call_returned(call, _stamp_of(error.trailing_metadata()), error.code())
+            raise
+        except BaseException:  # cancelled here: nobody knows whether the request arrived
+            agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
+            raise
+        agent.call_returned(call, _stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+        return response
+
+    async def _streaming(self, continuation: Callable[..., Any], details: Any, request: Any) -> AsyncIterator[Any]:
+        agent = self._agent
+        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        try:
+            grpc_call = await continuation(_details_with(details, call), request)
+        except BaseException:
+            agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
+            raise
+        return self._responses(call, grpc_call)
+
+    async def _responses(self, call: OutgoingCall, grpc_call: Any) -> AsyncIterator[Any]:
+        agent = self._agent
+        try:
+            async for response in grpc_call:
+                yield response
+        except grpc.aio.AioRpcError as error:
+            agent.call_returned(call, _stamp_of(error.trailing_metadata()), error.code())
+            raise
+        except BaseException:
+            grpc_call.cancel()
+            agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
+            raise
+        agent.call_returned(call, _stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+
+
+class _AioUnaryUnary(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):
+    async def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        return await self._unary(continuation, client_call_details, request)
+
+
+class _AioStreamUnary(_AioClient, grpc.aio.StreamUnaryClientInterceptor):
+    async def intercept_stream_unary(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await self._unary(continuation, client_call_details, request_iterator)
+
+
+class _AioUnaryStream(_AioClient, grpc.aio.UnaryStreamClientInterceptor):
+    async def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
+    ) -> Any:
+        return await self._streaming(continuation, client_call_details, request)
+
+
+class _AioStreamStream(_AioClient, grpc.aio.StreamStreamClientInterceptor):
+    async def intercept_stream_stream(
+        self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
+    ) -> Any:
+        return await self._streaming(continuation, client_call_details, request_iterator)
+
+
+def aio_client_interceptors(agent: RpcAgent, peer: str, instrumented: bool) -> list[Any]:
+    """One asyncio client interceptor per kind of call (grpc.aio takes each for one kind only)."""
+    return [
+        cls(agent, peer, instrumented) for cls in (_AioUnaryUnary, _AioStreamUnary, _AioUnaryStream, _AioStreamStream)
+    ]

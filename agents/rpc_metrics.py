@@ -1,0 +1,82 @@
+"""Prometheus metrics of one RPC-mode agent: stamped messages, bad stamps, uninstrumented calls, snapshots.
+
+Every metric is named ``stablewatch_agent_rpc_*`` and registered into the registry it is given (the
+service's own) or a new private one, as :class:`~stablewatch.agents.metrics.AgentMetrics` does. Labels
+are bounded: ``kind`` (:data:`STAMPED_KINDS`), ``side`` (:data:`SIDES`) and ``direction``
+(:data:`DIRECTIONS`). Children are looked up once, so the per-call cost is a dict lookup and an ``inc``.
+"""
+
+from __future__ import annotations
+
+import threading
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+
+__all__ = ["DIRECTIONS", "SIDES", "STAMPED_KINDS", "RpcAgentMetrics"]
+
+PREFIX = "stablewatch_agent_rpc"
+
+#: What a stamp went out on: a request (a call's opening) or a response (a call's end).
+STAMPED_KINDS = ("request", "response")
+#: Which interceptor saw a bad stamp: the server (on a request) or the client (on a response).
+SIDES = ("server", "client")
+#: Calls with an uninstrumented peer: ``inbound`` (served for a client without a stamp) or
+#: ``outbound`` (made to a server that answered without one).
+DIRECTIONS = ("inbound", "outbound")
+
+
+class RpcAgentMetrics:
+    """The RPC-mode agent's metrics, registered into `registry` (a new private one if None)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        registry = self.registry
+
+        def counter(name: str, doc: str, *labels: str) -> Counter:
+            return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
+
+        stamped = counter("stamped_messages", "Requests and responses sent with a stamp, by kind", "kind")
+        self._stamped = {kind: stamped.labels(kind) for kind in STAMPED_KINDS}
+        bad = counter("bad_stamps", "Calls refused for a malformed or impossible stamp, by side", "side")
+        self._bad = {side: bad.labels(side) for side in SIDES}
+        outside = counter("uninstrumented_calls", "Calls passed through to or from a peer without a stamp", "direction")
+        self._uninstrumented = {direction: outside.labels(direction) for direction in DIRECTIONS}
+        self._resets = counter("peer_resets", "Channel counts restarted after a call ended ambiguously")
+        self._recorded = counter("snapshots_recorded", "Local states captured for snapshots (one per jump)")
+        self._failed = counter("snapshots_failed", "Snapshots that failed in this process")
+        self._control_connected = Gauge(
+            f"{PREFIX}_control_connected", "1 while the control stream to the detector is up, else 0", registry=registry
+        )
+
+    def stamped(self, kind: str) -> None:
+        """A request or a response went out with a stamp (`kind` in :data:`STAMPED_KINDS`)."""
+        self._stamped[kind].inc()
+
+    def bad_stamp(self, side: str) -> None:
+        """A call was refused for its stamp, by the server or the client interceptor."""
+        self._bad[side].inc()
+
+    def uninstrumented(self, direction: str) -> None:
+        """A call to or from a peer that sent no stamp passed through."""
+        self._uninstrumented[direction].inc()
+
+    def peer_reset(self) -> None:
+        """The counts of a pair restarted (a call ended without knowing whether its messages arrived)."""
+        self._resets.inc()
+
+    def snapshot_recorded(self) -> None:
+        """This process captured its local state (one capture serves every snapshot of a jump)."""
+        self._recorded.inc()
+
+    def snapshot_failed(self) -> None:
+        """A snapshot failed in this process."""
+        self._failed.inc()
+
+    def control_connected(self, connected: bool) -> None:
+        """The control stream to the detector went up (True) or down (False)."""
+        self._control_connected.set(1 if connected else 0)
+
+    def serve_http(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
+        """Serve this registry on ``http://addr:port/metrics`` from a daemon thread (port 0: any free one)."""
+        return start_http_server(port, addr=addr, registry=self.registry)
