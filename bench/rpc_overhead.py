@@ -1,35 +1,37 @@
 """Benchmark: unary gRPC calls through RPC mode's interceptors against plain gRPC, same run.
 
-Two OS processes on 127.0.0.1, both with the synchronous gRPC API: a server process serving the
-same echo method (64-byte requests and responses, generic byte handlers) on two servers with the
-same worker pool, one plain and one with an RPC-mode agent's server interceptor; and a client
-process with ``--concurrency`` threads, each calling in a closed loop (the next call as soon as
-the last returned), through a plain channel or through a channel with the agent's client
-interceptor. Both agents attach to a detector in this process. Three cases:
+Two OS processes on 127.0.0.1, both with the synchronous gRPC API. The server process serves the
+same echo method (64-byte requests and responses, generic byte handlers) on three servers with
+the same worker pool (``--workers``): a plain one, one with pass-through interceptors and one with
+an RPC-mode agent's server interceptor. The client process calls from ``--concurrency`` threads,
+each in a closed loop (the next call as soon as the last returned), through a matching channel.
+Both agents attach to a detector in this process. Four cases:
 
 * ``plain``: the plain channel to the plain server;
-* ``intercepted``: the intercepted channel to the intercepted server, the detector taking no snapshot;
+* ``no-op interceptors``: a channel and a server with interceptors that only pass each call on:
+  what gRPC's interceptor machinery costs before the agent does anything (a floor);
+* ``intercepted``: the agent's interceptors on both sides, the detector taking no snapshot;
 * ``intercepted+snapshots``: the same while the detector's own scheduler takes a snapshot every
   0.1 s (10 a second, at most 2 at once: what ``stablewatch detector --interval 0.1`` does).
 
 Each case runs ``--warmup`` seconds, then is measured for ``--seconds``: the latency of every call
 that started in that window (its p50 and p99, in µs) and the calls completed per second. The cases
 run in interleaved rounds (``--rounds``), in an order that rotates from round to round, all in the
-same two processes (the plain server idles while the intercepted one is measured and the other
-way round), so the machine's noise and drift hit every case alike. Ratios are computed within each
-round and summarized by their median and spread (lowest and highest round).
+same two processes (the other servers idle while one is measured), so the machine's noise and
+drift hit every case alike. Ratios are computed within each round and summarized by their median
+and spread (lowest and highest round).
 
-The last line is one JSON object: ``plain_p50_us``, ``intercepted_p50_us``,
+The last line is one JSON object: ``plain_p50_us``, ``noop_p50_us``, ``intercepted_p50_us``,
 ``with_snapshots_p50_us`` (medians over rounds) and their ``*_spread``; ``overhead_p50``
-(intercepted p50 / plain p50 - 1) and ``overhead_p50_with_snapshots``; ``throughput_ratio``
-(intercepted calls/s over plain) and ``throughput_ratio_with_snapshots``, each with its spread;
-the p99s and calls/s of every case; ``snapshots_per_s`` (what the detector achieved while
-measured) and ``snapshots_completed``; and the ``targets``: p50 overhead <= 5 %, throughput >= 0.95
-x plain, with and without snapshots.
+(intercepted p50 / plain p50 - 1), ``overhead_p50_with_snapshots`` and ``noop_overhead_p50`` (the
+floor); ``throughput_ratio`` (intercepted calls/s over plain) and
+``throughput_ratio_with_snapshots``, each with its spread; the p99s and calls/s of every case;
+``snapshots_per_s`` (what the detector achieved while measured) and ``snapshots_completed``; and
+the ``targets``: p50 overhead <= 5 %, throughput >= 0.95 x plain, with and without snapshots.
 
     python bench/rpc_overhead.py [--seconds 5] [--warmup 1] [--rounds 5] [--concurrency 4]
 
-A full run takes about 3 x (warm-up + seconds) x rounds + 5 seconds: about 95 s by default.
+A full run takes about 4 x (warm-up + seconds) x rounds + 5 seconds: about 2 minutes by default.
 """
 
 from __future__ import annotations
@@ -55,7 +57,27 @@ from stablewatch.v1 import control_pb2_grpc
 
 ECHO = "/bench.Echo/Call"
 PAYLOAD = b"x" * 64
-CASES = ("plain", "intercepted", "intercepted+snapshots")
+CASES = ("plain", "no-op interceptors", "intercepted", "intercepted+snapshots")
+CHANNEL = {
+    "plain": "plain",
+    "no-op interceptors": "noop",
+    "intercepted": "intercepted",
+    "intercepted+snapshots": "intercepted",
+}
+
+
+class NoopServerInterceptor(grpc.ServerInterceptor):
+    """Passes every call through: what gRPC's interceptor machinery alone costs."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        return continuation(handler_call_details)
+
+
+class NoopClientInterceptor(grpc.UnaryUnaryClientInterceptor):
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(client_call_details, request)
+
+
 SNAPSHOTS_PER_S = 10.0
 
 
@@ -81,7 +103,12 @@ def serve(args: argparse.Namespace) -> None:
     """The plain and the intercepted server, until stdin closes."""
     agent = start_agent("server", args.detector)
     servers = {}
-    for kind, interceptors in (("plain", []), ("intercepted", [agent.server_interceptor(workers=args.workers)])):
+    kinds = (
+        ("plain", []),
+        ("noop", [NoopServerInterceptor()]),
+        ("intercepted", [agent.server_interceptor(workers=args.workers)]),
+    )
+    for kind, interceptors in kinds:
         pool = futures.ThreadPoolExecutor(args.workers, thread_name_prefix=f"{kind}-worker")
         server = grpc.server(pool, interceptors=interceptors)
         server.add_generic_rpc_handlers([echo_handler()])
@@ -101,6 +128,7 @@ def call(args: argparse.Namespace) -> None:
     addresses = json.loads(args.peer)
     channels = {
         "plain": grpc.insecure_channel(addresses["plain"]),
+        "noop": grpc.intercept_channel(grpc.insecure_channel(addresses["noop"]), NoopClientInterceptor()),
         "intercepted": grpc.intercept_channel(
             grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor("server")
         ),
@@ -229,8 +257,7 @@ async def run_phase(client: Child, case: str, args: argparse.Namespace, coordina
     completed: list[float] = []
     snapshots = asyncio.ensure_future(take_snapshots(coordinator, completed)) if case.endswith("snapshots") else None
     try:
-        channel = "plain" if case == "plain" else "intercepted"
-        client.write(channel=channel, warmup=args.warmup, seconds=args.seconds)
+        client.write(channel=CHANNEL[case], warmup=args.warmup, seconds=args.seconds)
         result = await client.read(timeout=args.warmup + args.seconds + 120)
     finally:
         if snapshots is not None:
@@ -297,7 +324,13 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
     snapshots = sum(r["intercepted+snapshots"].snapshots for r in rounds)
     snapshot_seconds = sum(r["intercepted+snapshots"].seconds for r in rounds)
     median = statistics.median
-    keys = {"plain": "plain", "intercepted": "intercepted", "intercepted+snapshots": "with_snapshots"}
+    floor = per_round(lambda r: r["no-op interceptors"].p50_us / r["plain"].p50_us - 1)
+    keys = {
+        "plain": "plain",
+        "no-op interceptors": "noop",
+        "intercepted": "intercepted",
+        "intercepted+snapshots": "with_snapshots",
+    }
     result: dict[str, object] = {"seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds}
     result["concurrency"] = args.concurrency
     result["workers"] = args.workers
@@ -308,6 +341,8 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
         result[f"{key}_calls_per_s"] = round(median(rate[case]))
         result[f"{key}_calls_per_s_spread"] = spread(rate[case], 0)
     result |= {
+        "noop_overhead_p50": round(median(floor), 4),
+        "noop_overhead_p50_spread": spread(floor),
         "overhead_p50": round(median(overhead), 4),
         "overhead_p50_spread": spread(overhead),
         "overhead_p50_with_snapshots": round(median(overhead_snap), 4),
@@ -348,6 +383,7 @@ def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result
         values = [r[case].per_s for r in rounds]
         table.add_row(f"{case} calls/s", f"{statistics.median(values):,.0f}", *(f"{v:,.0f}" for v in values), "")
     for label, case, target in (
+        ("p50 overhead, no-op interceptors", "no-op interceptors", ""),
         ("p50 overhead", "intercepted", "<= 0.05"),
         ("p50 overhead, snapshots", "intercepted+snapshots", "<= 0.05"),
     ):
