@@ -71,6 +71,7 @@ __all__ = [
     "CONFIRM",
     "PLACE",
     "RESERVE",
+    "ROLES",
     "SERVICES",
     "STATUS",
     "WORKLOADS",
