@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -66,6 +67,19 @@ _log = logging.getLogger(__name__)
 #: The metadata key carrying a request's call sequence number (the call's name is
 #: ``"{method}#{caller}:{seq}"``); the stamp itself travels under :data:`STAMP_KEY`.
 CALL_KEY = "stablewatch-call"
+#: A request as a channel state holds it, built only if the core records it (see ``MessageSource``).
+_REQUEST = functools.partial(RecordedMessage, no_wake=True)
+#: Stamps seen and sent repeat from call to call (they change with a color or a session): their
+#: texts and metadata entries are cached, bounded. A bad stamp raises and is never cached.
+_decode = functools.lru_cache(maxsize=256)(Stamp.decode)
+
+
+@functools.lru_cache(maxsize=256)
+def stamp_entry(stamp: Stamp) -> tuple[str, str]:
+    """The metadata entry that carries ``stamp``."""
+    return (STAMP_KEY, stamp.encode())
+
+
 #: Ends of a call without our server's stamp that leave open whether the request or the response
 #: arrived: the pair's counts restart (``reset_peer``).
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
@@ -315,7 +329,7 @@ class RpcAgent:
             stamp = self._core.send(peer)
             self._outgoing[seq] = call
         if instrumented:
-            call.metadata = ((STAMP_KEY, stamp.encode()), (CALL_KEY, str(seq)))
+            call.metadata = (stamp_entry(stamp), (CALL_KEY, str(seq)))
             self.metrics.stamped("request")
         return call
 
@@ -329,7 +343,7 @@ class RpcAgent:
         stamp = error = None
         if stamp_text is not None and call.instrumented:
             try:
-                stamp = Stamp.decode(stamp_text)
+                stamp = _decode(stamp_text)
                 if stamp.process_id != call.peer:
                     raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
             except RemoteProtocolError as exc:
@@ -340,7 +354,7 @@ class RpcAgent:
             call.settled = True
             try:
                 if stamp is not None:
-                    message = RecordedMessage(wakes_task=call.caller_task)
+                    message = functools.partial(RecordedMessage, wakes_task=call.caller_task)
                     try:
                         self._carry_out(self._core.receive(stamp, message, now=time.monotonic(), wall=time.time()))
                     except RemoteProtocolError as exc:
@@ -379,17 +393,16 @@ class RpcAgent:
                     pool.arrive(call.name)
             return call
         try:
-            stamp = Stamp.decode(stamp_text)
+            stamp = _decode(stamp_text)
             seq_text = seq.decode() if isinstance(seq, bytes) else seq
             if seq_text is None or not seq_text.isdigit():
                 raise RemoteProtocolError(f"metadata {CALL_KEY!r} must hold the call's sequence number")
         except RemoteProtocolError as exc:
             return self._refuse(method, str(exc), pool)
         call = IncomingCall(f"{method}#{stamp.process_id}:{seq_text}", stamp.process_id, True, pool=pool)
-        message = RecordedMessage(no_wake=True)
         with self._lock:
             try:
-                actions = self._core.receive(stamp, message, now=time.monotonic(), wall=time.time())
+                actions = self._core.receive(stamp, _REQUEST, now=time.monotonic(), wall=time.time())
             except RemoteProtocolError as exc:
                 error = str(exc)
             else:
@@ -412,9 +425,11 @@ class RpcAgent:
 
     def handler_started(self, call: IncomingCall) -> None:
         """The call's handler runs now (a queued call has its worker)."""
-        if call.pool is not None:
+        pool = call.pool
+        # Once out of the queue a call never goes back: only a queued one needs the lock.
+        if pool is not None and call.name in pool.queued:
             with self._lock:
-                call.pool.start(call.name)
+                pool.start(call.name)
 
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None:
         """The handler ended: count the response (when the call is still ``active``) and free the worker.
