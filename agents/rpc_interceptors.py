@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
-from stablewatch.agents.rpc_agent import BadStamp, IncomingCall, OutgoingCall, WorkerPool
+from stablewatch.agents.rpc_agent import BadStamp, IncomingCall, OutgoingCall, WorkerPool, stamp_entry
 from stablewatch.agents.rpc_core import STAMP_KEY
 
 if TYPE_CHECKING:
@@ -56,10 +56,9 @@ def current_task_name() -> str:
     name = CURRENT_TASK.get()
     if name:
         return name
-    try:
-        task = asyncio.current_task()
-    except RuntimeError:
-        task = None
+    if asyncio._get_running_loop() is None:  # a thread without a loop: no exception to raise and catch
+        return threading.current_thread().name
+    task = asyncio.current_task()
     return task.get_name() if task is not None else threading.current_thread().name
 
 
@@ -79,9 +78,10 @@ def _method(details: Any) -> str:
 
 
 def _end_sync(agent: RpcAgent, call: IncomingCall, context: grpc.ServicerContext) -> None:
-    stamp = agent.respond(call, context.peer(), context.is_active())
+    stamp = agent.respond(call, "" if call.instrumented else context.peer(), context.is_active())
     if stamp is not None:
-        context.set_trailing_metadata((*(context.trailing_metadata() or ()), (STAMP_KEY, stamp.encode())))
+        trailing = context.trailing_metadata()
+        context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
 
 
 def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
@@ -169,9 +169,11 @@ class _StampingContext:
 
 
 def _end_aio(agent: RpcAgent, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
-    stamp = agent.respond(call, context.peer(), not context.done() and not context.cancelled())
+    active = not context.done() and not context.cancelled()
+    stamp = agent.respond(call, "" if call.instrumented else context.peer(), active)
     if stamp is not None:
-        context.set_trailing_metadata((*(context.trailing_metadata() or ()), (STAMP_KEY, stamp.encode())))
+        trailing = context.trailing_metadata()
+        context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
 
 
 async def _call_behavior(behavior: Callable[..., Any], request: Any, context: Any) -> Any:
@@ -252,7 +254,7 @@ class _CallDetails(_Details, grpc.ClientCallDetails):
 def _details_with(details: Any, call: OutgoingCall) -> Any:
     if not call.metadata:
         return details
-    metadata = (*(details.metadata or ()), *call.metadata)
+    metadata = (*details.metadata, *call.metadata) if details.metadata else call.metadata
     wait_for_ready = getattr(details, "wait_for_ready", None)
     if isinstance(details, grpc.aio.ClientCallDetails):
         return grpc.aio.ClientCallDetails(
@@ -355,6 +357,19 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         return self._outcome.details()
 
 
+class _BadStampOutcome(_UnaryOutcome):
+    """A call that ended with a bad stamp in its response, already taken in: its result is the error."""
+
+    def __init__(self, outcome: Any, error: BadStamp) -> None:
+        self._outcome, self._error = outcome, error
+
+    def result(self, timeout: float | None = None) -> Any:
+        raise self._error
+
+    def exception(self, timeout: float | None = None) -> Any:
+        return self._error
+
+
 class _StreamOutcome(_UnaryOutcome):
     """A sync response stream: the iterator stops (or raises) only after the call's end was taken in."""
 
@@ -387,6 +402,14 @@ class ClientInterceptor(
         except BaseException:
             self._agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
             raise
+        if kind is _UnaryOutcome and outcome.done():
+            # A blocking call (``__call__``, ``with_call``): the continuation returned its end. Take it
+            # in now, before the caller sees it; nothing is left to wait for, so nothing to wrap.
+            try:
+                self._agent.call_returned(call, _stamp_of(outcome.trailing_metadata()), outcome.code())
+            except BadStamp as error:
+                return _BadStampOutcome(outcome, error)
+            return outcome
         return kind(self._agent, call, outcome)
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
