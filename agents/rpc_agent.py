@@ -80,6 +80,8 @@ def stamp_entry(stamp: Stamp) -> tuple[str, str]:
     return (STAMP_KEY, stamp.encode())
 
 
+_OK = grpc.StatusCode.OK
+
 #: Ends of a call without our server's stamp that leave open whether the request or the response
 #: arrived: the pair's counts restart (``reset_peer``).
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
@@ -356,16 +358,19 @@ class RpcAgent:
                 if stamp is not None:
                     message = functools.partial(RecordedMessage, wakes_task=call.caller_task)
                     try:
-                        self._carry_out(self._core.receive(stamp, message, now=time.monotonic(), wall=time.time()))
+                        actions = self._core.receive(stamp, message, now=time.monotonic(), wall=time.time())
                     except RemoteProtocolError as exc:
                         error = str(exc)
+                    else:
+                        if actions:
+                            self._carry_out(actions)
                 if error is not None:
                     reason = (
                         f"call {call.method} to {call.peer} returned a bad stamp ({error}): channel counts restarted"
                     )
                     self._carry_out(self._core.reset_peer(call.peer, reason))
                     self.metrics.peer_reset()
-                elif stamp is None and call.instrumented and code not in (None, grpc.StatusCode.OK):
+                elif stamp is None and call.instrumented and code not in (None, _OK):
                     reason = f"call {call.method} to {call.peer} " + _UNKNOWN_OUTCOME.format(code=code.name)
                     self._carry_out(self._core.reset_peer(call.peer, reason))
                     self.metrics.peer_reset()
@@ -374,7 +379,7 @@ class RpcAgent:
         if error is not None:
             self.metrics.bad_stamp("client")
             raise BadStamp(f"stablewatch: the response of {call.method} from {call.peer} has a bad stamp: {error}")
-        if stamp is None and (code in (None, grpc.StatusCode.OK) or not call.instrumented):
+        if stamp is None and (code in (None, _OK) or not call.instrumented):
             self.metrics.uninstrumented("outbound")
 
     def arrive(self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None) -> IncomingCall:
@@ -407,7 +412,8 @@ class RpcAgent:
                 error = str(exc)
             else:
                 error = None
-                self._carry_out(actions)
+                if actions:
+                    self._carry_out(actions)
                 if pool is not None:
                     pool.arrive(call.name)
         if error is not None:

@@ -115,15 +115,22 @@ def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any], call: Incomin
     return run
 
 
-def _wrap(handler: grpc.RpcMethodHandler, wrap_unary: Callable[..., Any], wrap_streaming: Callable[..., Any]) -> Any:
-    options = {"request_deserializer": handler.request_deserializer, "response_serializer": handler.response_serializer}
+def _wrap(
+    handler: grpc.RpcMethodHandler,
+    agent: RpcAgent,
+    call: IncomingCall,
+    wrap_unary: Callable[[RpcAgent, Callable[..., Any], IncomingCall], Any],
+    wrap_streaming: Callable[[RpcAgent, Callable[..., Any], IncomingCall], Any],
+) -> Any:
+    """``handler`` with its behavior wrapped for ``call`` (``wrap_unary`` for a unary response)."""
+    options = (handler.request_deserializer, handler.response_serializer)
+    if not handler.request_streaming and not handler.response_streaming:  # the common case first
+        return grpc.unary_unary_rpc_method_handler(wrap_unary(agent, handler.unary_unary, call), *options)
     if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(wrap_streaming(handler.stream_stream), **options)
+        return grpc.stream_stream_rpc_method_handler(wrap_streaming(agent, handler.stream_stream, call), *options)
     if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary(handler.stream_unary), **options)
-    if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(wrap_streaming(handler.unary_stream), **options)
-    return grpc.unary_unary_rpc_method_handler(wrap_unary(handler.unary_unary), **options)
+        return grpc.stream_unary_rpc_method_handler(wrap_unary(agent, handler.stream_unary, call), *options)
+    return grpc.unary_stream_rpc_method_handler(wrap_streaming(agent, handler.unary_stream, call), *options)
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
@@ -146,11 +153,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
             return None
         agent = self._agent
         call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, self._pool)
-        return _wrap(
-            handler,
-            lambda behavior: _unary_sync(agent, behavior, call),
-            lambda behavior: _streaming_sync(agent, behavior, call),
-        )
+        return _wrap(handler, agent, call, _unary_sync, _streaming_sync)
 
 
 class _StampingContext:
@@ -228,11 +231,7 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
             return None
         agent = self._agent
         call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
-        return _wrap(
-            handler,
-            lambda behavior: _unary_aio(agent, behavior, call),
-            lambda behavior: _streaming_aio(agent, behavior, call),
-        )
+        return _wrap(handler, agent, call, _unary_aio, _streaming_aio)
 
 
 # -- client side ----------------------------------------------------------------------------------
@@ -405,8 +404,10 @@ class ClientInterceptor(
         if kind is _UnaryOutcome and outcome.done():
             # A blocking call (``__call__``, ``with_call``): the continuation returned its end. Take it
             # in now, before the caller sees it; nothing is left to wait for, so nothing to wrap.
+            stamp_text = _stamp_of(outcome.trailing_metadata())
+            code = None if stamp_text is not None else outcome.code()  # it matters only without a stamp
             try:
-                self._agent.call_returned(call, _stamp_of(outcome.trailing_metadata()), outcome.code())
+                self._agent.call_returned(call, stamp_text, code)
             except BadStamp as error:
                 return _BadStampOutcome(outcome, error)
             return outcome
