@@ -29,6 +29,13 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   not of the channel, so that a snapshot completes even when the request never runs (a deadlock). A
   response is received when the interceptor hands it to the caller. A recording the message needs
   always happens first.
+* **Stale messages.** A request or response stamped with a session or incarnation older than this
+  process's view of its sender (sent before the pair's counts restarted, and overtaken by a message
+  sent after) is not delivered. A stale request is refused with ``ABORTED`` and its handler does not
+  run (safe to retry); the refusal carries this process's stamp, so the caller takes it in like any
+  response. A stale response fails its call with :class:`StaleResponse` (``ABORTED``; the server ran
+  the call) and restarts no count: the loss is known. Both are counted
+  (``stablewatch_agent_rpc_stale_messages_total{side}``).
 * A callee task the callee does not report (its request still in flight, its handler already done)
   is a free node: never a false deadlock. A recorded response wakes only its caller's task
   (``wakes_task``); a recorded request wakes nothing (``no_wake``).
@@ -52,14 +59,14 @@ import prometheus_client
 from stablewatch import __version__
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
-from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, Stamp
+from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, StaleStamp, Stamp
 from stablewatch.agents.rpc_metrics import RpcAgentMetrics
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalSnapshotPart, LocalState, RecordedMessage, Wait
 from stablewatch.v1.control_pb2 import ChannelTarget
 
-__all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RpcAgent"]
+__all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RefusedResponse", "RpcAgent", "StaleResponse"]
 
 _log = logging.getLogger(__name__)
 
@@ -71,15 +78,29 @@ CALL_KEY = "stablewatch-call"
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
 
 
-class BadStamp(grpc.RpcError):
-    """A server's stamp was malformed or impossible: the call fails client side (status INTERNAL),
-    nothing is recorded, and the pair's counts restart."""
+class RefusedResponse(grpc.RpcError):
+    """A response the agent does not hand to its caller: the call fails client side with :meth:`code`."""
+
+    status = grpc.StatusCode.INTERNAL
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
+        return self.status
 
     def details(self) -> str:
         return str(self)
+
+
+class BadStamp(RefusedResponse):
+    """A server's stamp was malformed or impossible: the call fails client side (status INTERNAL),
+    nothing is recorded, and the pair's counts restart."""
+
+
+class StaleResponse(RefusedResponse):
+    """A response sent before the counts between the two processes restarted (a stale stamp): the
+    server ran the call, but its response is not delivered. The call fails client side (status
+    ABORTED); nothing changes, and the pair's counts do not restart again (the loss is known)."""
+
+    status = grpc.StatusCode.ABORTED
 
 
 @dataclass(slots=True)
@@ -102,7 +123,8 @@ class IncomingCall:
     name: str  # the handler's task: "{method}#{caller}:{seq}"
     peer: str | None  # the caller's process id; None until known (an uninstrumented caller)
     instrumented: bool
-    error: str | None = None  # a bad stamp: the handler refuses the call
+    error: str | None = None  # a bad or stale stamp: the handler refuses the call with `status`
+    status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     pool: WorkerPool | None = None
     done: bool = False
 
@@ -324,9 +346,10 @@ class RpcAgent:
 
         Takes the response in (recording first if its color asks for it) and ends the wait, in one
         critical section; an error without our server's stamp restarts the pair's counts. Raises
-        :class:`BadStamp` when the server's stamp is bad or names another process. Runs once per call.
+        :class:`BadStamp` when the server's stamp is bad or names another process, and
+        :class:`StaleResponse` when it is stale (nothing taken in, no restart). Runs once per call.
         """
-        stamp = error = None
+        stamp = error = stale = None
         if stamp_text is not None and call.instrumented:
             try:
                 stamp = Stamp.decode(stamp_text)
@@ -345,6 +368,8 @@ class RpcAgent:
                         self._carry_out(self._core.receive(stamp, message, now=time.monotonic(), wall=time.time()))
                     except RemoteProtocolError as exc:
                         error = str(exc)
+                    except StaleStamp as exc:
+                        stale = str(exc)
                 if error is not None:
                     reason = (
                         f"call {call.method} to {call.peer} returned a bad stamp ({error}): channel counts restarted"
@@ -360,6 +385,12 @@ class RpcAgent:
         if error is not None:
             self.metrics.bad_stamp("client")
             raise BadStamp(f"stablewatch: the response of {call.method} from {call.peer} has a bad stamp: {error}")
+        if stale is not None:
+            self.metrics.stale("client")
+            raise StaleResponse(
+                f"stablewatch: {call.peer} ran {call.method}, but its response was sent before the counts between "
+                f"{call.peer} and {self.process_id} restarted, and is not delivered ({stale})"
+            )
         if stamp is None and (code in (None, grpc.StatusCode.OK) or not call.instrumented):
             self.metrics.uninstrumented("outbound")
 
@@ -392,6 +423,18 @@ class RpcAgent:
                 actions = self._core.receive(stamp, message, now=time.monotonic(), wall=time.time())
             except RemoteProtocolError as exc:
                 error = str(exc)
+            except StaleStamp as exc:
+                # Refused, but with our stamp (respond()): the caller takes the refusal in as a
+                # response, and its counts need no restart.
+                error = None
+                call.status = grpc.StatusCode.ABORTED
+                call.error = (
+                    f"stablewatch: the call of {method} was sent before the counts between {stamp.process_id} and "
+                    f"{self.process_id} restarted, and is not delivered ({exc}); it did not run: safe to retry"
+                )
+                self.metrics.stale("server")
+                if pool is not None:
+                    pool.arrive(call.name)
             else:
                 error = None
                 self._carry_out(actions)
@@ -419,9 +462,9 @@ class RpcAgent:
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None:
         """The handler ended: count the response (when the call is still ``active``) and free the worker.
 
-        Returns the stamp to put in the trailing metadata, or None (refused, uninstrumented or
-        cancelled calls). A caller without an agent is counted as ``grpc://<host>`` so that the part
-        names it as a peer outside the cut.
+        Returns the stamp to put in the trailing metadata, or None (calls refused for a bad stamp,
+        uninstrumented or cancelled calls; a call refused as stale gets one). A caller without an
+        agent is counted as ``grpc://<host>`` so that the part names it as a peer outside the cut.
         """
         with self._lock:
             if call.done:
@@ -429,8 +472,8 @@ class RpcAgent:
             call.done = True
             if call.pool is not None:
                 call.pool.end(call.name)
-            if call.error is not None or not active:
-                return None
+            if not active or (call.error is not None and not call.instrumented):
+                return None  # a refusal for a bad stamp is counted nowhere; one for a stale stamp is a response
             if not call.instrumented:
                 self._core.send(_outside_peer(peer_address))
                 return None

@@ -12,13 +12,17 @@ What travels (gRPC has metadata per call, not per message):
   not counted: they are data of the call, never part of a channel state.
 * Server side, the request is taken in (counted, recording first if its color asks) when the
   interceptor sees the call arrive, before the handler can run; a bad stamp makes the handler abort the
-  call with ``INVALID_ARGUMENT`` without running the service's code. The handler runs with
-  :data:`CURRENT_TASK` set to the call's name, so the calls it makes wait in its name.
+  call with ``INVALID_ARGUMENT`` without running the service's code. A stale stamp (the request was sent
+  before the counts between the two processes restarted) makes it abort with ``ABORTED`` the same way,
+  but the refusal carries the server's stamp: it is a response like any other, and the caller may retry.
+  The handler runs with :data:`CURRENT_TASK` set to the call's name, so the calls it makes wait in its
+  name.
 * Client side, the end of the call is taken in before the caller sees it: the unary response (or the
   error) before ``result()``/``await`` returns it, the end of a response stream before the iterator
   stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc_agent.BadStamp` (an
-  ``RpcError``); an error without our server's stamp restarts the pair's counts (the request or the
-  response may or may not have arrived).
+  ``RpcError``, ``INTERNAL``), a stale one :class:`~stablewatch.agents.rpc_agent.StaleResponse`
+  (``ABORTED``: the server ran the call, its response is not delivered); an error without our server's
+  stamp restarts the pair's counts (the request or the response may or may not have arrived).
 
 Limits: a streaming call's wait lasts the whole call; grpc.aio runs client interceptors in a task of its
 own, so an aio call made outside a handler waits in the name of that task (one per call), not the
@@ -39,7 +43,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
-from stablewatch.agents.rpc_agent import BadStamp, IncomingCall, OutgoingCall, WorkerPool
+from stablewatch.agents.rpc_agent import IncomingCall, OutgoingCall, RefusedResponse, WorkerPool
 from stablewatch.agents.rpc_core import STAMP_KEY
 
 if TYPE_CHECKING:
@@ -90,7 +94,7 @@ def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCal
         token = CURRENT_TASK.set(call.name)
         try:
             if call.error is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                context.abort(call.status, call.error)
             return behavior(request, context)
         finally:
             CURRENT_TASK.reset(token)
@@ -105,7 +109,7 @@ def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any], call: Incomin
         token = CURRENT_TASK.set(call.name)
         try:
             if call.error is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                context.abort(call.status, call.error)
             yield from behavior(request, context)
         finally:
             with contextlib.suppress(ValueError):  # closed from another context
@@ -186,7 +190,7 @@ def _unary_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall
         CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
         try:
             if call.error is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                await _StampingContext(agent, call, context).abort(call.status, call.error)
             return await _call_behavior(behavior, request, _StampingContext(agent, call, context))
         finally:
             _end_aio(agent, call, context)
@@ -202,7 +206,7 @@ def _streaming_aio(agent: RpcAgent, behavior: Callable[..., Any], call: Incoming
             CURRENT_TASK.set(call.name)
             try:
                 if call.error is not None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                    await _StampingContext(agent, call, context).abort(call.status, call.error)
                 async for response in behavior(request, _StampingContext(agent, call, context)):
                     yield response
             finally:
@@ -269,7 +273,7 @@ class _Settled:
     def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
         self._agent, self._call, self._outcome = agent, call, outcome
         self._lock = threading.Lock()
-        self._error: BadStamp | None = None
+        self._error: RefusedResponse | None = None
         self._done = False
         outcome.add_done_callback(lambda _: self.settle(quiet=True))
 
@@ -280,7 +284,7 @@ class _Settled:
                 outcome = self._outcome
                 try:
                     self._agent.call_returned(self._call, _stamp_of(outcome.trailing_metadata()), outcome.code())
-                except BadStamp as error:
+                except RefusedResponse as error:
                     self._error = error
         if self._error is not None and not quiet:
             raise self._error
@@ -311,8 +315,8 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         error = self._outcome.exception(timeout)
         try:
             self._settled.settle()
-        except BadStamp as bad:
-            return bad
+        except RefusedResponse as refused:
+            return refused
         return error
 
     def traceback(self, timeout: float | None = None) -> Any:
