@@ -21,6 +21,11 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   is made from (the same name, set by the server interceptor), else the thread's name (sync) or the
   asyncio task's name (aio). The edge appears in the critical section that counts the request and
   goes in the one that takes in the response (or ends the call).
+* **Response streams.** A call with a response stream (unary-stream, stream-stream) makes no wait
+  edge. gRPC carries metadata per call, not per message, so the messages inside a stream are neither
+  counted nor recorded: one in flight could wake a caller that the cut shows waiting, and a deadlock
+  would be reported that is not there. A call with a request stream and a unary response keeps its
+  wait: the server's handler reading the request stream waits on nothing (a free node).
 * **Queued request.** With ``server_interceptor(workers=N)``, a request that arrives while all N
   workers are taken is queued: its task waits (OR) on every handler task running then. It turns into
   a running handler when a worker frees up (the pool is first in, first out).
@@ -112,6 +117,7 @@ class OutgoingCall:
     method: str
     caller_task: str
     instrumented: bool  # False: the channel leads to a service without an agent; nothing is stamped
+    waits: bool = True  # False for a response stream: its caller is not reported waiting on the callee
     metadata: tuple[tuple[str, str], ...] = ()  # what the request carries
     settled: bool = False  # its response (or end) was taken in
 
@@ -329,10 +335,15 @@ class RpcAgent:
 
     # -- events from the interceptors (each in one critical section) ------------------------------
 
-    def call_out(self, peer: str, method: str, caller_task: str, instrumented: bool) -> OutgoingCall:
-        """A request is handed to gRPC now: count it, and make its caller wait on the callee's task."""
+    def call_out(
+        self, peer: str, method: str, caller_task: str, instrumented: bool, waits: bool = True
+    ) -> OutgoingCall:
+        """A request is handed to gRPC now: count it, and (``waits``) make its caller wait on the callee's task.
+
+        ``waits`` is False for a call with a response stream (see "Response streams" in the module docstring).
+        """
         seq = next(self._seqs)
-        call = OutgoingCall(seq, peer, method, caller_task, instrumented)
+        call = OutgoingCall(seq, peer, method, caller_task, instrumented, waits)
         with self._lock:
             stamp = self._core.send(peer)
             self._outgoing[seq] = call
@@ -503,6 +514,8 @@ class RpcAgent:
         state = self.state.snapshot()
         waits: dict[str, list[dict[str, str]]] = {}
         for call in self._outgoing.values():
+            if not call.waits:
+                continue
             waits.setdefault(call.caller_task, []).append({"process": call.peer, "task": self.callee_task(call)})
         for task, targets in waits.items():
             state.waits.add(task=task, targets=targets, model=WAIT_MODEL_AND)

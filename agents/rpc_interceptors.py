@@ -24,7 +24,11 @@ What travels (gRPC has metadata per call, not per message):
   (``ABORTED``: the server ran the call, its response is not delivered); an error without our server's
   stamp restarts the pair's counts (the request or the response may or may not have arrived).
 
-Limits: a streaming call's wait lasts the whole call; grpc.aio runs client interceptors in a task of its
+Wait edges: a call with a response stream (unary-stream, stream-stream) makes none (its messages carry no
+stamp, so a message in flight inside it could wake a caller the cut shows waiting); a stream-unary call
+waits like a unary one, for the whole call.
+
+Limits: grpc.aio runs client interceptors in a task of its
 own, so an aio call made outside a handler waits in the name of that task (one per call), not the
 caller's; with the asyncio client interceptors a unary call
 returns its response (the call object's metadata accessors see none) and a request stream must be given
@@ -293,6 +297,8 @@ class _Settled:
 class _UnaryOutcome(grpc.Call, grpc.Future):
     """A sync unary call's result, handed over only after its end was taken in."""
 
+    caller_waits = True  # the caller is reported waiting on the callee while the call is out
+
     def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
         self._outcome = outcome
         self._settled = _Settled(agent, call, outcome)
@@ -362,6 +368,8 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
 class _StreamOutcome(_UnaryOutcome):
     """A sync response stream: the iterator stops (or raises) only after the call's end was taken in."""
 
+    caller_waits = False  # its messages are not counted: a wait on it could be a false deadlock
+
     def __iter__(self) -> _StreamOutcome:
         return self
 
@@ -385,13 +393,14 @@ class ClientInterceptor(
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
 
     def _invoke(self, continuation: Callable[..., Any], details: Any, request: Any, kind: type[_UnaryOutcome]) -> Any:
-        call = self._agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        agent = self._agent
+        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, kind.caller_waits)
         try:
             outcome = continuation(_details_with(details, call), request)
         except BaseException:
-            self._agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
+            agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
             raise
-        return kind(self._agent, call, outcome)
+        return kind(agent, call, outcome)
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
         return self._invoke(continuation, client_call_details, request, _UnaryOutcome)
@@ -431,7 +440,7 @@ class _AioClient:
 
     async def _streaming(self, continuation: Callable[..., Any], details: Any, request: Any) -> AsyncIterator[Any]:
         agent = self._agent
-        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, False)
         try:
             grpc_call = await continuation(_details_with(details, call), request)
         except BaseException:
