@@ -42,7 +42,7 @@ import contextlib
 import contextvars
 import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
@@ -470,11 +470,56 @@ class _AioUnaryUnary(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):
         return await self._unary(continuation, client_call_details, request)
 
 
+class _TakenIn:
+    """A unary response already taken in, as grpc.aio needs a stream-unary interceptor to return it: a
+    finished call (grpc.aio wraps a unary-unary interceptor's response this way itself, not this one)."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+
+    def __await__(self) -> Generator[None, None, Any]:
+        yield from ()
+        return self._response
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        callback(self)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def initial_metadata(self) -> None:
+        return None
+
+    async def trailing_metadata(self) -> None:
+        return None
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.OK
+
+    async def details(self) -> str:
+        return ""
+
+    async def debug_error_string(self) -> None:
+        return None
+
+    async def wait_for_connection(self) -> None:
+        return None
+
+
 class _AioStreamUnary(_AioClient, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
-        return await self._unary(continuation, client_call_details, request_iterator)
+        return _TakenIn(await self._unary(continuation, client_call_details, request_iterator))
 
 
 class _AioUnaryStream(_AioClient, grpc.aio.UnaryStreamClientInterceptor):
