@@ -208,13 +208,22 @@ def _streaming_aio(agent: RpcAgent, behavior: Callable[..., Any], call: Incoming
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             agent.handler_started(call)
             CURRENT_TASK.set(call.name)
+            closed = False
             try:
                 if call.error is not None:
                     await _StampingContext(agent, call, context).abort(call.status, call.error)
                 async for response in behavior(request, _StampingContext(agent, call, context)):
                     yield response
+            except GeneratorExit:
+                # Closed before its end: the call was cancelled, or the generator is finalized after
+                # the server stopped, when touching the context crashes grpc. No response goes out.
+                closed = True
+                raise
             finally:
-                _end_aio(agent, call, context)
+                if closed:
+                    agent.respond(call, "", False)
+                else:
+                    _end_aio(agent, call, context)
 
         return generate
     return _unary_aio(agent, behavior, call)  # a handler that writes with context.write()
