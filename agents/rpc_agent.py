@@ -21,6 +21,11 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   is made from (the same name, set by the server interceptor), else the thread's name (sync) or the
   asyncio task's name (aio). The edge appears in the critical section that counts the request and
   goes in the one that takes in the response (or ends the call).
+* **Response streams.** A call with a response stream (unary-stream, stream-stream) makes no wait
+  edge. gRPC carries metadata per call, not per message, so the messages inside a stream are neither
+  counted nor recorded: one in flight could wake a caller that the cut shows waiting, and a deadlock
+  would be reported that is not there. A call with a request stream and a unary response keeps its
+  wait: the server's handler reading the request stream waits on nothing (a free node).
 * **Queued request.** With ``server_interceptor(workers=N)``, a request that arrives while all N
   workers are taken is queued: its task waits (OR) on every handler task running then. It turns into
   a running handler when a worker frees up (the pool is first in, first out).
@@ -29,6 +34,13 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   not of the channel, so that a snapshot completes even when the request never runs (a deadlock). A
   response is received when the interceptor hands it to the caller. A recording the message needs
   always happens first.
+* **Stale messages.** A request or response stamped with a session or incarnation older than this
+  process's view of its sender (sent before the pair's counts restarted, and overtaken by a message
+  sent after) is not delivered. A stale request is refused with ``ABORTED`` and its handler does not
+  run (safe to retry); the refusal carries this process's stamp, so the caller takes it in like any
+  response. A stale response fails its call with :class:`StaleResponse` (``ABORTED``; the server ran
+  the call) and restarts no count: the loss is known. Both are counted
+  (``stablewatch_agent_rpc_stale_messages_total{side}``).
 * A callee task the callee does not report (its request still in flight, its handler already done)
   is a free node: never a false deadlock. A recorded response wakes only its caller's task
   (``wakes_task``); a recorded request wakes nothing (``no_wake``).
@@ -53,14 +65,14 @@ import prometheus_client
 from stablewatch import __version__
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
-from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, Stamp
+from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, StaleStamp, Stamp
 from stablewatch.agents.rpc_metrics import RpcAgentMetrics
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalSnapshotPart, LocalState, RecordedMessage, Wait
 from stablewatch.v1.control_pb2 import ChannelTarget
 
-__all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RpcAgent"]
+__all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RefusedResponse", "RpcAgent", "StaleResponse"]
 
 _log = logging.getLogger(__name__)
 
@@ -87,15 +99,29 @@ _OK = grpc.StatusCode.OK
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
 
 
-class BadStamp(grpc.RpcError):
-    """A server's stamp was malformed or impossible: the call fails client side (status INTERNAL),
-    nothing is recorded, and the pair's counts restart."""
+class RefusedResponse(grpc.RpcError):
+    """A response the agent does not hand to its caller: the call fails client side with :meth:`code`."""
+
+    status = grpc.StatusCode.INTERNAL
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.INTERNAL
+        return self.status
 
     def details(self) -> str:
         return str(self)
+
+
+class BadStamp(RefusedResponse):
+    """A server's stamp was malformed or impossible: the call fails client side (status INTERNAL),
+    nothing is recorded, and the pair's counts restart."""
+
+
+class StaleResponse(RefusedResponse):
+    """A response sent before the counts between the two processes restarted (a stale stamp): the
+    server ran the call, but its response is not delivered. The call fails client side (status
+    ABORTED); nothing changes, and the pair's counts do not restart again (the loss is known)."""
+
+    status = grpc.StatusCode.ABORTED
 
 
 @dataclass(slots=True)
@@ -107,6 +133,7 @@ class OutgoingCall:
     method: str
     caller_task: str
     instrumented: bool  # False: the channel leads to a service without an agent; nothing is stamped
+    waits: bool = True  # False for a response stream: its caller is not reported waiting on the callee
     metadata: tuple[tuple[str, str], ...] = ()  # what the request carries
     settled: bool = False  # its response (or end) was taken in
 
@@ -118,7 +145,8 @@ class IncomingCall:
     name: str  # the handler's task: "{method}#{caller}:{seq}"
     peer: str | None  # the caller's process id; None until known (an uninstrumented caller)
     instrumented: bool
-    error: str | None = None  # a bad stamp: the handler refuses the call
+    error: str | None = None  # a bad or stale stamp: the handler refuses the call with `status`
+    status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     pool: WorkerPool | None = None
     done: bool = False
 
@@ -323,10 +351,15 @@ class RpcAgent:
 
     # -- events from the interceptors (each in one critical section) ------------------------------
 
-    def call_out(self, peer: str, method: str, caller_task: str, instrumented: bool) -> OutgoingCall:
-        """A request is handed to gRPC now: count it, and make its caller wait on the callee's task."""
+    def call_out(
+        self, peer: str, method: str, caller_task: str, instrumented: bool, waits: bool = True
+    ) -> OutgoingCall:
+        """A request is handed to gRPC now: count it, and (``waits``) make its caller wait on the callee's task.
+
+        ``waits`` is False for a call with a response stream (see "Response streams" in the module docstring).
+        """
         seq = next(self._seqs)
-        call = OutgoingCall(seq, peer, method, caller_task, instrumented)
+        call = OutgoingCall(seq, peer, method, caller_task, instrumented, waits)
         with self._lock:
             stamp = self._core.send(peer)
             self._outgoing[seq] = call
@@ -340,9 +373,10 @@ class RpcAgent:
 
         Takes the response in (recording first if its color asks for it) and ends the wait, in one
         critical section; an error without our server's stamp restarts the pair's counts. Raises
-        :class:`BadStamp` when the server's stamp is bad or names another process. Runs once per call.
+        :class:`BadStamp` when the server's stamp is bad or names another process, and
+        :class:`StaleResponse` when it is stale (nothing taken in, no restart). Runs once per call.
         """
-        stamp = error = None
+        stamp = error = stale = None
         if stamp_text is not None and call.instrumented:
             try:
                 stamp = _decode(stamp_text)
@@ -361,6 +395,8 @@ class RpcAgent:
                         actions = self._core.receive(stamp, message, now=time.monotonic(), wall=time.time())
                     except RemoteProtocolError as exc:
                         error = str(exc)
+                    except StaleStamp as exc:
+                        stale = str(exc)
                     else:
                         if actions:
                             self._carry_out(actions)
@@ -379,6 +415,12 @@ class RpcAgent:
         if error is not None:
             self.metrics.bad_stamp("client")
             raise BadStamp(f"stablewatch: the response of {call.method} from {call.peer} has a bad stamp: {error}")
+        if stale is not None:
+            self.metrics.stale("client")
+            raise StaleResponse(
+                f"stablewatch: {call.peer} ran {call.method}, but its response was sent before the counts between "
+                f"{call.peer} and {self.process_id} restarted, and is not delivered ({stale})"
+            )
         if stamp is None and (code in (None, _OK) or not call.instrumented):
             self.metrics.uninstrumented("outbound")
 
@@ -410,6 +452,18 @@ class RpcAgent:
                 actions = self._core.receive(stamp, _REQUEST, now=time.monotonic(), wall=time.time())
             except RemoteProtocolError as exc:
                 error = str(exc)
+            except StaleStamp as exc:
+                # Refused, but with our stamp (respond()): the caller takes the refusal in as a
+                # response, and its counts need no restart.
+                error = None
+                call.status = grpc.StatusCode.ABORTED
+                call.error = (
+                    f"stablewatch: the call of {method} was sent before the counts between {stamp.process_id} and "
+                    f"{self.process_id} restarted, and is not delivered ({exc}); it did not run: safe to retry"
+                )
+                self.metrics.stale("server")
+                if pool is not None:
+                    pool.arrive(call.name)
             else:
                 error = None
                 if actions:
@@ -440,9 +494,9 @@ class RpcAgent:
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None:
         """The handler ended: count the response (when the call is still ``active``) and free the worker.
 
-        Returns the stamp to put in the trailing metadata, or None (refused, uninstrumented or
-        cancelled calls). A caller without an agent is counted as ``grpc://<host>`` so that the part
-        names it as a peer outside the cut.
+        Returns the stamp to put in the trailing metadata, or None (calls refused for a bad stamp,
+        uninstrumented or cancelled calls; a call refused as stale gets one). A caller without an
+        agent is counted as ``grpc://<host>`` so that the part names it as a peer outside the cut.
         """
         with self._lock:
             if call.done:
@@ -450,8 +504,8 @@ class RpcAgent:
             call.done = True
             if call.pool is not None:
                 call.pool.end(call.name)
-            if call.error is not None or not active:
-                return None
+            if not active or (call.error is not None and not call.instrumented):
+                return None  # a refusal for a bad stamp is counted nowhere; one for a stale stamp is a response
             if not call.instrumented:
                 self._core.send(_outside_peer(peer_address))
                 return None
@@ -481,6 +535,8 @@ class RpcAgent:
         state = self.state.snapshot()
         waits: dict[str, list[dict[str, str]]] = {}
         for call in self._outgoing.values():
+            if not call.waits:
+                continue
             waits.setdefault(call.caller_task, []).append({"process": call.peer, "task": self.callee_task(call)})
         for task, targets in waits.items():
             state.waits.add(task=task, targets=targets, model=WAIT_MODEL_AND)

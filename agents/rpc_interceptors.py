@@ -12,15 +12,23 @@ What travels (gRPC has metadata per call, not per message):
   not counted: they are data of the call, never part of a channel state.
 * Server side, the request is taken in (counted, recording first if its color asks) when the
   interceptor sees the call arrive, before the handler can run; a bad stamp makes the handler abort the
-  call with ``INVALID_ARGUMENT`` without running the service's code. The handler runs with
-  :data:`CURRENT_TASK` set to the call's name, so the calls it makes wait in its name.
+  call with ``INVALID_ARGUMENT`` without running the service's code. A stale stamp (the request was sent
+  before the counts between the two processes restarted) makes it abort with ``ABORTED`` the same way,
+  but the refusal carries the server's stamp: it is a response like any other, and the caller may retry.
+  The handler runs with :data:`CURRENT_TASK` set to the call's name, so the calls it makes wait in its
+  name.
 * Client side, the end of the call is taken in before the caller sees it: the unary response (or the
   error) before ``result()``/``await`` returns it, the end of a response stream before the iterator
   stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc_agent.BadStamp` (an
-  ``RpcError``); an error without our server's stamp restarts the pair's counts (the request or the
-  response may or may not have arrived).
+  ``RpcError``, ``INTERNAL``), a stale one :class:`~stablewatch.agents.rpc_agent.StaleResponse`
+  (``ABORTED``: the server ran the call, its response is not delivered); an error without our server's
+  stamp restarts the pair's counts (the request or the response may or may not have arrived).
 
-Limits: a streaming call's wait lasts the whole call; grpc.aio runs client interceptors in a task of its
+Wait edges: a call with a response stream (unary-stream, stream-stream) makes none (its messages carry no
+stamp, so a message in flight inside it could wake a caller the cut shows waiting); a stream-unary call
+waits like a unary one, for the whole call.
+
+Limits: grpc.aio runs client interceptors in a task of its
 own, so an aio call made outside a handler waits in the name of that task (one per call), not the
 caller's; with the asyncio client interceptors a unary call
 returns its response (the call object's metadata accessors see none) and a request stream must be given
@@ -34,12 +42,12 @@ import contextlib
 import contextvars
 import inspect
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
-from stablewatch.agents.rpc_agent import BadStamp, IncomingCall, OutgoingCall, WorkerPool, stamp_entry
+from stablewatch.agents.rpc_agent import IncomingCall, OutgoingCall, RefusedResponse, WorkerPool, stamp_entry
 from stablewatch.agents.rpc_core import STAMP_KEY
 
 if TYPE_CHECKING:
@@ -90,7 +98,7 @@ def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCal
         token = CURRENT_TASK.set(call.name)
         try:
             if call.error is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                context.abort(call.status, call.error)
             return behavior(request, context)
         finally:
             CURRENT_TASK.reset(token)
@@ -105,7 +113,7 @@ def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any], call: Incomin
         token = CURRENT_TASK.set(call.name)
         try:
             if call.error is not None:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                context.abort(call.status, call.error)
             yield from behavior(request, context)
         finally:
             with contextlib.suppress(ValueError):  # closed from another context
@@ -191,7 +199,7 @@ def _unary_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall
         CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
         try:
             if call.error is not None:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                await _StampingContext(agent, call, context).abort(call.status, call.error)
             return await _call_behavior(behavior, request, _StampingContext(agent, call, context))
         finally:
             _end_aio(agent, call, context)
@@ -205,13 +213,22 @@ def _streaming_aio(agent: RpcAgent, behavior: Callable[..., Any], call: Incoming
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
             agent.handler_started(call)
             CURRENT_TASK.set(call.name)
+            closed = False
             try:
                 if call.error is not None:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, call.error)
+                    await _StampingContext(agent, call, context).abort(call.status, call.error)
                 async for response in behavior(request, _StampingContext(agent, call, context)):
                     yield response
+            except GeneratorExit:
+                # Closed before its end: the call was cancelled, or the generator is finalized after
+                # the server stopped, when touching the context crashes grpc. No response goes out.
+                closed = True
+                raise
             finally:
-                _end_aio(agent, call, context)
+                if closed:
+                    agent.respond(call, "", False)
+                else:
+                    _end_aio(agent, call, context)
 
         return generate
     return _unary_aio(agent, behavior, call)  # a handler that writes with context.write()
@@ -270,7 +287,7 @@ class _Settled:
     def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
         self._agent, self._call, self._outcome = agent, call, outcome
         self._lock = threading.Lock()
-        self._error: BadStamp | None = None
+        self._error: RefusedResponse | None = None
         self._done = False
         outcome.add_done_callback(lambda _: self.settle(quiet=True))
 
@@ -281,7 +298,7 @@ class _Settled:
                 outcome = self._outcome
                 try:
                     self._agent.call_returned(self._call, _stamp_of(outcome.trailing_metadata()), outcome.code())
-                except BadStamp as error:
+                except RefusedResponse as error:
                     self._error = error
         if self._error is not None and not quiet:
             raise self._error
@@ -289,6 +306,8 @@ class _Settled:
 
 class _UnaryOutcome(grpc.Call, grpc.Future):
     """A sync unary call's result, handed over only after its end was taken in."""
+
+    caller_waits = True  # the caller is reported waiting on the callee while the call is out
 
     def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
         self._outcome = outcome
@@ -312,8 +331,8 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         error = self._outcome.exception(timeout)
         try:
             self._settled.settle()
-        except BadStamp as bad:
-            return bad
+        except RefusedResponse as refused:
+            return refused
         return error
 
     def traceback(self, timeout: float | None = None) -> Any:
@@ -356,10 +375,10 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         return self._outcome.details()
 
 
-class _BadStampOutcome(_UnaryOutcome):
-    """A call that ended with a bad stamp in its response, already taken in: its result is the error."""
+class _RefusedOutcome(_UnaryOutcome):
+    """A call whose end was taken in already and whose response is refused: its result is the error."""
 
-    def __init__(self, outcome: Any, error: BadStamp) -> None:
+    def __init__(self, outcome: Any, error: RefusedResponse) -> None:
         self._outcome, self._error = outcome, error
 
     def result(self, timeout: float | None = None) -> Any:
@@ -371,6 +390,8 @@ class _BadStampOutcome(_UnaryOutcome):
 
 class _StreamOutcome(_UnaryOutcome):
     """A sync response stream: the iterator stops (or raises) only after the call's end was taken in."""
+
+    caller_waits = False  # its messages are not counted: a wait on it could be a false deadlock
 
     def __iter__(self) -> _StreamOutcome:
         return self
@@ -395,11 +416,12 @@ class ClientInterceptor(
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
 
     def _invoke(self, continuation: Callable[..., Any], details: Any, request: Any, kind: type[_UnaryOutcome]) -> Any:
-        call = self._agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        agent = self._agent
+        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, kind.caller_waits)
         try:
             outcome = continuation(_details_with(details, call), request)
         except BaseException:
-            self._agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
+            agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
             raise
         if kind is _UnaryOutcome and outcome.done():
             # A blocking call (``__call__``, ``with_call``): the continuation returned its end. Take it
@@ -407,11 +429,11 @@ class ClientInterceptor(
             stamp_text = _stamp_of(outcome.trailing_metadata())
             code = None if stamp_text is not None else outcome.code()  # it matters only without a stamp
             try:
-                self._agent.call_returned(call, stamp_text, code)
-            except BadStamp as error:
-                return _BadStampOutcome(outcome, error)
+                agent.call_returned(call, stamp_text, code)
+            except RefusedResponse as refused:
+                return _RefusedOutcome(outcome, refused)
             return outcome
-        return kind(self._agent, call, outcome)
+        return kind(agent, call, outcome)
 
     def intercept_unary_unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
         return self._invoke(continuation, client_call_details, request, _UnaryOutcome)
@@ -451,7 +473,7 @@ class _AioClient:
 
     async def _streaming(self, continuation: Callable[..., Any], details: Any, request: Any) -> AsyncIterator[Any]:
         agent = self._agent
-        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, False)
         try:
             grpc_call = await continuation(_details_with(details, call), request)
         except BaseException:
@@ -481,11 +503,56 @@ class _AioUnaryUnary(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):
         return await self._unary(continuation, client_call_details, request)
 
 
+class _TakenIn:
+    """A unary response already taken in, as grpc.aio needs a stream-unary interceptor to return it: a
+    finished call (grpc.aio wraps a unary-unary interceptor's response this way itself, not this one)."""
+
+    def __init__(self, response: Any) -> None:
+        self._response = response
+
+    def __await__(self) -> Generator[None, None, Any]:
+        yield from ()
+        return self._response
+
+    def done(self) -> bool:
+        return True
+
+    def cancelled(self) -> bool:
+        return False
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        callback(self)
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    async def initial_metadata(self) -> None:
+        return None
+
+    async def trailing_metadata(self) -> None:
+        return None
+
+    async def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.OK
+
+    async def details(self) -> str:
+        return ""
+
+    async def debug_error_string(self) -> None:
+        return None
+
+    async def wait_for_connection(self) -> None:
+        return None
+
+
 class _AioStreamUnary(_AioClient, grpc.aio.StreamUnaryClientInterceptor):
     async def intercept_stream_unary(
         self, continuation: Callable[..., Any], client_call_details: Any, request_iterator: Any
     ) -> Any:
-        return await self._unary(continuation, client_call_details, request_iterator)
+        return _TakenIn(await self._unary(continuation, client_call_details, request_iterator))
 
 
 class _AioUnaryStream(_AioClient, grpc.aio.UnaryStreamClientInterceptor):

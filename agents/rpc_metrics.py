@@ -1,4 +1,4 @@
-"""Prometheus metrics of one RPC-mode agent: stamped messages, bad stamps, uninstrumented calls, snapshots.
+"""Prometheus metrics of one RPC-mode agent: stamped messages, bad and stale stamps, uninstrumented calls, snapshots.
 
 Every metric is named ``stablewatch_agent_rpc_*`` and registered into the registry it is given (the
 service's own) or a new private one, as :class:`~stablewatch.agents.metrics.AgentMetrics` does. Labels
@@ -19,7 +19,7 @@ PREFIX = "stablewatch_agent_rpc"
 
 #: What a stamp went out on: a request (a call's opening) or a response (a call's end).
 STAMPED_KINDS = ("request", "response")
-#: Which interceptor saw a bad stamp: the server (on a request) or the client (on a response).
+#: Which interceptor saw a bad or stale stamp: the server (on a request) or the client (on a response).
 SIDES = ("server", "client")
 #: Calls with an uninstrumented peer: ``inbound`` (served for a client without a stamp) or
 #: ``outbound`` (made to a server that answered without one).
@@ -40,6 +40,12 @@ class RpcAgentMetrics:
         self._stamped = {kind: stamped.labels(kind) for kind in STAMPED_KINDS}
         bad = counter("bad_stamps", "Calls refused for a malformed or impossible stamp, by side", "side")
         self._bad = {side: bad.labels(side) for side in SIDES}
+        stale = counter(
+            "stale_messages",
+            "Requests and responses refused (ABORTED) as sent before the counts of their pair restarted, by side",
+            "side",
+        )
+        self._stale = {side: stale.labels(side) for side in SIDES}
         outside = counter("uninstrumented_calls", "Calls passed through to or from a peer without a stamp", "direction")
         self._uninstrumented = {direction: outside.labels(direction) for direction in DIRECTIONS}
         self._resets = counter("peer_resets", "Channel counts restarted after a call ended ambiguously")
@@ -56,6 +62,10 @@ class RpcAgentMetrics:
     def bad_stamp(self, side: str) -> None:
         """A call was refused for its stamp, by the server or the client interceptor."""
         self._bad[side].inc()
+
+    def stale(self, side: str) -> None:
+        """A request (server side) or a response (client side) was refused as stale."""
+        self._stale[side].inc()
 
     def uninstrumented(self, direction: str) -> None:
         """A call to or from a peer that sent no stamp passed through."""
