@@ -8,10 +8,12 @@ from typing import Any
 
 import pytest
 from certs import issue, make_certs
+from detector_harness import Running
 from detector_stub import StubDetector
 
 from stablewatch.agents.tls import process_uri
 from stablewatch.detector.service.auth import role_uri
+from stablewatch.detector.service.detector import DetectorConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT.parent / "shared" / "conformance" / "cos418"
@@ -69,3 +71,12 @@ def spark() -> Iterator[Any]:
 
     with local_spark() as session:
         yield session
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Running]:
+    """A real detector on its own thread (127.0.0.1, no metrics port, no scheduler), stopped after the test."""
+    config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
+    service = Running(config)
+    yield service
+    service.stop()

@@ -1033,3 +1033,29 @@ def test_the_simulation_completes_cuts_with_messages_in_flight_and_after_resets(
     assert seen["completed"] >= 60 and seen["failed"] >= 10, seen
     assert seen["in flight"] >= 40 and seen["after a reset"] >= 30 and seen["across a reset"] >= 1, seen
     assert seen["stale"] >= 20, seen
+
+
+def test_a_process_that_joins_mid_snapshot_records_before_its_first_message() -> None:
+    p, q, r = trio(default_lifetime=10.0)  # r starts now, while 9 runs: color 0, no counts
+    start(p, 9)
+    start(q, 9)
+    assert r.color == 0 and r.peers() == []
+    assert r.receive(q.send("r"), message(b"hello"), now=1.0, wall=WALL) == (RecordState(9),)
+    assert r.record_state(9, state(2)) == ()  # nothing claimed 9 here yet
+    assert r.received_count("q") == 1  # delivered after the recording, of color 9: in no channel
+    # The start reaches r late: served from the jump, with r's counts before its first message.
+    part = only_part(r.start_snapshot(9, now=1.0))
+    assert part.state == state(2)
+    assert all(n == 0 for n, _ in outbound(part).values())
+    # What r sends now has color 9: p recorded 9 already, so it records nothing and waits for nothing.
+    assert deliver(p, r.send("p"), b"from r") == []
+    assert p.recorded_ranges == [(0, 9)]
+
+
+def test_a_process_that_joins_and_is_no_member_drops_its_jump_quietly() -> None:
+    _, q, r = trio(default_lifetime=10.0)
+    start(q, 9)
+    record(r, r.receive(q.send("r"), message(), now=1.0, wall=WALL))
+    assert r.recorded_ranges == [(0, 9)] and r.next_deadline == 11.0
+    assert r.expire(11.0) == ()  # no start claimed it: no part, no failure, nothing kept
+    assert r.recorded_ranges == [] and r.active_snapshots == [] and r.color == 9

@@ -8,109 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from detector_harness import Running
+from rpc_harness import SERVICE, Service, agent, call, channel_to, deadlock, gate_starts, snapshot, stamped, stored
 
 from polling import async_poll, poll
 from stablewatch.agents.rpc_agent import RpcAgent
 from stablewatch.agents.rpc_core import STAMP_KEY
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.v1 import GlobalSnapshot
-from stablewatch.v1.query_pb2 import SnapshotResults
-
-SERVICE = "test.Svc"
-
-
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[Running]:
-    config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-    service = Running(config)
-    yield service
-    service.stop()
-
-
-class Service:
-    """A sync gRPC server on 127.0.0.1 with the given raw-bytes unary handlers (and its agent's interceptor)."""
-
-    def __init__(
-        self, handlers: dict[str, Callable[[bytes, Any], bytes]], agent: RpcAgent | None, workers: int = 4
-    ) -> None:
-        self.pool = futures.ThreadPoolExecutor(workers)
-        interceptors = [agent.server_interceptor(workers=workers)] if agent is not None else []
-        self.server = grpc.server(self.pool, interceptors=interceptors)
-        methods = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in handlers.items()}
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
-        self.port = self.server.add_insecure_port("127.0.0.1:0")
-        self.server.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def stop(self) -> None:
-        self.server.stop(grace=0).wait(10)
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
-
-def channel_to(service: Service, agent: RpcAgent | None, peer: str | None) -> grpc.Channel:
-    channel = grpc.insecure_channel(service.address)
-    if agent is None:
-        return channel
-    interceptor = agent.client_interceptor(peer) if peer else agent.client_interceptor(target=service.address)
-    return grpc.intercept_channel(channel, interceptor)
-
-
-def call(channel: grpc.Channel, method: str, payload: bytes = b"", **kwargs: Any) -> bytes:
-    return channel.unary_unary(f"/{SERVICE}/{method}")(payload, **kwargs)
-
-
-def agent(running: Running, process_id: str, gate: bool = False) -> RpcAgent:
-    """A started agent attached to the detector; with ``gate``, its recordings for starts wait for ``agent.gate``."""
-    new = RpcAgent(process_id, detector=running.detector.address, heartbeat_interval=0.2)
-    if gate:
-        new.gate = gate_starts(new)  # type: ignore[attr-defined]
-    new.start()
-    poll(lambda: new.detector_connected, f"{process_id} attached")
-    return new
-
-
-def snapshot(running: Running, deadline: float = 10) -> SnapshotResults:
-    return running.call(running.detector.take_snapshot(deadline=deadline), 30)
-
-
-def stored(running: Running, results: SnapshotResults) -> GlobalSnapshot:
-    found = running.on_loop(lambda: running.detector.store.snapshot(results.snapshot.snapshot_id))
-    assert found is not None
-    return found
-
-
-def stamped(agent: RpcAgent, kind: str) -> float | None:
-    return agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_stamped_messages_total", {"kind": kind})
-
-
-def deadlock(results: SnapshotResults) -> Any:
-    return next(r for r in results.results if r.name.startswith("deadlock"))
-
-
-def gate_starts(agent: RpcAgent) -> threading.Event:
-    """Hold back the agent's recordings for the detector's starts until the returned event is set
-    (before the agent starts)."""
-    gate = threading.Event()
-    original = agent._detector_start  # a test seam: delay one side of a one-hop snapshot
-
-    async def gated(snapshot_id: int, lifetime: float | None) -> None:
-        await asyncio.to_thread(gate.wait, 20)
-        await original(snapshot_id, lifetime)
-
-    agent._detector_start = gated  # type: ignore[method-assign]
-    return gate
 
 
 def test_in_flight_response_and_request_are_in_the_channel_states(running: Running) -> None:

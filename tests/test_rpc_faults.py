@@ -9,28 +9,17 @@ counts) and a third carries the new session both ways; then they let the held ca
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import pytest
 from detector_harness import Running
+from rpc_harness import Service, agent, call, channel_to, snapshot, stamped
 from tcp_proxy import TcpProxy
-from test_rpc_e2e import Service, agent, call, channel_to, snapshot, stamped
 
 from polling import poll
 from stablewatch.agents.rpc_agent import RpcAgent, StaleResponse
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-
-
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[Running]:
-    config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-    service = Running(config)
-    yield service
-    service.stop()
 
 
 def sample(agent: RpcAgent, name: str, **labels: str) -> float:

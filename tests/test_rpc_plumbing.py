@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 from detector_harness import RawAgent, Running
 from test_control import Agent, FakeDetector, run, serve, start
 
 from polling import async_poll, poll
 from stablewatch.agents.control import ControlClient
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.v1 import DetectorMessage, LocalSnapshotPart, LocalState, OutboundCount
 from stablewatch.v1.control_pb2 import ChannelTarget, Ping, SnapshotDone
 
@@ -82,14 +78,6 @@ def test_without_rpc_mode_the_registration_says_so_and_a_target_without_callback
             await server.stop(None)
 
     run(body)
-
-
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[Running]:
-    config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-    service = Running(config)
-    yield service
-    service.stop()
 
 
 def test_the_coordinator_forwards_counts_to_rpc_mode_members_only(running: Running) -> None:

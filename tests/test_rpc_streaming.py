@@ -13,17 +13,14 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
-from pathlib import Path
 from typing import Any
 
 import grpc
-import pytest
 from detector_harness import Running
-from test_rpc_e2e import SERVICE, agent, deadlock, snapshot, stamped, stored
+from rpc_harness import SERVICE, agent, deadlock, snapshot, stamped, stored
 
 from polling import async_poll, poll
 from stablewatch.agents.rpc_core import STAMP_KEY
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SnapshotResults
@@ -31,14 +28,6 @@ from stablewatch.v1.query_pb2 import SnapshotResults
 UNARY, COUNT, TOTAL, ECHO = "Slow", "Count", "Total", "Echo"  # unary-unary, unary-stream, stream-unary, stream-stream
 METHODS = (UNARY, COUNT, TOTAL, ECHO)
 WAITING = {f"/{SERVICE}/{UNARY}", f"/{SERVICE}/{TOTAL}"}  # the calls whose callers wait on the callee
-
-
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[Running]:
-    config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-    service = Running(config)
-    yield service
-    service.stop()
 
 
 def completed(results: SnapshotResults) -> None:
