@@ -363,9 +363,10 @@ class RpcAgent:
         with self._lock:
             stamp = self._core.send(peer)
             self._outgoing[seq] = call
+            if instrumented:
+                self.metrics.stamped("request")
         if instrumented:
             call.metadata = (stamp_entry(stamp), (CALL_KEY, str(seq)))
-            self.metrics.stamped("request")
         return call
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
@@ -511,7 +512,7 @@ class RpcAgent:
                 return None
             assert call.peer is not None
             stamp = self._core.send(call.peer)
-        self.metrics.stamped("response")
+            self.metrics.stamped("response")
         return stamp
 
     def callee_task(self, call: OutgoingCall) -> str:

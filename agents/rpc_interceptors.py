@@ -268,16 +268,22 @@ class _CallDetails(_Details, grpc.ClientCallDetails):
 
 
 def _details_with(details: Any, call: OutgoingCall) -> Any:
+    """The sync call's details with the stamp added to its metadata."""
     if not call.metadata:
         return details
     metadata = (*details.metadata, *call.metadata) if details.metadata else call.metadata
     wait_for_ready = getattr(details, "wait_for_ready", None)
-    if isinstance(details, grpc.aio.ClientCallDetails):
-        return grpc.aio.ClientCallDetails(
-            details.method, details.timeout, metadata, details.credentials, wait_for_ready
-        )
     compression = getattr(details, "compression", None)
     return _CallDetails(details.method, details.timeout, metadata, details.credentials, wait_for_ready, compression)
+
+
+def _aio_details_with(details: Any, call: OutgoingCall) -> Any:
+    """The asyncio call's details with the stamp added to its metadata."""
+    if not call.metadata or not isinstance(details, grpc.aio.ClientCallDetails):
+        return _details_with(details, call)
+    metadata = (*details.metadata, *call.metadata) if details.metadata else call.metadata
+    wait_for_ready = getattr(details, "wait_for_ready", None)
+    return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, wait_for_ready)
 
 
 class _Settled:
@@ -460,7 +466,7 @@ class _AioClient:
         agent = self._agent
         call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
         try:
-            grpc_call = await continuation(_details_with(details, call), request)
+            grpc_call = await continuation(_aio_details_with(details, call), request)
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, _stamp_of(error.trailing_metadata()), error.code())
@@ -475,7 +481,7 @@ class _AioClient:
         agent = self._agent
         call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, False)
         try:
-            grpc_call = await continuation(_details_with(details, call), request)
+            grpc_call = await continuation(_aio_details_with(details, call), request)
         except BaseException:
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise

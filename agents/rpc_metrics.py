@@ -3,15 +3,21 @@
 Every metric is named ``stablewatch_agent_rpc_*`` and registered into the registry it is given (the
 service's own) or a new private one, as :class:`~stablewatch.agents.metrics.AgentMetrics` does. Labels
 are bounded: ``kind`` (:data:`STAMPED_KINDS`), ``side`` (:data:`SIDES`) and ``direction``
-(:data:`DIRECTIONS`). Children are looked up once, so the per-call cost is a dict lookup and an ``inc``.
+(:data:`DIRECTIONS`). Children are looked up once, so the per-call cost is a dict lookup and an ``inc``;
+the one counter every call moves, ``stamped_messages``, is plain ints the agent adds to under its own
+lock (no second lock per call), formatted only at scrape time.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 __all__ = ["DIRECTIONS", "SIDES", "STAMPED_KINDS", "RpcAgentMetrics"]
 
@@ -36,8 +42,10 @@ class RpcAgentMetrics:
         def counter(name: str, doc: str, *labels: str) -> Counter:
             return Counter(f"{PREFIX}_{name}", doc, labels, registry=registry)
 
-        stamped = counter("stamped_messages", "Requests and responses sent with a stamp, by kind", "kind")
-        self._stamped = {kind: stamped.labels(kind) for kind in STAMPED_KINDS}
+        self._stamped = _Tally(
+            f"{PREFIX}_stamped_messages", "Requests and responses sent with a stamp, by kind", "kind", STAMPED_KINDS
+        )
+        registry.register(self._stamped)
         bad = counter("bad_stamps", "Calls refused for a malformed or impossible stamp, by side", "side")
         self._bad = {side: bad.labels(side) for side in SIDES}
         stale = counter(
@@ -56,8 +64,11 @@ class RpcAgentMetrics:
         )
 
     def stamped(self, kind: str) -> None:
-        """A request or a response went out with a stamp (`kind` in :data:`STAMPED_KINDS`)."""
-        self._stamped[kind].inc()
+        """A request or a response went out with a stamp (`kind` in :data:`STAMPED_KINDS`).
+
+        Not thread-safe on its own: the agent calls it inside the critical section that sent the stamp.
+        """
+        self._stamped.counts[kind] += 1
 
     def bad_stamp(self, side: str) -> None:
         """A call was refused for its stamp, by the server or the client interceptor."""
@@ -90,3 +101,22 @@ class RpcAgentMetrics:
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
         """Serve this registry on ``http://addr:port/metrics`` from a daemon thread (port 0: any free one)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class _Tally(Collector):
+    """A labelled counter kept as plain ints, for the hot path: its owner adds to :attr:`counts` under a
+    lock of its own (here none is taken), and the family is built only when scraped."""
+
+    def __init__(self, name: str, documentation: str, label: str, values: Iterable[str]) -> None:
+        self.counts = dict.fromkeys(values, 0)
+        self._name, self._documentation, self._label = name, documentation, label
+        self._created = time.time()
+
+    def describe(self) -> Iterable[CounterMetricFamily]:
+        return [CounterMetricFamily(self._name, self._documentation, labels=[self._label])]
+
+    def collect(self) -> Iterable[CounterMetricFamily]:
+        family = CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+        for value, count in list(self.counts.items()):
+            family.add_metric([value], count, created=self._created)
+        yield family
