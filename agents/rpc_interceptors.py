@@ -123,6 +123,21 @@ def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any], call: Incomin
     return run
 
 
+class _Handler(NamedTuple):
+    request_streaming: bool
+    response_streaming: bool
+    request_deserializer: Any
+    response_serializer: Any
+    unary_unary: Any
+    unary_stream: Any
+    stream_unary: Any
+    stream_stream: Any
+
+
+class _MethodHandler(_Handler, grpc.RpcMethodHandler):
+    """A method handler with its behavior wrapped for one call (built per call: a plain tuple)."""
+
+
 def _wrap(
     handler: grpc.RpcMethodHandler,
     agent: RpcAgent,
@@ -131,14 +146,15 @@ def _wrap(
     wrap_streaming: Callable[[RpcAgent, Callable[..., Any], IncomingCall], Any],
 ) -> Any:
     """``handler`` with its behavior wrapped for ``call`` (``wrap_unary`` for a unary response)."""
-    options = (handler.request_deserializer, handler.response_serializer)
-    if not handler.request_streaming and not handler.response_streaming:  # the common case first
-        return grpc.unary_unary_rpc_method_handler(wrap_unary(agent, handler.unary_unary, call), *options)
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(wrap_streaming(agent, handler.stream_stream, call), *options)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(wrap_unary(agent, handler.stream_unary, call), *options)
-    return grpc.unary_stream_rpc_method_handler(wrap_streaming(agent, handler.unary_stream, call), *options)
+    requests, responses = handler.request_streaming, handler.response_streaming
+    options = (requests, responses, handler.request_deserializer, handler.response_serializer)
+    if not requests and not responses:  # the common case first
+        return _MethodHandler(*options, wrap_unary(agent, handler.unary_unary, call), None, None, None)
+    if requests and responses:
+        return _MethodHandler(*options, None, None, None, wrap_streaming(agent, handler.stream_stream, call))
+    if requests:
+        return _MethodHandler(*options, None, None, wrap_unary(agent, handler.stream_unary, call), None)
+    return _MethodHandler(*options, None, wrap_streaming(agent, handler.unary_stream, call), None, None)
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
