@@ -1,0 +1,79 @@
+"""The sync client interceptor takes in a call's end before its caller sees it, whichever way the call
+is made (blocking ``__call__``/``with_call``, or ``future``), and a call its caller abandons still ends
+its wait. The server here has no agent: its trailing metadata is scripted."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import grpc
+import pytest
+from rpc_harness import SERVICE, Service
+
+from polling import poll
+from stablewatch.agents.rpc_agent import BadStamp, RpcAgent
+
+GOOD = "0.1.0.server"  # color 0, incarnation 1, session 0, from the channel's peer
+
+
+@pytest.fixture(params=[GOOD, "not-a-stamp", None], ids=["stamped", "bad-stamp", "unstamped"])
+def echo(request: pytest.FixtureRequest) -> Iterator[tuple[grpc.UnaryUnaryMultiCallable, RpcAgent, threading.Event]]:
+    stamp: str | None = request.param
+    release = threading.Event()
+
+    def handler(payload: bytes, context: grpc.ServicerContext) -> bytes:
+        release.wait(10)
+        if stamp is not None:
+            context.set_trailing_metadata((("stablewatch-stamp", stamp),))
+        return payload
+
+    service = Service({"Echo": handler}, None)
+    agent = RpcAgent("client")
+    channel = grpc.intercept_channel(grpc.insecure_channel(service.address), agent.client_interceptor("server"))
+    try:
+        yield channel.unary_unary(f"/{SERVICE}/Echo"), agent, release
+    finally:
+        release.set()
+        channel.close()
+        service.server.stop(None)
+
+
+def outstanding(agent: RpcAgent) -> int:
+    with agent._lock:
+        return len(agent._outgoing)
+
+
+@pytest.mark.parametrize("how", ["call", "with_call", "future"])
+def test_the_end_of_a_call_is_taken_in_before_its_caller_sees_it(echo, how: str) -> None:
+    method, agent, release = echo
+    release.set()
+    bad = agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_bad_stamps_total", {"side": "client"})
+    try:
+        if how == "call":
+            assert method(b"x") == b"x"
+        elif how == "with_call":
+            response, call = method.with_call(b"x")
+            assert response == b"x" and call.code() == grpc.StatusCode.OK
+        else:
+            assert method.future(b"x").result() == b"x"
+    except BadStamp as error:
+        assert error.code() == grpc.StatusCode.INTERNAL
+        assert (
+            agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_bad_stamps_total", {"side": "client"})
+            == bad + 1
+        )
+    else:
+        assert (
+            agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_bad_stamps_total", {"side": "client"}) == bad
+        )
+    assert outstanding(agent) == 0  # no wait left once the caller has its answer
+
+
+def test_a_call_its_caller_abandons_still_ends_its_wait(echo) -> None:
+    method, agent, release = echo
+    future = method.future(b"x")
+    assert outstanding(agent) == 1
+    release.set()
+    poll(lambda: outstanding(agent) == 0, "the abandoned call's end taken in")
+    assert future.done()
