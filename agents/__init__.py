@@ -1,13 +1,16 @@
 """The embeddable agent: channels over gRPC, the Chandy–Lamport core, the control stream.
 
-Asyncio services use :class:`Agent`; threaded services use :class:`ThreadedAgent`. The protocol
-itself lives in :mod:`stablewatch.agents.core`, a pure state machine.
+Asyncio services use :class:`Agent`; threaded services use :class:`ThreadedAgent`. Services that
+talk by ordinary gRPC calls use :class:`RpcAgent` and its interceptors (RPC mode). The protocols
+live in pure state machines: :mod:`stablewatch.agents.core` (markers) and
+:mod:`stablewatch.agents.rpc_core` (coloring).
 """
 
 from stablewatch.agents.agent import Agent, MessageHandler, MessageTooLarge
 from stablewatch.agents.core import AppMessage
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings
+from stablewatch.agents.rpc_agent import RpcAgent
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.agents.threaded import ThreadedAgent
 from stablewatch.agents.tls import TlsConfig
@@ -20,6 +23,7 @@ __all__ = [
     "LocalStateKeeper",
     "MessageHandler",
     "MessageTooLarge",
+    "RpcAgent",
     "ThreadedAgent",
     "TlsConfig",
 ]

@@ -56,7 +56,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -65,20 +64,33 @@ import prometheus_client
 from stablewatch import __version__
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
+from stablewatch.agents.rpc_calls import (
+    CALL_KEY,
+    BadStamp,
+    IncomingCall,
+    OutgoingCall,
+    RefusedResponse,
+    StaleResponse,
+    WorkerPool,
+    stamp_entry,
+)
 from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, StaleStamp, Stamp
+from stablewatch.agents.rpc_interceptors import (
+    AioServerInterceptor,
+    ClientInterceptor,
+    ServerInterceptor,
+    aio_client_interceptors,
+)
 from stablewatch.agents.rpc_metrics import RpcAgentMetrics
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.agents.tls import TlsConfig
-from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalSnapshotPart, LocalState, RecordedMessage, Wait
+from stablewatch.v1 import WAIT_MODEL_AND, LocalSnapshotPart, LocalState, RecordedMessage
 from stablewatch.v1.control_pb2 import ChannelTarget
 
 __all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RefusedResponse", "RpcAgent", "StaleResponse"]
 
 _log = logging.getLogger(__name__)
 
-#: The metadata key carrying a request's call sequence number (the call's name is
-#: ``"{method}#{caller}:{seq}"``); the stamp itself travels under :data:`STAMP_KEY`.
-CALL_KEY = "stablewatch-call"
 #: A request as a channel state holds it, built only if the core records it (see ``MessageSource``).
 _REQUEST = functools.partial(RecordedMessage, no_wake=True)
 #: Stamps seen and sent repeat from call to call (they change with a color or a session): their
@@ -86,108 +98,11 @@ _REQUEST = functools.partial(RecordedMessage, no_wake=True)
 _decode = functools.lru_cache(maxsize=256)(Stamp.decode)
 
 
-@functools.lru_cache(maxsize=256)
-def stamp_entry(stamp: Stamp) -> tuple[str, str]:
-    """The metadata entry that carries ``stamp``."""
-    return (STAMP_KEY, stamp.encode())
-
-
 _OK = grpc.StatusCode.OK
 
 #: Ends of a call without our server's stamp that leave open whether the request or the response
 #: arrived: the pair's counts restart (``reset_peer``).
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
-
-
-class RefusedResponse(grpc.RpcError):
-    """A response the agent does not hand to its caller: the call fails client side with :meth:`code`."""
-
-    status = grpc.StatusCode.INTERNAL
-
-    def code(self) -> grpc.StatusCode:
-        return self.status
-
-    def details(self) -> str:
-        return str(self)
-
-
-class BadStamp(RefusedResponse):
-    """A server's stamp was malformed or impossible: the call fails client side (status INTERNAL),
-    nothing is recorded, and the pair's counts restart."""
-
-
-class StaleResponse(RefusedResponse):
-    """A response sent before the counts between the two processes restarted (a stale stamp): the
-    server ran the call, but its response is not delivered. The call fails client side (status
-    ABORTED); nothing changes, and the pair's counts do not restart again (the loss is known)."""
-
-    status = grpc.StatusCode.ABORTED
-
-
-@dataclass(slots=True)
-class OutgoingCall:
-    """A call this process makes: who waits on whom while it is outstanding."""
-
-    seq: int
-    peer: str  # the callee's process id, or grpc://<target> for an uninstrumented one
-    method: str
-    caller_task: str
-    instrumented: bool  # False: the channel leads to a service without an agent; nothing is stamped
-    waits: bool = True  # False for a response stream: its caller is not reported waiting on the callee
-    metadata: tuple[tuple[str, str], ...] = ()  # what the request carries
-    settled: bool = False  # its response (or end) was taken in
-
-
-@dataclass(slots=True)
-class IncomingCall:
-    """A call this process serves, from its arrival to the end of its handler."""
-
-    name: str  # the handler's task: "{method}#{caller}:{seq}"
-    peer: str | None  # the caller's process id; None until known (an uninstrumented caller)
-    instrumented: bool
-    error: str | None = None  # a bad or stale stamp: the handler refuses the call with `status`
-    status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
-    pool: WorkerPool | None = None
-    done: bool = False
-
-
-@dataclass(slots=True)
-class WorkerPool:
-    """The worker threads of one sync server, as the server interceptor sees them (``workers=N``).
-
-    ``running`` holds the calls that have (or are about to get) a worker, ``queued`` those that wait
-    for one, first in first out, as grpc's thread pool hands them out.
-    """
-
-    workers: int
-    running: dict[str, None] = field(default_factory=dict)
-    queued: dict[str, None] = field(default_factory=dict)
-
-    def arrive(self, name: str) -> None:
-        if len(self.running) < self.workers and not self.queued:
-            self.running[name] = None
-        else:
-            self.queued[name] = None
-
-    def start(self, name: str) -> None:
-        if self.queued.pop(name, 0) is None:  # our picture lagged behind the pool
-            self.running[name] = None
-
-    def end(self, name: str) -> None:
-        self.running.pop(name, None)
-        self.queued.pop(name, None)
-        while self.queued and len(self.running) < self.workers:
-            head = next(iter(self.queued))
-            del self.queued[head]
-            self.running[head] = None
-
-    def waits(self, process_id: str) -> Iterable[Wait]:
-        """Every queued call waits on any running handler (OR)."""
-        if not self.running:
-            return
-        targets = [{"process": process_id, "task": name} for name in self.running]
-        for name in self.queued:
-            yield Wait(task=name, targets=targets, model=WAIT_MODEL_OR)
 
 
 class RpcAgent:
@@ -321,8 +236,6 @@ class RpcAgent:
         running handlers); without it they never are (a deadlock through a full pool is then missed,
         never invented). The pool must serve only this server.
         """
-        from stablewatch.agents.rpc_interceptors import ServerInterceptor
-
         return ServerInterceptor(self, self._pool(workers))
 
     def client_interceptor(self, peer: str | None = None, *, target: str | None = None) -> Any:
@@ -332,21 +245,15 @@ class RpcAgent:
         Without ``peer`` the channel leads to a service without an agent: give its ``target``; calls
         pass through unstamped and the part names the peer ``grpc://<target>``.
         """
-        from stablewatch.agents.rpc_interceptors import ClientInterceptor
-
         return ClientInterceptor(self, *_peer_of(peer, target))
 
     def aio_server_interceptor(self) -> grpc.aio.ServerInterceptor:
         """The interceptor for ``grpc.aio.server(interceptors=[...])`` (no worker pool: nothing queues)."""
-        from stablewatch.agents.rpc_interceptors import AioServerInterceptor
-
         return AioServerInterceptor(self)
 
     def aio_client_interceptors(self, peer: str | None = None, *, target: str | None = None) -> list[Any]:
         """The interceptors for ``grpc.aio.insecure_channel(addr, interceptors=...)``; ``peer`` and
         ``target`` as for :meth:`client_interceptor`."""
-        from stablewatch.agents.rpc_interceptors import aio_client_interceptors
-
         return aio_client_interceptors(self, *_peer_of(peer, target))
 
     # -- events from the interceptors (each in one critical section) ------------------------------

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import grpc
 
-from stablewatch.agents.rpc_agent import IncomingCall, OutgoingCall, RefusedResponse, WorkerPool, stamp_entry
+from stablewatch.agents.rpc_calls import IncomingCall, OutgoingCall, RefusedResponse, WorkerPool, stamp_entry
 from stablewatch.agents.rpc_core import STAMP_KEY
 
 if TYPE_CHECKING:
