@@ -48,6 +48,7 @@ import sys
 import time
 
 import grpc
+from child import Child
 
 from stablewatch.agents import Agent, AppMessage
 from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
@@ -190,45 +191,6 @@ ROLES = {
 # -- the orchestrator --------------------------------------------------------------------------------
 
 
-class Child:
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-
-    @classmethod
-    async def start(cls, role: str, *extra: str) -> Child:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            __file__,
-            "--role",
-            role,
-            *extra,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        return cls(process)
-
-    async def read(self, timeout: float = 120) -> dict[str, object]:
-        assert self.process.stdout is not None
-        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
-        if not line:
-            raise RuntimeError(f"child exited with {await self.process.wait()}")
-        return json.loads(line)
-
-    def write(self, text: str) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(text.encode())
-
-    async def close(self) -> None:
-        assert self.process.stdin is not None
-        if not self.process.stdin.is_closing():
-            self.process.stdin.close()
-        try:
-            await asyncio.wait_for(self.process.wait(), 30)
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
-
-
 class Measured:
     """One case of one round: steady-state throughput, and the snapshots that ran meanwhile."""
 
@@ -255,12 +217,12 @@ async def run_pair(
     operating system put them, which moves a 10-second figure by more than the overhead sought.
     """
     with_detector = [] if kind == "raw" else ["--detector", detector]
-    receiver = await Child.start(f"{kind}-receiver", *with_detector)
+    receiver = await Child.start(__file__, f"{kind}-receiver", *with_detector)
     sender = None
     measured: dict[str, Measured] = {}
     try:
         address = (await receiver.read())["address"]
-        sender = await Child.start(f"{kind}-sender", "--peer", str(address), *with_detector, *sender_options)
+        sender = await Child.start(__file__, f"{kind}-sender", "--peer", str(address), *with_detector, *sender_options)
         await sender.read()  # ready
         if kind == "agent":
             deadline = time.monotonic() + 30

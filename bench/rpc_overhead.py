@@ -49,6 +49,7 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from child import Child
 
 from stablewatch.agents.rpc_agent import RpcAgent
 from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
@@ -187,45 +188,6 @@ ROLES = {"server": serve, "client": call}
 # -- the orchestrator ------------------------------------------------------------------------------------
 
 
-class Child:
-    def __init__(self, process: asyncio.subprocess.Process) -> None:
-        self.process = process
-
-    @classmethod
-    async def start(cls, role: str, *extra: str) -> Child:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            __file__,
-            "--role",
-            role,
-            *extra,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-        )
-        return cls(process)
-
-    async def read(self, timeout: float = 120) -> dict:
-        assert self.process.stdout is not None
-        line = await asyncio.wait_for(self.process.stdout.readline(), timeout)
-        if not line:
-            raise RuntimeError(f"child exited with {await self.process.wait()}")
-        return json.loads(line)
-
-    def write(self, **fields: object) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write((json.dumps(fields) + "\n").encode())
-
-    async def close(self) -> None:
-        assert self.process.stdin is not None
-        if not self.process.stdin.is_closing():
-            self.process.stdin.close()
-        try:
-            await asyncio.wait_for(self.process.wait(), 30)
-        except TimeoutError:
-            self.process.kill()
-            await self.process.wait()
-
-
 @dataclass
 class Phase:
     """One case of one round."""
@@ -257,7 +219,7 @@ async def run_phase(client: Child, case: str, args: argparse.Namespace, coordina
     completed: list[float] = []
     snapshots = asyncio.ensure_future(take_snapshots(coordinator, completed)) if case.endswith("snapshots") else None
     try:
-        client.write(channel=CHANNEL[case], warmup=args.warmup, seconds=args.seconds)
+        client.send(channel=CHANNEL[case], warmup=args.warmup, seconds=args.seconds)
         result = await client.read(timeout=args.warmup + args.seconds + 120)
     finally:
         if snapshots is not None:
@@ -278,10 +240,17 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
     server = client = None
     rounds: list[dict[str, Phase]] = []
     try:
-        server = await Child.start("server", "--detector", detector, "--workers", str(args.workers))
+        server = await Child.start(__file__, "server", "--detector", detector, "--workers", str(args.workers))
         addresses = await server.read()
         client = await Child.start(
-            "client", "--detector", detector, "--peer", json.dumps(addresses), "--concurrency", str(args.concurrency)
+            __file__,
+            "client",
+            "--detector",
+            detector,
+            "--peer",
+            json.dumps(addresses),
+            "--concurrency",
+            str(args.concurrency),
         )
         await client.read()  # ready: both channels connected
         deadline = time.monotonic() + 30
