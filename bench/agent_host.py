@@ -37,13 +37,13 @@ def emit(**event: object) -> None:
 
 
 class Host:
-    def __init__(self, ids: list[str], detector: str | None, seed: int) -> None:
+    def __init__(self, ids: list[str], detector: str | None, seed: int, report_window: float | None = None) -> None:
         self.peers: dict[str, str] = {}
         settings = ChannelSettings(backoff_initial=0.01, backoff_max=0.2)
-        self.agents = {
-            pid: Agent(pid, peers=self.peers, detector=detector, channel_settings=settings, heartbeat_interval=0.5)
-            for pid in ids
-        }
+        options: dict[str, object] = {"channel_settings": settings, "heartbeat_interval": 0.5}
+        if report_window is not None:
+            options["report_window"] = report_window
+        self.agents = {pid: Agent(pid, peers=self.peers, detector=detector, **options) for pid in ids}
         self.links: dict[str, list[str]] = {}
         self.random = random.Random(seed)
         self.tasks: set[asyncio.Task[None]] = set()
@@ -158,8 +158,9 @@ def main() -> None:
     parser.add_argument("--agents", required=True, help="comma-separated agent ids")
     parser.add_argument("--detector")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--report-window", type=float, help="the agents' report_window (their default if not given)")
     args = parser.parse_args()
-    asyncio.run(Host(args.agents.split(","), args.detector, args.seed).run())
+    asyncio.run(Host(args.agents.split(","), args.detector, args.seed, args.report_window).run())
 
 
 if __name__ == "__main__":
