@@ -101,7 +101,13 @@ async def measure(agents: int, topology: str, args: argparse.Namespace) -> dict[
     # Starting 1 024 agents on 2 cores starves heartbeats and registrations for a while: the bench
     # is generous with both, and starts the host processes one by one above 64 agents.
     slack = Limits(register_timeout=120)
-    async with Cluster(agents, processes, heartbeat_timeout=120, limits=slack, one_by_one=agents > 64) as cluster:
+    options = {
+        "heartbeat_timeout": 120,
+        "limits": slack,
+        "one_by_one": agents > 64,
+        "report_window": args.report_window,
+    }
+    async with Cluster(agents, processes, **options) as cluster:
         links = ring_links(cluster.ids) if topology == "ring" else random_links(cluster.ids, 4, seed=agents)
         await cluster.connect(links, timeout=args.attach_timeout)
         print(f"{agents} agents attached", file=sys.stderr, flush=True)
@@ -195,6 +201,9 @@ async def main() -> None:
     parser.add_argument("--ring-max", type=int, default=64, help="the ring topology only up to this size")
     parser.add_argument("--per-process", type=int, default=128, help="agents per host process at most")
     parser.add_argument("--attach-timeout", type=float, default=180, help="seconds for all agents to attach")
+    parser.add_argument(
+        "--report-window", type=float, help="the agents' report_window, s (their default; 0: each piece at once)"
+    )
     args = parser.parse_args()
     cases = []
     for agents in (int(size) for size in args.sizes.split(",")):
