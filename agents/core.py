@@ -95,6 +95,7 @@ __all__ = [
     "Action",
     "AppMessage",
     "Entry",
+    "FinishedIds",
     "LocalProtocolError",
     "Marker",
     "RecordState",
@@ -117,7 +118,7 @@ DEFAULT_MAX_RECORDINGS = 16
 LOCAL_ID_BASE = 1 << 63
 # Bytes charged per counter entry of a recorded message, so counters-only messages are bounded too.
 _COUNTER_COST = 16
-# How many finished snapshot ids are remembered, to ignore their late markers.
+# How many finished snapshot ids are remembered, to ignore their late markers, starts and targets.
 _FINISHED_MEMORY = 4096
 
 
@@ -208,6 +209,38 @@ class _Recording:
     failed: bool = False
 
 
+class FinishedIds:
+    """Snapshot ids a process is done with, remembered up to a bound: the oldest is forgotten first."""
+
+    def __init__(self, bound: int = _FINISHED_MEMORY) -> None:
+        self._bound = bound
+        self._ids: set[int] = set()
+        self._order: deque[int] = deque()
+
+    def __contains__(self, snapshot_id: object) -> bool:
+        return snapshot_id in self._ids
+
+    def __len__(self) -> int:
+        return len(self._ids)
+
+    def add(self, snapshot_id: int) -> int | None:
+        """Remember ``snapshot_id``; the id forgotten to keep the bound, if one was."""
+        if snapshot_id in self._ids:
+            return None
+        self._ids.add(snapshot_id)
+        self._order.append(snapshot_id)
+        if len(self._order) <= self._bound:
+            return None
+        forgotten = self._order.popleft()
+        self._ids.discard(forgotten)
+        return forgotten
+
+    def keep_only(self, wanted: Callable[[int], bool]) -> None:
+        """Forget every id ``wanted`` says no to, keeping the others in their order."""
+        self._order = deque(filter(wanted, self._order))
+        self._ids = set(self._order)
+
+
 def payload_bytes(messages: Sequence[AppMessage]) -> int:
     """The payload bytes of a run of messages (summed in C: every run delivered passes here)."""
     return sum(map(len, map(_payload, messages)))
@@ -246,8 +279,7 @@ class SnapshotCore:
         self._received: dict[str, int] = {}  # application messages arrived per inbound channel
         self._arrivals = 0  # application messages arrived on all channels
         self._recordings: dict[int, _Recording] = {}
-        self._finished: set[int] = set()
-        self._finished_order: deque[int] = deque()
+        self._finished = FinishedIds()
         # Detector ids older than the finished ones forgotten from memory count as finished too
         # (the detector's ids increase; local ones come from many agents, so not theirs).
         self._forgotten_below = 0
@@ -463,8 +495,7 @@ class SnapshotCore:
         self._check_ready()
         for snapshot_id in [k for k in self._recordings if k < LOCAL_ID_BASE]:
             del self._recordings[snapshot_id]
-        self._finished_order = deque(k for k in self._finished_order if k >= LOCAL_ID_BASE)
-        self._finished = set(self._finished_order)
+        self._finished.keep_only(lambda k: k >= LOCAL_ID_BASE)
         self._forgotten_below = 0
 
     def reset_outbound(self, dst: str, in_transit: int) -> tuple[Action, ...]:
@@ -521,15 +552,9 @@ class SnapshotCore:
 
     def _remember(self, snapshot_id: int) -> None:
         """Remember ``snapshot_id`` as finished, forgetting the oldest beyond the bounded memory."""
-        if snapshot_id in self._finished:
-            return
-        self._finished.add(snapshot_id)
-        self._finished_order.append(snapshot_id)
-        if len(self._finished_order) > _FINISHED_MEMORY:
-            forgotten = self._finished_order.popleft()
-            self._finished.discard(forgotten)
-            if forgotten < LOCAL_ID_BASE:
-                self._forgotten_below = max(self._forgotten_below, forgotten + 1)
+        forgotten = self._finished.add(snapshot_id)
+        if forgotten is not None and forgotten < LOCAL_ID_BASE:
+            self._forgotten_below = max(self._forgotten_below, forgotten + 1)
 
     def _record(self, src: str, messages: Sequence[AppMessage], first_arrival: int) -> tuple[Action, ...]:
         """Record a run of messages from ``src`` for every snapshot still recording that channel."""

@@ -85,7 +85,6 @@ driver passes them through uncounted (the detector refuses a channel to itself).
 from __future__ import annotations
 
 import re
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -95,6 +94,7 @@ from stablewatch.agents.core import (
     DEFAULT_MAX_RECORDED_BYTES,
     DEFAULT_MAX_RECORDINGS,
     LOCAL_ID_BASE,
+    FinishedIds,
     LocalProtocolError,
     RecordState,
     RemoteProtocolError,
@@ -128,8 +128,6 @@ _UINT64 = 1 << 64  # stamps' numbers go into uint64 fields
 # Plain ASCII digits (int() alone would take signs, spaces, underscores and other scripts' digits),
 # at most as many as 2**64 - 1 has; then a process id of printable ASCII, as gRPC metadata holds.
 _STAMP = re.compile(r"([0-9]{1,20})\.([0-9]{1,20})\.([0-9]{1,20})\.([ -~]+)")
-# How many finished snapshot ids are remembered, to ignore their late starts and targets.
-_FINISHED_MEMORY = 4096
 
 
 class StaleStamp(Exception):
@@ -254,8 +252,7 @@ class ColorCore:
         self._peers: dict[str, _Peer] = {}
         self._jumps: list[_Jump] = []  # kept jumps, in increasing ranges
         self._claims: dict[int, _Claim] = {}
-        self._finished: set[int] = set()
-        self._finished_order: deque[int] = deque()
+        self._finished = FinishedIds()
         self._arrivals = 0  # messages delivered from all peers
         self._awaiting: _Jump | None = None  # the jump whose state record_state must bring
 
@@ -500,7 +497,7 @@ class ColorCore:
         if claim is not None:
             self._end_claim(claim)
         else:
-            self._remember(snapshot_id)
+            self._finished.add(snapshot_id)
 
     def new_epoch(self) -> None:
         """The detector's id space changed: drop every jump and snapshot without a report.
@@ -510,8 +507,7 @@ class ColorCore:
         self._check_ready()
         self._jumps.clear()
         self._claims.clear()
-        self._finished.clear()
-        self._finished_order.clear()
+        self._finished = FinishedIds()
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -597,7 +593,7 @@ class ColorCore:
         del jump.claims[claim.snapshot_id]
         if not jump.claims:
             self._jumps.remove(jump)
-        self._remember(claim.snapshot_id)
+        self._finished.add(claim.snapshot_id)
 
     def _record(self, src: str, color: int, message: MessageSource) -> list[Action]:
         """Record a message of ``color`` from ``src`` in every jump above it; report channels it completes."""
@@ -673,14 +669,5 @@ class ColorCore:
 
     def _refuse(self, snapshot_id: int, reason: str) -> SnapshotFailed:
         """Fail a snapshot for good: remembered as finished, so its later starts and targets do nothing."""
-        self._remember(snapshot_id)
-        return SnapshotFailed(snapshot_id, f"process {self.process_id}: {reason}")
-
-    def _remember(self, snapshot_id: int) -> None:
-        """Remember ``snapshot_id`` as finished, forgetting the oldest beyond the bounded memory."""
-        if snapshot_id in self._finished:
-            return
         self._finished.add(snapshot_id)
-        self._finished_order.append(snapshot_id)
-        if len(self._finished_order) > _FINISHED_MEMORY:
-            self._finished.discard(self._finished_order.popleft())
+        return SnapshotFailed(snapshot_id, f"process {self.process_id}: {reason}")
