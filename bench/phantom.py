@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import statistics
@@ -47,6 +46,7 @@ import networkx as nx
 from cluster import Cluster, ring_links
 from rich.console import Console
 from rich.table import Table
+from side_by_side import watch_side_by_side
 
 from stablewatch.detector.evaluation import evaluate, wait_for_dot
 from stablewatch.v1 import query_pb2
@@ -185,26 +185,13 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         for host in [*(h for h in cluster.hosts if h is not first), first]:
             await host.ask("ring", "ring", order=ring, hold=args.hold)
         started, started_ns = time.monotonic(), time.time_ns()
-        done, stop_naive = asyncio.Event(), asyncio.Event()
-        observer = asyncio.ensure_future(observe_stablewatch(cluster, ring, started_ns, seen, done, args.snapshots))
-        naive = asyncio.ensure_future(poll_naively(cluster, rounds, stop_naive, extra=2))
-        waiting = asyncio.ensure_future(done.wait())
-        try:
-            # Until enough snapshots, the time limit, or either observer failing.
-            await asyncio.wait(
-                {waiting, observer, naive}, timeout=args.max_seconds, return_when=asyncio.FIRST_COMPLETED
-            )
-        finally:
-            elapsed = time.monotonic() - started
-            finished = done.is_set()
-            waiting.cancel()
-            stop_naive.set()
-            try:
-                await asyncio.wait_for(naive, 30)
-            finally:
-                observer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await observer
+        # Until enough snapshots, the time limit, or either observer failing.
+        finished, ended = await watch_side_by_side(
+            lambda done: observe_stablewatch(cluster, ring, started_ns, seen, done, args.snapshots),
+            lambda stop: poll_naively(cluster, rounds, stop, extra=2),
+            args.max_seconds,
+        )
+        elapsed = ended - started
         for snapshot_id in seen.phantoms[: args.explain]:
             print(explain_snapshot(cluster, snapshot_id, "stablewatch reported deadlock"), flush=True)
         for snapshot_id, tokens in seen.bad_token_count[: args.explain]:

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import statistics
@@ -54,6 +53,7 @@ import grpc
 import networkx as nx
 from rich.console import Console
 from rich.table import Table
+from side_by_side import watch_side_by_side
 
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.examples.shop import ROLES, WORKLOADS, read_status
@@ -195,25 +195,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             placed_before = (await asyncio.to_thread(read_status, admins["client"]))["counts"].get(
                 "/shop.Orders/Place", 0
             )
-            done, stop_naive = asyncio.Event(), asyncio.Event()
-            observer = asyncio.ensure_future(observe_stablewatch(detector, seen, done, args.snapshots))
-            naive = asyncio.ensure_future(poll_naively(admins, rounds, stop_naive, extra=3))
-            waiting = asyncio.ensure_future(done.wait())
-            try:
-                await asyncio.wait(
-                    {waiting, observer, naive}, timeout=args.max_seconds, return_when=asyncio.FIRST_COMPLETED
-                )
-            finally:
-                elapsed = time.monotonic() - started
-                finished = done.is_set()
-                waiting.cancel()
-                stop_naive.set()
-                try:
-                    await asyncio.wait_for(naive, 30)
-                finally:
-                    observer.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await observer
+            finished, ended = await watch_side_by_side(
+                lambda done: observe_stablewatch(detector, seen, done, args.snapshots),
+                lambda stop: poll_naively(admins, rounds, stop, extra=3),
+                args.max_seconds,
+            )
+            elapsed = ended - started
             shop.check_running()
         finally:
             # Teardown: snapshots in flight abort as the shop stops; not part of the measurement.
