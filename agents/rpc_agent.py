@@ -65,14 +65,14 @@ from stablewatch import __version__
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
 from stablewatch.agents.rpc_calls import (
-    CALL_KEY,
     BadStamp,
     IncomingCall,
     OutgoingCall,
     RefusedResponse,
     StaleResponse,
     WorkerPool,
-    stamp_entry,
+    request_entry,
+    split_request,
 )
 from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, StaleStamp, Stamp
 from stablewatch.agents.rpc_interceptors import (
@@ -87,7 +87,7 @@ from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import WAIT_MODEL_AND, LocalSnapshotPart, LocalState, RecordedMessage
 from stablewatch.v1.control_pb2 import ChannelTarget
 
-__all__ = ["CALL_KEY", "STAMP_KEY", "BadStamp", "RefusedResponse", "RpcAgent", "StaleResponse"]
+__all__ = ["STAMP_KEY", "BadStamp", "RefusedResponse", "RpcAgent", "StaleResponse"]
 
 _log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class RpcAgent:
             if instrumented:
                 self.metrics.stamped("request")
         if instrumented:
-            call.metadata = (stamp_entry(stamp), (CALL_KEY, str(seq)))
+            call.metadata = (request_entry(stamp, seq),)
         return call
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
@@ -334,13 +334,12 @@ class RpcAgent:
 
     def arrive(self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None) -> IncomingCall:
         """A request reaches the server's interceptor: take it in (recording first if its color asks)."""
-        stamp_text = seq = None
+        entry = None
         for key, value in metadata or ():
             if key == STAMP_KEY:
-                stamp_text = value
-            elif key == CALL_KEY:
-                seq = value
-        if stamp_text is None:
+                entry = value
+                break
+        if entry is None:
             call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, pool=pool)
             self.metrics.uninstrumented("inbound")
             if pool is not None:
@@ -348,11 +347,9 @@ class RpcAgent:
                     pool.arrive(call.name)
             return call
         try:
+            seq_text, stamp_text = split_request(entry)
             stamp = _decode(stamp_text)
-            seq_text = seq.decode() if isinstance(seq, bytes) else seq
-            if seq_text is None or not seq_text.isdigit():
-                raise RemoteProtocolError(f"metadata {CALL_KEY!r} must hold the call's sequence number")
-        except RemoteProtocolError as exc:
+        except (ValueError, RemoteProtocolError) as exc:
             return self._refuse(method, str(exc), pool)
         call = IncomingCall(f"{method}#{stamp.process_id}:{seq_text}", stamp.process_id, True, pool=pool)
         with self._lock:

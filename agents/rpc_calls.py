@@ -15,25 +15,41 @@ from stablewatch.agents.rpc_core import STAMP_KEY, Stamp
 from stablewatch.v1 import WAIT_MODEL_OR, Wait
 
 __all__ = [
-    "CALL_KEY",
     "BadStamp",
     "IncomingCall",
     "OutgoingCall",
     "RefusedResponse",
     "StaleResponse",
     "WorkerPool",
+    "request_entry",
+    "split_request",
     "stamp_entry",
 ]
-
-#: The metadata key carrying a request's call sequence number (the call's name is
-#: ``"{method}#{caller}:{seq}"``); the stamp itself travels under :data:`STAMP_KEY`.
-CALL_KEY = "stablewatch-call"
 
 
 @functools.lru_cache(maxsize=256)
 def stamp_entry(stamp: Stamp) -> tuple[str, str]:
-    """The metadata entry that carries ``stamp``."""
+    """The metadata entry that carries ``stamp`` on a response."""
     return (STAMP_KEY, stamp.encode())
+
+
+def request_entry(stamp: Stamp, seq: int) -> tuple[str, str]:
+    """The metadata entry of a request: ``{seq}:{stamp}``, the call's sequence number (its handler
+    task is ``"{method}#{caller}:{seq}"``) and the caller's stamp in one entry, since each entry
+    costs gRPC work on both sides."""
+    return (STAMP_KEY, f"{seq}:{stamp_entry(stamp)[1]}")
+
+
+def split_request(value: str | bytes) -> tuple[str, str | bytes]:
+    """A request's entry as (sequence number, stamp text); ValueError if it holds no sequence number.
+
+    The first ``:`` ends the number: a stamp starts with its color's digits, and only its process id
+    (last) may hold a ``:``."""
+    text = value.decode(errors="replace") if isinstance(value, bytes) else value
+    seq, colon, stamp = text.partition(":")
+    if not colon or not (seq.isascii() and seq.isdigit()) or len(seq) > 20:
+        raise ValueError(f"request stamp {text[:80]!r} is not seq:color.incarnation.session.process_id")
+    return seq, stamp if isinstance(value, str) else value[len(seq) + 1 :]
 
 
 class RefusedResponse(grpc.RpcError):

@@ -5,9 +5,10 @@ They are thin: each translates a gRPC event into one call of :class:`~stablewatc
 
 What travels (gRPC has metadata per call, not per message):
 
-* A request carries its caller's stamp under ``stablewatch-stamp`` and the call's sequence number under
-  ``stablewatch-call`` in its initial metadata. A response carries the server's stamp in the trailing
-  metadata, set when the handler ends (returns, raises or aborts). So every call is two messages of the
+* A request carries the call's sequence number and its caller's stamp in one entry of its initial
+  metadata, ``stablewatch-stamp: {seq}:{stamp}`` (one entry: each costs gRPC work on both sides). A
+  response carries the server's stamp under the same key in the trailing metadata, set when the
+  handler ends (returns, raises or aborts). So every call is two messages of the
   protocol: its opening, q -> p, and its end, p -> q. The messages inside a stream carry no stamp and are
   not counted: they are data of the call, never part of a channel state.
 * Server side, the request is taken in (counted, recording first if its color asks) when the

@@ -10,6 +10,9 @@ Both agents attach to a detector in this process. Four cases:
 * ``plain``: the plain channel to the plain server;
 * ``no-op interceptors``: a channel and a server with interceptors that only pass each call on:
   what gRPC's interceptor machinery costs before the agent does anything (a floor);
+* ``stamp-only interceptors``: interceptors that only carry a constant stamp-sized metadata entry
+  on each request and each response (the server's wraps the handler to set it): the floor of any
+  interceptor that tells the other side something on every call, as a coloring protocol must;
 * ``intercepted``: the agent's interceptors on both sides, the detector taking no snapshot;
 * ``intercepted+snapshots``: the same while the detector's own scheduler takes a snapshot every
   0.1 s (10 a second, at most 2 at once: what ``stablewatch detector --interval 0.1`` does).
@@ -21,25 +24,39 @@ same two processes (the other servers idle while one is measured), so the machin
 drift hit every case alike. Ratios are computed within each round and summarized by their median
 and spread (lowest and highest round).
 
-The last line is one JSON object: ``plain_p50_us``, ``noop_p50_us``, ``intercepted_p50_us``,
-``with_snapshots_p50_us`` (medians over rounds) and their ``*_spread``; ``overhead_p50``
-(intercepted p50 / plain p50 - 1), ``overhead_p50_with_snapshots`` and ``noop_overhead_p50`` (the
-floor); ``throughput_ratio`` (intercepted calls/s over plain) and
-``throughput_ratio_with_snapshots``, each with its spread; the p99s and calls/s of every case;
-``snapshots_per_s`` (what the detector achieved while measured) and ``snapshots_completed``; and
-the ``targets``: p50 overhead <= 5 %, throughput >= 0.95 x plain, with and without snapshots.
+The last line is one JSON object: ``plain_p50_us``, ``noop_p50_us``, ``stamp_only_p50_us``,
+``intercepted_p50_us``, ``with_snapshots_p50_us`` (medians over rounds) and their ``*_spread``;
+``overhead_p50`` (intercepted p50 / plain p50 - 1), ``overhead_p50_with_snapshots``, and the
+floors ``noop_overhead_p50`` and ``stamp_only_overhead_p50``; the CPU time per call of each case,
+both processes together (``*_cpu_us_per_call``) and each (``*_client_cpu_us``,
+``*_server_cpu_us``), read from /proc over the measured window; ``cpu_overhead`` (intercepted over
+plain, - 1), ``cpu_overhead_with_snapshots`` and the floors' ``noop_cpu_overhead`` and
+``stamp_only_cpu_overhead`` (CPU per call is the steadiest measure here: on 2 cores every
+microsecond of it is taken from some call's latency or throughput); ``throughput_ratio``
+(intercepted calls/s over plain) and ``throughput_ratio_with_snapshots``, each with its spread;
+the p99s and calls/s of every case; ``snapshots_per_s`` (what the detector achieved while
+measured) and ``snapshots_completed``; and the ``targets``: p50 overhead <= 5 %, throughput
+>= 0.95 x plain, with and without snapshots.
 
-    python bench/rpc_overhead.py [--seconds 5] [--warmup 1] [--rounds 5] [--concurrency 4]
+    python bench/rpc_overhead.py [--seconds 10] [--warmup 1] [--rounds 5] [--concurrency 4] [--probe]
 
-A full run takes about 4 x (warm-up + seconds) x rounds + 5 seconds: about 2 minutes by default.
+``--probe`` times the agent's own steps where they run, in the two processes: each entry point of
+the agent and of its interceptors is wrapped to add up the thread CPU time it takes (each wrapper
+adds the cost of two ``thread_time_ns`` calls, about a microsecond). At the end each process prints
+one line to stderr, ``probe <role> {step: [CPU µs per call, calls]}``: what the agent's Python
+costs in place, to set beside the CPU per call of the cases.
+
+A full run takes about 5 x (warm-up + seconds) x rounds + 5 seconds: about 5 minutes by default.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import contextlib
 import json
+import os
 import statistics
 import sys
 import threading
@@ -47,6 +64,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import grpc
 from child import Child
@@ -58,13 +76,15 @@ from stablewatch.v1 import control_pb2_grpc
 
 ECHO = "/bench.Echo/Call"
 PAYLOAD = b"x" * 64
-CASES = ("plain", "no-op interceptors", "intercepted", "intercepted+snapshots")
+CASES = ("plain", "no-op interceptors", "stamp-only interceptors", "intercepted", "intercepted+snapshots")
 CHANNEL = {
     "plain": "plain",
     "no-op interceptors": "noop",
+    "stamp-only interceptors": "stamp_only",
     "intercepted": "intercepted",
     "intercepted+snapshots": "intercepted",
 }
+FLOOR_STAMP = ("stablewatch-stamp", "17:1764000000000000.1764000000000000.0.client")
 
 
 class NoopServerInterceptor(grpc.ServerInterceptor):
@@ -79,11 +99,91 @@ class NoopClientInterceptor(grpc.UnaryUnaryClientInterceptor):
         return continuation(client_call_details, request)
 
 
+class StampOnlyServerInterceptor(grpc.ServerInterceptor):
+    """Wraps each call's handler to set one stamp-sized trailing metadata entry, and nothing more."""
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        behavior = handler.unary_unary
+
+        def stamped(request, context):
+            try:
+                return behavior(request, context)
+            finally:
+                context.set_trailing_metadata((FLOOR_STAMP,))
+
+        return handler._replace(unary_unary=stamped)
+
+
+class _Details(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: object
+    credentials: object
+    wait_for_ready: bool | None
+    compression: object
+
+
+class _CallDetails(_Details, grpc.ClientCallDetails):
+    pass
+
+
+class StampOnlyClientInterceptor(grpc.UnaryUnaryClientInterceptor):
+    """Adds one stamp-sized metadata entry to each request and reads the response's, and nothing more."""
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        details = client_call_details
+        metadata = (*details.metadata, FLOOR_STAMP) if details.metadata else (FLOOR_STAMP,)
+        new = _CallDetails(details.method, details.timeout, metadata, details.credentials, None, None)
+        outcome = continuation(new, request)
+        outcome.trailing_metadata()
+        return outcome
+
+
 SNAPSHOTS_PER_S = 10.0
 
 
 def emit(**fields: object) -> None:
     print(json.dumps(fields), flush=True)
+
+
+PROBED = {
+    "agent": ("arrive", "handler_started", "respond", "call_out", "call_returned"),
+    "interceptors": ("_wrap", "_details_with", "_stamp_of", "current_task_name"),
+}
+
+
+def install_probe(role: str) -> None:
+    """Wrap the agent's and the interceptors' steps to add up their thread CPU time; print it at exit."""
+    from stablewatch.agents import rpc_agent, rpc_interceptors
+
+    cost: dict[str, int] = {}
+    calls: dict[str, int] = {}
+
+    def timed(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+        clock = time.thread_time_ns
+
+        def step(*args: object, **kwargs: object) -> object:
+            began = clock()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                cost[name] = cost.get(name, 0) + clock() - began
+                calls[name] = calls.get(name, 0) + 1
+
+        setattr(owner, name, step)
+
+    for name in PROBED["agent"]:
+        timed(rpc_agent.RpcAgent, name)
+    for name in PROBED["interceptors"]:
+        timed(rpc_interceptors, name)
+
+    def report() -> None:
+        steps = {name: [round(cost[name] / calls[name] / 1000, 2), calls[name]] for name in cost}
+        print(f"probe {role} {json.dumps(steps)}", file=sys.stderr, flush=True)
+
+    atexit.register(report)
 
 
 def echo_handler() -> grpc.GenericRpcHandler:
@@ -107,6 +207,7 @@ def serve(args: argparse.Namespace) -> None:
     kinds = (
         ("plain", []),
         ("noop", [NoopServerInterceptor()]),
+        ("stamp_only", [StampOnlyServerInterceptor()]),
         ("intercepted", [agent.server_interceptor(workers=args.workers)]),
     )
     for kind, interceptors in kinds:
@@ -130,6 +231,9 @@ def call(args: argparse.Namespace) -> None:
     channels = {
         "plain": grpc.insecure_channel(addresses["plain"]),
         "noop": grpc.intercept_channel(grpc.insecure_channel(addresses["noop"]), NoopClientInterceptor()),
+        "stamp_only": grpc.intercept_channel(
+            grpc.insecure_channel(addresses["stamp_only"]), StampOnlyClientInterceptor()
+        ),
         "intercepted": grpc.intercept_channel(
             grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor("server")
         ),
@@ -140,14 +244,34 @@ def call(args: argparse.Namespace) -> None:
     emit(ready=True)
     for line in sys.stdin:
         phase = json.loads(line)
-        emit(**measure(methods[phase["channel"]], args.concurrency, phase["warmup"], phase["seconds"]))
+        method = methods[phase["channel"]]
+        emit(**measure(method, args.concurrency, phase["warmup"], phase["seconds"], args.server_pid))
     for channel in channels.values():
         channel.close()
     agent.stop()
 
 
-def measure(method: grpc.UnaryUnaryMultiCallable, concurrency: int, warmup: float, seconds: float) -> dict:
-    """`concurrency` closed-loop callers for warmup + seconds; the calls started in the measured window."""
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process ``pid`` has used, from /proc."""
+    with open(f"/proc/{pid}/stat") as stat:
+        fields = stat.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def sample_cpu(server_pid: int, start: float, end: float, samples: list[tuple[float, float]]) -> None:
+    """The client's and the server's CPU time at ``start`` and at ``end`` (monotonic), into ``samples``."""
+    for moment in (start, end):
+        delay = moment - time.monotonic()
+        if delay > 0:
+            threading.Event().wait(delay)  # a timer, not a wait for an event: nothing signals it
+        samples.append((cpu_seconds(os.getpid()), cpu_seconds(server_pid)))
+
+
+def measure(
+    method: grpc.UnaryUnaryMultiCallable, concurrency: int, warmup: float, seconds: float, server_pid: int
+) -> dict:
+    """`concurrency` closed-loop callers for warmup + seconds; the calls started in the measured window,
+    and the CPU time both processes spent in it."""
     start = time.monotonic() + warmup
     end = start + seconds
     start_ns, end_ns = int(start * 1e9), int(end * 1e9)
@@ -166,7 +290,9 @@ def measure(method: grpc.UnaryUnaryMultiCallable, concurrency: int, warmup: floa
                 mine.append(done - began)
                 completed_at[number] = done
 
+    cpu: list[tuple[float, float]] = []
     threads = [threading.Thread(target=loop, args=(latencies[n], n)) for n in range(concurrency)]
+    threads.append(threading.Thread(target=sample_cpu, args=(server_pid, start, end, cpu)))
     for thread in threads:
         thread.start()
     for thread in threads:
@@ -179,6 +305,8 @@ def measure(method: grpc.UnaryUnaryMultiCallable, concurrency: int, warmup: floa
         "per_s": len(samples) / window,
         "p50_us": samples[len(samples) // 2] / 1000,
         "p99_us": samples[min(len(samples) - 1, int(len(samples) * 0.99))] / 1000,
+        "client_cpu_s": cpu[1][0] - cpu[0][0],
+        "server_cpu_s": cpu[1][1] - cpu[0][1],
     }
 
 
@@ -196,7 +324,14 @@ class Phase:
     p99_us: float
     per_s: float
     seconds: float
+    client_cpu_us: float  # CPU per call, client process
+    server_cpu_us: float  # CPU per call, server process
     snapshots: int = 0
+
+    @property
+    def cpu_us(self) -> float:
+        """CPU per call, both processes."""
+        return self.client_cpu_us + self.server_cpu_us
 
 
 async def take_snapshots(coordinator: Coordinator, completed: list[float]) -> None:
@@ -228,7 +363,9 @@ async def run_phase(client: Child, case: str, args: argparse.Namespace, coordina
                 await snapshots
     start, end = result["window"]
     taken = sum(start <= t <= end for t in completed)
-    return Phase(result["p50_us"], result["p99_us"], result["per_s"], end - start, taken)
+    calls = result["calls"] or 1
+    client_cpu, server_cpu = result["client_cpu_s"] * 1e6 / calls, result["server_cpu_s"] * 1e6 / calls
+    return Phase(result["p50_us"], result["p99_us"], result["per_s"], end - start, client_cpu, server_cpu, taken)
 
 
 async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
@@ -240,7 +377,8 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
     server = client = None
     rounds: list[dict[str, Phase]] = []
     try:
-        server = await Child.start(__file__, "server", "--detector", detector, "--workers", str(args.workers))
+        probe = ["--probe"] if args.probe else []
+        server = await Child.start(__file__, "server", "--detector", detector, "--workers", str(args.workers), *probe)
         addresses = await server.read()
         client = await Child.start(
             __file__,
@@ -251,6 +389,9 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
             json.dumps(addresses),
             "--concurrency",
             str(args.concurrency),
+            "--server-pid",
+            str(server.process.pid),
+            *probe,
         )
         await client.read()  # ready: both channels connected
         deadline = time.monotonic() + 30
@@ -294,9 +435,15 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
     snapshot_seconds = sum(r["intercepted+snapshots"].seconds for r in rounds)
     median = statistics.median
     floor = per_round(lambda r: r["no-op interceptors"].p50_us / r["plain"].p50_us - 1)
+    cpu_floor = per_round(lambda r: r["no-op interceptors"].cpu_us / r["plain"].cpu_us - 1)
+    stamp_floor = per_round(lambda r: r["stamp-only interceptors"].p50_us / r["plain"].p50_us - 1)
+    stamp_cpu_floor = per_round(lambda r: r["stamp-only interceptors"].cpu_us / r["plain"].cpu_us - 1)
+    cpu_overhead = per_round(lambda r: r["intercepted"].cpu_us / r["plain"].cpu_us - 1)
+    cpu_overhead_snap = per_round(lambda r: r["intercepted+snapshots"].cpu_us / r["plain"].cpu_us - 1)
     keys = {
         "plain": "plain",
         "no-op interceptors": "noop",
+        "stamp-only interceptors": "stamp_only",
         "intercepted": "intercepted",
         "intercepted+snapshots": "with_snapshots",
     }
@@ -309,6 +456,9 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
         result[f"{key}_p99_us"] = round(median(p99[case]), 1)
         result[f"{key}_calls_per_s"] = round(median(rate[case]))
         result[f"{key}_calls_per_s_spread"] = spread(rate[case], 0)
+        result[f"{key}_cpu_us_per_call"] = round(median(per_round(lambda r, c=case: r[c].cpu_us)), 1)
+        result[f"{key}_client_cpu_us"] = round(median(per_round(lambda r, c=case: r[c].client_cpu_us)), 1)
+        result[f"{key}_server_cpu_us"] = round(median(per_round(lambda r, c=case: r[c].server_cpu_us)), 1)
     result |= {
         "noop_overhead_p50": round(median(floor), 4),
         "noop_overhead_p50_spread": spread(floor),
@@ -316,6 +466,16 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
         "overhead_p50_spread": spread(overhead),
         "overhead_p50_with_snapshots": round(median(overhead_snap), 4),
         "overhead_p50_with_snapshots_spread": spread(overhead_snap),
+        "noop_cpu_overhead": round(median(cpu_floor), 4),
+        "noop_cpu_overhead_spread": spread(cpu_floor),
+        "stamp_only_overhead_p50": round(median(stamp_floor), 4),
+        "stamp_only_overhead_p50_spread": spread(stamp_floor),
+        "stamp_only_cpu_overhead": round(median(stamp_cpu_floor), 4),
+        "stamp_only_cpu_overhead_spread": spread(stamp_cpu_floor),
+        "cpu_overhead": round(median(cpu_overhead), 4),
+        "cpu_overhead_spread": spread(cpu_overhead),
+        "cpu_overhead_with_snapshots": round(median(cpu_overhead_snap), 4),
+        "cpu_overhead_with_snapshots_spread": spread(cpu_overhead_snap),
         "throughput_ratio": round(median(ratio), 4),
         "throughput_ratio_spread": spread(ratio),
         "throughput_ratio_with_snapshots": round(median(ratio_snap), 4),
@@ -351,13 +511,25 @@ def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result
     for case in CASES:
         values = [r[case].per_s for r in rounds]
         table.add_row(f"{case} calls/s", f"{statistics.median(values):,.0f}", *(f"{v:,.0f}" for v in values), "")
+    for case in CASES:
+        values = [r[case].cpu_us for r in rounds]
+        table.add_row(f"{case} CPU µs/call", f"{statistics.median(values):.0f}", *(f"{v:.0f}" for v in values), "")
     for label, case, target in (
         ("p50 overhead, no-op interceptors", "no-op interceptors", ""),
+        ("p50 overhead, stamp-only interceptors", "stamp-only interceptors", ""),
         ("p50 overhead", "intercepted", "<= 0.05"),
         ("p50 overhead, snapshots", "intercepted+snapshots", "<= 0.05"),
     ):
         values = [r[case].p50_us / r["plain"].p50_us - 1 for r in rounds]
         table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), target)
+    for label, case in (
+        ("CPU overhead, no-op interceptors", "no-op interceptors"),
+        ("CPU overhead, stamp-only interceptors", "stamp-only interceptors"),
+        ("CPU overhead", "intercepted"),
+        ("CPU overhead, snapshots", "intercepted+snapshots"),
+    ):
+        values = [r[case].cpu_us / r["plain"].cpu_us - 1 for r in rounds]
+        table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), "")
     for label, case in (("throughput ratio", "intercepted"), ("throughput ratio, snapshots", "intercepted+snapshots")):
         values = [r[case].per_s / r["plain"].per_s for r in rounds]
         table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), ">= 0.95")
@@ -368,16 +540,20 @@ def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--seconds", type=float, default=5.0, help="seconds measured per case and round (5)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="seconds measured per case and round (10)")
     parser.add_argument("--warmup", type=float, default=1.0, help="seconds of each case before measuring (1)")
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     parser.add_argument("--concurrency", type=int, default=4, help="client threads calling at once (4)")
     parser.add_argument("--workers", type=int, default=4, help="worker threads of each server (4)")
+    parser.add_argument("--probe", action="store_true", help="time the agent's steps in place (see above)")
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--detector", help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
+    parser.add_argument("--server-pid", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.role:
+        if args.probe:
+            install_probe(args.role)
         ROLES[args.role](args)
         return
     rounds = asyncio.run(orchestrate(args))

@@ -87,11 +87,14 @@ def test_rpc_phantom_benchmark_prints_its_json_line() -> None:
 def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     sizes = ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "2", "--concurrency", "2"]
     result = bench_json("rpc_overhead.py", *sizes, timeout=150)
-    for case in ("plain", "noop", "intercepted", "with_snapshots"):
+    for case in ("plain", "noop", "stamp_only", "intercepted", "with_snapshots"):
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
         assert result[f"{case}_calls_per_s"] > 0, (case, result)
-    for key in ("noop_overhead_p50", "overhead_p50", "overhead_p50_with_snapshots", "throughput_ratio"):
+        cpu = result[f"{case}_cpu_us_per_call"]
+        assert cpu > 0 and result[f"{case}_client_cpu_us"] + result[f"{case}_server_cpu_us"] >= cpu - 0.2, result
+    keys = ("noop_overhead_p50", "stamp_only_overhead_p50", "overhead_p50", "overhead_p50_with_snapshots")
+    for key in (*keys, "throughput_ratio", "cpu_overhead", "stamp_only_cpu_overhead", "noop_cpu_overhead"):
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
     assert result["throughput_ratio"] > 0

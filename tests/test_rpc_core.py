@@ -26,6 +26,7 @@ from stablewatch.agents.core import (
     ReportPart,
     SnapshotFailed,
 )
+from stablewatch.agents.rpc_calls import request_entry, split_request
 from stablewatch.agents.rpc_core import (
     DEFAULT_MAX_SKEW,
     STAMP_KEY,
@@ -167,6 +168,23 @@ def test_stamp_round_trip_keeps_a_process_id_with_dots() -> None:
 def test_stamp_decode_rejects_malformed_text(text: str | bytes) -> None:
     with pytest.raises(RemoteProtocolError):
         Stamp.decode(text)
+
+
+def test_a_request_entry_carries_its_sequence_number_and_stamp_in_one() -> None:
+    stamp = Stamp(5, 1, 0, "orders:8080")
+    key, value = request_entry(stamp, 17)
+    assert (key, value) == (STAMP_KEY, "17:5.1.0.orders:8080")
+    assert split_request(value) == ("17", "5.1.0.orders:8080")
+    assert split_request(value.encode()) == ("17", b"5.1.0.orders:8080")
+    assert Stamp.decode(split_request(value)[1]) == stamp
+
+
+@pytest.mark.parametrize(
+    "value", ["5.1.0.orders:8080", ":5.1.0.p", "x:5.1.0.p", "١:5.1.0.p", "9" * 21 + ":5.1.0.p", ""]
+)
+def test_a_request_entry_without_a_sequence_number_is_refused(value: str) -> None:
+    with pytest.raises(ValueError, match="seq:color"):
+        split_request(value)
 
 
 # -- sends, starts and parts ----------------------------------------------------------------------

@@ -163,7 +163,7 @@ def test_a_churning_call_graph_reports_no_deadlock(running: Running) -> None:
 
 @pytest.mark.parametrize(
     ("stamp", "why"),
-    [("garbage", "stamp"), ("-1.0.0.X", "stamp"), (f"{(1 << 62)}.1.0.X", "color")],
+    [("1:garbage", "stamp"), ("1:-1.0.0.X", "stamp"), (f"1:{(1 << 62)}.1.0.X", "color"), ("0.0.0.X", "seq")],
 )
 def test_a_bad_stamp_is_refused_with_invalid_argument_and_counted(running: Running, stamp: str, why: str) -> None:
     s_agent = agent(running, "S")
@@ -171,7 +171,7 @@ def test_a_bad_stamp_is_refused_with_invalid_argument_and_counted(running: Runni
     service = Service({"Echo": lambda request, context: handled.append(request) or request}, s_agent)
     try:
         with grpc.insecure_channel(service.address) as channel, pytest.raises(grpc.RpcError) as refused:
-            call(channel, "Echo", b"x", metadata=((STAMP_KEY, stamp), ("stablewatch-call", "1")), timeout=10)
+            call(channel, "Echo", b"x", metadata=((STAMP_KEY, stamp),), timeout=10)
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "bad stamp" in refused.value.details() and why in refused.value.details()
         assert not handled
