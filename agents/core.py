@@ -82,7 +82,6 @@ from typing import NamedTuple
 
 from stablewatch.v1 import (
     AckPosition,
-    InboundChannelState,
     LocalSnapshotPart,
     LocalState,
     OutboundCount,
@@ -407,7 +406,8 @@ class SnapshotCore:
             OutboundCount(dst=dst, sent_before_marker=self._sent[dst], ack_seen=seen.get(dst))
             for dst in self.outbound_channels
         )
-        part.inbound.extend(self._inbound_state(recording, src) for src in sorted(recording.closed))
+        for src in sorted(recording.closed):
+            self._add_inbound_state(part, recording, src)
         return (ReportPart(part),)
 
     def receive_message(self, src: str, message: AppMessage) -> tuple[Action, ...]:
@@ -457,7 +457,7 @@ class SnapshotCore:
         if recording.failed:
             return _NOTHING
         part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
-        part.inbound.append(self._inbound_state(recording, src))
+        self._add_inbound_state(part, recording, src)
         return (ReportPart(part),)
 
     def receive(self, src: str, entry: Entry, *, now: float | None = None) -> tuple[Action, ...]:
@@ -614,8 +614,10 @@ class SnapshotCore:
                 actions.append(ReportPart(part))
         return tuple(actions)
 
-    def _inbound_state(self, recording: _Recording, src: str) -> InboundChannelState:
-        state = InboundChannelState(
+    def _add_inbound_state(self, part: LocalSnapshotPart, recording: _Recording, src: str) -> None:
+        """Add channel ``src``'s state to ``part``, built in place: appending a finished one would
+        copy every recorded message (a snapshot's largest cost, proportional to what was in flight)."""
+        state = part.inbound.add(
             src=src, received_before_recording=recording.received_at_record.get(src, 0), acked=recording.acked.get(src)
         )
         add = state.messages.add
@@ -627,7 +629,6 @@ class SnapshotCore:
                     )
                 else:
                     add(payload=message.payload, receive_index=index)
-        return state
 
     def _fail_running(self, reason: str, unless_closed: str | None = None) -> tuple[Action, ...]:
         """Fail every running snapshot (but those whose marker on ``unless_closed`` already came)."""

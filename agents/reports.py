@@ -26,9 +26,18 @@ DEFAULT_REPORT_WINDOW = 0.05
 
 @dataclass(slots=True)
 class _Held:
-    part: LocalSnapshotPart
+    parts: list[LocalSnapshotPart]  # the state part first
     waiting: set[str]  # inbound channels whose part has not come yet
     timer: asyncio.TimerHandle
+
+    def merged(self) -> LocalSnapshotPart:
+        """One part of them all, merged into the one with the most recorded messages: merging
+        copies, and a channel state can hold thousands of messages."""
+        base = max(self.parts, key=lambda part: sum(len(channel.messages) for channel in part.inbound))
+        for part in self.parts:
+            if part is not base:
+                base.MergeFrom(part)
+        return base
 
 
 class ReportGatherer:
@@ -56,9 +65,9 @@ class ReportGatherer:
                 self._send(part)
                 return
             timer = asyncio.get_running_loop().call_later(self._window, self.flush, part.snapshot_id)
-            self._held[part.snapshot_id] = _Held(part, waiting, timer)
+            self._held[part.snapshot_id] = _Held([part], waiting, timer)
             return
-        held.part.MergeFrom(part)
+        held.parts.append(part)
         held.waiting.difference_update(channel.src for channel in part.inbound)
         if not held.waiting:
             self.flush(part.snapshot_id)
@@ -68,7 +77,7 @@ class ReportGatherer:
         held = self._held.pop(snapshot_id, None)
         if held is not None:
             held.timer.cancel()
-            self._send(held.part)
+            self._send(held.merged())
 
     def drop(self, snapshot_id: int) -> None:
         """Forget ``snapshot_id``'s report (it failed or finished: the detector no longer wants it)."""

@@ -101,7 +101,7 @@ from stablewatch.agents.core import (
     ReportPart,
     SnapshotFailed,
 )
-from stablewatch.v1 import InboundChannelState, LocalSnapshotPart, LocalState, OutboundCount, RecordedMessage
+from stablewatch.v1 import LocalSnapshotPart, LocalState, OutboundCount, RecordedMessage
 
 __all__ = [
     "DEFAULT_MAX_SKEW",
@@ -642,18 +642,17 @@ class ColorCore:
         return part
 
     def _channel_part(self, claim: _Claim, src: str, channel: _Channel) -> LocalSnapshotPart:
+        part = LocalSnapshotPart(snapshot_id=claim.snapshot_id, process_id=self.process_id)
+        # Built in place: appending a finished channel state would copy every recorded message.
         # The view is still the one the counts were taken in: a change would have failed the jump.
-        state = InboundChannelState(
-            src=src, received_before_recording=channel.received_before, session=self._peers[src].view
-        )
+        view = self._peers[src].view
+        state = part.inbound.add(src=src, received_before_recording=channel.received_before, session=view)
         add = state.messages.add
         for color, arrival, message in channel.recorded:
             if color < claim.snapshot_id:
                 entry = add()
                 entry.CopyFrom(message)
                 entry.receive_index = arrival
-        part = LocalSnapshotPart(snapshot_id=claim.snapshot_id, process_id=self.process_id)
-        part.inbound.append(state)
         return part
 
     def _fail_jump(self, jump: _Jump, reason: str) -> list[Action]:

@@ -10,8 +10,9 @@ the spread (lowest and highest round):
 * ``decode``: the messages of a 512-entry frame, built in C (``frames.decode``) against a list
   comprehension of ``AppMessage(payload)``;
 * ``part``: 2 000 messages in flight recorded by the core and turned into a part's
-  ``InboundChannelState`` when the marker arrives, and that part serialized (what the receiver
-  pays per snapshot);
+  ``InboundChannelState`` when the marker arrives (built in place in the part) against the former
+  way (a channel state built on its own, then appended to the part, which copied every message),
+  and that part serialized (what the receiver pays per snapshot);
 * ``assembly``: a 2 000-message channel put into the global snapshot with ``add()`` against the
   former ``append(ChannelSnapshot(...))``, which copied the messages twice.
 
@@ -50,7 +51,7 @@ def per_item(run: Callable[[], int], seconds: float) -> float:
     return elapsed / items
 
 
-def build_channel() -> InboundChannelState:
+def build_part() -> LocalSnapshotPart:
     """The receiver's own path: record, take RECORDED in flight on ``a -> b``, close it by the marker."""
     core = SnapshotCore("b")
     (record,) = core.start_snapshot(1, now=0.0)
@@ -59,10 +60,22 @@ def build_channel() -> InboundChannelState:
     core.receive_messages("a", RECORDED)
     (report,) = core.receive_marker("a", 1)
     assert isinstance(report, ReportPart)
-    return report.part.inbound[0]
+    return report.part
 
 
-CHANNEL = build_channel()
+PART = build_part()
+CHANNEL = PART.inbound[0]
+
+
+def build_part_before() -> LocalSnapshotPart:
+    """The former way: the channel state built on its own, then appended (a copy of each message)."""
+    state = InboundChannelState(src="a", received_before_recording=0)
+    add = state.messages.add
+    for index, message in enumerate(RECORDED, start=1):
+        add(payload=message.payload, receive_index=index)
+    part = LocalSnapshotPart(snapshot_id=1, process_id="b")
+    part.inbound.append(state)
+    return part
 
 
 def sync_cases() -> dict[str, Callable[[], int]]:
@@ -73,12 +86,13 @@ def sync_cases() -> dict[str, Callable[[], int]]:
         return len([AppMessage(payload) for payload in FRAME.payloads])
 
     def part_build() -> int:
-        return len(build_channel().messages)
+        return len(build_part().inbound[0].messages)
+
+    def part_build_before() -> int:
+        return len(build_part_before().inbound[0].messages)
 
     def part_serialize() -> int:
-        part = LocalSnapshotPart(snapshot_id=1, process_id="b")
-        part.inbound.append(CHANNEL)
-        part.SerializeToString()
+        PART.SerializeToString()
         return len(CHANNEL.messages)
 
     def assembly_add() -> int:
@@ -93,6 +107,7 @@ def sync_cases() -> dict[str, Callable[[], int]]:
         "decode": decode_in_c,
         "decode_before": decode_listcomp,
         "part_build": part_build,
+        "part_build_before": part_build_before,
         "part_serialize": part_serialize,
         "assembly": assembly_add,
         "assembly_before": assembly_append,

@@ -63,6 +63,24 @@ def test_the_channels_open_at_recording_go_with_the_state_in_one_report() -> Non
     assert [(c.dst, c.sent_before_marker) for c in report.outbound] == [("q", 3)]
 
 
+def test_the_report_is_merged_into_its_largest_channel_so_the_recorded_messages_are_not_copied() -> None:
+    big = channel_part("b")
+    big.inbound[0].messages.add(payload=b"in flight", receive_index=7)
+
+    async def body(gatherer: ReportGatherer) -> None:
+        gatherer.add(state_part(closed=("a",)), open_channels=["a", "b", "c"])
+        gatherer.add(big)
+        gatherer.add(channel_part("c", received=5))
+
+    (report,) = run(body, window=30)
+    assert report is big  # the others were merged into it
+    assert report.state == LocalState(active=True)
+    assert [(c.dst, c.sent_before_marker) for c in report.outbound] == [("q", 3)]
+    assert sorted(c.src for c in report.inbound) == ["a", "b", "c"]
+    (b,) = [c for c in report.inbound if c.src == "b"]
+    assert [(m.payload, m.receive_index) for m in b.messages] == [(b"in flight", 7)]
+
+
 def test_the_window_bounds_the_wait_and_later_channels_go_alone() -> None:
     async def body(gatherer: ReportGatherer) -> None:
         gatherer.add(state_part(), open_channels=["a", "b"])
