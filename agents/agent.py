@@ -303,6 +303,18 @@ class Agent:
         (see the module docstring: *Recording is atomic*, *Flow-control waits*).
         """
         channel = self._outbound.get(dest) or self._open(dest)
+        # The hot path of every message: a plain one with room in the window is counted and queued
+        # here, with no await between (the general case is _send_now's).
+        if (
+            counters is None
+            and wakes
+            and type(payload) is bytes
+            and len(payload) <= self._max_message_bytes
+            and channel.has_space()
+        ):
+            self._core.send(dest)
+            channel.push(payload, len(payload) + ENTRY_OVERHEAD)
+            return
         if not channel.has_space():
             await self._wait_for_space(channel)
         self._send_now(channel, dest, payload, counters, wakes)
