@@ -21,7 +21,11 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   seconds (None when the detector sent 0): the agent drops its recording of ``k`` after that long.
 * **Epochs.** When a registration reports another ``detector_epoch`` than the one before (a new
   detector store: its ids start again), ``on_epoch(epoch)`` runs before any start of the new
-  stream, so the agent can forget every snapshot of the old epoch.
+  stream, so the agent can forget every snapshot of the old epoch. Markers from agents that
+  already follow the new detector do not wait for the control stream, so the agent must not take
+  part before it has forgotten: it registers with the epoch it follows (``known_epoch``), and when
+  that is another one the detector admits it to snapshots only once a heartbeat, sent as soon as
+  ``on_epoch`` has returned, carries the new epoch.
 * **Forget on loss.** When the stream breaks, queued messages are dropped and ``on_finish(k)`` is
   called for every snapshot started through this client and not yet finished: the detector aborts
   them, so the agent must not keep recording them. Starts and channel targets still waiting to
@@ -149,11 +153,12 @@ class ControlClient:
         self._run_task: asyncio.Task[None] | None = None
         self._jobs_task: asyncio.Task[None] | None = None
         self._jobs: asyncio.Queue[_Job] = asyncio.Queue()
-        self._outbox: asyncio.Queue[AgentMessage] | None = None  # set exactly while registered
+        self._outbox: asyncio.Queue[AgentMessage] | None = None  # set while registering and registered
         self._connected = asyncio.Event()
         self._generation = 0  # bumped when a registered stream is lost; stale starts are skipped
         self._open: set[int] = set()  # snapshots passed to on_start and not yet to on_finish
         self._epoch: int | None = None  # the detector epoch of the latest registration
+        self._followed_epoch = 0  # the epoch whose ids the agent follows: on_epoch has run for it
         self._heartbeats = 0
         self._dropped = 0
 
@@ -161,13 +166,14 @@ class ControlClient:
 
     @property
     def dropped(self) -> int:
-        """Outgoing messages lost: the queue was full, or they were still queued when the stream broke."""
+        """Outgoing messages lost: the queue was full, or they were still queued when the stream broke
+        or its registration failed."""
         return self._dropped
 
     @property
     def connected(self) -> bool:
         """Whether the detector has accepted the registration on the current stream."""
-        return self._outbox is not None
+        return self._connected.is_set()
 
     async def start(self) -> None:
         """Start connecting in the background and return at once; calling it again does nothing."""
@@ -207,7 +213,8 @@ class ControlClient:
         return True
 
     def report_part(self, part: LocalSnapshotPart) -> bool:
-        """Queue ``part`` for the detector; False (and dropped) when not connected or the queue is full."""
+        """Queue ``part`` for the detector; False (and dropped) when no stream is registering or
+        registered, or the queue is full."""
         if self._outbox is None:  # spare the copy into an AgentMessage
             return False
         return self._send(AgentMessage(part=part), "part")
@@ -245,7 +252,13 @@ class ControlClient:
         """Run one stream until it ends; return whether the detector accepted the registration."""
         assert self._channel is not None
         call = ControlStub(self._channel).Attach()
+        # The detector counts this agent a member as soon as it answers, and a peer's marker can
+        # make the agent record before the answer is read here: its part waits in the outbox.
+        outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(self._max_queued)
+        self._outbox = outbox
+        registered = False
         try:
+            self._register.known_epoch = self._followed_epoch
             await call.write(AgentMessage(register=self._register))
             reply = await asyncio.wait_for(call.read(), _REGISTER_TIMEOUT)
             if reply is grpc.aio.EOF:
@@ -259,15 +272,16 @@ class ControlClient:
             if kind != "registered":
                 self._event("unreachable", f"expected Registered, got {kind}")
                 return False
+            registered = True
             epoch = reply.registered.detector_epoch
-            if self._epoch is not None and epoch != self._epoch:
+            if self._epoch is None:
+                self._followed_epoch = epoch  # the first detector: there is nothing to forget
+            elif epoch != self._epoch:
                 # Queued before any start of this stream is read: the old epoch is forgotten first.
                 self._jobs.put_nowait(_Job("epoch", epoch, self._generation))
             self._epoch = epoch
             interval_ms = reply.registered.heartbeat_interval_ms
             interval = interval_ms / 1000 if interval_ms else self._heartbeat_interval
-            outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(self._max_queued)
-            self._outbox = outbox
             self._connected.set()
             self._event("connected", reply.registered.detector_id)
             try:
@@ -277,6 +291,9 @@ class ControlClient:
             self._event("disconnected", reason)
             return True
         finally:
+            if not registered:  # no detector took this agent in: what waited goes nowhere
+                self._outbox = None
+                self._dropped += outbox.qsize()
             call.cancel()
 
     async def _serve(
@@ -340,8 +357,12 @@ class ControlClient:
     async def _heartbeat(self, interval: float) -> NoReturn:
         while True:
             await asyncio.sleep(interval)
-            self._heartbeats += 1
-            self._send(AgentMessage(heartbeat=Heartbeat(sequence=self._heartbeats)), "heartbeat")
+            self._send_heartbeat()
+
+    def _send_heartbeat(self) -> None:
+        self._heartbeats += 1
+        heartbeat = Heartbeat(sequence=self._heartbeats, epoch=self._followed_epoch)
+        self._send(AgentMessage(heartbeat=heartbeat), "heartbeat")
 
     def _send(self, message: AgentMessage, kind: str) -> bool:
         outbox = self._outbox
@@ -401,13 +422,14 @@ class ControlClient:
 
     def _new_epoch(self, epoch: int) -> None:
         _log.info("detector epoch of %s changed to %d: snapshots of the old one are forgotten", self.process_id, epoch)
-        if self._on_epoch is None:
-            return
-        try:
-            self._on_epoch(epoch)
-        except Exception as exc:
-            _log.exception("on_epoch(%d) failed", epoch)
-            self._event("callback-error", _describe(exc))
+        if self._on_epoch is not None:
+            try:
+                self._on_epoch(epoch)
+            except Exception as exc:  # reported; the agent still joins, or it never would
+                _log.exception("on_epoch(%d) failed", epoch)
+                self._event("callback-error", _describe(exc))
+        self._followed_epoch = epoch
+        self._send_heartbeat()  # tells the detector at once: it admits this agent to snapshots now
 
     def _event(self, kind: str, detail: str) -> None:
         if kind == "disconnected":

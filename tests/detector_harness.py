@@ -48,19 +48,21 @@ class Running:
 
 
 class RawAgent:
-    """A hand-driven control stream: registers as ``process_id`` and sends whatever a test wants."""
+    """A hand-driven control stream: registers as ``process_id`` (following ``known_epoch``) and
+    sends whatever a test wants."""
 
-    def __init__(self, running: Running, process_id: str) -> None:
+    def __init__(self, running: Running, process_id: str, known_epoch: int = 0) -> None:
         self.running = running
         self.process_id = process_id
         self.received: list[DetectorMessage] = []
         self.outbox: asyncio.Queue[AgentMessage | None] = asyncio.Queue()
-        self.task = asyncio.run_coroutine_threadsafe(self._run(process_id), running.loop)
+        register = control_pb2.Register(process_id=process_id, address="x:1", known_epoch=known_epoch)
+        self.task = asyncio.run_coroutine_threadsafe(self._run(register), running.loop)
 
-    async def _run(self, process_id: str) -> None:
+    async def _run(self, register: control_pb2.Register) -> None:
         async with grpc.aio.insecure_channel(self.running.detector.address) as channel:
             call = control_pb2_grpc.ControlStub(channel).Attach()
-            await call.write(AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1")))
+            await call.write(AgentMessage(register=register))
 
             async def read() -> None:
                 async for message in call:
@@ -73,7 +75,10 @@ class RawAgent:
             call.cancel()
 
     def send_part(self, part: LocalSnapshotPart) -> None:
-        self.running.loop.call_soon_threadsafe(self.outbox.put_nowait, AgentMessage(part=part))
+        self.send(AgentMessage(part=part))
+
+    def send(self, message: AgentMessage) -> None:
+        self.running.loop.call_soon_threadsafe(self.outbox.put_nowait, message)
 
     def starts(self) -> list[int]:
         return [m.start.snapshot_id for m in self.received if m.WhichOneof("kind") == "start"]

@@ -43,8 +43,11 @@ def free_port() -> int:
 class FakeDetector(ControlServicer):
     """Records every stream's messages and sends what the test tells it to on the latest stream."""
 
-    def __init__(self, refuse: int = 0, heartbeat_interval_ms: int = 0, epoch: int = 0) -> None:
+    def __init__(
+        self, refuse: int = 0, heartbeat_interval_ms: int = 0, epoch: int = 0, answer: asyncio.Event | None = None
+    ) -> None:
         self.refuse = refuse
+        self.answer = answer  # when given, Registered is sent only once it is set
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.epoch = epoch
         self.registrations: list[AgentMessage] = []
@@ -60,6 +63,8 @@ class FakeDetector(ControlServicer):
             return
         outbox: asyncio.Queue[DetectorMessage] = asyncio.Queue()
         self._outbox = outbox
+        if self.answer is not None:
+            await self.answer.wait()
         registered = Registered(
             detector_id="fake", heartbeat_interval_ms=self.heartbeat_interval_ms, detector_epoch=self.epoch
         )
@@ -455,8 +460,38 @@ def test_a_starts_deadline_reaches_on_start_in_seconds() -> None:
     run(body)
 
 
+def test_a_part_reported_while_the_registration_is_answered_reaches_the_detector() -> None:
+    """The detector counts the agent a member once it answers, and a peer's marker can make the
+    agent record before it has read that answer: the part must not be dropped."""
+
+    async def body() -> None:
+        answer = asyncio.Event()
+        detector = FakeDetector(answer=answer)
+        server, port = await serve(detector)
+        client = Agent().client(port)
+        await client.start()
+        try:
+            await async_poll(lambda: detector.registrations, "the registration")
+            assert not client.connected
+            assert client.report_part(part(7, 0))
+            answer.set()
+            await async_poll(lambda: detector.of_kind("part"), "the part")
+            assert client.connected
+            assert [p.snapshot_id for p in detector.of_kind("part")] == [7]
+            assert client.dropped == 0
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
 def test_a_new_detector_epoch_is_reported_before_any_start_of_the_new_stream() -> None:
-    """Not at the first registration, nor when a restarted detector keeps its store (same epoch)."""
+    """Not at the first registration, nor when a restarted detector keeps its store (same epoch).
+
+    Each registration names the epoch the agent follows, and once ``on_epoch`` has run a heartbeat
+    carries the new one at once (this agent's own heartbeats are a minute apart).
+    """
 
     async def body() -> None:
         first = FakeDetector(epoch=11)
@@ -468,7 +503,8 @@ def test_a_new_detector_epoch_is_reported_before_any_start_of_the_new_stream() -
             assert await client.wait_connected(10)
             first.send(start(1))
             await async_poll(lambda: agent.started == [1])
-            for starts, detector in ((2, FakeDetector(epoch=11)), (3, FakeDetector(epoch=22))):
+            detectors = (FakeDetector(epoch=11), FakeDetector(epoch=22))
+            for starts, detector in zip((2, 3), detectors, strict=True):
                 await server.stop(None)
                 server, _ = await serve(detector, port)
                 await async_poll(lambda detector=detector: detector.registrations, "the registration")
@@ -483,6 +519,10 @@ def test_a_new_detector_epoch_is_reported_before_any_start_of_the_new_stream() -
                 ("epoch", 22),
                 ("start", 1),
             ]
+            await async_poll(lambda: detector.of_kind("heartbeat"), "the heartbeat that follows the epoch")
+            assert [h.epoch for h in detector.of_kind("heartbeat")] == [22]
+            known = [r.register.known_epoch for d in (first, *detectors) for r in d.registrations]
+            assert known == [0, 11, 11]  # the third registers still following 11: it has not forgotten yet
         finally:
             await client.stop()
             await server.stop(None)

@@ -14,7 +14,8 @@ from nodes import Node, connect_all
 from polling import poll
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.v1 import LocalSnapshotPart, LocalState
+from stablewatch.v1 import AgentMessage, LocalSnapshotPart, LocalState
+from stablewatch.v1.control_pb2 import Heartbeat
 
 
 @pytest.fixture
@@ -66,6 +67,39 @@ def test_bad_parts_are_rejected_with_reasons_and_counted(running: Running) -> No
         duplicate.close()
         text = urllib.request.urlopen(running.detector.metrics_url, timeout=10).read().decode()
         assert 'stablewatch_rejected_parts_total{reason="spoofed"} 1.0' in text
+    finally:
+        p.close()
+        q.close()
+
+
+def test_an_agent_following_another_epoch_joins_snapshots_once_a_heartbeat_says_it_forgot(running: Running) -> None:
+    """Until then its old finished ids could swallow the markers of this detector's new ones."""
+    coordinator = running.detector.coordinator
+    p, q = RawAgent(running, "P"), RawAgent(running, "Q", known_epoch=coordinator.epoch + 1)
+    try:
+        poll(lambda: "P" in coordinator.members and "Q" in coordinator.joining, "P a member, Q joining")
+        trigger = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=10), running.loop)
+        poll(lambda: p.starts(), "StartSnapshot at P")
+        first = p.starts()[0]
+        p.send_part(LocalSnapshotPart(snapshot_id=first, process_id="P", state=LocalState()))
+        assert trigger.result(20).snapshot.processes == 1  # Q was left out, and nothing waited for it
+        assert q.starts() == []
+
+        # A heartbeat of another epoch changes nothing; Q's part after it (processed in order) is
+        # rejected and Q told to drop that recording, as it is no member.
+        q.send(AgentMessage(heartbeat=Heartbeat(sequence=1, epoch=coordinator.epoch + 2)))
+        q.send_part(LocalSnapshotPart(snapshot_id=first, process_id="Q", state=LocalState()))
+        poll(lambda: first in q.aborts(), "the abort sent back to joining Q")
+        assert "Q" in coordinator.joining and "Q" not in coordinator.members
+
+        q.send(AgentMessage(heartbeat=Heartbeat(sequence=2, epoch=coordinator.epoch)))
+        poll(lambda: "Q" in coordinator.members and not coordinator.joining, "Q admitted")
+        trigger = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=10), running.loop)
+        poll(lambda: len(p.starts()) == 2 and q.starts(), "StartSnapshot at both")
+        second = q.starts()[0]
+        for agent in (p, q):
+            agent.send_part(LocalSnapshotPart(snapshot_id=second, process_id=agent.process_id, state=LocalState()))
+        assert trigger.result(20).snapshot.processes == 2
     finally:
         p.close()
         q.close()

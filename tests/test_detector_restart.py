@@ -43,7 +43,7 @@ def test_snapshots_complete_after_the_detector_restarts_on_an_empty_store(tmp_pa
             await agents[1].send("A", b"hello")
             await async_poll(lambda: len(first.coordinator.members) == 2, "both agents attached")
             before = await first.take_snapshot(deadline=10)
-            assert outcome_name(before.snapshot.outcome) == "completed"
+            assert outcome_name(before.snapshot.outcome) == "completed", before.snapshot.abort_reason
             ahead = before.snapshot.snapshot_id + HOUR_US
             for agent in agents:
                 for snapshot_id in range(ahead, ahead + FINISHED_BY_THE_AGENTS):

@@ -12,6 +12,11 @@ done or abort anyway): every recording an agent keeps ends. A process id that is
 elsewhere is refused. Registration answers with the detector's epoch, and every start carries
 the snapshot's deadline, so an agent can drop what no detector will ever finish.
 
+An agent that still follows another detector's ids (its Register's ``known_epoch`` is another
+epoch) would take this detector's new ids for old finished ones and drop their markers, which
+reach it over its peers' channels, not this stream. It is *joining* until a heartbeat carries this
+detector's epoch (it has forgotten the old ids), and only then a member that snapshots include.
+
 RPC mode (DESIGN.md, "RPC mode"): a member that registered with ``rpc_mode`` learns the counts other
 members report towards it. For every accepted part from q, each ``OutboundCount(dst=p)`` whose p is
 such a member is forwarded to p as a ``ChannelTarget`` (with q's registered incarnation and the
@@ -122,6 +127,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self.heartbeat_interval = heartbeat_interval
         self.epoch = epoch
         self.members: dict[str, Member] = {}
+        self.joining: dict[str, Member] = {}  # registered, still forgetting another detector's ids
         self.limits = limits or Limits()
         self._authorizer = authorizer
         self._streams = 0  # control streams open, registered or not
@@ -224,15 +230,16 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         return time.perf_counter() - started
 
     def detach(self, process_id: str) -> None:
-        """End a member's stream (its snapshots abort as it leaves); used for silent members."""
-        member = self.members.get(process_id)
+        """End a member's (or joining agent's) stream; its snapshots abort as it leaves. For silent ones."""
+        member = self._attached(process_id)
         if member is not None:
             member.send(DetectorMessage())
             self._lose(member)
 
     def expire_silent(self, now: float, timeout: float) -> list[str]:
-        """Detach every member whose last heartbeat is older than ``timeout`` seconds."""
-        silent = [m.process_id for m in self.members.values() if now - m.last_heartbeat > timeout]
+        """Detach every member or joining agent whose last heartbeat is older than ``timeout`` seconds."""
+        attached = [*self.members.values(), *self.joining.values()]
+        silent = [m.process_id for m in attached if now - m.last_heartbeat > timeout]
         for process_id in silent:
             self.detach(process_id)
         return silent
@@ -286,21 +293,24 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 self._authorizer.check_process(context, register.process_id)
             except Denied as denied:
                 await self._refuse(context, denied.code, denied.reason, str(denied))
-        if register.process_id in self.members:
+        if self._attached(register.process_id) is not None:
             reason = f"process id {register.process_id} is already attached"
             self._on_refused("already_attached", reason)
             return control_pb2.Refused(reason=reason)
-        if len(self.members) >= self.limits.max_agents:
+        attached = len(self.members) + len(self.joining)
+        if attached >= self.limits.max_agents:
             await self._refuse(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "too_many_agents",
-                f"{len(self.members)} agents are attached, the detector's limit; {register.process_id} is refused",
+                f"{attached} agents are attached, the detector's limit; {register.process_id} is refused",
             )
         now = time.time()
         member = Member(register.process_id, register.address, register.incarnation, now, now, register.rpc_mode)
-        self.members[member.process_id] = member
-        self._on_membership()
+        if register.known_epoch in (0, self.epoch):
+            self._admit(member)
+        else:
+            self.joining[member.process_id] = member
         interval_ms = round(self.heartbeat_interval * 1000)
         registered = control_pb2.Registered(
             detector_id=self.detector_id, heartbeat_interval_ms=interval_ms, detector_epoch=self.epoch
@@ -342,6 +352,9 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 self._add_part(message.part, member.process_id)
             elif kind == "heartbeat":
                 member.last_heartbeat = time.time()
+                if message.heartbeat.epoch == self.epoch and self.joining.get(member.process_id) is member:
+                    del self.joining[member.process_id]
+                    self._admit(member)
             elif kind == "failure":
                 failure = message.failure
                 running = self._running.get(failure.snapshot_id)
@@ -361,12 +374,13 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 return  # a channel that opened after the cut: nothing on it belongs to the snapshot
             self._on_rejected(rejected)
             running = self._running.get(part.snapshot_id)
-            if (running is None or sender not in running.members) and sender in self.members:
+            attached = self._attached(sender)
+            if (running is None or sender not in running.members) and attached is not None:
                 # The agent records a snapshot that no one will finish for it (one we are done
                 # with, never started, or that it is no member of): tell it to forget, or it
                 # would record until its deadline or bound.
                 abort = control_pb2.AbortSnapshot(snapshot_id=part.snapshot_id, reason=rejected.detail)
-                self.members[sender].send(DetectorMessage(abort=abort))
+                attached.send(DetectorMessage(abort=abort))
             if rejected.aborted is not None:
                 kind = _ABORT_KIND_OF_REJECTION.get(rejected.reason, "inconsistent")
                 aborted = SnapshotAborted(part.snapshot_id, rejected.aborted.reason, kind)
@@ -410,7 +424,19 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             if member is not None:
                 member.send(message)
 
+    def _attached(self, process_id: str) -> Member | None:
+        """The member or joining agent registered as ``process_id``, if any."""
+        return self.members.get(process_id) or self.joining.get(process_id)
+
+    def _admit(self, member: Member) -> None:
+        """Make ``member`` one that the next snapshots include."""
+        self.members[member.process_id] = member
+        self._on_membership()
+
     def _lose(self, member: Member) -> None:
+        if self.joining.get(member.process_id) is member:
+            del self.joining[member.process_id]
+            return
         if self.members.get(member.process_id) is not member:
             return
         del self.members[member.process_id]

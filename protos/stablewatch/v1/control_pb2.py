@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from stablewatch.v1 import snapshot_pb2 as stablewatch_dot_v1_dot_snapshot__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstablewatch/v1/control.proto\x12\x0establewatch.v1\x1a\x1dstablewatch/v1/snapshot.proto\"m\n\x08Register\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x10\n\x08rpc_mode\x18\x05 \x01(\x08\"\x1d\n\tHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x04\"J\n\x0fSnapshotFailure\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x81\x02\n\x0c\x41gentMessage\x12,\n\x08register\x18\x01 \x01(\x0b\x32\x18.stablewatch.v1.RegisterH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.stablewatch.v1.HeartbeatH\x00\x12\x31\n\x04part\x18\x03 \x01(\x0b\x32!.stablewatch.v1.LocalSnapshotPartH\x00\x12\x32\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotFailureH\x00\x12$\n\x04pong\x18\x05 \x01(\x0b\x32\x14.stablewatch.v1.PongH\x00\x42\x06\n\x04kind\"X\n\nRegistered\x12\x13\n\x0b\x64\x65tector_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65tector_epoch\x18\x03 \x01(\x04\"\x19\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\"9\n\rStartSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\r\"4\n\rAbortSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0cSnapshotDone\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"i\n\rChannelTarget\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0b\n\x03src\x18\x02 \x01(\t\x12\x0c\n\x04sent\x18\x03 \x01(\x04\x12\x17\n\x0fsrc_incarnation\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\x04\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\xe4\x02\n\x0f\x44\x65tectorMessage\x12\x30\n\nregistered\x18\x01 \x01(\x0b\x32\x1a.stablewatch.v1.RegisteredH\x00\x12*\n\x07refused\x18\x02 \x01(\x0b\x32\x17.stablewatch.v1.RefusedH\x00\x12.\n\x05start\x18\x03 \x01(\x0b\x32\x1d.stablewatch.v1.StartSnapshotH\x00\x12.\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x1d.stablewatch.v1.AbortSnapshotH\x00\x12,\n\x04\x64one\x18\x05 \x01(\x0b\x32\x1c.stablewatch.v1.SnapshotDoneH\x00\x12$\n\x04ping\x18\x06 \x01(\x0b\x32\x14.stablewatch.v1.PingH\x00\x12\x37\n\x0e\x63hannel_target\x18\x07 \x01(\x0b\x32\x1d.stablewatch.v1.ChannelTargetH\x00\x42\x06\n\x04kind2V\n\x07\x43ontrol\x12K\n\x06\x41ttach\x12\x1c.stablewatch.v1.AgentMessage\x1a\x1f.stablewatch.v1.DetectorMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstablewatch/v1/control.proto\x12\x0establewatch.v1\x1a\x1dstablewatch/v1/snapshot.proto\"\x82\x01\n\x08Register\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x10\n\x08rpc_mode\x18\x05 \x01(\x08\x12\x13\n\x0bknown_epoch\x18\x06 \x01(\x04\",\n\tHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"J\n\x0fSnapshotFailure\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\x81\x02\n\x0c\x41gentMessage\x12,\n\x08register\x18\x01 \x01(\x0b\x32\x18.stablewatch.v1.RegisterH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.stablewatch.v1.HeartbeatH\x00\x12\x31\n\x04part\x18\x03 \x01(\x0b\x32!.stablewatch.v1.LocalSnapshotPartH\x00\x12\x32\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotFailureH\x00\x12$\n\x04pong\x18\x05 \x01(\x0b\x32\x14.stablewatch.v1.PongH\x00\x42\x06\n\x04kind\"X\n\nRegistered\x12\x13\n\x0b\x64\x65tector_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65tector_epoch\x18\x03 \x01(\x04\"\x19\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\"9\n\rStartSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\r\"4\n\rAbortSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"#\n\x0cSnapshotDone\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"i\n\rChannelTarget\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0b\n\x03src\x18\x02 \x01(\t\x12\x0c\n\x04sent\x18\x03 \x01(\x04\x12\x17\n\x0fsrc_incarnation\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\x04\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"\xe4\x02\n\x0f\x44\x65tectorMessage\x12\x30\n\nregistered\x18\x01 \x01(\x0b\x32\x1a.stablewatch.v1.RegisteredH\x00\x12*\n\x07refused\x18\x02 \x01(\x0b\x32\x17.stablewatch.v1.RefusedH\x00\x12.\n\x05start\x18\x03 \x01(\x0b\x32\x1d.stablewatch.v1.StartSnapshotH\x00\x12.\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x1d.stablewatch.v1.AbortSnapshotH\x00\x12,\n\x04\x64one\x18\x05 \x01(\x0b\x32\x1c.stablewatch.v1.SnapshotDoneH\x00\x12$\n\x04ping\x18\x06 \x01(\x0b\x32\x14.stablewatch.v1.PingH\x00\x12\x37\n\x0e\x63hannel_target\x18\x07 \x01(\x0b\x32\x1d.stablewatch.v1.ChannelTargetH\x00\x42\x06\n\x04kind2V\n\x07\x43ontrol\x12K\n\x06\x41ttach\x12\x1c.stablewatch.v1.AgentMessage\x1a\x1f.stablewatch.v1.DetectorMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stablewatch.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_REGISTER']._serialized_start=79
-  _globals['_REGISTER']._serialized_end=188
-  _globals['_HEARTBEAT']._serialized_start=190
-  _globals['_HEARTBEAT']._serialized_end=219
-  _globals['_SNAPSHOTFAILURE']._serialized_start=221
-  _globals['_SNAPSHOTFAILURE']._serialized_end=295
-  _globals['_PONG']._serialized_start=297
-  _globals['_PONG']._serialized_end=318
-  _globals['_AGENTMESSAGE']._serialized_start=321
-  _globals['_AGENTMESSAGE']._serialized_end=578
-  _globals['_REGISTERED']._serialized_start=580
-  _globals['_REGISTERED']._serialized_end=668
-  _globals['_REFUSED']._serialized_start=670
-  _globals['_REFUSED']._serialized_end=695
-  _globals['_STARTSNAPSHOT']._serialized_start=697
-  _globals['_STARTSNAPSHOT']._serialized_end=754
-  _globals['_ABORTSNAPSHOT']._serialized_start=756
-  _globals['_ABORTSNAPSHOT']._serialized_end=808
-  _globals['_SNAPSHOTDONE']._serialized_start=810
-  _globals['_SNAPSHOTDONE']._serialized_end=845
-  _globals['_CHANNELTARGET']._serialized_start=847
-  _globals['_CHANNELTARGET']._serialized_end=952
-  _globals['_PING']._serialized_start=954
-  _globals['_PING']._serialized_end=975
-  _globals['_DETECTORMESSAGE']._serialized_start=978
-  _globals['_DETECTORMESSAGE']._serialized_end=1334
-  _globals['_CONTROL']._serialized_start=1336
-  _globals['_CONTROL']._serialized_end=1422
+  _globals['_REGISTER']._serialized_start=80
+  _globals['_REGISTER']._serialized_end=210
+  _globals['_HEARTBEAT']._serialized_start=212
+  _globals['_HEARTBEAT']._serialized_end=256
+  _globals['_SNAPSHOTFAILURE']._serialized_start=258
+  _globals['_SNAPSHOTFAILURE']._serialized_end=332
+  _globals['_PONG']._serialized_start=334
+  _globals['_PONG']._serialized_end=355
+  _globals['_AGENTMESSAGE']._serialized_start=358
+  _globals['_AGENTMESSAGE']._serialized_end=615
+  _globals['_REGISTERED']._serialized_start=617
+  _globals['_REGISTERED']._serialized_end=705
+  _globals['_REFUSED']._serialized_start=707
+  _globals['_REFUSED']._serialized_end=732
+  _globals['_STARTSNAPSHOT']._serialized_start=734
+  _globals['_STARTSNAPSHOT']._serialized_end=791
+  _globals['_ABORTSNAPSHOT']._serialized_start=793
+  _globals['_ABORTSNAPSHOT']._serialized_end=845
+  _globals['_SNAPSHOTDONE']._serialized_start=847
+  _globals['_SNAPSHOTDONE']._serialized_end=882
+  _globals['_CHANNELTARGET']._serialized_start=884
+  _globals['_CHANNELTARGET']._serialized_end=989
+  _globals['_PING']._serialized_start=991
+  _globals['_PING']._serialized_end=1012
+  _globals['_DETECTORMESSAGE']._serialized_start=1015
+  _globals['_DETECTORMESSAGE']._serialized_end=1371
+  _globals['_CONTROL']._serialized_start=1373
+  _globals['_CONTROL']._serialized_end=1459
 # @@protoc_insertion_point(module_scope)

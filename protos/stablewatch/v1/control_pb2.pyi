@@ -7,24 +7,28 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class Register(_message.Message):
-    __slots__ = ("process_id", "address", "incarnation", "agent_version", "rpc_mode")
+    __slots__ = ("process_id", "address", "incarnation", "agent_version", "rpc_mode", "known_epoch")
     PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     AGENT_VERSION_FIELD_NUMBER: _ClassVar[int]
     RPC_MODE_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     process_id: str
     address: str
     incarnation: int
     agent_version: str
     rpc_mode: bool
-    def __init__(self, process_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., agent_version: _Optional[str] = ..., rpc_mode: _Optional[bool] = ...) -> None: ...
+    known_epoch: int
+    def __init__(self, process_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[int] = ..., agent_version: _Optional[str] = ..., rpc_mode: _Optional[bool] = ..., known_epoch: _Optional[int] = ...) -> None: ...
 
 class Heartbeat(_message.Message):
-    __slots__ = ("sequence",)
+    __slots__ = ("sequence", "epoch")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     sequence: int
-    def __init__(self, sequence: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, sequence: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class SnapshotFailure(_message.Message):
     __slots__ = ("snapshot_id", "process_id", "reason")
