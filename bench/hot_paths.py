@@ -11,8 +11,8 @@ the spread (lowest and highest round):
   comprehension of ``AppMessage(payload)``;
 * ``part``: 2 000 messages in flight recorded by the core and turned into a part's
   ``InboundChannelState`` when the marker arrives (built in place in the part) against the former
-  way (a channel state built on its own, then appended to the part, which copied every message),
-  and that part serialized (what the receiver pays per snapshot);
+  way (the same, plus the copy of every message that appending a channel state built on its own
+  to the part made), and that part serialized (what the receiver pays per snapshot);
 * ``assembly``: a 2 000-message channel put into the global snapshot with ``add()`` against the
   former ``append(ChannelSnapshot(...))``, which copied the messages twice.
 
@@ -36,7 +36,7 @@ from rich.table import Table
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 from stablewatch.agents.core import RecordState, ReportPart, SnapshotCore
 from stablewatch.agents.frames import decode, encode
-from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
+from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, LocalSnapshotPart, LocalState
 
 PAYLOAD = b"x" * 64
 FRAME = encode(0, [PAYLOAD] * 512)
@@ -68,13 +68,11 @@ CHANNEL = PART.inbound[0]
 
 
 def build_part_before() -> LocalSnapshotPart:
-    """The former way: the channel state built on its own, then appended (a copy of each message)."""
-    state = InboundChannelState(src="a", received_before_recording=0)
-    add = state.messages.add
-    for index, message in enumerate(RECORDED, start=1):
-        add(payload=message.payload, receive_index=index)
+    """The former way: the same recording, its channel state then appended to another part, which
+    is the copy of each message that building it on its own and appending it made."""
+    built = build_part()
     part = LocalSnapshotPart(snapshot_id=1, process_id="b")
-    part.inbound.append(state)
+    part.inbound.append(built.inbound[0])
     return part
 
 
