@@ -25,7 +25,11 @@ with its spread ``p25_ms``/``p75_ms``/``min_ms``/``max_ms``, ``metric_p50_ms``/`
 what was asked, ``snapshots_per_s_achieved`` the snapshots completed per second over the trials
 (``aborted_per_s`` the aborted ones), ``sustained`` whether that is 95 % of the ask;
 ``start_gap_*_ms`` the time between consecutive snapshot starts and ``loop_lag_*_ms`` how late
-the detector's event loop (this process's) woke a 10 ms timer meanwhile. Target: p50 <= 100 ms.
+the detector's event loop (this process's) woke a 10 ms timer meanwhile. The floor, from the same
+run: ``rtt_p50_ms`` is the broadcast round trip to every agent (sampled every ``--rtt-every``
+seconds during the trials, under their load), and ``floor_p50_ms`` adds it to the median wait for
+the schedule's next start (``schedule_wait_p50_ms``): about what the median cannot go below with
+this many agents on this machine. Target: p50 <= 100 ms.
 
     python bench/detection_latency.py [--trials 30] [--min-seconds 10] [--agents 64] [--interval 0.1] [--rate 2]
 """
@@ -206,6 +210,27 @@ class LoopLag:
             await self._task
 
 
+class RoundTrips:
+    """The broadcast round trip (a no-op Ping to every member and every Pong back, over the control
+    streams), sampled every ``period`` seconds under the trials' own load: no snapshot can report
+    sooner than its start reaches every member and their parts come back."""
+
+    def __init__(self, cluster: Cluster, period: float) -> None:
+        self.rtts: list[float] = []  # milliseconds
+        self._task = asyncio.ensure_future(self._run(cluster, period))
+
+    async def _run(self, cluster: Cluster, period: float) -> None:
+        while True:
+            await asyncio.sleep(period)
+            with contextlib.suppress(asyncio.TimeoutError):
+                self.rtts.append(await cluster.detector.coordinator.ping_all(5.0) * 1000)
+
+    async def stop(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+
 def start_gaps(cluster: Cluster, first_id: int, last_id: int) -> list[float]:
     """Milliseconds between the starts of consecutive snapshots with ids in (first_id, last_id]."""
     starts: list[float] = []
@@ -293,6 +318,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             if await poller.first(0.0, 0, args.timeout) is None:
                 raise TimeoutError("no complete snapshot reported deadlock=0 on /metrics")
             lag = LoopLag()
+            round_trips = RoundTrips(cluster, args.rtt_every)
             before, started = counts(cluster), time.monotonic()
             first_id = published.last_id
             trial = 0
@@ -305,6 +331,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             after = counts(cluster)
             last_id = published.last_id
             await lag.stop()
+            await round_trips.stop()
             starts = start_gaps(cluster, first_id, last_id)
             poller.stop()
             await published.stop()
@@ -324,6 +351,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         "elapsed": elapsed,
         "start_gaps_ms": starts,
         "loop_lag_ms": lag.lags,
+        "rtt_ms": round_trips.rtts,
         **{key: after[key] - before[key] for key in after},
         "metric_polls": poller.polls,
         "metric_errors": poller.errors,
@@ -418,12 +446,22 @@ async def main() -> None:
         default=0.02,
         help="seconds between /metrics polls (each poll costs the detector a scrape, in its own process)",
     )
+    parser.add_argument(
+        "--rtt-every", type=float, default=0.5, help="seconds between broadcast round-trip samples (the floor)"
+    )
     parser.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for each report")
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--verbose", action="store_true", help="print every trial as a JSON line")
     args = parser.parse_args()
     if not 2 <= args.ring_min <= args.ring_max <= args.agents:
         parser.error("need 2 <= --ring-min <= --ring-max <= --agents")
+    odd_sizes = [size for size in range(args.ring_min, args.ring_max + 1) if size % 2]
+    if args.processes == 2 and odd_sizes:
+        # Consecutive agents of a ring live in different processes: on two, a ring alternates.
+        parser.error(
+            f"with --processes 2 a deadlock ring alternates between the processes, so its size must be even; "
+            f"--ring-min {args.ring_min} --ring-max {args.ring_max} allow {odd_sizes[0]}"
+        )
 
     outcome = await run(args)
     trials = outcome["trials"]
@@ -437,6 +475,7 @@ async def main() -> None:
     aborted_rate = outcome["aborted"] / outcome["elapsed"]
     asked_rate = 1 / args.interval
     gaps, lags = summarize(outcome["start_gaps_ms"]), summarize(outcome["loop_lag_ms"])
+    rtt = summarize(outcome["rtt_ms"])
 
     traffic = "ring" if args.topology == "ring" else f"random degree {args.degree}"
     title = (
@@ -479,6 +518,17 @@ async def main() -> None:
         f"/metrics polled {outcome['metric_polls']} times (median read {outcome['metric_read_ms'] or 0:.2f} ms, "
         f"{outcome['metric_errors']} errors)"
     )
+    # The floor of the median: a deadlock forms at a random phase of the schedule, so the median
+    # wait for the next start is about half an interval (measured: schedule_wait_p50_ms), and the
+    # snapshot that starts then cannot report before one broadcast round trip.
+    floor = None
+    if breakdown["snapshot_start_ms"] is not None and rtt["p50"] is not None:
+        floor = round(max(0.0, breakdown["snapshot_start_ms"]) + rtt["p50"], 3)
+        console.print(
+            f"floor of the median: {floor:.1f} ms = the schedule's wait {breakdown['snapshot_start_ms']:.1f} ms "
+            f"+ the broadcast round trip to {args.agents} agents {rtt['p50']} ms (p50 of {len(outcome['rtt_ms'])} "
+            f"samples during the trials, IQR {rtt['p25']}-{rtt['p75']})"
+        )
     print("target: watch p50 <= 100 ms")
     print(
         json.dumps(
@@ -518,6 +568,10 @@ async def main() -> None:
                 "schedule_wait_p50_ms": breakdown["snapshot_start_ms"],
                 "snapshot_p50_ms": breakdown["snapshot_ms"],
                 "stream_p50_ms": breakdown["stream_ms"],
+                "rtt_p50_ms": rtt["p50"],
+                "rtt_p25_ms": rtt["p25"],
+                "rtt_p75_ms": rtt["p75"],
+                "floor_p50_ms": floor,
                 "ring_sizes": [args.ring_min, args.ring_max],
                 "rate_per_agent": args.rate,
                 "topology": args.topology,
