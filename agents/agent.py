@@ -290,7 +290,10 @@ class Agent:
         return handler
 
     def on_part(self, listener: Callable[[LocalSnapshotPart], None]) -> None:
-        """Also hand every local snapshot part to ``listener`` (for tests and detector-less use)."""
+        """Also hand every local snapshot part to ``listener`` (for tests and detector-less use).
+
+        It runs on the agent's event loop, synchronously; an exception it raises is logged and
+        changes nothing else."""
         self._part_listeners.append(listener)
 
     async def send(
@@ -567,7 +570,12 @@ class Agent:
         if recorded:
             self.metrics.recorded(recorded)
         for listener in self._part_listeners:
-            listener(part)
+            # A listener runs inside the handling of a frame: its error must not break the channel
+            # (the frame would come again, and its markers twice).
+            try:
+                listener(part)
+            except Exception:
+                _log.exception("a part listener of %s failed on snapshot %d", self.process_id, part.snapshot_id)
         if self._control is not None:
             # The inbound channels open now will bring their markers: gather their parts with this one.
             open_channels = self._inbound.acked().keys() if part.HasField("state") and self._inbound else ()

@@ -18,6 +18,9 @@ while the receive queue is full:
   queue has room, else with the sender's own starting point); every later one either moves
   ``next_seq`` forward, or repeats it exactly once, to say *your window is held here: my receive
   queue is full* (the sender then knows its blocked sends wait on this process consuming);
+* a frame of markers only that the sender marked ``ack_later`` (its window has room to spare) is
+  not answered by itself: the next acknowledgement covers it, for whatever reason that one goes
+  (an application message, a hold, a new stream, or reading ahead as far as allowed, below);
 * meanwhile the stream keeps reading, unacknowledged, up to ``read_ahead_entries`` entries or
   ``read_ahead_bytes`` bytes, so that markers behind a full window still arrive (a snapshot can
   then record a flow-control deadlock); beyond that it stops reading and gRPC's flow control holds
@@ -65,13 +68,25 @@ class _Expected:
 class _Stream:
     """One ``Channel`` call: what it accepted, what it acknowledged, and its two tasks' signals."""
 
-    __slots__ = ("acked", "expected", "held", "hello_answered", "incarnation", "progress", "src", "unacked", "wake")
+    __slots__ = (
+        "acked",
+        "due",
+        "expected",
+        "held",
+        "hello_answered",
+        "incarnation",
+        "progress",
+        "src",
+        "unacked",
+        "wake",
+    )
 
     def __init__(self) -> None:
         self.src = ""
         self.incarnation = 0
         self.expected: _Expected | None = None  # shared by the streams of one sender incarnation
         self.acked = 0  # next_seq of the last acknowledgement (at first: where the sender starts)
+        self.due = 0  # accepted up to here, something the sender wants acknowledged at once
         self.hello_answered = False
         self.held = False  # a hold was sent and nothing acknowledged since
         self.unacked: deque[tuple[int, int]] = deque()  # (end sequence number, bytes) per frame read
@@ -88,6 +103,8 @@ class _Stream:
             return self._acknowledge(accepted if room else self.acked)
         if accepted <= self.acked:
             return None
+        if room and self.due <= self.acked and not self.held:
+            return None  # only markers the sender lets wait are unacknowledged (a hold is lifted at once)
         if room:
             self.held = False
             return self._acknowledge(accepted)
@@ -189,11 +206,16 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                 else:
                     self._take(frame, entries, stream)
                 stream.unacked.append((frame.first_seq + len(entries), frame.ByteSize()))
+                if not (frame.ack_later and len(frame.markers) == len(entries)):
+                    stream.due = stream.expected.next_seq
                 stream.wake.set()
                 while (
                     stream.expected.next_seq - stream.acked >= self._read_ahead_entries
                     or stream.unacked_bytes() >= self._read_ahead_bytes
                 ):
+                    # Read ahead as far as allowed: markers left to wait are acknowledged now.
+                    stream.due = stream.expected.next_seq
+                    stream.wake.set()
                     stream.progress.clear()
                     await stream.progress.wait()
         finally:

@@ -12,6 +12,11 @@ what it has queued, not what its handler has had; an acknowledgement that repeat
 (after the first on a stream) means the receiver's queue is full and it holds this window
 (:attr:`OutboundChannel.held`): a send blocked on the full window then waits for the receiver to
 consume, which the agent reports as a flow-control wait.
+
+A frame of markers only, written while at most half the window is taken, asks the receiver to
+acknowledge it later (``ack_later``): a snapshot then costs an idle channel one write instead of a
+write and an acknowledgement back. The next acknowledgement covers it, and once half the window
+is taken every frame is acknowledged at once, so the markers left waiting never hold back a send.
 """
 
 from __future__ import annotations
@@ -277,6 +282,8 @@ class OutboundChannel:
         first_seq = self._acked + start - self._head
         frame = encode(first_seq, batch)
         self._next_to_write = end
+        if len(frame.markers) == len(batch) and self._room_to_spare():
+            frame.ack_later = True
         if start < self._written_high:
             self._metrics.retransmitted(self.dst, min(end, self._written_high) - start)
         if end > self._written_high:  # count what goes out for the first time
@@ -289,6 +296,10 @@ class OutboundChannel:
                 self._metrics.markers_sent(markers)
             self._written_high = end
         return frame
+
+    def _room_to_spare(self) -> bool:
+        """Whether at most half the window is taken (entries and bytes): markers may wait for an ack."""
+        return (len(self._entries) - self._head) * 2 <= self._max_entries and self._window_bytes * 2 <= self._max_bytes
 
     async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:
         async for ack in call:

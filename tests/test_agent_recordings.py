@@ -54,3 +54,37 @@ def test_a_start_with_a_lifetime_overrides_the_default() -> None:
             await agent.stop()
 
     run(scenario())
+
+
+def test_a_part_listener_that_raises_breaks_neither_the_channel_nor_the_other_listeners() -> None:
+    """B's first listener raises on every part. The marker's frame is still taken once (had the
+    error broken the stream, the frame would come again and its marker twice), later snapshots and
+    messages still arrive, and the second listener gets every part."""
+
+    async def scenario() -> None:
+        got: list[bytes] = []
+        b = Agent("B", handler=lambda src, message: got.append(message.payload))
+        parts: list[LocalSnapshotPart] = []
+
+        def broken(part: LocalSnapshotPart) -> None:
+            raise RuntimeError("a listener with a bug")
+
+        b.on_part(broken)
+        b.on_part(parts.append)
+        await b.start()
+        a = Agent("A", peers={"B": b.address})
+        await a.start()
+        try:
+            await a.send("B", b"opens the channel")
+            first = await a.start_snapshot()
+            await a.send("B", b"after the marker")
+            second = await a.start_snapshot()
+            await async_poll(lambda: {first, second} <= {p.snapshot_id for p in parts if p.inbound}, "both parts")
+            await async_poll(lambda: len(got) == 2, "both messages")
+            assert got == [b"opens the channel", b"after the marker"]
+            assert a._outbound["B"].last_error == ""
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(scenario())

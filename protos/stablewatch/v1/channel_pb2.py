@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstablewatch/v1/channel.proto\x12\x0establewatch.v1\"D\n\x0c\x43hannelHello\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\x12sender_incarnation\x18\x03 \x01(\x04\"\x9e\x01\n\x0b\x45ntryExtras\x12\x10\n\x08position\x18\x01 \x01(\r\x12;\n\x08\x63ounters\x18\x02 \x03(\x0b\x32).stablewatch.v1.EntryExtras.CountersEntry\x12\x0f\n\x07no_wake\x18\x03 \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"4\n\x0bMarkerEntry\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\"\xbb\x01\n\x0c\x43hannelFrame\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.stablewatch.v1.ChannelHello\x12\x11\n\tfirst_seq\x18\x02 \x01(\x04\x12\x10\n\x08payloads\x18\x03 \x03(\x0c\x12,\n\x07markers\x18\x04 \x03(\x0b\x32\x1b.stablewatch.v1.MarkerEntry\x12+\n\x06\x65xtras\x18\x05 \x03(\x0b\x32\x1b.stablewatch.v1.EntryExtras\"<\n\nChannelAck\x12\x10\n\x08next_seq\x18\x01 \x01(\x04\x12\x1c\n\x14receiver_incarnation\x18\x02 \x01(\x04\x32O\n\x04Peer\x12G\n\x07\x43hannel\x12\x1c.stablewatch.v1.ChannelFrame\x1a\x1a.stablewatch.v1.ChannelAck(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstablewatch/v1/channel.proto\x12\x0establewatch.v1\"D\n\x0c\x43hannelHello\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\x12sender_incarnation\x18\x03 \x01(\x04\"\x9e\x01\n\x0b\x45ntryExtras\x12\x10\n\x08position\x18\x01 \x01(\r\x12;\n\x08\x63ounters\x18\x02 \x03(\x0b\x32).stablewatch.v1.EntryExtras.CountersEntry\x12\x0f\n\x07no_wake\x18\x03 \x01(\x08\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"4\n\x0bMarkerEntry\x12\x10\n\x08position\x18\x01 \x01(\r\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\"\xce\x01\n\x0c\x43hannelFrame\x12+\n\x05hello\x18\x01 \x01(\x0b\x32\x1c.stablewatch.v1.ChannelHello\x12\x11\n\tfirst_seq\x18\x02 \x01(\x04\x12\x10\n\x08payloads\x18\x03 \x03(\x0c\x12,\n\x07markers\x18\x04 \x03(\x0b\x32\x1b.stablewatch.v1.MarkerEntry\x12+\n\x06\x65xtras\x18\x05 \x03(\x0b\x32\x1b.stablewatch.v1.EntryExtras\x12\x11\n\tack_later\x18\x06 \x01(\x08\"<\n\nChannelAck\x12\x10\n\x08next_seq\x18\x01 \x01(\x04\x12\x1c\n\x14receiver_incarnation\x18\x02 \x01(\x04\x32O\n\x04Peer\x12G\n\x07\x43hannel\x12\x1c.stablewatch.v1.ChannelFrame\x1a\x1a.stablewatch.v1.ChannelAck(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,9 +42,9 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MARKERENTRY']._serialized_start=279
   _globals['_MARKERENTRY']._serialized_end=331
   _globals['_CHANNELFRAME']._serialized_start=334
-  _globals['_CHANNELFRAME']._serialized_end=521
-  _globals['_CHANNELACK']._serialized_start=523
-  _globals['_CHANNELACK']._serialized_end=583
-  _globals['_PEER']._serialized_start=585
-  _globals['_PEER']._serialized_end=664
+  _globals['_CHANNELFRAME']._serialized_end=540
+  _globals['_CHANNELACK']._serialized_start=542
+  _globals['_CHANNELACK']._serialized_end=602
+  _globals['_PEER']._serialized_start=604
+  _globals['_PEER']._serialized_end=683
 # @@protoc_insertion_point(module_scope)

@@ -42,18 +42,20 @@ class MarkerEntry(_message.Message):
     def __init__(self, position: _Optional[int] = ..., snapshot_id: _Optional[int] = ...) -> None: ...
 
 class ChannelFrame(_message.Message):
-    __slots__ = ("hello", "first_seq", "payloads", "markers", "extras")
+    __slots__ = ("hello", "first_seq", "payloads", "markers", "extras", "ack_later")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     FIRST_SEQ_FIELD_NUMBER: _ClassVar[int]
     PAYLOADS_FIELD_NUMBER: _ClassVar[int]
     MARKERS_FIELD_NUMBER: _ClassVar[int]
     EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    ACK_LATER_FIELD_NUMBER: _ClassVar[int]
     hello: ChannelHello
     first_seq: int
     payloads: _containers.RepeatedScalarFieldContainer[bytes]
     markers: _containers.RepeatedCompositeFieldContainer[MarkerEntry]
     extras: _containers.RepeatedCompositeFieldContainer[EntryExtras]
-    def __init__(self, hello: _Optional[_Union[ChannelHello, _Mapping]] = ..., first_seq: _Optional[int] = ..., payloads: _Optional[_Iterable[bytes]] = ..., markers: _Optional[_Iterable[_Union[MarkerEntry, _Mapping]]] = ..., extras: _Optional[_Iterable[_Union[EntryExtras, _Mapping]]] = ...) -> None: ...
+    ack_later: bool
+    def __init__(self, hello: _Optional[_Union[ChannelHello, _Mapping]] = ..., first_seq: _Optional[int] = ..., payloads: _Optional[_Iterable[bytes]] = ..., markers: _Optional[_Iterable[_Union[MarkerEntry, _Mapping]]] = ..., extras: _Optional[_Iterable[_Union[EntryExtras, _Mapping]]] = ..., ack_later: _Optional[bool] = ...) -> None: ...
 
 class ChannelAck(_message.Message):
     __slots__ = ("next_seq", "receiver_incarnation")
