@@ -51,9 +51,10 @@ The contract with the service
   local one), checked every ``expire_interval`` seconds and reported as a failure. At most
   ``max_recordings`` run at once; beyond that a snapshot is refused, with a reason. A detector
   with a new store (a new epoch) makes the agent forget every snapshot of the old one.
-* **One report per snapshot.** The state part waits up to ``report_window`` seconds for the
-  inbound channels open at the recording to report too, and goes with them in one control
-  message (:mod:`stablewatch.agents.reports`); ``report_window=0`` sends each piece at once.
+* **One report per snapshot**, mostly: the part sent at the recording holds the state, the
+  outbound counts and every inbound channel as it stands, which is all the detector needs for a
+  channel that had nothing in flight. Only a channel whose in-flight messages arrive later sends
+  one more part, when its marker comes.
 * The agent never blocks the service on the detector: while it is unreachable, no snapshot runs.
 """
 
@@ -92,7 +93,6 @@ from stablewatch.agents.inbound import InboundChannels
 from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings, OutboundChannel
-from stablewatch.agents.reports import DEFAULT_REPORT_WINDOW, ReportGatherer
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import LocalSnapshotPart, LocalState, channel_pb2_grpc
@@ -138,7 +138,6 @@ class Agent:
         channel_settings: ChannelSettings | None = None,
         heartbeat_interval: float = 1.0,
         incarnation: int | None = None,
-        report_window: float = DEFAULT_REPORT_WINDOW,
     ) -> None:
         self.process_id = process_id
         self.state = LocalStateKeeper()
@@ -185,7 +184,6 @@ class Agent:
         self._control: ControlClient | None = None
         self._port = 0
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
-        self._reports = ReportGatherer(self._send_part, report_window)
         # Local snapshot ids live in their own space, from 2**63: the detector's are below.
         self._local_ids = itertools.count(LOCAL_ID_BASE)
 
@@ -230,7 +228,6 @@ class Agent:
 
     async def stop(self) -> None:
         """Close the control stream, every channel and the server."""
-        self._reports.drop_all()
         if self._control is not None:
             await self._control.stop()
         for task in (self._expiry, self._delivery):
@@ -561,7 +558,6 @@ class Agent:
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
                 self.metrics.snapshot_failed()
-                self._reports.drop(action.snapshot_id)
                 if self._control is not None:
                     self._control.report_failure(action.snapshot_id, action.reason)
 
@@ -577,24 +573,16 @@ class Agent:
             except Exception:
                 _log.exception("a part listener of %s failed on snapshot %d", self.process_id, part.snapshot_id)
         if self._control is not None:
-            # The inbound channels open now will bring their markers: gather their parts with this one.
-            open_channels = self._inbound.acked().keys() if part.HasField("state") and self._inbound else ()
-            self._reports.add(part, open_channels)
-
-    def _send_part(self, part: LocalSnapshotPart) -> None:
-        if self._control is not None:
             self._control.report_part(part)
 
     async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
         await self.start_snapshot(snapshot_id, lifetime=lifetime)
 
     def _finish_snapshot(self, snapshot_id: int) -> None:
-        self._reports.drop(snapshot_id)
         self._core.finish_snapshot(snapshot_id)
 
     def _new_epoch(self, epoch: int) -> None:
         """The detector's ids start again (a new store): forget every snapshot of the old epoch."""
-        self._reports.drop_all()
         self._core.new_epoch()
 
     async def _expire_forever(self) -> None:

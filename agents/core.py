@@ -56,10 +56,15 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
 * **Restarts.** When the process at the other end of a channel restarts, the two ends' counts
   start again (:meth:`SnapshotCore.reset_outbound`, :meth:`SnapshotCore.reset_inbound`) and the
   snapshots running across the restart fail: their counts can no longer be proved.
-* **Parts.** The process reports its contribution as :class:`ReportPart` actions: one when it
-  records (state and outbound counts), then one per inbound channel when its marker arrives. The
-  detector merges them and decides completion; :meth:`SnapshotCore.finish_snapshot` then lets the
-  core forget ``k`` (late markers of a finished snapshot are ignored).
+* **Parts.** The process reports its contribution as :class:`ReportPart` actions. When it records:
+  its state, the outbound counts, and every inbound channel it knows as it stands then (``m`` and
+  the messages recorded so far, those still undelivered), marked ``open`` until its marker
+  arrives. A channel that records messages after that reports them in one more part when its
+  marker arrives; one that recorded nothing more reports nothing. The detector proves each channel
+  by its counts, ``m + recorded == n``: a channel with nothing in flight is proven by the two
+  processes' states alone, without waiting for its marker, and a channel that this process does
+  not list had ``m = 0``. :meth:`SnapshotCore.finish_snapshot` then lets the core forget ``k``
+  (late markers of a finished snapshot are ignored).
 * **Ids and epochs.** The detector's ids are below :data:`LOCAL_ID_BASE` and increase; ids at or
   above it are the agents' own (local snapshots), a separate space. Finished ids are remembered
   (a bounded memory; detector ids below the oldest one forgotten count as finished too), so late
@@ -199,8 +204,8 @@ class _Recording:
     received_at_record: dict[str, int]  # m per inbound channel
     deadline: float
     started: bool  # a start with a lifetime set the deadline (a marker's default can still be replaced)
-    # Per inbound channel: runs of messages with the arrival index of each run's first message.
-    # Protobuf objects are built once, when the channel's marker arrives.
+    # Per inbound channel: runs of messages recorded and not reported yet, with the arrival index
+    # of each run's first message. Protobuf objects are built once, when a part reports them.
     recorded: dict[str, list[tuple[Sequence[AppMessage], int]]] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
     acked: Mapping[str, AckPosition] = field(default_factory=dict)  # per inbound channel, at recording
@@ -406,8 +411,12 @@ class SnapshotCore:
             OutboundCount(dst=dst, sent_before_marker=self._sent[dst], ack_seen=seen.get(dst))
             for dst in self.outbound_channels
         )
-        for src in sorted(recording.closed):
-            self._add_inbound_state(part, recording, src)
+        # Every inbound channel as it stands: one with nothing to say (m = 0, nothing recorded, no
+        # acknowledgement) is left out, which tells the detector the same.
+        received = recording.received_at_record
+        for src in sorted(received.keys() | recording.recorded.keys() | recording.acked.keys()):
+            if received.get(src) or src in recording.recorded or src in recording.acked:
+                self._add_inbound_state(part, recording, src, acked=recording.acked.get(src))
         return (ReportPart(part),)
 
     def receive_message(self, src: str, message: AppMessage) -> tuple[Action, ...]:
@@ -454,8 +463,8 @@ class SnapshotCore:
             channel = f"{src} -> {self.process_id}"
             raise RemoteProtocolError(f"second marker of snapshot {snapshot_id} on channel {channel}")
         recording.closed.add(src)
-        if recording.failed:
-            return _NOTHING
+        if recording.failed or src not in recording.recorded:
+            return _NOTHING  # the state part told it all: the detector proves it by the counts
         part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
         self._add_inbound_state(part, recording, src)
         return (ReportPart(part),)
@@ -614,11 +623,17 @@ class SnapshotCore:
                 actions.append(ReportPart(part))
         return tuple(actions)
 
-    def _add_inbound_state(self, part: LocalSnapshotPart, recording: _Recording, src: str) -> None:
-        """Add channel ``src``'s state to ``part``, built in place: appending a finished one would
-        copy every recorded message (a snapshot's largest cost, proportional to what was in flight)."""
+    def _add_inbound_state(
+        self, part: LocalSnapshotPart, recording: _Recording, src: str, acked: AckPosition | None = None
+    ) -> None:
+        """Add channel ``src``'s state so far to ``part`` (open until its marker came), and forget the
+        messages it reports. Built in place: appending a finished one would copy every recorded
+        message (a snapshot's largest cost, proportional to what was in flight)."""
         state = part.inbound.add(
-            src=src, received_before_recording=recording.received_at_record.get(src, 0), acked=recording.acked.get(src)
+            src=src,
+            received_before_recording=recording.received_at_record.get(src, 0),
+            acked=acked,
+            open=src not in recording.closed,
         )
         add = state.messages.add
         for run, first_arrival in recording.recorded.pop(src, ()):

@@ -37,12 +37,10 @@ def emit(**event: object) -> None:
 
 
 class Host:
-    def __init__(self, ids: list[str], detector: str | None, seed: int, report_window: float | None = None) -> None:
+    def __init__(self, ids: list[str], detector: str | None, seed: int) -> None:
         self.peers: dict[str, str] = {}
         settings = ChannelSettings(backoff_initial=0.01, backoff_max=0.2)
         options: dict[str, object] = {"channel_settings": settings, "heartbeat_interval": 0.5}
-        if report_window is not None:
-            options["report_window"] = report_window
         self.agents = {pid: Agent(pid, peers=self.peers, detector=detector, **options) for pid in ids}
         self.links: dict[str, list[str]] = {}
         self.random = random.Random(seed)
@@ -158,9 +156,8 @@ def main() -> None:
     parser.add_argument("--agents", required=True, help="comma-separated agent ids")
     parser.add_argument("--detector")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--report-window", type=float, help="the agents' report_window (their default if not given)")
     args = parser.parse_args()
-    asyncio.run(Host(args.agents.split(","), args.detector, args.seed, args.report_window).run())
+    asyncio.run(Host(args.agents.split(","), args.detector, args.seed).run())
 
 
 if __name__ == "__main__":

@@ -71,10 +71,8 @@ class Cluster:
         heartbeat_timeout: float = 5.0,
         limits: Limits | None = None,
         one_by_one: bool = False,
-        report_window: float | None = None,
     ) -> None:
-        """``one_by_one`` starts each host process only once the previous one is ready (large clusters);
-        ``report_window`` is the agents' (their default when None)."""
+        """``one_by_one`` starts each host process only once the previous one is ready (large clusters)."""
         self.ids = [f"a{i}" for i in range(agents)]
         self.processes = processes
         self.folder = tempfile.TemporaryDirectory(prefix="stablewatch-bench-")
@@ -91,7 +89,6 @@ class Cluster:
             limits=limits or Limits(),
         )
         self.one_by_one = one_by_one
-        self.report_window = report_window
         self.addresses: dict[str, str] = {}  # of the agents of the hosts that reported ready
         self.detector = Detector(config)
         self.hosts: list[Host] = []
@@ -118,7 +115,6 @@ class Cluster:
                 self.detector.address,
                 "--seed",
                 str(n),
-                *(() if self.report_window is None else ("--report-window", str(self.report_window))),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE,
             )

@@ -297,7 +297,6 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             deadline=args.deadline,
             max_concurrent=args.max_concurrent,
             seed=args.seed,
-            report_window=args.report_window,
         ) as cluster:
             detector = cluster.detector
             if args.topology == "ring":
@@ -432,9 +431,6 @@ async def main() -> None:
     parser.add_argument("--interval", type=float, default=0.1, help="seconds between scheduled snapshots")
     parser.add_argument("--deadline", type=float, default=2.0, help="snapshot deadline, seconds")
     parser.add_argument("--max-concurrent", type=int, default=2)
-    parser.add_argument(
-        "--report-window", type=float, help="the agents' report_window, s (their default; 0: each piece at once)"
-    )
     parser.add_argument("--rate", type=float, default=2, help="background messages per second per agent")
     parser.add_argument("--topology", choices=("random", "ring"), default="random", help="who sends to whom")
     parser.add_argument("--degree", type=int, default=4, help="random neighbours per agent (random topology)")
@@ -578,7 +574,6 @@ async def main() -> None:
                 "degree": args.degree if args.topology == "random" else 1,
                 "metric_poll_ms": args.poll * 1000,
                 "seed": args.seed,
-                "report_window": args.report_window,
                 "target_p50_ms": 100,
                 "target_met": w["p50"] is not None and w["p50"] <= 100 and missed_watch == 0,
             }

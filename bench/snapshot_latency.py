@@ -105,7 +105,6 @@ async def measure(agents: int, topology: str, args: argparse.Namespace) -> dict[
         "heartbeat_timeout": 120,
         "limits": slack,
         "one_by_one": agents > 64,
-        "report_window": args.report_window,
     }
     async with Cluster(agents, processes, **options) as cluster:
         links = ring_links(cluster.ids) if topology == "ring" else random_links(cluster.ids, 4, seed=agents)
@@ -201,9 +200,6 @@ async def main() -> None:
     parser.add_argument("--ring-max", type=int, default=64, help="the ring topology only up to this size")
     parser.add_argument("--per-process", type=int, default=128, help="agents per host process at most")
     parser.add_argument("--attach-timeout", type=float, default=180, help="seconds for all agents to attach")
-    parser.add_argument(
-        "--report-window", type=float, help="the agents' report_window, s (their default; 0: each piece at once)"
-    )
     args = parser.parse_args()
     cases = []
     for agents in (int(size) for size in args.sizes.split(",")):

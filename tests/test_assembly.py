@@ -44,11 +44,11 @@ def state_part(
 
 
 def channel_part(
-    process: str, src: str, m: int, messages: list[RecordedMessage], snapshot_id: int = SNAPSHOT
+    process: str, src: str, m: int, messages: list[RecordedMessage], snapshot_id: int = SNAPSHOT, *, open: bool = False
 ) -> LocalSnapshotPart:
-    """The part a process sends when the marker on ``src -> process`` arrives."""
+    """A part with the receiver's end of ``src -> process``: whole (its marker came) unless ``open``."""
     part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=process)
-    part.inbound.append(InboundChannelState(src=src, received_before_recording=m, messages=messages))
+    part.inbound.append(InboundChannelState(src=src, received_before_recording=m, messages=messages, open=open))
     return part
 
 
@@ -118,8 +118,7 @@ def test_processes_and_channels_are_sorted() -> None:
         state_part("b", {"c": 0, "a": 0}),
         state_part("a", {"c": 0, "b": 0}),
     ]
-    parts += [channel_part(dst, src, 0, []) for src, dst in itertools.permutations("cba", 2)]
-    snapshot = feed(assembler, parts)
+    snapshot = feed(assembler, parts)  # nothing was ever sent: the states prove every channel
     assert [process.process_id for process in snapshot.processes] == ["a", "b", "c"]
     channels = [(channel.src, channel.dst) for channel in snapshot.channels]
     assert channels == sorted(itertools.permutations("abc", 2))
@@ -138,29 +137,41 @@ def test_not_complete_without_every_member_state() -> None:
 def test_not_complete_without_both_ends_of_every_channel() -> None:
     assembler = started()
     parts = good_parts()
-    # Every state and the receiver's end of a -> b, but not the sender's n of b -> a's partner.
+    # The receiver's end of b -> a first, before b's state (its n) is in.
     assembler.add_part(channel_part("a", "b", 1, []))
-    assert assembler.missing(SNAPSHOT) == "waiting for state of a, b; channels b->a"
+    assert assembler.missing(SNAPSHOT) == "waiting for state of a, b; channels b->a (1 of n unknown)"
     assembler.add_part(parts[0])
     assembler.add_part(parts[1])
-    assert assembler.missing(SNAPSHOT) == "waiting for channels a->b"
+    # b's state lists nothing of a -> b: m = 0 until its recorded message comes.
+    assert assembler.missing(SNAPSHOT) == "waiting for channels a->b (0 of 2)"
     outcome = assembler.add_part(parts[2])
     assert isinstance(outcome, Completed)
     assert outcome.snapshot == expected_snapshot()
 
 
-def test_a_channel_that_opened_during_the_snapshot_waits_for_the_senders_n() -> None:
-    """a opened a -> b after recording: its state lists no a -> b; its n=0 part comes on its own."""
+def test_a_channel_that_opened_during_the_snapshot_is_proven_by_the_senders_state() -> None:
+    """a opened a -> b after recording: its state lists no a -> b, which says n = 0."""
     assembler = started()
     assembler.add_part(state_part("a", {}, tokens=3), sender="a")
     assembler.add_part(state_part("b", {"a": 1}, tokens=4), sender="b")
-    assert assembler.add_part(channel_part("b", "a", 0, []), sender="b") is None
-    assert assembler.add_part(channel_part("a", "b", 1, []), sender="a") is None
-    assert assembler.missing(SNAPSHOT) == "waiting for channels a->b"
-    outcome = assembler.add_part(only_outbound("a", "b", 0), sender="a")
+    assert assembler.add_part(channel_part("b", "a", 0, [], open=True), sender="b") is None
+    assert assembler.missing(SNAPSHOT) == "waiting for channels b->a (0 of 1)"
+    outcome = assembler.add_part(channel_part("a", "b", 1, []), sender="a")
     assert isinstance(outcome, Completed)
     channel = outcome.snapshot.channels[0]
     assert (channel.src, channel.dst, channel.sent_before_marker, len(channel.messages)) == ("a", "b", 0, 0)
+
+
+def test_a_count_after_the_senders_state_must_be_zero() -> None:
+    """The state lists every channel the sender had: one opened later carried nothing before its marker."""
+    assembler = started(("a", "b", "c"))
+    assembler.add_part(state_part("a", {"b": 0}), sender="a")
+    assert assembler.add_part(only_outbound("a", "c", 0), sender="a") is None
+    with pytest.raises(PartRejected) as caught:
+        assembler.add_part(only_outbound("a", "x", 2), sender="a")
+    assert caught.value.reason == "malformed"
+    assert "channel a->x counts n=2 after its state" in caught.value.detail
+    assert assembler.running == [SNAPSHOT]
 
 
 def test_channels_to_non_members_are_left_out_of_the_cut() -> None:
@@ -341,7 +352,7 @@ def test_inconsistent_counts_abort_the_snapshot(sender_first: bool, m: int, reco
     error = caught.value
     assert error.reason == "inconsistent_counts"
     assert f"snapshot {SNAPSHOT} channel a->b" in error.detail
-    assert f"m={m} + recorded={recorded} != n=2" in error.detail
+    assert f"m={m} + recorded={recorded} {'>' if m + recorded > 2 else '!='} n=2" in error.detail
     assert error.aborted == Aborted(SNAPSHOT, error.detail)
     assert assembler.running == []
     for part in good_parts():
@@ -356,3 +367,72 @@ def test_a_consistent_channel_is_not_checked_against_an_unrelated_one() -> None:
     assembler.add_part(state_part("b", {"a": 5}), sender="b")
     assert assembler.add_part(channel_part("b", "a", 1, [message(b"x")]), sender="b") is None
     assert assembler.add_part(state_part("a", {"b": 2}), sender="a") is None
+
+
+# -- channels reported open, then continued -------------------------------------------------------
+
+
+def open_state(
+    process: str, outbound: dict[str, int], src: str, m: int, messages: list[RecordedMessage]
+) -> LocalSnapshotPart:
+    """A state part that lists ``src -> process`` as it stood at the recording, still open."""
+    part = state_part(process, outbound)
+    part.inbound.append(InboundChannelState(src=src, received_before_recording=m, messages=messages, open=True))
+    return part
+
+
+def test_an_open_channel_is_proven_when_its_last_message_in_flight_is_reported() -> None:
+    assembler = started()
+    assert assembler.add_part(state_part("a", {"b": 3}), sender="a") is None
+    assert assembler.add_part(open_state("b", {}, "a", 1, [message(b"x")]), sender="b") is None
+    assert assembler.missing(SNAPSHOT) == "waiting for channels a->b (2 of 3)"
+    outcome = assembler.add_part(channel_part("b", "a", 1, [message(b"y")]), sender="b")
+    assert isinstance(outcome, Completed)
+    channel = outcome.snapshot.channels[0]
+    assert (channel.received_before_recording, [m.payload for m in channel.messages]) == (1, [b"x", b"y"])
+
+
+def test_an_open_channel_that_already_meets_n_needs_no_marker() -> None:
+    assembler = started()
+    assembler.add_part(state_part("a", {"b": 2}), sender="a")
+    outcome = assembler.add_part(open_state("b", {}, "a", 1, [message(b"x")]), sender="b")
+    assert isinstance(outcome, Completed)
+    assert [m.payload for m in outcome.snapshot.channels[0].messages] == [b"x"]
+
+
+def test_a_continuation_in_the_same_part_is_merged_in_order() -> None:
+    """Parts queued together are merged by the agent: the open piece and its continuation in one part."""
+    assembler = started()
+    assembler.add_part(state_part("a", {"b": 3}), sender="a")
+    part = open_state("b", {}, "a", 1, [message(b"x")])
+    part.inbound.append(InboundChannelState(src="a", received_before_recording=1, messages=[message(b"y")]))
+    outcome = assembler.add_part(part, sender="b")
+    assert isinstance(outcome, Completed)
+    assert [m.payload for m in outcome.snapshot.channels[0].messages] == [b"x", b"y"]
+
+
+@pytest.mark.parametrize("sender_first", [True, False], ids=["sender-first", "receiver-first"])
+def test_an_open_channel_past_n_is_inconsistent_at_once(sender_first: bool) -> None:
+    assembler = started()
+    parts = [state_part("a", {"b": 1}), open_state("b", {}, "a", 1, [message(b"x")])]
+    first, second = parts if sender_first else parts[::-1]
+    assembler.add_part(first, sender=first.process_id)
+    with pytest.raises(PartRejected) as caught:
+        assembler.add_part(second, sender=second.process_id)
+    assert caught.value.reason == "inconsistent_counts"
+    assert "channel a->b is inconsistent: m=1 + recorded=1 > n=1" in caught.value.detail
+    assert caught.value.aborted is not None and assembler.running == []
+
+
+def test_a_continuation_must_follow_an_open_piece_with_the_same_m() -> None:
+    assembler = started()
+    assembler.add_part(state_part("a", {"b": 3}), sender="a")
+    assembler.add_part(open_state("b", {}, "a", 1, []), sender="b")
+    with pytest.raises(PartRejected) as caught:
+        assembler.add_part(channel_part("b", "a", 2, [message(b"x")]), sender="b")
+    assert caught.value.reason == "malformed"
+    assert "channel a->b continues with m=2, not m=1" in caught.value.detail
+    assert assembler.add_part(channel_part("b", "a", 1, [message(b"x")], open=True), sender="b") is None
+    outcome = assembler.add_part(channel_part("b", "a", 1, [message(b"y")]), sender="b")
+    assert isinstance(outcome, Completed)
+    assert [m.payload for m in outcome.snapshot.channels[0].messages] == [b"x", b"y"]

@@ -179,8 +179,26 @@ def test_record_state_reports_state_and_outbound_counts() -> None:
     assert part.process_id == "p"
     assert part.state == balance(5)
     assert [(count.dst, count.sent_before_marker) for count in part.outbound] == [("a", 2), ("b", 1)]
-    assert list(part.inbound) == []  # started by the detector: no channel closed yet
+    assert list(part.inbound) == []  # nothing ever arrived: every inbound channel has m = 0, left out
     assert core.active_snapshots == [1]
+
+
+def test_record_state_reports_every_inbound_channel_as_it_stands_open_until_its_marker() -> None:
+    core = SnapshotCore("p", ["a", "b", "c"])
+    core.receive_message("a", token(b"a1"))
+    core.receive_message("b", token(b"b1"))
+    core.receive_message("b", token(b"b2"))
+    core.receive_message("c", token(b"c1"))
+    actions = core.receive_marker("c", 1)  # c's marker: c -> p is closed, empty; the others record on
+    part = only_part(core.record_state(1, balance(0), {"b": [Run([token(b"b2")], 3)]}))
+    ends = {c.src: (c.received_before_recording, payloads(c), c.open) for c in part.inbound}
+    assert ends == {"a": (1, [], True), "b": (1, [b"b2"], True), "c": (1, [], False)}
+    assert markers(actions) == [("a", 1), ("b", 1), ("c", 1)]
+    # b2 was reported with the state: a marker with nothing recorded since reports nothing more.
+    assert core.receive_marker("b", 1) == ()
+    core.receive_message("a", token(b"a2"))
+    late = inbound(only_part(core.receive_marker("a", 1)), "a")
+    assert (late.received_before_recording, payloads(late), late.open) == (1, [b"a2"], False)
 
 
 def test_first_marker_records_and_its_channel_is_empty() -> None:
@@ -250,11 +268,13 @@ def test_messages_between_recording_and_marker_are_recorded_and_after_it_not() -
     core = SnapshotCore("p", ["q"])
     core.receive_message("q", token(b"before"))
     part = only_part(record(core, core.start_snapshot(1), balance(0)))
-    assert list(part.inbound) == []
+    so_far = inbound(part, "q")
+    assert (so_far.received_before_recording, payloads(so_far), so_far.open) == (1, [], True)
     assert core.receive_message("q", token(b"in1", 2)) == ()
     assert core.receive_message("q", AppMessage(b"in2", no_wake=True)) == ()
     channel = inbound(only_part(core.receive_marker("q", 1)), "q")
     assert channel.received_before_recording == 1
+    assert not channel.open
     assert payloads(channel) == [b"in1", b"in2"]
     assert dict(channel.messages[0].counters) == {TOKENS: 2}
     assert not channel.messages[0].no_wake
@@ -274,11 +294,11 @@ def test_counts_n_and_m_per_channel() -> None:
     core.receive_message("b", token(b"y"))
     part = only_part(record(core, core.start_snapshot(1)))
     assert outbound_counts(part) == {"a": 3, "b": 0}
+    assert {c.src: c.received_before_recording for c in part.inbound} == {"a": 1, "b": 2}
     core.send("a")  # not counted in this snapshot's n
     core.receive_message("b", token(b"z"))
-    from_a = inbound(only_part(core.receive_marker("a", 1)), "a")
+    assert core.receive_marker("a", 1) == ()  # nothing recorded on a -> p: the state part said it all
     from_b = inbound(only_part(core.receive_marker("b", 1)), "b")
-    assert (from_a.received_before_recording, payloads(from_a)) == (1, [])
     assert (from_b.received_before_recording, payloads(from_b)) == (2, [b"z"])
     assert core.sent_count("a") == 4
 
@@ -311,8 +331,12 @@ def test_several_initiators_of_one_snapshot() -> None:
     core = SnapshotCore("p", ["q"])
     record(core, core.start_snapshot(1))
     assert core.start_snapshot(1) == ()  # the detector's start arrives twice
-    # The other initiator's marker closes the channel instead of starting over.
-    assert only_part(core.receive_marker("q", 1)).inbound[0].src == "q"
+    # The other initiator's marker closes the channel instead of starting over (nothing was
+    # recorded on it, so there is nothing to report): a second one is the peer's error.
+    assert core.receive_marker("q", 1) == ()
+    assert core.active_snapshots == [1]
+    with pytest.raises(RemoteProtocolError, match="second marker"):
+        core.receive_marker("q", 1)
     other = SnapshotCore("p", ["q"])
     record(other, other.receive_marker("q", 5))
     assert other.start_snapshot(5) == ()  # the start arrives after a marker
@@ -372,9 +396,11 @@ def drain(net: Network) -> None:
 
 def test_open_outbound_on_a_new_channel_during_a_snapshot_lets_the_snapshot_complete() -> None:
     net = Network({"q": ["p"]}, {"p": 5, "q": 5})
+    net.send("q", "p", b"in flight")  # keeps the snapshot running until it arrives
     net.begin(1)
     net.start("p", 1)
     net.start("q", 1)
+    assert 1 not in net.completed
     assert markers(net.open("p", "q")) == [("q", 1)]
     net.send("p", "q", b"after the marker")
     drain(net)
@@ -382,8 +408,27 @@ def test_open_outbound_on_a_new_channel_during_a_snapshot_lets_the_snapshot_comp
     assert_proof_holds(snapshot)
     assert [(c.src, c.dst, c.sent_before_marker, len(c.messages)) for c in snapshot.channels] == [
         ("p", "q", 0, 0),
+        ("q", "p", 1, 1),
+    ]
+
+
+def test_a_snapshot_of_quiet_channels_completes_on_the_states_alone() -> None:
+    """No marker needs to arrive: every channel is proven by the counts in the two states."""
+    net = Network({"p": ["q"], "q": ["p"]}, {"p": 5, "q": 5})
+    net.send("p", "q", b"delivered before")
+    net.deliver("p", "q")
+    net.begin(1)
+    net.start("p", 1)
+    assert 1 not in net.completed
+    net.start("q", 1)
+    snapshot = net.completed[1]
+    assert_proof_holds(snapshot)
+    assert [(c.src, c.dst, c.sent_before_marker, c.received_before_recording) for c in snapshot.channels] == [
+        ("p", "q", 1, 1),
         ("q", "p", 0, 0),
     ]
+    assert [m for queue in net.queues.values() for m in queue] == [Marker(1), Marker(1)]  # still on their way
+    assert net.deliver("p", "q") == [] and net.deliver("q", "p") == []  # late markers: ignored
 
 
 # -- errors and forgetting ------------------------------------------------------------------------
@@ -526,7 +571,7 @@ def test_two_process_example_p1_records_message_in_flight() -> None:
     p2_part = only_part(p2_actions)
     assert p2_part.state == balance(7)
     assert outbound_counts(p2_part) == {"P1": 1}
-    assert (inbound(p2_part, "P1").received_before_recording, payloads(inbound(p2_part, "P1"))) == (0, [])
+    assert list(p2_part.inbound) == []  # P1 -> P2 carried nothing before its marker: m = 0, left out
 
     p1_channel = inbound(only_part(net.deliver("P2", "P1")), "P2")
     assert payloads(p1_channel) == [b"M"]
@@ -703,12 +748,14 @@ def test_undelivered_messages_at_recording_are_in_flight_and_not_counted_in_m() 
     # The application has taken m1; m2 and m3 wait in the driver's queue.
     actions = core.start_snapshot(1, now=0.0)
     (part,) = parts(core.record_state(1, balance(0), {"q": [Run([token(b"m2"), token(b"m3")], 2)]}))
-    assert list(part.inbound) == []
+    so_far = inbound(part, "q")
+    assert (so_far.received_before_recording, payloads(so_far), so_far.open) == (1, [b"m2", b"m3"], True)
+    assert [m.receive_index for m in so_far.messages] == [2, 3]
     core.receive_message("q", token(b"m4"))
     channel = inbound(only_part(core.receive_marker("q", 1)), "q")
     assert channel.received_before_recording == 1
-    assert payloads(channel) == [b"m2", b"m3", b"m4"]
-    assert [m.receive_index for m in channel.messages] == [2, 3, 4]
+    assert (payloads(channel), channel.open) == ([b"m4"], False)
+    assert [m.receive_index for m in channel.messages] == [4]
     assert markers(actions) == [("q", 1)]
 
 
@@ -722,9 +769,10 @@ def test_a_marker_taken_in_ahead_of_queued_messages_records_them_as_its_channel(
     undelivered = {"q": [Run([token(b"a"), token(b"b")], 1)], "r": [Run([token(b"c")], 3)]}
     part = only_part(core.record_state(1, balance(0), undelivered))
     from_q = inbound(part, "q")
-    assert (from_q.received_before_recording, payloads(from_q)) == (0, [b"a", b"b"])
-    from_r = inbound(only_part(core.receive_marker("r", 1)), "r")
-    assert (from_r.received_before_recording, payloads(from_r)) == (0, [b"c"])
+    assert (from_q.received_before_recording, payloads(from_q), from_q.open) == (0, [b"a", b"b"], False)
+    from_r = inbound(part, "r")
+    assert (from_r.received_before_recording, payloads(from_r), from_r.open) == (0, [b"c"], True)
+    assert core.receive_marker("r", 1) == ()
 
 
 def test_more_undelivered_than_arrived_is_a_local_error() -> None:
@@ -746,9 +794,8 @@ def test_undelivered_bytes_count_against_the_bound() -> None:
 
 
 def test_acknowledgement_positions_at_recording_travel_in_the_parts() -> None:
-    """The driver's acknowledgement positions at the recording moment reach the parts as given:
-    per outbound channel in the state part, per inbound channel in that channel's part, even when
-    its marker comes after further acknowledgements."""
+    """The driver's acknowledgement positions at the recording moment reach the state part as
+    given, per outbound and per inbound channel (one known only by its acknowledgement too)."""
     seen_by_p = AckPosition(sender_incarnation=10, receiver_incarnation=20, next_seq=3)
     acked_by_p = AckPosition(sender_incarnation=30, receiver_incarnation=10, next_seq=7)
     core = SnapshotCore("p", ["q", "r"])
@@ -756,9 +803,10 @@ def test_acknowledgement_positions_at_recording_travel_in_the_parts() -> None:
     first = only_part(core.record_state(1, balance(0), acked={"q": acked_by_p}, acks_seen={"q": seen_by_p}))
     assert {count.dst: count.ack_seen for count in first.outbound} == {"q": seen_by_p, "r": AckPosition()}
     assert first.outbound[0].HasField("ack_seen") and not first.outbound[1].HasField("ack_seen")
-    channel = inbound(only_part(core.receive_marker("q", 1)), "q")
-    assert channel.acked == acked_by_p
-    assert not inbound(only_part(core.receive_marker("s", 1)), "s").HasField("acked")  # none was passed
+    channel = inbound(first, "q")
+    assert (channel.acked, channel.received_before_recording, channel.open) == (acked_by_p, 0, True)
+    assert [c.src for c in first.inbound] == ["q"]  # s had nothing and no acknowledgement: left out
+    assert core.receive_marker("q", 1) == () and core.receive_marker("s", 1) == ()
 
 
 def test_acknowledgement_positions_reach_the_global_snapshot() -> None:

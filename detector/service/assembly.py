@@ -1,14 +1,21 @@
 """Global-state assembly: merge local snapshot parts into consistent global snapshots.
 
-A snapshot is complete when every member has reported its local state and every channel has both
-ends: the sender's ``n`` (messages sent before its marker) and the receiver's ``m`` (messages
-received before it recorded) with the messages it recorded. Every channel must satisfy
-``m + len(recorded) == n`` (DESIGN.md, "Consistency proof per channel"); a snapshot that fails it
-is aborted, never returned. Membership is fixed when the snapshot begins; channels are whatever
-the members report, so channels that open during a snapshot are handled. A channel whose other
-end is not a member is outside the cut: its peer is kept in ``outside_peers``, with what the
-detector expected (``expected_members``, ``expected_member_count``), so that evaluation can tell
-a closed cut from an open one.
+A snapshot is complete when every member has reported its local state and every channel between
+members is *proven*: the sender's ``n`` (messages sent before its marker) equals the receiver's
+``m`` (messages received before it recorded) plus the messages it recorded (DESIGN.md,
+"Consistency proof per channel"). A receiver reports each inbound channel with its state, as it
+stands at the recording, marked ``open`` while the channel's marker has not come; messages
+recorded later follow in later parts. So a channel is proven as soon as ``m + recorded == n``,
+without waiting for a marker that could only confirm it: one that had nothing in flight is proven
+by the two states alone, one with messages in flight when the last of them is reported. A channel
+a process's state does not list had nothing then (``m = 0``, nothing recorded yet), and an
+outbound channel a sender's state does not list had ``n = 0``. A count that passes ``n``, or a
+channel reported whole (not open) short of it, proves the cut inconsistent: the snapshot is
+aborted, never returned. Membership is fixed when the snapshot begins; channels are whatever the
+members report, so channels that open during a snapshot are handled. A channel whose other end
+is not a member is outside the cut: its peer is kept in ``outside_peers``, with what the detector
+expected (``expected_members``, ``expected_member_count``), so that evaluation can tell a closed
+cut from an open one.
 
 The assembler never trusts a part: each bad one raises :class:`PartRejected` with a reason from
 :data:`REJECTION_REASONS` and leaves everything already accepted untouched. A part over the size
@@ -19,8 +26,8 @@ never be whole and is aborted at once.
 
 from __future__ import annotations
 
-from collections import deque
-from collections.abc import Iterable
+from collections import ChainMap, deque
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from stablewatch.v1 import (
@@ -35,12 +42,12 @@ __all__ = ["REJECTION_REASONS", "Aborted", "Assembler", "Completed", "PartReject
 
 #: Every reason a part can be rejected for (bounded: safe as a metric label).
 REJECTION_REASONS = (
-    "malformed",  # missing ids, a channel to itself, a channel listed twice
+    "malformed",  # missing ids, a channel to itself, a channel listed twice, a channel's m changed
     "unknown_snapshot",  # no such snapshot was started
     "late",  # the snapshot already completed or was aborted
     "not_member",  # the process is not a member of the snapshot
     "spoofed",  # the part names another process than the stream it came on
-    "duplicate_part",  # state or a channel already reported
+    "duplicate_part",  # state, an outbound count or a whole channel already reported
     "inconsistent_counts",  # m + len(recorded) != n on some channel: the cut is not consistent
     "too_large",  # the part is larger than max_part_bytes
     "too_many_messages",  # the part records more than max_part_messages messages
@@ -48,6 +55,8 @@ REJECTION_REASONS = (
 
 # How many finished snapshot ids are remembered to tell "late" from "unknown".
 _FINISHED_MEMORY = 4096
+
+Channel = tuple[str, str]  # (src, dst)
 
 
 class PartRejected(Exception):
@@ -76,6 +85,19 @@ class Aborted:
 
 
 @dataclass(slots=True)
+class _Received:
+    """The receiver's end of one channel, merged from its reports in order."""
+
+    pieces: list[InboundChannelState]  # the first carries m and the acknowledgement position
+    recorded: int  # messages in all pieces
+    open: bool  # the last piece said more may follow
+
+    @property
+    def m(self) -> int:
+        return self.pieces[0].received_before_recording
+
+
+@dataclass(slots=True)
 class _Pending:
     snapshot_id: int
     members: frozenset[str]
@@ -83,12 +105,50 @@ class _Pending:
     expected_count: int = 0
     outside: set[str] = field(default_factory=set)  # channel peers that are not members
     states: dict[str, LocalState] = field(default_factory=dict)
-    sent: dict[tuple[str, str], int] = field(default_factory=dict)  # (src, dst) -> n
-    ack_seen: dict[tuple[str, str], AckPosition] = field(default_factory=dict)  # (src, dst) -> at src's recording
-    inbound: dict[tuple[str, str], InboundChannelState] = field(default_factory=dict)
+    sent: dict[Channel, int] = field(default_factory=dict)  # n, as the sender reported it
+    ack_seen: dict[Channel, AckPosition] = field(default_factory=dict)  # at the sender's recording
+    received: dict[Channel, _Received] = field(default_factory=dict)
+    known: set[Channel] = field(default_factory=set)  # channels between members that either end named
+    channels: dict[str, set[Channel]] = field(default_factory=dict)  # the known ones, per member at an end
+    proven: set[Channel] = field(default_factory=set)
 
     def is_complete(self) -> bool:
-        return len(self.states) == len(self.members) and self.sent.keys() == self.inbound.keys()
+        return len(self.states) == len(self.members) and len(self.proven) == len(self.known)
+
+    def settle(self, channel: Channel) -> None:
+        """Note ``channel`` as known (under both its ends) and as proven or not, from what came so far."""
+        if channel not in self.known:
+            self.known.add(channel)
+            for process in channel:
+                self.channels.setdefault(process, set()).add(channel)
+        n, m, recorded, _ = self.counts(channel)
+        # The receiver's state must be in: until then it may still list the channel.
+        if n is not None and m + recorded == n and channel[1] in self.states:
+            self.proven.add(channel)
+        else:
+            self.proven.discard(channel)
+
+    def counts(self, channel: Channel) -> tuple[int | None, int, int, bool]:
+        """(n, m, recorded, open) of ``channel`` as far as known now (see :func:`_counts`)."""
+        return _counts(channel, self.sent, self.received, self.states.__contains__)
+
+
+def _counts(
+    channel: Channel,
+    sent: Mapping[Channel, int],
+    received: Mapping[Channel, _Received],
+    has_state: Callable[[str], bool],
+) -> tuple[int | None, int, int, bool]:
+    """(n, m, recorded, open) of ``channel``: n is None until its sender has said; a sender's state
+    lists every channel it had, so one it does not list carried nothing (n = 0); a receiver that
+    reported nothing of it had m = 0 and recorded nothing yet."""
+    n = sent.get(channel)
+    if n is None and has_state(channel[0]):
+        n = 0
+    end = received.get(channel)
+    if end is None:
+        return n, 0, 0, True
+    return n, end.m, end.recorded, end.open
 
 
 class Assembler:
@@ -130,30 +190,37 @@ class Assembler:
         Returns :class:`Completed` when this part completes the snapshot, else None. Raises
         :class:`PartRejected` for a bad part; when the part proves the cut inconsistent the
         snapshot is aborted as well, and the exception's ``aborted`` says so.
+
+        Costs O(channels the part names), plus O(channels of its process) for a state part.
         """
         self._check_bounds(part, sender)
         pending = self._validate(part, sender)
-        channels_checked = self._check_counts(pending, part)
-        if channels_checked is not None:
-            aborted = self.abort(pending.snapshot_id, channels_checked)
-            raise PartRejected("inconsistent_counts", channels_checked, aborted=aborted)
+        received = self._merge_inbound(pending, part)
+        failure = self._check_counts(pending, part, received)
+        if failure is not None:
+            aborted = self.abort(pending.snapshot_id, failure)
+            raise PartRejected("inconsistent_counts", failure, aborted=aborted)
+        # Everything is checked: from here on the part is taken whole.
         process = part.process_id
+        touched: set[Channel] = set(received)
         if part.HasField("state"):
             pending.states[process] = part.state
+            touched.update(pending.channels.get(process, ()))
         # Channels to or from non-members are outside the cut: the other end never reports. Their
         # peers are remembered: a cut that names them is open.
         for count in part.outbound:
             if count.dst in pending.members:
-                pending.sent[(process, count.dst)] = count.sent_before_marker
+                channel = (process, count.dst)
+                pending.sent[channel] = count.sent_before_marker
                 if count.HasField("ack_seen"):
-                    pending.ack_seen[(process, count.dst)] = count.ack_seen
+                    pending.ack_seen[channel] = count.ack_seen
+                touched.add(channel)
             else:
                 pending.outside.add(count.dst)
-        for channel in part.inbound:
-            if channel.src in pending.members:
-                pending.inbound[(channel.src, process)] = channel
-            else:
-                pending.outside.add(channel.src)
+        pending.outside.update(channel.src for channel in part.inbound if channel.src not in pending.members)
+        pending.received.update(received)
+        for channel in touched:
+            pending.settle(channel)
         if not pending.is_complete():
             return None
         del self._pending[pending.snapshot_id]
@@ -177,12 +244,16 @@ class Assembler:
         if pending is None:
             return f"snapshot {snapshot_id} is not running"
         states = sorted(pending.members - pending.states.keys())
-        channels = sorted(pending.sent.keys() ^ pending.inbound.keys())
         pieces = []
         if states:
             pieces.append(f"state of {', '.join(states)}")
+        channels = []
+        for channel in sorted(pending.known - pending.proven):
+            n, m, recorded, _ = pending.counts(channel)
+            have = f"{m + recorded} of {n}" if n is not None else f"{m + recorded} of n unknown"
+            channels.append(f"{channel[0]}->{channel[1]} ({have})")
         if channels:
-            pieces.append(f"channels {', '.join(f'{s}->{d}' for s, d in channels)}")
+            pieces.append(f"channels {', '.join(channels)}")
         return "waiting for " + "; ".join(pieces) if pieces else "nothing missing"
 
     # -- internals -----------------------------------------------------------------------------
@@ -221,42 +292,85 @@ class Assembler:
         if process not in pending.members:
             raise PartRejected("not_member", f"{where}: {process} is not a member of snapshot {snapshot_id}")
         dsts = [count.dst for count in part.outbound]
-        srcs = [channel.src for channel in part.inbound]
-        for kind, peers in (("outbound", dsts), ("inbound", srcs)):
-            if "" in peers or process in peers:
-                raise PartRejected("malformed", f"{where}: an {kind} channel has no peer or is to itself")
-            if len(set(peers)) != len(peers):
-                raise PartRejected("malformed", f"{where}: an {kind} channel is listed twice")
+        if "" in dsts or process in dsts:
+            raise PartRejected("malformed", f"{where}: an outbound channel has no peer or is to itself")
+        if len(set(dsts)) != len(dsts):
+            raise PartRejected("malformed", f"{where}: an outbound channel is listed twice")
+        if any(channel.src in ("", process) for channel in part.inbound):
+            raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
         if part.HasField("state") and process in pending.states:
             raise PartRejected("duplicate_part", f"{where}: its state was already reported")
-        for dst in dsts:
+        for count in part.outbound:
+            dst = count.dst
             if (process, dst) in pending.sent:
                 raise PartRejected("duplicate_part", f"{where}: channel {process}->{dst} already reported")
-        for src in srcs:
-            if (src, process) in pending.inbound:
-                raise PartRejected("duplicate_part", f"{where}: channel {src}->{process} already reported")
+            if count.sent_before_marker and process in pending.states:
+                # A channel opened after the recording carries nothing before its marker.
+                n = count.sent_before_marker
+                raise PartRejected("malformed", f"{where}: channel {process}->{dst} counts n={n} after its state")
         return pending
 
     @staticmethod
-    def _check_counts(pending: _Pending, part: LocalSnapshotPart) -> str | None:
-        """The per-channel proof for every channel this part closes; a description if one fails."""
+    def _merge_inbound(pending: _Pending, part: LocalSnapshotPart) -> dict[Channel, _Received]:
+        """The receiver's ends of the member channels ``part`` reports, merged with what came before
+        (new objects: nothing accepted is touched). A channel continues only after an open piece,
+        with the same m."""
         process = part.process_id
-        pairs: list[tuple[tuple[str, str], int, InboundChannelState]] = []
-        for count in part.outbound:
-            channel = pending.inbound.get((process, count.dst))
-            if channel is not None:
-                pairs.append(((process, count.dst), count.sent_before_marker, channel))
-        for channel in part.inbound:
-            sent = pending.sent.get((channel.src, process))
-            if sent is not None:
-                pairs.append(((channel.src, process), sent, channel))
-        for (src, dst), sent, channel in pairs:
-            received = channel.received_before_recording + len(channel.messages)
-            if received != sent:
+        where = f"part of snapshot {part.snapshot_id} from {process}"
+        merged: dict[Channel, _Received] = {}
+        listed: set[str] = set()
+        for piece in part.inbound:
+            if piece.src not in pending.members:
+                continue
+            channel = (piece.src, process)
+            earlier = merged.get(channel) or pending.received.get(channel)
+            name = f"channel {piece.src}->{process}"
+            if earlier is None:
+                merged[channel] = _Received([piece], len(piece.messages), piece.open)
+            elif not earlier.open:
+                if piece.src in listed:
+                    raise PartRejected("malformed", f"{where}: {name} is listed twice")
+                raise PartRejected("duplicate_part", f"{where}: {name} already reported")
+            elif piece.received_before_recording != earlier.m:
+                raise PartRejected(
+                    "malformed",
+                    f"{where}: {name} continues with m={piece.received_before_recording}, not m={earlier.m}",
+                )
+            else:
+                pieces = [*earlier.pieces, piece]
+                merged[channel] = _Received(pieces, earlier.recorded + len(piece.messages), piece.open)
+            listed.add(piece.src)
+        return merged
+
+    @staticmethod
+    def _check_counts(pending: _Pending, part: LocalSnapshotPart, received: dict[Channel, _Received]) -> str | None:
+        """The per-channel proof for every channel this part adds to; a description if one fails.
+
+        A receiver's count may fall short of ``n`` while its channel is open (more is coming); it
+        may never pass it, and a channel reported whole must meet it.
+        """
+        process = part.process_id
+        sent = {
+            (process, count.dst): count.sent_before_marker for count in part.outbound if count.dst in pending.members
+        }
+        touched = set(received) | set(sent)
+        if part.HasField("state"):
+            touched.update(pending.channels.get(process, ()))
+        # What the snapshot would hold with the part taken, without taking it.
+        all_sent, all_received = ChainMap(sent, pending.sent), ChainMap(received, pending.received)
+        with_state = part.HasField("state")
+
+        def has_state(member: str) -> bool:
+            return member in pending.states or (with_state and member == process)
+
+        for channel in sorted(touched):
+            n, m, recorded, still_open = _counts(channel, all_sent, all_received, has_state)
+            if n is None:
+                continue
+            if m + recorded > n or (not still_open and m + recorded != n):
                 return (
-                    f"snapshot {pending.snapshot_id} channel {src}->{dst} is inconsistent: "
-                    f"m={channel.received_before_recording} + recorded={len(channel.messages)} "
-                    f"!= n={sent}"
+                    f"snapshot {pending.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: "
+                    f"m={m} + recorded={recorded} {'>' if m + recorded > n else '!='} n={n}"
                 )
         return None
 
@@ -279,15 +393,20 @@ def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
     # Built in place with add(): append() would copy each channel's recorded messages once more.
     for process in sorted(pending.states):
         snapshot.processes.add(process_id=process, state=pending.states[process])
-    for (src, dst), sent in sorted(pending.sent.items()):
-        channel = pending.inbound[(src, dst)]
-        snapshot.channels.add(
+    for channel in sorted(pending.known):
+        src, dst = channel
+        received = pending.received.get(channel)
+        first = received.pieces[0] if received is not None else None
+        added = snapshot.channels.add(
             src=src,
             dst=dst,
-            sent_before_marker=sent,
-            received_before_recording=channel.received_before_recording,
-            messages=channel.messages,
-            receiver_acked=channel.acked if channel.HasField("acked") else None,
-            sender_ack_seen=pending.ack_seen.get((src, dst)),
+            sent_before_marker=pending.sent.get(channel, 0),
+            received_before_recording=first.received_before_recording if first is not None else 0,
+            messages=first.messages if first is not None else (),
+            receiver_acked=first.acked if first is not None and first.HasField("acked") else None,
+            sender_ack_seen=pending.ack_seen.get(channel),
         )
+        if received is not None:
+            for piece in received.pieces[1:]:
+                added.messages.extend(piece.messages)
     return snapshot

@@ -54,18 +54,20 @@ class OutboundCount(_message.Message):
     def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., ack_seen: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class InboundChannelState(_message.Message):
-    __slots__ = ("src", "received_before_recording", "messages", "acked", "session")
+    __slots__ = ("src", "received_before_recording", "messages", "acked", "session", "open")
     SRC_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    OPEN_FIELD_NUMBER: _ClassVar[int]
     src: str
     received_before_recording: int
     messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
     acked: AckPosition
     session: int
-    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
+    open: bool
+    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ..., open: _Optional[bool] = ...) -> None: ...
 
 class LocalSnapshotPart(_message.Message):
     __slots__ = ("snapshot_id", "process_id", "state", "outbound", "inbound")
