@@ -215,6 +215,7 @@ class Agent:
                 self.address,
                 self._detector,
                 on_start=self._detector_start,
+                on_start_now=self._detector_start_now,
                 on_finish=self._finish_snapshot,
                 on_epoch=self._new_epoch,
                 credentials=self._tls.channel_credentials() if self._tls else None,
@@ -366,9 +367,13 @@ class Agent:
             snapshot_id = next(self._local_ids)
         assert self._lock is not None, "start() the agent first"
         async with self._lock:
-            now = asyncio.get_running_loop().time()
-            self._carry_out(self._core.start_snapshot(snapshot_id, now=now, lifetime=lifetime))
+            self._record_now(snapshot_id, lifetime)
         return snapshot_id
+
+    def _record_now(self, snapshot_id: int, lifetime: float | None) -> None:
+        """Start ``snapshot_id`` in the core and carry out what it asks (the caller ensures no handler runs)."""
+        now = asyncio.get_running_loop().time()
+        self._carry_out(self._core.start_snapshot(snapshot_id, now=now, lifetime=lifetime))
 
     # -- internals: sending --------------------------------------------------------------------
 
@@ -538,8 +543,15 @@ class Agent:
         for action in actions:
             if isinstance(action, SendEntry):
                 channel = self._outbound.get(action.dst)
-                if channel is not None:
-                    channel.push(action.entry, entry_size(action.entry))
+                entry = action.entry
+                if channel is None:
+                    continue
+                if type(entry) is Marker:
+                    # A detector snapshot's marker may wait on a quiet channel (core: Quiet channels).
+                    local = entry.snapshot_id >= LOCAL_ID_BASE
+                    channel.put_marker(entry, None if local else self._core.deadline(entry.snapshot_id))
+                else:
+                    channel.push(entry, entry_size(entry))
             elif isinstance(action, RecordState):
                 state = self._state_provider() if self._state_provider else self.state.snapshot()
                 waits = self._blocked.waits() if self._blocked else None
@@ -577,6 +589,13 @@ class Agent:
 
     async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
         await self.start_snapshot(snapshot_id, lifetime=lifetime)
+
+    def _detector_start_now(self, snapshot_id: int, lifetime: float | None) -> bool:
+        """Record for a detector's start right away if no handler holds the recording lock."""
+        if self._lock is None or self._lock.locked():
+            return False
+        self._record_now(snapshot_id, lifetime)
+        return True
 
     def _finish_snapshot(self, snapshot_id: int) -> None:
         self._core.finish_snapshot(snapshot_id)

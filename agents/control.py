@@ -2,8 +2,9 @@
 
 The agent dials the detector and keeps a single bidirectional stream open. On it the agent sends
 ``Register`` first and then heartbeats, its local snapshot parts, snapshot failures and ``Pong``
-replies; the detector answers ``Registered`` (or ``Refused``) and then sends ``StartSnapshot``,
-``AbortSnapshot``, ``SnapshotDone``, ``Ping`` and, to an agent in RPC mode, ``ChannelTarget``. This
+replies; the detector answers ``Registered`` (or ``Refused``) and then sends ``StartSnapshot`` (with
+the snapshots that ended since the last one), ``SnapshotsEnded``, ``AbortSnapshot``, ``Ping`` and,
+to an agent in RPC mode, ``ChannelTarget``. This
 module only carries those messages; the protocol itself lives in :mod:`stablewatch.agents.core`
 (and :mod:`stablewatch.agents.rpc_core` in RPC mode).
 
@@ -13,7 +14,10 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   the detector: while the detector is down or slow, parts are refused (``report_part`` returns
   False) or dropped from a bounded queue, and the detector aborts those snapshots by its deadline.
 * **In order.** ``on_start`` callbacks run one at a time, in the order the detector sent them, and
-  ``on_finish(k)`` runs after an earlier ``on_start(k)`` has returned; in RPC mode
+  ``on_finish(k)`` runs after an earlier ``on_start(k)`` has returned. A start that finds no
+  callback running or waiting is first offered to ``on_start_now``, when given, right where it was
+  read: it records at once and says so, or declines when it would have to wait (one turn of the
+  event loop less between the detector's start and the recording); in RPC mode
   ``on_channel_target(target)`` runs in the same order (after the start of its snapshot that the
   detector sent before it). Outgoing messages are sent in
   the order they were queued. A ``Ping`` is answered at once, even while an ``on_start`` runs.
@@ -92,8 +96,9 @@ class ControlClient:
     """Keeps one ``Control.Attach`` stream to the detector at ``target`` open for ``process_id``.
 
     ``on_start(k, lifetime)`` is awaited when the detector asks to start snapshot ``k`` (``lifetime``:
-    its deadline in seconds, or None); ``on_finish(k)`` is called when the detector says ``k`` is done
-    or aborted, and for every open snapshot when the stream is lost; ``on_epoch(epoch)`` when the
+    its deadline in seconds, or None), unless ``on_start_now(k, lifetime)`` took it first (returned
+    True); ``on_finish(k)`` is called when the detector says ``k`` ended, and for every open
+    snapshot when the stream is lost; ``on_epoch(epoch)`` when the
     detector's epoch changed between two registrations. ``on_event(kind, detail)`` reports
     connection changes (see :data:`EVENTS`). With ``rpc_mode`` the registration asks the detector
     for a ``ChannelTarget`` per count another member reports towards this process, and
@@ -109,6 +114,7 @@ class ControlClient:
         *,
         on_start: Callable[[int, float | None], Awaitable[None]],
         on_finish: Callable[[int], None],
+        on_start_now: Callable[[int, float | None], bool] | None = None,
         on_epoch: Callable[[int], None] | None = None,
         credentials: grpc.ChannelCredentials | None = None,
         channel_options: Sequence[tuple[str, Any]] = (),
@@ -140,6 +146,7 @@ class ControlClient:
         options.update(dict(channel_options))
         self._channel_options = list(options.items())
         self._on_start = on_start
+        self._on_start_now = on_start_now
         self._on_finish = on_finish
         self._on_epoch = on_epoch
         self._on_channel_target = on_channel_target
@@ -153,6 +160,7 @@ class ControlClient:
         self._run_task: asyncio.Task[None] | None = None
         self._jobs_task: asyncio.Task[None] | None = None
         self._jobs: asyncio.Queue[_Job] = asyncio.Queue()
+        self._job_running = False
         self._outbox: asyncio.Queue[AgentMessage] | None = None  # set while registering and registered
         self._connected = asyncio.Event()
         self._generation = 0  # bumped when a registered stream is lost; stale starts are skipped
@@ -333,11 +341,20 @@ class ControlClient:
             if kind == "start":
                 start = message.start
                 lifetime = start.deadline_ms / 1000 if start.deadline_ms else None
+                if self._jobs.empty() and not self._job_running:  # nothing to keep order with
+                    for ended in start.ended:
+                        self._finish(ended)
+                    if self._start_now(start.snapshot_id, lifetime):
+                        continue
+                else:
+                    for ended in start.ended:  # forgotten before the new one records
+                        self._jobs.put_nowait(_Job("finish", ended, self._generation))
                 self._jobs.put_nowait(_Job("start", start.snapshot_id, self._generation, lifetime))
             elif kind == "abort":
                 self._jobs.put_nowait(_Job("finish", message.abort.snapshot_id, self._generation))
-            elif kind == "done":
-                self._jobs.put_nowait(_Job("finish", message.done.snapshot_id, self._generation))
+            elif kind == "ended":
+                for ended in message.ended.snapshot_ids:
+                    self._jobs.put_nowait(_Job("finish", ended, self._generation))
             elif kind == "channel_target":
                 target = message.channel_target
                 self._jobs.put_nowait(_Job("target", target.snapshot_id, self._generation, target=target))
@@ -381,27 +398,52 @@ class ControlClient:
     async def _run_jobs(self) -> None:
         """Run start, finish, channel target and epoch callbacks one at a time, in the order they came."""
         while True:
-            kind, snapshot_id, generation, lifetime, target = await self._jobs.get()
-            if kind == "start":
-                if generation != self._generation:
-                    continue  # its stream is gone: the detector aborts it
-                self._open.add(snapshot_id)
-                try:
-                    await self._on_start(snapshot_id, lifetime)
-                except Exception as exc:
-                    _log.exception("on_start(%d) failed", snapshot_id)
-                    self._event("callback-error", _describe(exc))
-                    self.report_failure(snapshot_id, f"the agent could not start: {_describe(exc)}")
-            elif kind == "finish":
-                self._finish(snapshot_id)
-            elif kind == "target":
-                if generation == self._generation and target is not None:
-                    self._channel_target(target)
-            elif kind == "epoch":
-                self._new_epoch(snapshot_id)
-            else:
-                for open_id in sorted(self._open):
-                    self._finish(open_id)
+            job = await self._jobs.get()
+            self._job_running = True
+            try:
+                await self._run_job(job)
+            finally:
+                self._job_running = False
+
+    async def _run_job(self, job: _Job) -> None:
+        kind, snapshot_id, generation, lifetime, target = job
+        if kind == "start":
+            if generation != self._generation:
+                return  # its stream is gone: the detector aborts it
+            self._open.add(snapshot_id)
+            try:
+                await self._on_start(snapshot_id, lifetime)
+            except Exception as exc:
+                self._start_failed(snapshot_id, exc)
+        elif kind == "finish":
+            self._finish(snapshot_id)
+        elif kind == "target":
+            if generation == self._generation and target is not None:
+                self._channel_target(target)
+        elif kind == "epoch":
+            self._new_epoch(snapshot_id)
+        else:
+            for open_id in sorted(self._open):
+                self._finish(open_id)
+
+    def _start_now(self, snapshot_id: int, lifetime: float | None) -> bool:
+        """Offer a start to ``on_start_now``; whether it took it (recorded, or failed and reported)."""
+        if self._on_start_now is None:
+            return False
+        try:
+            if not self._on_start_now(snapshot_id, lifetime):
+                return False
+        except Exception as exc:
+            self._open.add(snapshot_id)
+            self._start_failed(snapshot_id, exc)
+            return True
+        self._open.add(snapshot_id)
+        return True
+
+    def _start_failed(self, snapshot_id: int, exc: Exception) -> None:
+        _log.exception("on_start(%d) failed", snapshot_id)
+        self._event("callback-error", _describe(exc))
+        self.report_failure(snapshot_id, f"the agent could not start: {_describe(exc)}")
 
     def _finish(self, snapshot_id: int) -> None:
         self._open.discard(snapshot_id)

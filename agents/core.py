@@ -21,8 +21,8 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   any other event, so no send or delivery can slip between the recording and the markers: that
   is what makes the step atomic. Until then every other call raises :class:`LocalProtocolError`.
 * **Channel states.** Once ``k`` is recorded, every application message that arrives on an
-  inbound channel is recorded for ``k`` until marker ``k`` arrives on that channel. The channel
-  the first marker came on is empty. A channel that opens after the recording is recorded from
+  inbound channel is recorded for ``k`` until marker ``k`` arrives on that channel (or ``k``
+  ends). The channel the first marker came on is empty. A channel that opens after the recording is recorded from
   its first message; an outbound channel opened (:meth:`SnapshotCore.open_outbound`) while ``k``
   is still running gets marker ``k`` before anything else, and a report of ``n = 0``.
 * **Arrived is not yet received.** A driver may queue what arrives before the application takes
@@ -57,14 +57,23 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   start again (:meth:`SnapshotCore.reset_outbound`, :meth:`SnapshotCore.reset_inbound`) and the
   snapshots running across the restart fail: their counts can no longer be proved.
 * **Parts.** The process reports its contribution as :class:`ReportPart` actions. When it records:
-  its state, the outbound counts, and every inbound channel it knows as it stands then (``m`` and
-  the messages recorded so far, those still undelivered), marked ``open`` until its marker
-  arrives. A channel that records messages after that reports them in one more part when its
-  marker arrives; one that recorded nothing more reports nothing. The detector proves each channel
-  by its counts, ``m + recorded == n``: a channel with nothing in flight is proven by the two
-  processes' states alone, without waiting for its marker, and a channel that this process does
-  not list had ``m = 0``. :meth:`SnapshotCore.finish_snapshot` then lets the core forget ``k``
-  (late markers of a finished snapshot are ignored).
+  its state, the outbound counts, and every inbound channel it knows as it stands then (``m``
+  and the messages still undelivered), marked ``open`` unless its marker came already; a channel
+  it does not list had ``m = 0``. Every run of messages recorded after that is reported at once,
+  in a part of its own (a driver may merge parts that queue up); a marker's arrival reports
+  nothing. The detector proves each channel by its counts, ``m + recorded == n``: a channel with
+  nothing in flight by the two processes' states alone, one with messages in flight as soon as the
+  last of them is reported, never by waiting for a marker. So the core keeps nothing recorded: a
+  recording costs its counts and ids. :meth:`SnapshotCore.finish_snapshot` then lets the core
+  forget ``k`` (late markers of a finished snapshot are ignored).
+* **Quiet channels.** A marker then has one duty left: to come before every message sent after
+  the recording, so that the receiver records first and never takes such a message for one in
+  flight. A driver may therefore hold a detector snapshot's marker back on a *quiet* channel, one
+  whose every message the receiver has taken in already (its transport acknowledged them all,
+  so nothing is in flight and ``m`` will equal ``n``), and put it in front of the next entry
+  instead, or drop it once :meth:`SnapshotCore.deadline` has passed (the detector has ended the
+  snapshot by then). A quiet channel then costs a snapshot nothing on the wire. Markers of local
+  snapshots always go at once: no detector starts their other processes, only markers do.
 * **Ids and epochs.** The detector's ids are below :data:`LOCAL_ID_BASE` and increase; ids at or
   above it are the agents' own (local snapshots), a separate space. Finished ids are remembered
   (a bounded memory; detector ids below the oldest one forgotten count as finished too), so late
@@ -204,11 +213,7 @@ class _Recording:
     received_at_record: dict[str, int]  # m per inbound channel
     deadline: float
     started: bool  # a start with a lifetime set the deadline (a marker's default can still be replaced)
-    # Per inbound channel: runs of messages recorded and not reported yet, with the arrival index
-    # of each run's first message. Protobuf objects are built once, when a part reports them.
-    recorded: dict[str, list[tuple[Sequence[AppMessage], int]]] = field(default_factory=dict)
     closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
-    acked: Mapping[str, AckPosition] = field(default_factory=dict)  # per inbound channel, at recording
     recorded_bytes: int = 0
     failed: bool = False
 
@@ -315,6 +320,11 @@ class SnapshotCore:
         """When :meth:`expire` next has something to drop, or None while nothing records."""
         return min((r.deadline for r in self._recordings.values()), default=None)
 
+    def deadline(self, snapshot_id: int) -> float | None:
+        """When the recording of ``snapshot_id`` ends unless finished first; None if it is not recording."""
+        recording = self._recordings.get(snapshot_id)
+        return None if recording is None else recording.deadline
+
     @property
     def arrivals(self) -> int:
         """Application messages arrived so far on all channels (the last one's arrival index)."""
@@ -396,10 +406,7 @@ class SnapshotCore:
             expected = "no state" if self._awaiting_state is None else f"snapshot {self._awaiting_state}"
             raise LocalProtocolError(f"record_state({snapshot_id}) called, but the core awaits {expected}")
         recording = self._recordings[snapshot_id]
-        if undelivered:
-            self._take_undelivered(recording, undelivered)
-        if acked:
-            recording.acked = dict(acked)
+        in_flight = self._take_undelivered(recording, undelivered) if undelivered else {}
         self._awaiting_state = None
         if recording.recorded_bytes > self.max_recorded_bytes:
             bound = f"({recording.recorded_bytes} > {self.max_recorded_bytes})"
@@ -411,12 +418,12 @@ class SnapshotCore:
             OutboundCount(dst=dst, sent_before_marker=self._sent[dst], ack_seen=seen.get(dst))
             for dst in self.outbound_channels
         )
-        # Every inbound channel as it stands: one with nothing to say (m = 0, nothing recorded, no
+        # Every inbound channel as it stands: one with nothing to say (m = 0, nothing in flight, no
         # acknowledgement) is left out, which tells the detector the same.
-        received = recording.received_at_record
-        for src in sorted(received.keys() | recording.recorded.keys() | recording.acked.keys()):
-            if received.get(src) or src in recording.recorded or src in recording.acked:
-                self._add_inbound_state(part, recording, src, acked=recording.acked.get(src))
+        received, acks = recording.received_at_record, acked or {}
+        for src in sorted(received.keys() | in_flight.keys() | acks.keys()):
+            if received.get(src) or src in in_flight or src in acks:
+                self._add_channel(part, recording, src, in_flight.get(src, ()), acks.get(src))
         return (ReportPart(part),)
 
     def receive_message(self, src: str, message: AppMessage) -> tuple[Action, ...]:
@@ -462,12 +469,8 @@ class SnapshotCore:
         if src in recording.closed:
             channel = f"{src} -> {self.process_id}"
             raise RemoteProtocolError(f"second marker of snapshot {snapshot_id} on channel {channel}")
-        recording.closed.add(src)
-        if recording.failed or src not in recording.recorded:
-            return _NOTHING  # the state part told it all: the detector proves it by the counts
-        part = LocalSnapshotPart(snapshot_id=snapshot_id, process_id=self.process_id)
-        self._add_inbound_state(part, recording, src)
-        return (ReportPart(part),)
+        recording.closed.add(src)  # everything recorded on it was reported as it came
+        return _NOTHING
 
     def receive(self, src: str, entry: Entry, *, now: float | None = None) -> tuple[Action, ...]:
         """Either kind of entry arrived on ``src -> self`` (dispatches to the two methods above)."""
@@ -566,23 +569,32 @@ class SnapshotCore:
             self._forgotten_below = max(self._forgotten_below, forgotten + 1)
 
     def _record(self, src: str, messages: Sequence[AppMessage], first_arrival: int) -> tuple[Action, ...]:
-        """Record a run of messages from ``src`` for every snapshot still recording that channel."""
-        failures: list[Action] = []
+        """Record a run of messages from ``src`` for every snapshot still recording that channel, and
+        report it at once (in flight: the detector's proof of the channel may wait for it)."""
+        actions: list[Action] = []
         size = -1
+        run = (Run(messages, first_arrival),)
         for recording in self._recordings.values():
             if recording.failed or src in recording.closed:
                 continue
             if size < 0:
                 size = _size(messages)
-            recording.recorded.setdefault(src, []).append((messages, first_arrival))
             recording.recorded_bytes += size
             if recording.recorded_bytes > self.max_recorded_bytes:
                 bound = f"({recording.recorded_bytes} > {self.max_recorded_bytes})"
-                failures.append(self._fail(recording, f"recorded bytes exceeded the bound {bound}"))
-        return tuple(failures)
+                actions.append(self._fail(recording, f"recorded bytes exceeded the bound {bound}"))
+                continue
+            part = LocalSnapshotPart(snapshot_id=recording.snapshot_id, process_id=self.process_id)
+            self._add_channel(part, recording, src, run)
+            actions.append(ReportPart(part))
+        return tuple(actions)
 
-    def _take_undelivered(self, recording: _Recording, undelivered: Mapping[str, Sequence[Run]]) -> None:
-        """Move messages that arrived but were not received yet from ``m`` into the channel states."""
+    def _take_undelivered(
+        self, recording: _Recording, undelivered: Mapping[str, Sequence[Run]]
+    ) -> dict[str, Sequence[Run]]:
+        """Move messages that arrived but were not received yet from ``m`` into the channel states;
+        returns them per channel."""
+        in_flight: dict[str, Sequence[Run]] = {}
         for src, runs in undelivered.items():
             count = sum(len(run.messages) for run in runs)
             if not count:
@@ -593,8 +605,9 @@ class SnapshotCore:
                     f"{count} messages undelivered on {src} -> {self.process_id}, but only {arrived} arrived"
                 )
             recording.received_at_record[src] = arrived - count
-            recording.recorded[src] = [(run.messages, run.first_arrival) for run in runs if run.messages]
+            in_flight[src] = runs
             recording.recorded_bytes += sum(_size(run.messages) for run in runs)
+        return in_flight
 
     def _begin_recording(
         self, snapshot_id: int, first_marker_from: str | None, deadline: float, started: bool
@@ -623,12 +636,13 @@ class SnapshotCore:
                 actions.append(ReportPart(part))
         return tuple(actions)
 
-    def _add_inbound_state(
-        self, part: LocalSnapshotPart, recording: _Recording, src: str, acked: AckPosition | None = None
+    @staticmethod
+    def _add_channel(
+        part: LocalSnapshotPart, recording: _Recording, src: str, runs: Sequence[Run], acked: AckPosition | None = None
     ) -> None:
-        """Add channel ``src``'s state so far to ``part`` (open until its marker came), and forget the
-        messages it reports. Built in place: appending a finished one would copy every recorded
-        message (a snapshot's largest cost, proportional to what was in flight)."""
+        """Add channel ``src`` to ``part`` (open until its marker came) with the messages of ``runs``.
+        Built in place: appending a finished one would copy every recorded message (a snapshot's
+        largest cost, proportional to what was in flight)."""
         state = part.inbound.add(
             src=src,
             received_before_recording=recording.received_at_record.get(src, 0),
@@ -636,7 +650,7 @@ class SnapshotCore:
             open=src not in recording.closed,
         )
         add = state.messages.add
-        for run, first_arrival in recording.recorded.pop(src, ()):
+        for run, first_arrival in runs:
             for index, message in enumerate(run, start=first_arrival):
                 if message.counters or message.no_wake:
                     add(
@@ -655,7 +669,6 @@ class SnapshotCore:
 
     def _fail(self, recording: _Recording, reason: str) -> SnapshotFailed:
         recording.failed = True
-        recording.recorded.clear()
         return SnapshotFailed(recording.snapshot_id, f"process {self.process_id}: {reason}")
 
 

@@ -13,10 +13,14 @@ what it has queued, not what its handler has had; an acknowledgement that repeat
 (:attr:`OutboundChannel.held`): a send blocked on the full window then waits for the receiver to
 consume, which the agent reports as a flow-control wait.
 
-A frame of markers only, written while at most half the window is taken, asks the receiver to
-acknowledge it later (``ack_later``): a snapshot then costs an idle channel one write instead of a
-write and an acknowledgement back. The next acknowledgement covers it, and once half the window
-is taken every frame is acknowledged at once, so the markers left waiting never hold back a send.
+A marker of a detector snapshot that finds the channel *quiet* (the receiver has acknowledged
+every message on it: nothing is in flight) is held back instead of written, and goes in front of
+the next entry, or is dropped at the snapshot's deadline: the core's *Quiet channels* rule says why
+that is enough, and an idle channel then costs a snapshot nothing. A frame of markers only,
+written while at most half the window is taken, asks the receiver to acknowledge it later
+(``ack_later``): a snapshot then costs a busy channel one write instead of a write and an
+acknowledgement back. The next acknowledgement covers it, and once half the window is taken
+every frame is acknowledged at once, so the markers left waiting never hold back a send.
 """
 
 from __future__ import annotations
@@ -125,6 +129,8 @@ class OutboundChannel:
         self._acks_on_stream = 0
         #: Whether the receiver holds this window (its receive queue is full), as it last said.
         self.held = False
+        # Markers held back while the channel is quiet, each with the loop time it may be dropped at.
+        self._held_markers: list[tuple[Marker, float]] = []
         self._data = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
@@ -192,6 +198,8 @@ class OutboundChannel:
 
     def push_many(self, entries: Sequence[Outgoing], sizes: Sequence[int]) -> None:
         """Append ``entries`` (window bytes ``sizes``), in order, after everything in the channel."""
+        if self._held_markers:
+            self._release_markers()
         self._entries.extend(entries)
         self._sizes.extend(sizes)
         self._window_bytes += sum(sizes)
@@ -200,11 +208,42 @@ class OutboundChannel:
 
     def push(self, entry: Outgoing, size: int) -> None:
         """Append an entry of ``size`` window bytes (see ``entry_size``) after everything in the channel."""
+        if self._held_markers:
+            self._release_markers()
         self._entries.append(entry)
         self._sizes.append(size)
         self._window_bytes += size
         if not self._data.is_set():
             self._data.set()
+
+    def put_marker(self, marker: Marker, hold_until: float | None = None) -> None:
+        """Put ``marker`` on the channel; given ``hold_until`` (loop time) and a quiet channel, hold it
+        back to go in front of the next entry, or to be dropped at ``hold_until`` if none comes."""
+        if hold_until is None or not self._quiet():
+            self.push(marker, ENTRY_OVERHEAD)
+            return
+        now = asyncio.get_running_loop().time()
+        self._held_markers = [held for held in self._held_markers if held[1] > now]
+        self._held_markers.append((marker, hold_until))
+
+    @property
+    def held_markers(self) -> list[int]:
+        """Snapshot ids of the markers held back on this quiet channel, in the order they came."""
+        return [marker.snapshot_id for marker, _ in self._held_markers]
+
+    def _quiet(self) -> bool:
+        """Whether the receiver has acknowledged every message (unacknowledged markers do not count)."""
+        entries = self._entries
+        return all(type(entries[i]) is Marker for i in range(len(entries) - 1, self._head - 1, -1))
+
+    def _release_markers(self) -> None:
+        """Put the held markers still due in the window, ahead of what comes next."""
+        now = asyncio.get_running_loop().time()
+        due = [marker for marker, until in self._held_markers if until > now]
+        self._held_markers = []
+        self._entries.extend(due)
+        self._sizes.extend([ENTRY_OVERHEAD] * len(due))
+        self._window_bytes += ENTRY_OVERHEAD * len(due)
 
     # -- the connection ------------------------------------------------------------------------
 
@@ -308,7 +347,9 @@ class OutboundChannel:
     def _acknowledge(self, ack: ChannelAck) -> None:
         if self._receiver_incarnation != ack.receiver_incarnation:
             if self._receiver_incarnation is not None:
-                # A new receiver gets exactly what is still in the window, from the next entry on.
+                # A new receiver gets exactly what is still in the window, from the next entry on,
+                # and no held marker: it never recorded those snapshots.
+                self._held_markers = []
                 in_window = self._entries[self._head :]
                 self._on_receiver_restart(sum(1 for entry in in_window if type(entry) is not Marker))
             self._receiver_incarnation = ack.receiver_incarnation

@@ -10,7 +10,7 @@ the spread (lowest and highest round):
 * ``decode``: the messages of a 512-entry frame, built in C (``frames.decode``) against a list
   comprehension of ``AppMessage(payload)``;
 * ``part``: 2 000 messages in flight recorded by the core and turned into a part's
-  ``InboundChannelState`` when the marker arrives (built in place in the part) against the former
+  ``InboundChannelState`` as they arrive (built in place in the part) against the former
   way (the same, plus the copy of every message that appending a channel state built on its own
   to the part made), and that part serialized (what the receiver pays per snapshot);
 * ``assembly``: a 2 000-message channel put into the global snapshot with ``add()`` against the
@@ -52,13 +52,12 @@ def per_item(run: Callable[[], int], seconds: float) -> float:
 
 
 def build_part() -> LocalSnapshotPart:
-    """The receiver's own path: record, take RECORDED in flight on ``a -> b``, close it by the marker."""
+    """The receiver's own path: record, then take RECORDED in flight on ``a -> b`` (reported as they come)."""
     core = SnapshotCore("b")
     (record,) = core.start_snapshot(1, now=0.0)
     assert isinstance(record, RecordState)
     core.record_state(1, LocalState())
-    core.receive_messages("a", RECORDED)
-    (report,) = core.receive_marker("a", 1)
+    (report,) = core.receive_messages("a", RECORDED)
     assert isinstance(report, ReportPart)
     return report.part
 

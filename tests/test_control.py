@@ -16,7 +16,7 @@ from polling import async_poll
 from stablewatch.agents import control
 from stablewatch.agents.control import ControlClient
 from stablewatch.v1 import AgentMessage, DetectorMessage, InboundChannelState, LocalSnapshotPart
-from stablewatch.v1.control_pb2 import AbortSnapshot, Ping, Refused, Registered, SnapshotDone, StartSnapshot
+from stablewatch.v1.control_pb2 import AbortSnapshot, Ping, Refused, Registered, SnapshotsEnded, StartSnapshot
 from stablewatch.v1.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
 
 TEST_TIMEOUT = 20.0
@@ -235,7 +235,7 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
     run(body)
 
 
-def test_abort_and_done_call_on_finish_after_the_start() -> None:
+def test_abort_and_ended_call_on_finish_after_the_start() -> None:
     async def body() -> None:
         detector = FakeDetector()
         server, port = await serve(detector)
@@ -247,14 +247,15 @@ def test_abort_and_done_call_on_finish_after_the_start() -> None:
             detector.send(start(5))
             detector.send(start(6))
             detector.send(DetectorMessage(abort=AbortSnapshot(snapshot_id=5, reason="deadline")))
-            detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=6)))
-            detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=9)))  # started by a marker only
-            await async_poll(lambda: agent.finished == [5, 6, 9])
-            assert agent.started == [5, 6]
+            # 9 was started by a marker only; 10's end rides on the start of 11.
+            detector.send(DetectorMessage(ended=SnapshotsEnded(snapshot_ids=[6, 9])))
+            detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=11, ended=[10])))
+            await async_poll(lambda: agent.finished == [5, 6, 9, 10])
+            await async_poll(lambda: agent.started == [5, 6, 11])
         finally:
             await client.stop()
             await server.stop(None)
-        assert agent.finished == [5, 6, 9]  # nothing was open at stop
+        assert agent.finished == [5, 6, 9, 10, 11]  # 11 was open at stop
 
     run(body)
 
@@ -299,7 +300,7 @@ def test_lost_stream_finishes_open_snapshots_and_reconnects_to_a_new_detector() 
             assert await client.wait_connected(10)
             for k in (7, 8):
                 detector.send(start(k))
-            detector.send(DetectorMessage(done=SnapshotDone(snapshot_id=8)))
+            detector.send(DetectorMessage(ended=SnapshotsEnded(snapshot_ids=[8])))
             await async_poll(lambda: agent.finished == [8])
 
             await server.stop(None)

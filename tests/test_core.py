@@ -194,11 +194,10 @@ def test_record_state_reports_every_inbound_channel_as_it_stands_open_until_its_
     ends = {c.src: (c.received_before_recording, payloads(c), c.open) for c in part.inbound}
     assert ends == {"a": (1, [], True), "b": (1, [b"b2"], True), "c": (1, [], False)}
     assert markers(actions) == [("a", 1), ("b", 1), ("c", 1)]
-    # b2 was reported with the state: a marker with nothing recorded since reports nothing more.
-    assert core.receive_marker("b", 1) == ()
-    core.receive_message("a", token(b"a2"))
-    late = inbound(only_part(core.receive_marker("a", 1)), "a")
-    assert (late.received_before_recording, payloads(late), late.open) == (1, [b"a2"], False)
+    # A message in flight is reported as it arrives, with the same m; markers report nothing.
+    late = inbound(only_part(core.receive_message("a", token(b"a2"))), "a")
+    assert (late.received_before_recording, payloads(late), late.open) == (1, [b"a2"], True)
+    assert core.receive_marker("a", 1) == () and core.receive_marker("b", 1) == ()
 
 
 def test_first_marker_records_and_its_channel_is_empty() -> None:
@@ -270,17 +269,17 @@ def test_messages_between_recording_and_marker_are_recorded_and_after_it_not() -
     part = only_part(record(core, core.start_snapshot(1), balance(0)))
     so_far = inbound(part, "q")
     assert (so_far.received_before_recording, payloads(so_far), so_far.open) == (1, [], True)
-    assert core.receive_message("q", token(b"in1", 2)) == ()
-    assert core.receive_message("q", AppMessage(b"in2", no_wake=True)) == ()
-    channel = inbound(only_part(core.receive_marker("q", 1)), "q")
-    assert channel.received_before_recording == 1
-    assert not channel.open
-    assert payloads(channel) == [b"in1", b"in2"]
-    assert dict(channel.messages[0].counters) == {TOKENS: 2}
-    assert not channel.messages[0].no_wake
-    assert channel.messages[1].no_wake
-    assert dict(channel.messages[1].counters) == {}
-    assert [message.receive_index for message in channel.messages] == [2, 3]
+    first = inbound(only_part(core.receive_message("q", token(b"in1", 2))), "q")
+    second = inbound(only_part(core.receive_message("q", AppMessage(b"in2", no_wake=True))), "q")
+    assert core.receive_marker("q", 1) == ()
+    for channel in (first, second):
+        assert (channel.received_before_recording, channel.open) == (1, True)
+    assert (payloads(first), payloads(second)) == ([b"in1"], [b"in2"])
+    assert dict(first.messages[0].counters) == {TOKENS: 2}
+    assert not first.messages[0].no_wake
+    assert second.messages[0].no_wake
+    assert dict(second.messages[0].counters) == {}
+    assert [first.messages[0].receive_index, second.messages[0].receive_index] == [2, 3]
     assert core.receive_message("q", token(b"after")) == ()
     assert core.received_count("q") == 4
 
@@ -296,10 +295,9 @@ def test_counts_n_and_m_per_channel() -> None:
     assert outbound_counts(part) == {"a": 3, "b": 0}
     assert {c.src: c.received_before_recording for c in part.inbound} == {"a": 1, "b": 2}
     core.send("a")  # not counted in this snapshot's n
-    core.receive_message("b", token(b"z"))
-    assert core.receive_marker("a", 1) == ()  # nothing recorded on a -> p: the state part said it all
-    from_b = inbound(only_part(core.receive_marker("b", 1)), "b")
+    from_b = inbound(only_part(core.receive_message("b", token(b"z"))), "b")
     assert (from_b.received_before_recording, payloads(from_b)) == (2, [b"z"])
+    assert core.receive_marker("a", 1) == () and core.receive_marker("b", 1) == ()
     assert core.sent_count("a") == 4
 
 
@@ -308,15 +306,13 @@ def test_concurrent_snapshots_record_one_message_in_both() -> None:
     record(core, core.start_snapshot(1))
     record(core, core.receive_marker("b", 2))
     assert core.active_snapshots == [1, 2]
-    core.receive_message("a", token(b"shared"))
-    core.receive_message("b", token(b"only-1"))  # b -> p is closed for 2, open for 1
-    for_1_from_a = inbound(only_part(core.receive_marker("a", 1)), "a")
-    for_2_from_a = inbound(only_part(core.receive_marker("a", 2)), "a")
-    for_1_from_b = inbound(only_part(core.receive_marker("b", 1)), "b")
-    assert payloads(for_1_from_a) == [b"shared"]
-    assert payloads(for_2_from_a) == [b"shared"]
-    assert payloads(for_1_from_b) == [b"only-1"]
-    assert for_1_from_b.received_before_recording == 0
+    for_1_from_a, for_2_from_a = parts(core.receive_message("a", token(b"shared")))
+    (for_1_from_b,) = parts(core.receive_message("b", token(b"only-1")))  # b -> p is closed for 2, open for 1
+    assert [part.snapshot_id for part in (for_1_from_a, for_2_from_a, for_1_from_b)] == [1, 2, 1]
+    assert payloads(inbound(for_1_from_a, "a")) == [b"shared"]
+    assert payloads(inbound(for_2_from_a, "a")) == [b"shared"]
+    assert payloads(inbound(for_1_from_b, "b")) == [b"only-1"]
+    assert inbound(for_1_from_b, "b").received_before_recording == 0
 
 
 def test_concurrent_snapshots_each_put_their_own_marker_after_earlier_messages() -> None:
@@ -348,11 +344,10 @@ def test_several_initiators_of_one_snapshot() -> None:
 
 def test_inbound_channel_opening_after_recording_is_recorded_from_its_first_message() -> None:
     core = recording_core("p", ["q"], snapshot_id=1)
-    core.receive_message("new", token(b"first"))
-    core.receive_message("new", token(b"second"))
-    channel = inbound(only_part(core.receive_marker("new", 1)), "new")
-    assert channel.received_before_recording == 0
+    channel = inbound(only_part(core.receive_messages("new", [token(b"first"), token(b"second")])), "new")
+    assert (channel.received_before_recording, channel.open) == (0, True)
     assert payloads(channel) == [b"first", b"second"]
+    assert core.receive_marker("new", 1) == ()
 
 
 def test_open_outbound_during_snapshots_sends_their_markers_first_with_n_zero() -> None:
@@ -451,11 +446,11 @@ def test_finish_snapshot_forgets_it_and_ignores_late_markers() -> None:
     record(core, core.start_snapshot(2))
     core.finish_snapshot(1)
     assert core.active_snapshots == [2]
-    core.receive_message("a", token(b"m"))
+    (recorded,) = parts(core.receive_message("a", token(b"m")))  # for 2 only
+    assert (recorded.snapshot_id, payloads(inbound(recorded, "a"))) == (2, [b"m"])
     assert core.receive_marker("a", 1) == ()  # late marker: no new recording, no part
     assert core.start_snapshot(1) == ()
     assert core.active_snapshots == [2]
-    assert payloads(inbound(only_part(core.receive_marker("a", 2)), "a")) == [b"m"]
     core.finish_snapshot(2)
     core.finish_snapshot(2)  # idempotent
     core.finish_snapshot(9)  # never seen: its markers are ignored from now on
@@ -466,19 +461,19 @@ def test_finish_snapshot_forgets_it_and_ignores_late_markers() -> None:
 def test_recorded_bytes_bound_fails_only_that_snapshot() -> None:
     core = SnapshotCore("p", ["q"], max_recorded_bytes=40)
     record(core, core.start_snapshot(1))
-    assert core.receive_message("q", AppMessage(b"x" * 30)) == ()
+    assert [p.snapshot_id for p in parts(core.receive_message("q", AppMessage(b"x" * 30)))] == [1]
     record(core, core.start_snapshot(2))  # starts after 30 bytes were recorded for snapshot 1
-    (failed,) = core.receive_message("q", AppMessage(b"y" * 20))
-    assert isinstance(failed, SnapshotFailed)
+    failed, for_2 = core.receive_message("q", AppMessage(b"y" * 20))
+    assert isinstance(failed, SnapshotFailed) and isinstance(for_2, ReportPart)
     assert failed.snapshot_id == 1
     assert "process p" in failed.reason
     assert "bound" in failed.reason
     assert "50 > 40" in failed.reason
     # Snapshot 1 records nothing more and reports nothing; snapshot 2 goes on.
-    assert core.receive_message("q", AppMessage(b"z")) == ()
-    assert core.receive_marker("q", 1) == ()
-    channel = inbound(only_part(core.receive_marker("q", 2)), "q")
-    assert payloads(channel) == [b"y" * 20, b"z"]
+    assert payloads(inbound(for_2.part, "q")) == [b"y" * 20]
+    (more,) = parts(core.receive_message("q", AppMessage(b"z")))
+    assert (more.snapshot_id, payloads(inbound(more, "q"))) == (2, [b"z"])
+    assert core.receive_marker("q", 1) == () and core.receive_marker("q", 2) == ()
     assert core.active_snapshots == [1, 2]  # the detector aborts 1, then finishes it
     core.finish_snapshot(1)
     assert core.active_snapshots == [2]
@@ -487,7 +482,7 @@ def test_recorded_bytes_bound_fails_only_that_snapshot() -> None:
 def test_recorded_bytes_bound_counts_counters_too() -> None:
     core = SnapshotCore("p", ["q"], max_recorded_bytes=40)
     record(core, core.start_snapshot(1))
-    assert core.receive_message("q", AppMessage(b"", {"a": 1, "b": 2})) == ()  # 32 bytes
+    assert len(parts(core.receive_message("q", AppMessage(b"", {"a": 1, "b": 2})))) == 1  # 32 bytes
     (failed,) = core.receive_message("q", AppMessage(b"", {"a": 1}))
     assert failed == SnapshotFailed(1, failed.reason)
 
@@ -565,17 +560,18 @@ def test_two_process_example_p1_records_message_in_flight() -> None:
     assert p1_part.state == balance(10)
     assert outbound_counts(p1_part) == {"P2": 0}
 
-    assert net.deliver("P2", "P1") == []  # M arrives after P1 recorded: recorded, nothing reported yet
+    # M arrives after P1 recorded: in flight, reported as it comes.
+    p1_channel = inbound(only_part(net.deliver("P2", "P1")), "P2")
+    assert (payloads(p1_channel), p1_channel.received_before_recording, p1_channel.open) == ([b"M"], 0, True)
+    assert 1 not in net.completed  # P2 has not recorded: its n of P2 -> P1 is unknown
     p2_actions = net.deliver("P1", "P2")  # the marker: P2 records, P1 -> P2 is empty
     assert markers(p2_actions) == [("P1", 1)]
     p2_part = only_part(p2_actions)
     assert p2_part.state == balance(7)
     assert outbound_counts(p2_part) == {"P1": 1}
     assert list(p2_part.inbound) == []  # P1 -> P2 carried nothing before its marker: m = 0, left out
-
-    p1_channel = inbound(only_part(net.deliver("P2", "P1")), "P2")
-    assert payloads(p1_channel) == [b"M"]
     assert p1_channel.received_before_recording + len(p1_channel.messages) == 1  # m + len == n
+    assert net.deliver("P2", "P1") == []  # P2's marker finds snapshot 1 complete already
 
     snapshot = net.completed[1]
     assert_proof_holds(snapshot)
@@ -611,9 +607,10 @@ def test_token_received_after_recording_and_before_the_marker_is_in_the_channel(
     net.send("P1", "P2", b"token", tokens=2)
     net.start("P2", 1)  # P2 records with balance 0 while the token is on its way
     net.start("P1", 1)  # P1 records after sending: n = 1 on P1 -> P2
-    assert net.deliver("P1", "P2") == []
-    channel = inbound(only_part(net.deliver("P1", "P2")), "P1")
+    channel = inbound(only_part(net.deliver("P1", "P2")), "P1")  # reported as it arrives
     assert (channel.received_before_recording, payloads(channel)) == (0, [b"token"])
+    assert 1 in net.completed  # the last message in flight: every channel is proven
+    assert net.deliver("P1", "P2") == []  # its marker, late
     net.deliver("P2", "P1")
     snapshot = net.completed[1]
     assert_proof_holds(snapshot)
@@ -751,11 +748,11 @@ def test_undelivered_messages_at_recording_are_in_flight_and_not_counted_in_m() 
     so_far = inbound(part, "q")
     assert (so_far.received_before_recording, payloads(so_far), so_far.open) == (1, [b"m2", b"m3"], True)
     assert [m.receive_index for m in so_far.messages] == [2, 3]
-    core.receive_message("q", token(b"m4"))
-    channel = inbound(only_part(core.receive_marker("q", 1)), "q")
+    channel = inbound(only_part(core.receive_message("q", token(b"m4"))), "q")
     assert channel.received_before_recording == 1
-    assert (payloads(channel), channel.open) == ([b"m4"], False)
+    assert (payloads(channel), channel.open) == ([b"m4"], True)
     assert [m.receive_index for m in channel.messages] == [4]
+    assert core.receive_marker("q", 1) == ()
     assert markers(actions) == [("q", 1)]
 
 

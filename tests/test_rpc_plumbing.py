@@ -10,7 +10,7 @@ from test_control import Agent, FakeDetector, run, serve, start
 from polling import async_poll, poll
 from stablewatch.agents.control import ControlClient
 from stablewatch.v1 import DetectorMessage, LocalSnapshotPart, LocalState, OutboundCount
-from stablewatch.v1.control_pb2 import ChannelTarget, Ping, SnapshotDone
+from stablewatch.v1.control_pb2 import ChannelTarget, Ping, SnapshotsEnded
 
 
 def target(k: int, src: str = "q", sent: int = 3) -> DetectorMessage:
@@ -41,7 +41,7 @@ def test_rpc_mode_registers_and_channel_targets_run_in_order_with_starts_and_fin
         try:
             assert await client.wait_connected(10)
             assert detector.registrations[0].register.rpc_mode
-            done = DetectorMessage(done=SnapshotDone(snapshot_id=1))
+            done = DetectorMessage(ended=SnapshotsEnded(snapshot_ids=[1]))
             for message in (start(1), target(1), done, start(2), target(2), DetectorMessage(ping=Ping(nonce=9))):
                 detector.send(message)
             # The Pong shows that everything before it was read; the targets wait for their starts.

@@ -12,7 +12,8 @@ import pytest
 
 from polling import async_poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, MessageTooLarge
-from stablewatch.v1 import LocalSnapshotPart
+from stablewatch.detector.service.assembly import Assembler, Completed
+from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart
 
 SMALL_WINDOW = ChannelSettings(window_entries=64, max_frame_entries=16, inbox_entries=64)
 
@@ -48,12 +49,22 @@ def test_snapshots_taken_while_batches_flow_count_every_message_once() -> None:
     the recorded messages are exactly the ones numbered m .. n-1: no batch is split by a cut."""
 
     async def scenario() -> None:
-        parts: list[LocalSnapshotPart] = []
+        snapshot_ids = list(range(1, 13))  # under max_recordings (16): none is refused
+        assembler = Assembler()  # the detector's merging of the parts, without a detector
+        for snapshot_id in snapshot_ids:
+            assembler.begin(snapshot_id, ["A", "B"])
+        completed: dict[int, GlobalSnapshot] = {}
+
+        def take(part: LocalSnapshotPart) -> None:
+            outcome = assembler.add_part(part, sender=part.process_id)
+            if isinstance(outcome, Completed):
+                completed[part.snapshot_id] = outcome.snapshot
+
         b = Agent("B", channel_settings=SMALL_WINDOW, handler=lambda src, m: None)
-        b.on_part(parts.append)
+        b.on_part(take)
         await b.start()
         a = Agent("A", peers={"B": b.address}, channel_settings=SMALL_WINDOW)
-        a.on_part(parts.append)
+        a.on_part(take)
         await a.start()
 
         async def batches() -> None:
@@ -65,7 +76,6 @@ def test_snapshots_taken_while_batches_flow_count_every_message_once() -> None:
         try:
             await a.send("B", b"0")  # opens the channel before any cut: message k carries k - 1
             sender = asyncio.ensure_future(batches())
-            snapshot_ids = list(range(1, 13))  # under max_recordings (16): none is refused
             for snapshot_id in snapshot_ids:
                 # B records first, while A's batches are in flight (sent, not yet arrived at B).
                 await async_poll(
@@ -75,17 +85,12 @@ def test_snapshots_taken_while_batches_flow_count_every_message_once() -> None:
                 await asyncio.sleep(0)
                 await a.start_snapshot(snapshot_id)
             await sender
-
-            def closed(snapshot_id: int) -> bool:
-                return any(p.snapshot_id == snapshot_id and p.inbound for p in parts if p.process_id == "B")
-
-            await async_poll(lambda: all(closed(i) for i in snapshot_ids), "every channel state reported")
+            await async_poll(lambda: len(completed) == len(snapshot_ids), "every snapshot proven complete")
             recorded_somewhere = False
             for snapshot_id in snapshot_ids:
-                mine = [p for p in parts if p.snapshot_id == snapshot_id]
-                sent = next(c.sent_before_marker for p in mine if p.process_id == "A" for c in p.outbound)
-                channel = next(c for p in mine if p.process_id == "B" for c in p.inbound)
-                received = channel.received_before_recording
+                (channel,) = completed[snapshot_id].channels
+                sent, received = channel.sent_before_marker, channel.received_before_recording
+                assert (channel.src, channel.dst) == ("A", "B")
                 assert received + len(channel.messages) == sent
                 assert [m.payload for m in channel.messages] == numbered(received, sent - received)
                 recorded_somewhere |= bool(channel.messages)

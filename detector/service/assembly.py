@@ -26,8 +26,8 @@ never be whole and is aborted at once.
 
 from __future__ import annotations
 
-from collections import ChainMap, deque
-from collections.abc import Callable, Iterable, Mapping
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stablewatch.v1 import (
@@ -115,40 +115,38 @@ class _Pending:
     def is_complete(self) -> bool:
         return len(self.states) == len(self.members) and len(self.proven) == len(self.known)
 
-    def settle(self, channel: Channel) -> None:
-        """Note ``channel`` as known (under both its ends) and as proven or not, from what came so far."""
+    def settle(self, channel: Channel) -> str | None:
+        """Note ``channel`` as known (under both its ends) and as proven or not, from what came so
+        far; describe it if it fails the proof: a count past ``n``, or a whole channel short of it."""
         if channel not in self.known:
             self.known.add(channel)
             for process in channel:
                 self.channels.setdefault(process, set()).add(channel)
-        n, m, recorded, _ = self.counts(channel)
+        n, m, recorded, still_open = self.counts(channel)
+        if n is not None and (m + recorded > n or (not still_open and m + recorded != n)):
+            relation = ">" if m + recorded > n else "!="
+            return (
+                f"snapshot {self.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: "
+                f"m={m} + recorded={recorded} {relation} n={n}"
+            )
         # The receiver's state must be in: until then it may still list the channel.
         if n is not None and m + recorded == n and channel[1] in self.states:
             self.proven.add(channel)
         else:
             self.proven.discard(channel)
+        return None
 
     def counts(self, channel: Channel) -> tuple[int | None, int, int, bool]:
-        """(n, m, recorded, open) of ``channel`` as far as known now (see :func:`_counts`)."""
-        return _counts(channel, self.sent, self.received, self.states.__contains__)
-
-
-def _counts(
-    channel: Channel,
-    sent: Mapping[Channel, int],
-    received: Mapping[Channel, _Received],
-    has_state: Callable[[str], bool],
-) -> tuple[int | None, int, int, bool]:
-    """(n, m, recorded, open) of ``channel``: n is None until its sender has said; a sender's state
-    lists every channel it had, so one it does not list carried nothing (n = 0); a receiver that
-    reported nothing of it had m = 0 and recorded nothing yet."""
-    n = sent.get(channel)
-    if n is None and has_state(channel[0]):
-        n = 0
-    end = received.get(channel)
-    if end is None:
-        return n, 0, 0, True
-    return n, end.m, end.recorded, end.open
+        """(n, m, recorded, open) of ``channel`` as far as known: n is None until its sender has
+        reported its state, which lists every channel it had (one it does not list carried nothing,
+        n = 0); a receiver that has reported nothing of it had m = 0 and recorded nothing yet."""
+        n = self.sent.get(channel)
+        if n is None and channel[0] in self.states:
+            n = 0
+        end = self.received.get(channel)
+        if end is None:
+            return n, 0, 0, True
+        return n, end.m, end.recorded, end.open
 
 
 class Assembler:
@@ -196,11 +194,8 @@ class Assembler:
         self._check_bounds(part, sender)
         pending = self._validate(part, sender)
         received = self._merge_inbound(pending, part)
-        failure = self._check_counts(pending, part, received)
-        if failure is not None:
-            aborted = self.abort(pending.snapshot_id, failure)
-            raise PartRejected("inconsistent_counts", failure, aborted=aborted)
-        # Everything is checked: from here on the part is taken whole.
+        # Every check that would leave the snapshot running is done: the part is taken whole. A
+        # channel that then fails the proof ends the snapshot, so nothing is left to keep apart.
         process = part.process_id
         touched: set[Channel] = set(received)
         if part.HasField("state"):
@@ -219,8 +214,14 @@ class Assembler:
                 pending.outside.add(count.dst)
         pending.outside.update(channel.src for channel in part.inbound if channel.src not in pending.members)
         pending.received.update(received)
+        failure: tuple[Channel, str] | None = None
         for channel in touched:
-            pending.settle(channel)
+            problem = pending.settle(channel)
+            if problem is not None and (failure is None or channel < failure[0]):
+                failure = (channel, problem)  # the first in order, so the reason does not vary
+        if failure is not None:
+            aborted = self.abort(pending.snapshot_id, failure[1])
+            raise PartRejected("inconsistent_counts", failure[1], aborted=aborted)
         if not pending.is_complete():
             return None
         del self._pending[pending.snapshot_id]
@@ -341,38 +342,6 @@ class Assembler:
                 merged[channel] = _Received(pieces, earlier.recorded + len(piece.messages), piece.open)
             listed.add(piece.src)
         return merged
-
-    @staticmethod
-    def _check_counts(pending: _Pending, part: LocalSnapshotPart, received: dict[Channel, _Received]) -> str | None:
-        """The per-channel proof for every channel this part adds to; a description if one fails.
-
-        A receiver's count may fall short of ``n`` while its channel is open (more is coming); it
-        may never pass it, and a channel reported whole must meet it.
-        """
-        process = part.process_id
-        sent = {
-            (process, count.dst): count.sent_before_marker for count in part.outbound if count.dst in pending.members
-        }
-        touched = set(received) | set(sent)
-        if part.HasField("state"):
-            touched.update(pending.channels.get(process, ()))
-        # What the snapshot would hold with the part taken, without taking it.
-        all_sent, all_received = ChainMap(sent, pending.sent), ChainMap(received, pending.received)
-        with_state = part.HasField("state")
-
-        def has_state(member: str) -> bool:
-            return member in pending.states or (with_state and member == process)
-
-        for channel in sorted(touched):
-            n, m, recorded, still_open = _counts(channel, all_sent, all_received, has_state)
-            if n is None:
-                continue
-            if m + recorded > n or (not still_open and m + recorded != n):
-                return (
-                    f"snapshot {pending.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: "
-                    f"m={m} + recorded={recorded} {'>' if m + recorded > n else '!='} n={n}"
-                )
-        return None
 
     def _remember_finished(self, snapshot_id: int) -> None:
         if snapshot_id in self._finished:

@@ -1,7 +1,8 @@
 from stablewatch.v1 import snapshot_pb2 as _snapshot_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -77,12 +78,14 @@ class Refused(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class StartSnapshot(_message.Message):
-    __slots__ = ("snapshot_id", "deadline_ms")
+    __slots__ = ("snapshot_id", "deadline_ms", "ended")
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     snapshot_id: int
     deadline_ms: int
-    def __init__(self, snapshot_id: _Optional[int] = ..., deadline_ms: _Optional[int] = ...) -> None: ...
+    ended: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_id: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., ended: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class AbortSnapshot(_message.Message):
     __slots__ = ("snapshot_id", "reason")
@@ -92,11 +95,11 @@ class AbortSnapshot(_message.Message):
     reason: str
     def __init__(self, snapshot_id: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
 
-class SnapshotDone(_message.Message):
-    __slots__ = ("snapshot_id",)
-    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
-    snapshot_id: int
-    def __init__(self, snapshot_id: _Optional[int] = ...) -> None: ...
+class SnapshotsEnded(_message.Message):
+    __slots__ = ("snapshot_ids",)
+    SNAPSHOT_IDS_FIELD_NUMBER: _ClassVar[int]
+    snapshot_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, snapshot_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChannelTarget(_message.Message):
     __slots__ = ("snapshot_id", "src", "sent", "src_incarnation", "session")
@@ -119,19 +122,19 @@ class Ping(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class DetectorMessage(_message.Message):
-    __slots__ = ("registered", "refused", "start", "abort", "done", "ping", "channel_target")
+    __slots__ = ("registered", "refused", "start", "abort", "ended", "ping", "channel_target")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
-    DONE_FIELD_NUMBER: _ClassVar[int]
+    ENDED_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_TARGET_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     refused: Refused
     start: StartSnapshot
     abort: AbortSnapshot
-    done: SnapshotDone
+    ended: SnapshotsEnded
     ping: Ping
     channel_target: ChannelTarget
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., done: _Optional[_Union[SnapshotDone, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., channel_target: _Optional[_Union[ChannelTarget, _Mapping]] = ...) -> None: ...
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., ended: _Optional[_Union[SnapshotsEnded, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., channel_target: _Optional[_Union[ChannelTarget, _Mapping]] = ...) -> None: ...
