@@ -547,7 +547,7 @@ class Agent:
                 if channel is None:
                     continue
                 if type(entry) is Marker:
-                    # A detector snapshot's marker may wait on a quiet channel (core: Quiet channels).
+                    # A detector snapshot's marker waits for the next entry (core: Markers may wait).
                     local = entry.snapshot_id >= LOCAL_ID_BASE
                     channel.put_marker(entry, None if local else self._core.deadline(entry.snapshot_id))
                 else:

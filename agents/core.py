@@ -66,14 +66,15 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   last of them is reported, never by waiting for a marker. So the core keeps nothing recorded: a
   recording costs its counts and ids. :meth:`SnapshotCore.finish_snapshot` then lets the core
   forget ``k`` (late markers of a finished snapshot are ignored).
-* **Quiet channels.** A marker then has one duty left: to come before every message sent after
-  the recording, so that the receiver records first and never takes such a message for one in
-  flight. A driver may therefore hold a detector snapshot's marker back on a *quiet* channel, one
-  whose every message the receiver has taken in already (its transport acknowledged them all,
-  so nothing is in flight and ``m`` will equal ``n``), and put it in front of the next entry
-  instead, or drop it once :meth:`SnapshotCore.deadline` has passed (the detector has ended the
-  snapshot by then). A quiet channel then costs a snapshot nothing on the wire. Markers of local
-  snapshots always go at once: no detector starts their other processes, only markers do.
+* **Markers may wait.** No part waits for a marker, so a marker has one duty left: to come before
+  every message sent after the recording, so that the receiver records first and never takes such
+  a message for one in flight. A driver may therefore hold a detector snapshot's marker back and
+  put it in front of the next entry of its channel, or drop it once :meth:`SnapshotCore.deadline`
+  has passed (the detector has ended the snapshot by then): the messages in flight before it
+  arrive and are reported all the same, and a receiver that has not recorded yet records before
+  the next message, at the marker. A snapshot then costs a channel nothing on the wire of its
+  own. Markers of local snapshots always go at once: no detector starts their other processes,
+  only markers do.
 * **Ids and epochs.** The detector's ids are below :data:`LOCAL_ID_BASE` and increase; ids at or
   above it are the agents' own (local snapshots), a separate space. Finished ids are remembered
   (a bounded memory; detector ids below the oldest one forgotten count as finished too), so late

@@ -13,13 +13,11 @@ what it has queued, not what its handler has had; an acknowledgement that repeat
 (:attr:`OutboundChannel.held`): a send blocked on the full window then waits for the receiver to
 consume, which the agent reports as a flow-control wait.
 
-A marker of a detector snapshot that finds the channel *quiet* (the receiver has acknowledged
-every message on it: nothing is in flight) is held back instead of written, and goes in front of
-the next entry, or is dropped at the snapshot's deadline: the core's *Quiet channels* rule says why
-that is enough, and an idle channel then costs a snapshot nothing. A frame of markers only,
-written while at most half the window is taken, asks the receiver to acknowledge it later
-(``ack_later``): a snapshot then costs a busy channel one write instead of a write and an
-acknowledgement back. The next acknowledgement covers it, and once half the window is taken
+A marker of a detector snapshot is held back instead of written: it goes in front of the next
+entry, or is dropped at the snapshot's deadline (the core's *Markers may wait* says why that is
+enough), so a snapshot costs a channel no write of its own. A frame of markers only (a local
+snapshot's), written while at most half the window is taken, asks the receiver to acknowledge it
+later (``ack_later``): the next acknowledgement covers it, and once half the window is taken
 every frame is acknowledged at once, so the markers left waiting never hold back a send.
 """
 
@@ -129,7 +127,7 @@ class OutboundChannel:
         self._acks_on_stream = 0
         #: Whether the receiver holds this window (its receive queue is full), as it last said.
         self.held = False
-        # Markers held back while the channel is quiet, each with the loop time it may be dropped at.
+        # Markers held back for the next entry, each with the loop time it may be dropped at.
         self._held_markers: list[tuple[Marker, float]] = []
         self._data = asyncio.Event()
         self._space = asyncio.Event()
@@ -217,9 +215,9 @@ class OutboundChannel:
             self._data.set()
 
     def put_marker(self, marker: Marker, hold_until: float | None = None) -> None:
-        """Put ``marker`` on the channel; given ``hold_until`` (loop time) and a quiet channel, hold it
-        back to go in front of the next entry, or to be dropped at ``hold_until`` if none comes."""
-        if hold_until is None or not self._quiet():
+        """Put ``marker`` on the channel; given ``hold_until`` (loop time), hold it back to go in
+        front of the next entry, or to be dropped at ``hold_until`` if none comes by then."""
+        if hold_until is None:
             self.push(marker, ENTRY_OVERHEAD)
             return
         now = asyncio.get_running_loop().time()
@@ -228,13 +226,8 @@ class OutboundChannel:
 
     @property
     def held_markers(self) -> list[int]:
-        """Snapshot ids of the markers held back on this quiet channel, in the order they came."""
+        """Snapshot ids of the markers held back for the next entry, in the order they came."""
         return [marker.snapshot_id for marker, _ in self._held_markers]
-
-    def _quiet(self) -> bool:
-        """Whether the receiver has acknowledged every message (unacknowledged markers do not count)."""
-        entries = self._entries
-        return all(type(entries[i]) is Marker for i in range(len(entries) - 1, self._head - 1, -1))
 
     def _release_markers(self) -> None:
         """Put the held markers still due in the window, ahead of what comes next."""
