@@ -20,6 +20,7 @@ TLS, or without client certificates, says so in a warning at start. The bounds o
 from __future__ import annotations
 
 import asyncio
+import gc
 import ipaddress
 import logging
 import time
@@ -204,6 +205,10 @@ class Detector:
                 client_ca_file=config.tls_client_ca,
             )
         self._heartbeats = asyncio.ensure_future(self._watch_heartbeats())
+        # What exists by now (modules, the store, the server) lives as long as the detector: out of
+        # the collector's way, or every full collection walks it all (14 ms at start-up on a quiet
+        # machine) with the event loop stopped, in the middle of whatever snapshot is running.
+        gc.freeze()
         if config.interval is not None:
             self._scheduler = Scheduler(
                 self.take_snapshot,
