@@ -567,6 +567,8 @@ class Agent:
                 recorded = self._core.record_state(action.snapshot_id, state, undelivered, acked=acked, acks_seen=seen)
                 self._carry_out(recorded)
             elif isinstance(action, ReportPart):
+                if action.recorded_bytes:
+                    self.metrics.recorded(action.recorded_bytes)
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
                 self.metrics.snapshot_failed()
@@ -574,9 +576,6 @@ class Agent:
                     self._control.report_failure(action.snapshot_id, action.reason)
 
     def _report(self, part: LocalSnapshotPart) -> None:
-        recorded = sum(len(m.payload) for channel in part.inbound for m in channel.messages)
-        if recorded:
-            self.metrics.recorded(recorded)
         for listener in self._part_listeners:
             # A listener runs inside the handling of a frame: its error must not break the channel
             # (the frame would come again, and its markers twice).

@@ -186,9 +186,11 @@ class RecordState:
 
 @dataclass(frozen=True, slots=True)
 class ReportPart:
-    """Send this piece of the local snapshot to the detector."""
+    """Send this piece of the local snapshot to the detector; ``recorded_bytes``: what the messages
+    it records in flight were charged against ``max_recorded_bytes`` (for the driver's metrics)."""
 
     part: LocalSnapshotPart
+    recorded_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -425,7 +427,7 @@ class SnapshotCore:
         for src in sorted(received.keys() | in_flight.keys() | acks.keys()):
             if received.get(src) or src in in_flight or src in acks:
                 self._add_channel(part, recording, src, in_flight.get(src, ()), acks.get(src))
-        return (ReportPart(part),)
+        return (ReportPart(part, recording.recorded_bytes),)
 
     def receive_message(self, src: str, message: AppMessage) -> tuple[Action, ...]:
         """An application message arrived on ``src -> self``."""
@@ -587,7 +589,7 @@ class SnapshotCore:
                 continue
             part = LocalSnapshotPart(snapshot_id=recording.snapshot_id, process_id=self.process_id)
             self._add_channel(part, recording, src, run)
-            actions.append(ReportPart(part))
+            actions.append(ReportPart(part, size))
         return tuple(actions)
 
     def _take_undelivered(
@@ -652,13 +654,12 @@ class SnapshotCore:
         )
         add = state.messages.add
         for run, first_arrival in runs:
-            for index, message in enumerate(run, start=first_arrival):
-                if message.counters or message.no_wake:
-                    add(
-                        payload=message.payload, counters=message.counters, no_wake=message.no_wake, receive_index=index
-                    )
+            # Unpacked, not read by attribute: every message in flight passes here at each snapshot.
+            for index, (payload, counters, no_wake) in enumerate(run, start=first_arrival):
+                if counters or no_wake:
+                    add(payload=payload, counters=counters, no_wake=no_wake, receive_index=index)
                 else:
-                    add(payload=message.payload, receive_index=index)
+                    add(payload=payload, receive_index=index)
 
     def _fail_running(self, reason: str, unless_closed: str | None = None) -> tuple[Action, ...]:
         """Fail every running snapshot (but those whose marker on ``unless_closed`` already came)."""

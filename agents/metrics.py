@@ -69,7 +69,9 @@ class AgentMetrics:
         self._markers_received = counter("markers_received", "Snapshot markers received")
         self._snapshots_recorded = counter("snapshots_recorded", "Snapshots this process recorded")
         self._snapshots_failed = counter("snapshots_failed", "Snapshots that failed in this process")
-        self._recorded_bytes = counter("recorded_bytes", "Bytes of channel messages recorded for snapshots")
+        self._recorded_bytes = counter(
+            "recorded_bytes", "Bytes of channel messages recorded for snapshots (payloads, and 16 per counter entry)"
+        )
         rejected = counter("rejected_frames", "Channel frames rejected, by reason", "reason")
         self._rejected = {reason: rejected.labels(reason) for reason in REJECT_REASONS}
         self._control_connected = gauge("control_connected", "1 while the control stream to the detector is up, else 0")
@@ -152,7 +154,7 @@ class AgentMetrics:
         self._snapshots_failed.inc()
 
     def recorded(self, nbytes: int) -> None:
-        """`nbytes` bytes of channel messages were recorded for snapshots."""
+        """`nbytes` bytes of channel messages were recorded for snapshots (as charged against the bound)."""
         self._recorded_bytes.inc(nbytes)
 
     def frame_rejected(self, reason: str) -> None:

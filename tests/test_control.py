@@ -235,6 +235,51 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
     run(body)
 
 
+def test_a_start_that_finds_nothing_waiting_is_offered_to_on_start_now_where_it_is_read() -> None:
+    """Idle: the start (and the ends riding on it) are taken at once, without the queue; a start
+    declined, or one behind a callback still running, goes through the queue in its order."""
+
+    async def body() -> None:
+        detector = FakeDetector()
+        server, port = await serve(detector)
+        agent = Agent()
+        release = asyncio.Event()
+        declining = {3}
+
+        def on_start_now(snapshot_id: int, lifetime: float | None) -> bool:
+            if snapshot_id in declining:
+                return False
+            agent.calls.append(("now", snapshot_id))
+            return True
+
+        async def on_start(snapshot_id: int, lifetime: float | None) -> None:
+            agent.calls.append(("start", snapshot_id))
+            if snapshot_id == 3:
+                await release.wait()
+
+        client = agent.client(port, on_start=on_start, on_start_now=on_start_now)
+        await client.start()
+        try:
+            assert await client.wait_connected(10)
+            detector.send(start(1))
+            detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=2, ended=[1])))
+            await async_poll(lambda: agent.calls == [("now", 1), ("finish", 1), ("now", 2)], "two starts taken at once")
+            detector.send(start(3))  # declined: queued, and blocks in on_start
+            detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=4, ended=[2])))  # behind it, in order
+            detector.send(DetectorMessage(ping=Ping(nonce=7)))
+            await async_poll(lambda: detector.of_kind("pong"), "the pong")
+            assert agent.calls[3:] == [("start", 3)]
+            release.set()
+            await async_poll(lambda: len(agent.calls) == 6, "the queued callbacks")
+            assert agent.calls[3:] == [("start", 3), ("finish", 2), ("start", 4)]
+        finally:
+            await client.stop()
+            await server.stop(None)
+        assert sorted(agent.finished) == [1, 2, 3, 4]  # 3 and 4 were open at stop
+
+    run(body)
+
+
 def test_abort_and_ended_call_on_finish_after_the_start() -> None:
     async def body() -> None:
         detector = FakeDetector()
@@ -368,7 +413,8 @@ def test_full_queue_drops_without_blocking() -> None:
     run(body)
 
 
-def test_failing_callback_reports_a_failure_and_the_client_carries_on() -> None:
+@pytest.mark.parametrize("right_away", [False, True], ids=["on_start", "on_start_now"])
+def test_failing_callback_reports_a_failure_and_the_client_carries_on(right_away: bool) -> None:
     async def body() -> None:
         detector = FakeDetector()
         server, port = await serve(detector)
@@ -379,7 +425,14 @@ def test_failing_callback_reports_a_failure_and_the_client_carries_on() -> None:
             if snapshot_id == 1:
                 raise RuntimeError("boom")
 
-        client = agent.client(port, on_start=on_start)
+        def on_start_now(snapshot_id: int, lifetime: float | None) -> bool:
+            agent.started.append(snapshot_id)
+            if snapshot_id == 1:
+                raise RuntimeError("boom")
+            return True
+
+        extra = {"on_start_now": on_start_now} if right_away else {}
+        client = agent.client(port, on_start=on_start, **extra)
         await client.start()
         try:
             assert await client.wait_connected(10)

@@ -105,6 +105,46 @@ def test_an_agent_following_another_epoch_joins_snapshots_once_a_heartbeat_says_
         q.close()
 
 
+def test_members_hear_that_a_snapshot_ended_from_the_next_start_or_on_their_own_shortly_after(
+    running: Running,
+) -> None:
+    """The end of a snapshot costs no message of its own while snapshots keep coming."""
+
+    def ended(agent: RawAgent) -> list[list[int]]:
+        return [list(m.ended.snapshot_ids) for m in agent.received if m.WhichOneof("kind") == "ended"]
+
+    def take(agents: tuple[RawAgent, ...]) -> int:
+        trigger = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=10), running.loop)
+        count = len(agents[0].starts())
+        poll(lambda: all(len(agent.starts()) == count + 1 for agent in agents), "the start at every member")
+        snapshot_id = agents[0].starts()[-1]
+        for agent in agents:
+            agent.send_part(LocalSnapshotPart(snapshot_id=snapshot_id, process_id=agent.process_id, state=LocalState()))
+        assert outcome_name(trigger.result(20).snapshot.outcome) == "completed"
+        return snapshot_id
+
+    coordinator = running.detector.coordinator
+    p, q = RawAgent(running, "P"), RawAgent(running, "Q")
+    try:
+        poll(lambda: len(coordinator.members) == 2, "two members")
+        coordinator.ended_notice_delay = 60.0  # the next start comes long before
+        first = take((p, q))
+        second = take((p, q))
+        starts = [m.start for m in p.received if m.WhichOneof("kind") == "start"]
+        assert [list(start.ended) for start in starts] == [[], [first]]
+        assert ended(p) == ended(q) == []
+        # No start follows the third: its end goes on its own, once, to each member.
+        coordinator.ended_notice_delay = 0.01
+        third = take((p, q))
+        poll(lambda: ended(p) == ended(q) == [[third]], "SnapshotsEnded at both")
+        starts = [m.start for m in q.received if m.WhichOneof("kind") == "start"]
+        assert [list(start.ended) for start in starts] == [[], [first], [second]]
+        assert not any(m.WhichOneof("kind") == "abort" for agent in (p, q) for m in agent.received)
+    finally:
+        p.close()
+        q.close()
+
+
 def test_a_member_killed_mid_snapshot_aborts_it_and_the_next_completes_without_it(running: Running) -> None:
     nodes = [Node(pid, "--tokens", "100", "--detector", running.detector.address) for pid in ("A", "B", "C")]
     try:

@@ -6,7 +6,8 @@ marker crosses one channel), feeds their parts to the :class:`Assembler`, and an
 snapshot is complete or gives up on it: at its deadline, when a member is lost, when a member
 fails, or when a part proves the cut inconsistent, always with the reason. The members learn that
 a snapshot ended (so they can forget it) from the next start, which goes to all of them anyway, or,
-when none comes within :data:`ENDED_NOTICE_DELAY`, from one ``SnapshotsEnded`` message: a steady
+when none comes within ``ended_notice_delay`` (:data:`ENDED_NOTICE_DELAY`), from one
+``SnapshotsEnded`` message: a steady
 schedule costs each member one message in per snapshot and one part out, not a third for its end.
 
 Parts are never trusted: each rejected one is reported to ``on_rejected`` with its reason, and its
@@ -134,8 +135,10 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         on_refused: Callable[[str, str], None] | None = None,
         limits: Limits | None = None,
         authorizer: Authorizer | None = None,
+        ended_notice_delay: float = ENDED_NOTICE_DELAY,
     ) -> None:
         self.detector_id = detector_id
+        self.ended_notice_delay = ended_notice_delay
         self.heartbeat_interval = heartbeat_interval
         self.epoch = epoch
         self.members: dict[str, Member] = {}
@@ -191,6 +194,9 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 member.ended = []
             else:
                 member.send(start)
+        if self._ended_notice is not None:  # every end was told: nothing left for the timer
+            self._ended_notice.cancel()
+            self._ended_notice = None
         return snapshot_id, result
 
     async def snapshot(
@@ -448,7 +454,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 member.ended.append(snapshot_id)
         if self._ended_notice is None:
             loop = asyncio.get_running_loop()
-            self._ended_notice = loop.call_later(ENDED_NOTICE_DELAY, self._tell_ended)
+            self._ended_notice = loop.call_later(self.ended_notice_delay, self._tell_ended)
 
     def _tell_ended(self) -> None:
         """Tell every member the ends that no start carried to it in time."""
