@@ -206,6 +206,7 @@ Action = SendEntry | RecordState | ReportPart | SnapshotFailed
 _NOTHING: tuple[Action, ...] = ()
 _payload = operator.attrgetter("payload")
 _counters = operator.attrgetter("counters")
+_no_wake = operator.attrgetter("no_wake")
 
 
 @dataclass(slots=True)
@@ -643,23 +644,24 @@ class SnapshotCore:
     def _add_channel(
         part: LocalSnapshotPart, recording: _Recording, src: str, runs: Sequence[Run], acked: AckPosition | None = None
     ) -> None:
-        """Add channel ``src`` to ``part`` (open until its marker came) with the messages of ``runs``.
-        Built in place: appending a finished one would copy every recorded message (a snapshot's
-        largest cost, proportional to what was in flight)."""
+        """Add channel ``src`` to ``part`` (open until its marker came) with the messages of ``runs``,
+        by column: every message in flight passes here at each snapshot, so a run costs a few
+        repeated-field extends done in C, and one object only per message with extras."""
         state = part.inbound.add(
             src=src,
             received_before_recording=recording.received_at_record.get(src, 0),
             acked=acked,
             open=src not in recording.closed,
         )
-        add = state.messages.add
         for run, first_arrival in runs:
-            # Unpacked, not read by attribute: every message in flight passes here at each snapshot.
-            for index, (payload, counters, no_wake) in enumerate(run, start=first_arrival):
-                if counters or no_wake:
-                    add(payload=payload, counters=counters, no_wake=no_wake, receive_index=index)
-                else:
-                    add(payload=payload, receive_index=index)
+            position = len(state.payloads)
+            state.payloads.extend(map(_payload, run))
+            state.run_starts.append(first_arrival)
+            state.run_lengths.append(len(run))
+            if any(map(_counters, run)) or any(map(_no_wake, run)):
+                for offset, (_, counters, no_wake) in enumerate(run, start=position):
+                    if counters or no_wake:
+                        state.extras.add(position=offset, counters=counters, no_wake=no_wake)
 
     def _fail_running(self, reason: str, unless_closed: str | None = None) -> tuple[Action, ...]:
         """Fail every running snapshot (but those whose marker on ``unless_closed`` already came)."""

@@ -10,11 +10,12 @@ the spread (lowest and highest round):
 * ``decode``: the messages of a 512-entry frame, built in C (``frames.decode``) against a list
   comprehension of ``AppMessage(payload)``;
 * ``part``: 2 000 messages in flight recorded by the core and turned into a part's
-  ``InboundChannelState`` as they arrive (built in place in the part) against the former
-  way (the same, plus the copy of every message that appending a channel state built on its own
-  to the part made), and that part serialized (what the receiver pays per snapshot);
-* ``assembly``: a 2 000-message channel put into the global snapshot with ``add()`` against the
-  former ``append(ChannelSnapshot(...))``, which copied the messages twice.
+  ``InboundChannelState`` as they arrive, by column (``part_build``), against the former way, one
+  ``RecordedMessage`` built in place per message (``part_build_before``), and that part
+  serialized (``part_serialize``): what the receiving agent pays per message in flight;
+* ``assembly``: the detector turning those 2 000 messages into the global snapshot's
+  ``RecordedMessage`` objects (``assembly``), against copying the 2 000 objects an agent sent the
+  former way (``assembly_before``): what the detector pays per message in flight.
 
 The last line is one JSON object: per case, ``*_ns`` (median per message) and ``*_spread``.
 
@@ -36,7 +37,8 @@ from rich.table import Table
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 from stablewatch.agents.core import RecordState, ReportPart, SnapshotCore
 from stablewatch.agents.frames import decode, encode
-from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, LocalSnapshotPart, LocalState
+from stablewatch.detector.service.assembly import _add_recorded
+from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 
 PAYLOAD = b"x" * 64
 FRAME = encode(0, [PAYLOAD] * 512)
@@ -67,12 +69,18 @@ CHANNEL = PART.inbound[0]
 
 
 def build_part_before() -> LocalSnapshotPart:
-    """The former way: the same recording, its channel state then appended to another part, which
-    is the copy of each message that building it on its own and appending it made."""
-    built = build_part()
+    """The former way: one RecordedMessage built in place in the part per message in flight."""
     part = LocalSnapshotPart(snapshot_id=1, process_id="b")
-    part.inbound.append(built.inbound[0])
+    add = part.inbound.add(src="a").messages.add
+    for index, (payload, counters, no_wake) in enumerate(RECORDED, start=1):
+        if counters or no_wake:
+            add(payload=payload, counters=counters, no_wake=no_wake, receive_index=index)
+        else:
+            add(payload=payload, receive_index=index)
     return part
+
+
+PART_BEFORE = build_part_before()
 
 
 def sync_cases() -> dict[str, Callable[[], int]]:
@@ -83,22 +91,22 @@ def sync_cases() -> dict[str, Callable[[], int]]:
         return len([AppMessage(payload) for payload in FRAME.payloads])
 
     def part_build() -> int:
-        return len(build_part().inbound[0].messages)
+        return len(build_part().inbound[0].payloads)
 
     def part_build_before() -> int:
         return len(build_part_before().inbound[0].messages)
 
     def part_serialize() -> int:
         PART.SerializeToString()
-        return len(CHANNEL.messages)
+        return len(CHANNEL.payloads)
 
-    def assembly_add() -> int:
-        GlobalSnapshot().channels.add(src="a", dst="b", messages=CHANNEL.messages)
-        return len(CHANNEL.messages)
+    def assembly_columns() -> int:
+        _add_recorded(GlobalSnapshot().channels.add(src="a", dst="b").messages, CHANNEL)
+        return len(CHANNEL.payloads)
 
-    def assembly_append() -> int:
-        GlobalSnapshot().channels.append(ChannelSnapshot(src="a", dst="b", messages=CHANNEL.messages))
-        return len(CHANNEL.messages)
+    def assembly_messages() -> int:
+        GlobalSnapshot().channels.add(src="a", dst="b", messages=PART_BEFORE.inbound[0].messages)
+        return len(RECORDED)
 
     return {
         "decode": decode_in_c,
@@ -106,8 +114,8 @@ def sync_cases() -> dict[str, Callable[[], int]]:
         "part_build": part_build,
         "part_build_before": part_build_before,
         "part_serialize": part_serialize,
-        "assembly": assembly_add,
-        "assembly_before": assembly_append,
+        "assembly": assembly_columns,
+        "assembly_before": assembly_messages,
     }
 
 

@@ -6,7 +6,15 @@ import itertools
 
 import pytest
 
-from stablewatch.detector.service.assembly import REJECTION_REASONS, Aborted, Assembler, Completed, PartRejected
+from stablewatch.detector.service.assembly import (
+    REJECTION_REASONS,
+    Aborted,
+    Assembler,
+    Completed,
+    PartRejected,
+    recorded_count,
+    recorded_messages,
+)
 from stablewatch.v1 import (
     ChannelSnapshot,
     GlobalSnapshot,
@@ -436,3 +444,75 @@ def test_a_continuation_must_follow_an_open_piece_with_the_same_m() -> None:
     outcome = assembler.add_part(channel_part("b", "a", 1, [message(b"y")]), sender="b")
     assert isinstance(outcome, Completed)
     assert [m.payload for m in outcome.snapshot.channels[0].messages] == [b"x", b"y"]
+
+
+# -- recorded messages by column ------------------------------------------------------------------
+
+
+def column_piece(
+    src: str, m: int, runs: list[tuple[int, list[bytes]]], **extras: dict[str, object]
+) -> InboundChannelState:
+    """An inbound channel with its messages by column: ``runs`` of (first arrival index, payloads);
+    ``extras`` by position, as ``p<position>={...}``."""
+    piece = InboundChannelState(src=src, received_before_recording=m)
+    for first, payloads in runs:
+        piece.payloads.extend(payloads)
+        piece.run_starts.append(first)
+        piece.run_lengths.append(len(payloads))
+    for name, fields in extras.items():
+        piece.extras.add(position=int(name.removeprefix("p")), **fields)  # type: ignore[arg-type]
+    return piece
+
+
+def test_messages_by_column_become_the_same_recorded_messages_in_arrival_order() -> None:
+    piece = column_piece("a", 1, [(5, [b"x", b"y"]), (9, [b"z"])], p1={"counters": {"tokens": 2}}, p2={"no_wake": True})
+    piece.messages.add(payload=b"w", receive_index=3)  # the message form comes first
+    assert recorded_count(piece) == 4
+    assert recorded_messages(piece) == [
+        RecordedMessage(payload=b"w", receive_index=3),
+        RecordedMessage(payload=b"x", receive_index=5),
+        RecordedMessage(payload=b"y", counters={"tokens": 2}, receive_index=6),
+        RecordedMessage(payload=b"z", no_wake=True, receive_index=9),
+    ]
+    assembler = started()
+    assembler.add_part(state_part("a", {"b": 5}), sender="a")
+    part = state_part("b", {})
+    part.inbound.append(piece)
+    outcome = assembler.add_part(part, sender="b")
+    assert isinstance(outcome, Completed)
+    assert list(outcome.snapshot.channels[0].messages) == recorded_messages(piece)
+
+
+@pytest.mark.parametrize(
+    ("piece", "problem"),
+    [
+        (column_piece("a", 0, [(1, [b"x"])]), None),
+        (InboundChannelState(src="a", payloads=[b"x"], run_starts=[1], run_lengths=[2]), "runs of [2]"),
+        (InboundChannelState(src="a", payloads=[b"x"], run_starts=[1, 2], run_lengths=[1]), "runs of [1]"),
+        (column_piece("a", 0, [(1, [b"x"])], p1={"no_wake": True}), "extras at [1] for 1 messages"),
+        (InboundChannelState(src="a", payloads=[b"x"], run_starts=[1], run_lengths=[1], extras=[{}, {}]), "at [0, 0]"),
+    ],
+    ids=["good", "short-runs", "runs-unpaired", "extras-outside", "extras-twice"],
+)
+def test_a_malformed_column_form_is_rejected_and_nothing_taken(piece: InboundChannelState, problem: str | None) -> None:
+    assembler = started()
+    part = state_part("b", {})
+    part.inbound.append(piece)
+    if problem is None:
+        assert assembler.add_part(part, sender="b") is None
+        return
+    with pytest.raises(PartRejected) as caught:
+        assembler.add_part(part, sender="b")
+    assert caught.value.reason == "malformed"
+    assert "channel a->b" in caught.value.detail and problem in caught.value.detail
+    assert assembler.missing(SNAPSHOT) == "waiting for state of a, b"
+
+
+def test_the_message_bound_counts_messages_by_column() -> None:
+    assembler = Assembler(max_part_messages=2)
+    assembler.begin(SNAPSHOT, ["a", "b"])
+    part = state_part("b", {})
+    part.inbound.append(column_piece("a", 0, [(1, [b"x", b"y", b"z"])]))
+    with pytest.raises(PartRejected) as caught:
+        assembler.add_part(part, sender="b")
+    assert caught.value.reason == "too_many_messages" and "records 3 messages" in caught.value.detail

@@ -23,7 +23,7 @@ from stablewatch.agents.core import (
     SnapshotFailed,
     apply_recording,
 )
-from stablewatch.detector.service.assembly import Assembler, Completed
+from stablewatch.detector.service.assembly import Assembler, Completed, recorded_messages
 from stablewatch.v1 import AckPosition, GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
 
 TOKENS = "tokens"
@@ -82,7 +82,7 @@ def inbound(part: LocalSnapshotPart, src: str) -> InboundChannelState:
 
 def payloads(channel: InboundChannelState) -> list[bytes]:
     """The payloads recorded on ``channel``, in order."""
-    return [message.payload for message in channel.messages]
+    return [message.payload for message in recorded_messages(channel)]
 
 
 def recording_core(process: str = "p", outbound: Sequence[str] = ("q",), snapshot_id: int = 1) -> SnapshotCore:
@@ -212,7 +212,7 @@ def test_first_marker_records_and_its_channel_is_empty() -> None:
     assert outbound_counts(part) == {"a": 0, "b": 1}
     channel = inbound(part, "a")
     assert channel.received_before_recording == 2
-    assert list(channel.messages) == []
+    assert payloads(channel) == []
     # Later messages on the closed channel are not part of the snapshot.
     assert core.receive_message("a", token(b"late")) == ()
 
@@ -275,11 +275,12 @@ def test_messages_between_recording_and_marker_are_recorded_and_after_it_not() -
     for channel in (first, second):
         assert (channel.received_before_recording, channel.open) == (1, True)
     assert (payloads(first), payloads(second)) == ([b"in1"], [b"in2"])
-    assert dict(first.messages[0].counters) == {TOKENS: 2}
-    assert not first.messages[0].no_wake
-    assert second.messages[0].no_wake
-    assert dict(second.messages[0].counters) == {}
-    assert [first.messages[0].receive_index, second.messages[0].receive_index] == [2, 3]
+    (in1,), (in2,) = recorded_messages(first), recorded_messages(second)
+    assert dict(in1.counters) == {TOKENS: 2}
+    assert not in1.no_wake
+    assert in2.no_wake
+    assert dict(in2.counters) == {}
+    assert [in1.receive_index, in2.receive_index] == [2, 3]
     assert core.receive_message("q", token(b"after")) == ()
     assert core.received_count("q") == 4
 
@@ -570,7 +571,7 @@ def test_two_process_example_p1_records_message_in_flight() -> None:
     assert p2_part.state == balance(7)
     assert outbound_counts(p2_part) == {"P1": 1}
     assert list(p2_part.inbound) == []  # P1 -> P2 carried nothing before its marker: m = 0, left out
-    assert p1_channel.received_before_recording + len(p1_channel.messages) == 1  # m + len == n
+    assert p1_channel.received_before_recording + len(payloads(p1_channel)) == 1  # m + len == n
     assert net.deliver("P2", "P1") == []  # P2's marker finds snapshot 1 complete already
 
     snapshot = net.completed[1]
@@ -747,11 +748,11 @@ def test_undelivered_messages_at_recording_are_in_flight_and_not_counted_in_m() 
     (part,) = parts(core.record_state(1, balance(0), {"q": [Run([token(b"m2"), token(b"m3")], 2)]}))
     so_far = inbound(part, "q")
     assert (so_far.received_before_recording, payloads(so_far), so_far.open) == (1, [b"m2", b"m3"], True)
-    assert [m.receive_index for m in so_far.messages] == [2, 3]
+    assert [m.receive_index for m in recorded_messages(so_far)] == [2, 3]
     channel = inbound(only_part(core.receive_message("q", token(b"m4"))), "q")
     assert channel.received_before_recording == 1
     assert (payloads(channel), channel.open) == ([b"m4"], True)
-    assert [m.receive_index for m in channel.messages] == [4]
+    assert [m.receive_index for m in recorded_messages(channel)] == [4]
     assert core.receive_marker("q", 1) == ()
     assert markers(actions) == [("q", 1)]
 

@@ -26,19 +26,32 @@ never be whole and is aborted at once.
 
 from __future__ import annotations
 
+import itertools
+import operator
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 from stablewatch.v1 import (
     AckPosition,
+    ChannelSnapshot,
     GlobalSnapshot,
     InboundChannelState,
     LocalSnapshotPart,
     LocalState,
+    RecordedMessage,
 )
 
-__all__ = ["REJECTION_REASONS", "Aborted", "Assembler", "Completed", "PartRejected"]
+__all__ = [
+    "REJECTION_REASONS",
+    "Aborted",
+    "Assembler",
+    "Completed",
+    "PartRejected",
+    "recorded_count",
+    "recorded_messages",
+]
 
 #: Every reason a part can be rejected for (bounded: safe as a metric label).
 REJECTION_REASONS = (
@@ -266,7 +279,7 @@ class Assembler:
         if self._max_part_bytes is not None and (size := part.ByteSize()) > self._max_part_bytes:
             reason, detail = "too_large", f"{where} is {size} bytes, above the limit of {self._max_part_bytes}"
         elif self._max_part_messages is not None:
-            messages = sum(len(channel.messages) for channel in part.inbound)
+            messages = sum(map(recorded_count, part.inbound))
             if messages > self._max_part_messages:
                 limit = self._max_part_messages
                 reason, detail = "too_many_messages", f"{where} records {messages} messages, above the limit of {limit}"
@@ -299,6 +312,10 @@ class Assembler:
             raise PartRejected("malformed", f"{where}: an outbound channel is listed twice")
         if any(channel.src in ("", process) for channel in part.inbound):
             raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
+        for channel in part.inbound:
+            problem = _column_problem(channel)
+            if problem is not None:
+                raise PartRejected("malformed", f"{where}: channel {channel.src}->{process} {problem}")
         if part.HasField("state") and process in pending.states:
             raise PartRejected("duplicate_part", f"{where}: its state was already reported")
         for count in part.outbound:
@@ -327,7 +344,7 @@ class Assembler:
             earlier = merged.get(channel) or pending.received.get(channel)
             name = f"channel {piece.src}->{process}"
             if earlier is None:
-                merged[channel] = _Received([piece], len(piece.messages), piece.open)
+                merged[channel] = _Received([piece], recorded_count(piece), piece.open)
             elif not earlier.open:
                 if piece.src in listed:
                     raise PartRejected("malformed", f"{where}: {name} is listed twice")
@@ -339,7 +356,7 @@ class Assembler:
                 )
             else:
                 pieces = [*earlier.pieces, piece]
-                merged[channel] = _Received(pieces, earlier.recorded + len(piece.messages), piece.open)
+                merged[channel] = _Received(pieces, earlier.recorded + recorded_count(piece), piece.open)
             listed.add(piece.src)
         return merged
 
@@ -350,6 +367,52 @@ class Assembler:
         self._finished_order.append(snapshot_id)
         if len(self._finished_order) > _FINISHED_MEMORY:
             self._finished.discard(self._finished_order.popleft())
+
+
+def recorded_count(piece: InboundChannelState) -> int:
+    """How many messages ``piece`` records, in either form."""
+    return len(piece.messages) + len(piece.payloads)
+
+
+def recorded_messages(piece: InboundChannelState) -> list[RecordedMessage]:
+    """The messages ``piece`` records, in arrival order, as RecordedMessages (for tests and tools)."""
+    holder = ChannelSnapshot()
+    _add_recorded(holder.messages, piece)
+    return list(holder.messages)
+
+
+def _add_recorded(target: Any, piece: InboundChannelState) -> None:
+    """Append the messages ``piece`` records to ``target`` (a repeated RecordedMessage field), in
+    arrival order: the column form an agent sends becomes one object per message here, once."""
+    target.extend(piece.messages)
+    if not piece.payloads:
+        return
+    # The arrival index of each message, run after run (validated: the runs cover the payloads).
+    ends = map(operator.add, piece.run_starts, piece.run_lengths)
+    indices = itertools.chain.from_iterable(map(range, piece.run_starts, ends))
+    add = target.add
+    extras = {extra.position: extra for extra in piece.extras}
+    if not extras:
+        for payload, index in zip(piece.payloads, indices, strict=True):
+            add(payload=payload, receive_index=index)
+        return
+    for position, (payload, index) in enumerate(zip(piece.payloads, indices, strict=True)):
+        extra = extras.get(position)
+        if extra is None:
+            add(payload=payload, receive_index=index)
+        else:
+            add(payload=payload, counters=extra.counters, no_wake=extra.no_wake, receive_index=index)
+
+
+def _column_problem(piece: InboundChannelState) -> str | None:
+    """What is wrong with the column form of ``piece``, if anything."""
+    count = len(piece.payloads)
+    if len(piece.run_starts) != len(piece.run_lengths) or sum(piece.run_lengths) != count:
+        return f"has {count} payloads but runs of {list(piece.run_lengths)} from {list(piece.run_starts)}"
+    positions = [extra.position for extra in piece.extras]
+    if len(set(positions)) != len(positions) or any(position >= count for position in positions):
+        return f"has extras at {positions} for {count} messages"
+    return None
 
 
 def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
@@ -371,11 +434,10 @@ def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
             dst=dst,
             sent_before_marker=pending.sent.get(channel, 0),
             received_before_recording=first.received_before_recording if first is not None else 0,
-            messages=first.messages if first is not None else (),
             receiver_acked=first.acked if first is not None and first.HasField("acked") else None,
             sender_ack_seen=pending.ack_seen.get(channel),
         )
         if received is not None:
-            for piece in received.pieces[1:]:
-                added.messages.extend(piece.messages)
+            for piece in received.pieces:
+                _add_recorded(added.messages, piece)
     return snapshot

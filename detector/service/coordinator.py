@@ -45,7 +45,7 @@ from typing import NoReturn
 
 import grpc
 
-from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected
+from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected, recorded_count
 from stablewatch.detector.service.auth import Authorizer, Denied
 from stablewatch.detector.service.limits import Limits
 from stablewatch.v1 import (
@@ -492,5 +492,5 @@ def _only_empty_channels(part: LocalSnapshotPart) -> bool:
     return (
         not part.HasField("state")
         and all(count.sent_before_marker == 0 for count in part.outbound)
-        and all(channel.received_before_recording == 0 and not channel.messages for channel in part.inbound)
+        and all(channel.received_before_recording == 0 and not recorded_count(channel) for channel in part.inbound)
     )

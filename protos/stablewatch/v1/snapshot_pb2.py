@@ -23,10 +23,11 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from stablewatch.v1 import channel_pb2 as stablewatch_dot_v1_dot_channel__pb2
 from stablewatch.v1 import state_pb2 as stablewatch_dot_v1_dot_state__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstablewatch/v1/snapshot.proto\x12\x0establewatch.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1astablewatch/v1/state.proto\"\xd0\x01\n\x0fRecordedMessage\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12?\n\x08\x63ounters\x18\x02 \x03(\x0b\x32-.stablewatch.v1.RecordedMessage.CountersEntry\x12\x0f\n\x07no_wake\x18\x03 \x01(\x08\x12\x15\n\rreceive_index\x18\x04 \x01(\x04\x12\x12\n\nwakes_task\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Y\n\x0b\x41\x63kPosition\x12\x1a\n\x12sender_incarnation\x18\x01 \x01(\x04\x12\x1c\n\x14receiver_incarnation\x18\x02 \x01(\x04\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\"x\n\rOutboundCount\x12\x0b\n\x03\x64st\x18\x01 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x02 \x01(\x04\x12-\n\x08\x61\x63k_seen\x18\x03 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x0f\n\x07session\x18\x04 \x01(\x04\"\xc3\x01\n\x13InboundChannelState\x12\x0b\n\x03src\x18\x01 \x01(\t\x12!\n\x19received_before_recording\x18\x02 \x01(\x04\x12\x31\n\x08messages\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12*\n\x05\x61\x63ked\x18\x04 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x0f\n\x07session\x18\x05 \x01(\x04\x12\x0c\n\x04open\x18\x06 \x01(\x08\"\xce\x01\n\x11LocalSnapshotPart\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\x12/\n\x08outbound\x18\x04 \x03(\x0b\x32\x1d.stablewatch.v1.OutboundCount\x12\x34\n\x07inbound\x18\x05 \x03(\x0b\x32#.stablewatch.v1.InboundChannelState\"P\n\x0fProcessSnapshot\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\"\x88\x02\n\x0f\x43hannelSnapshot\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x03 \x01(\x04\x12!\n\x19received_before_recording\x18\x04 \x01(\x04\x12\x31\n\x08messages\x18\x05 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12\x33\n\x0ereceiver_acked\x18\x06 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x34\n\x0fsender_ack_seen\x18\x07 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\"\xbe\x02\n\x0eGlobalSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x32\n\tprocesses\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.ProcessSnapshot\x12\x31\n\x08\x63hannels\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.ChannelSnapshot\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ompleted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x65xpected_members\x18\x06 \x03(\t\x12\x1d\n\x15\x65xpected_member_count\x18\x07 \x01(\r\x12\x15\n\routside_peers\x18\x08 \x03(\tb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstablewatch/v1/snapshot.proto\x12\x0establewatch.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1cstablewatch/v1/channel.proto\x1a\x1astablewatch/v1/state.proto\"\xd0\x01\n\x0fRecordedMessage\x12\x0f\n\x07payload\x18\x01 \x01(\x0c\x12?\n\x08\x63ounters\x18\x02 \x03(\x0b\x32-.stablewatch.v1.RecordedMessage.CountersEntry\x12\x0f\n\x07no_wake\x18\x03 \x01(\x08\x12\x15\n\rreceive_index\x18\x04 \x01(\x04\x12\x12\n\nwakes_task\x18\x05 \x01(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"Y\n\x0b\x41\x63kPosition\x12\x1a\n\x12sender_incarnation\x18\x01 \x01(\x04\x12\x1c\n\x14receiver_incarnation\x18\x02 \x01(\x04\x12\x10\n\x08next_seq\x18\x03 \x01(\x04\"x\n\rOutboundCount\x12\x0b\n\x03\x64st\x18\x01 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x02 \x01(\x04\x12-\n\x08\x61\x63k_seen\x18\x03 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x0f\n\x07session\x18\x04 \x01(\x04\"\xab\x02\n\x13InboundChannelState\x12\x0b\n\x03src\x18\x01 \x01(\t\x12!\n\x19received_before_recording\x18\x02 \x01(\x04\x12\x31\n\x08messages\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12\x10\n\x08payloads\x18\x07 \x03(\x0c\x12\x12\n\nrun_starts\x18\x08 \x03(\x04\x12\x13\n\x0brun_lengths\x18\t \x03(\r\x12+\n\x06\x65xtras\x18\n \x03(\x0b\x32\x1b.stablewatch.v1.EntryExtras\x12*\n\x05\x61\x63ked\x18\x04 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x0f\n\x07session\x18\x05 \x01(\x04\x12\x0c\n\x04open\x18\x06 \x01(\x08\"\xce\x01\n\x11LocalSnapshotPart\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\x12/\n\x08outbound\x18\x04 \x03(\x0b\x32\x1d.stablewatch.v1.OutboundCount\x12\x34\n\x07inbound\x18\x05 \x03(\x0b\x32#.stablewatch.v1.InboundChannelState\"P\n\x0fProcessSnapshot\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0b\x32\x1a.stablewatch.v1.LocalState\"\x88\x02\n\x0f\x43hannelSnapshot\x12\x0b\n\x03src\x18\x01 \x01(\t\x12\x0b\n\x03\x64st\x18\x02 \x01(\t\x12\x1a\n\x12sent_before_marker\x18\x03 \x01(\x04\x12!\n\x19received_before_recording\x18\x04 \x01(\x04\x12\x31\n\x08messages\x18\x05 \x03(\x0b\x32\x1f.stablewatch.v1.RecordedMessage\x12\x33\n\x0ereceiver_acked\x18\x06 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\x12\x34\n\x0fsender_ack_seen\x18\x07 \x01(\x0b\x32\x1b.stablewatch.v1.AckPosition\"\xbe\x02\n\x0eGlobalSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x32\n\tprocesses\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.ProcessSnapshot\x12\x31\n\x08\x63hannels\x18\x03 \x03(\x0b\x32\x1f.stablewatch.v1.ChannelSnapshot\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0c\x63ompleted_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x18\n\x10\x65xpected_members\x18\x06 \x03(\t\x12\x1d\n\x15\x65xpected_member_count\x18\x07 \x01(\r\x12\x15\n\routside_peers\x18\x08 \x03(\tb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,22 +36,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RECORDEDMESSAGE_COUNTERSENTRY']._loaded_options = None
   _globals['_RECORDEDMESSAGE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_RECORDEDMESSAGE']._serialized_start=111
-  _globals['_RECORDEDMESSAGE']._serialized_end=319
-  _globals['_RECORDEDMESSAGE_COUNTERSENTRY']._serialized_start=272
-  _globals['_RECORDEDMESSAGE_COUNTERSENTRY']._serialized_end=319
-  _globals['_ACKPOSITION']._serialized_start=321
-  _globals['_ACKPOSITION']._serialized_end=410
-  _globals['_OUTBOUNDCOUNT']._serialized_start=412
-  _globals['_OUTBOUNDCOUNT']._serialized_end=532
-  _globals['_INBOUNDCHANNELSTATE']._serialized_start=535
-  _globals['_INBOUNDCHANNELSTATE']._serialized_end=730
-  _globals['_LOCALSNAPSHOTPART']._serialized_start=733
-  _globals['_LOCALSNAPSHOTPART']._serialized_end=939
-  _globals['_PROCESSSNAPSHOT']._serialized_start=941
-  _globals['_PROCESSSNAPSHOT']._serialized_end=1021
-  _globals['_CHANNELSNAPSHOT']._serialized_start=1024
-  _globals['_CHANNELSNAPSHOT']._serialized_end=1288
-  _globals['_GLOBALSNAPSHOT']._serialized_start=1291
-  _globals['_GLOBALSNAPSHOT']._serialized_end=1609
+  _globals['_RECORDEDMESSAGE']._serialized_start=141
+  _globals['_RECORDEDMESSAGE']._serialized_end=349
+  _globals['_RECORDEDMESSAGE_COUNTERSENTRY']._serialized_start=302
+  _globals['_RECORDEDMESSAGE_COUNTERSENTRY']._serialized_end=349
+  _globals['_ACKPOSITION']._serialized_start=351
+  _globals['_ACKPOSITION']._serialized_end=440
+  _globals['_OUTBOUNDCOUNT']._serialized_start=442
+  _globals['_OUTBOUNDCOUNT']._serialized_end=562
+  _globals['_INBOUNDCHANNELSTATE']._serialized_start=565
+  _globals['_INBOUNDCHANNELSTATE']._serialized_end=864
+  _globals['_LOCALSNAPSHOTPART']._serialized_start=867
+  _globals['_LOCALSNAPSHOTPART']._serialized_end=1073
+  _globals['_PROCESSSNAPSHOT']._serialized_start=1075
+  _globals['_PROCESSSNAPSHOT']._serialized_end=1155
+  _globals['_CHANNELSNAPSHOT']._serialized_start=1158
+  _globals['_CHANNELSNAPSHOT']._serialized_end=1422
+  _globals['_GLOBALSNAPSHOT']._serialized_start=1425
+  _globals['_GLOBALSNAPSHOT']._serialized_end=1743
 # @@protoc_insertion_point(module_scope)

@@ -1,6 +1,7 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from stablewatch.v1 import channel_pb2 as _channel_pb2
 from stablewatch.v1 import state_pb2 as _state_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -54,20 +55,28 @@ class OutboundCount(_message.Message):
     def __init__(self, dst: _Optional[str] = ..., sent_before_marker: _Optional[int] = ..., ack_seen: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ...) -> None: ...
 
 class InboundChannelState(_message.Message):
-    __slots__ = ("src", "received_before_recording", "messages", "acked", "session", "open")
+    __slots__ = ("src", "received_before_recording", "messages", "payloads", "run_starts", "run_lengths", "extras", "acked", "session", "open")
     SRC_FIELD_NUMBER: _ClassVar[int]
     RECEIVED_BEFORE_RECORDING_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    PAYLOADS_FIELD_NUMBER: _ClassVar[int]
+    RUN_STARTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
     ACKED_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     OPEN_FIELD_NUMBER: _ClassVar[int]
     src: str
     received_before_recording: int
     messages: _containers.RepeatedCompositeFieldContainer[RecordedMessage]
+    payloads: _containers.RepeatedScalarFieldContainer[bytes]
+    run_starts: _containers.RepeatedScalarFieldContainer[int]
+    run_lengths: _containers.RepeatedScalarFieldContainer[int]
+    extras: _containers.RepeatedCompositeFieldContainer[_channel_pb2.EntryExtras]
     acked: AckPosition
     session: int
     open: bool
-    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ..., open: _Optional[bool] = ...) -> None: ...
+    def __init__(self, src: _Optional[str] = ..., received_before_recording: _Optional[int] = ..., messages: _Optional[_Iterable[_Union[RecordedMessage, _Mapping]]] = ..., payloads: _Optional[_Iterable[bytes]] = ..., run_starts: _Optional[_Iterable[int]] = ..., run_lengths: _Optional[_Iterable[int]] = ..., extras: _Optional[_Iterable[_Union[_channel_pb2.EntryExtras, _Mapping]]] = ..., acked: _Optional[_Union[AckPosition, _Mapping]] = ..., session: _Optional[int] = ..., open: _Optional[bool] = ...) -> None: ...
 
 class LocalSnapshotPart(_message.Message):
     __slots__ = ("snapshot_id", "process_id", "state", "outbound", "inbound")
