@@ -182,6 +182,8 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await reader
+            elif not reader.cancelled():
+                reader.exception()  # taken: a stream closed under it (server stopping) ends quietly
         if isinstance(error, FrameError):
             self._metrics.frame_rejected(error.reason)
             where = f"{stream.src or '?'} -> {self._process_id}"
