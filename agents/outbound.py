@@ -28,6 +28,7 @@ import bisect
 import contextlib
 import itertools
 import random
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -128,7 +129,7 @@ class OutboundChannel:
         #: Whether the receiver holds this window (its receive queue is full), as it last said.
         self.held = False
         # Markers held back for the next entry, each with the loop time it may be dropped at.
-        self._held_markers: list[tuple[Marker, float]] = []
+        self._held_markers: deque[tuple[Marker, float]] = deque()
         self._data = asyncio.Event()
         self._space = asyncio.Event()
         self._space.set()
@@ -220,9 +221,11 @@ class OutboundChannel:
         if hold_until is None:
             self.push(marker, ENTRY_OVERHEAD)
             return
+        held = self._held_markers
         now = asyncio.get_running_loop().time()
-        self._held_markers = [held for held in self._held_markers if held[1] > now]
-        self._held_markers.append((marker, hold_until))
+        while held and held[0][1] <= now:  # the oldest first: an idle channel's list stays short
+            held.popleft()
+        held.append((marker, hold_until))
 
     @property
     def held_markers(self) -> list[int]:
@@ -233,7 +236,7 @@ class OutboundChannel:
         """Put the held markers still due in the window, ahead of what comes next."""
         now = asyncio.get_running_loop().time()
         due = [marker for marker, until in self._held_markers if until > now]
-        self._held_markers = []
+        self._held_markers.clear()
         self._entries.extend(due)
         self._sizes.extend([ENTRY_OVERHEAD] * len(due))
         self._window_bytes += ENTRY_OVERHEAD * len(due)
@@ -342,7 +345,7 @@ class OutboundChannel:
             if self._receiver_incarnation is not None:
                 # A new receiver gets exactly what is still in the window, from the next entry on,
                 # and no held marker: it never recorded those snapshots.
-                self._held_markers = []
+                self._held_markers.clear()
                 in_window = self._entries[self._head :]
                 self._on_receiver_restart(sum(1 for entry in in_window if type(entry) is not Marker))
             self._receiver_incarnation = ack.receiver_incarnation
