@@ -135,7 +135,11 @@ class _Pending:
             self.known.add(channel)
             for process in channel:
                 self.channels.setdefault(process, set()).add(channel)
-        n, m, recorded, still_open = self.counts(channel)
+        n = self.sent.get(channel)  # self.counts(channel), inline: every part settles several
+        if n is None and channel[0] in self.states:
+            n = 0
+        end = self.received.get(channel)
+        m, recorded, still_open = (0, 0, True) if end is None else (end.m, end.recorded, end.open)
         if n is not None and (m + recorded > n or (not still_open and m + recorded != n)):
             relation = ">" if m + recorded > n else "!="
             return (
@@ -274,7 +278,7 @@ class Assembler:
 
     def _check_bounds(self, part: LocalSnapshotPart, sender: str | None) -> None:
         """Reject a part over the size bounds; abort its snapshot when the sender is a member."""
-        where = f"part of snapshot {part.snapshot_id} from {sender or part.process_id or '<no process id>'}"
+        where = _Where(part, sender)
         reason = detail = None
         if self._max_part_bytes is not None and (size := part.ByteSize()) > self._max_part_bytes:
             reason, detail = "too_large", f"{where} is {size} bytes, above the limit of {self._max_part_bytes}"
@@ -293,7 +297,7 @@ class Assembler:
 
     def _validate(self, part: LocalSnapshotPart, sender: str | None) -> _Pending:
         snapshot_id, process = part.snapshot_id, part.process_id
-        where = f"part of snapshot {snapshot_id} from {process or '<no process id>'}"
+        where = _Where(part)
         if not process:
             raise PartRejected("malformed", f"{where}: process_id is empty")
         if sender is not None and sender != process:
@@ -305,27 +309,28 @@ class Assembler:
             raise PartRejected(reason, f"{where}: snapshot {snapshot_id} is {state}")
         if process not in pending.members:
             raise PartRejected("not_member", f"{where}: {process} is not a member of snapshot {snapshot_id}")
-        dsts = [count.dst for count in part.outbound]
-        if "" in dsts or process in dsts:
-            raise PartRejected("malformed", f"{where}: an outbound channel has no peer or is to itself")
-        if len(set(dsts)) != len(dsts):
-            raise PartRejected("malformed", f"{where}: an outbound channel is listed twice")
-        if any(channel.src in ("", process) for channel in part.inbound):
-            raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
-        for channel in part.inbound:
-            problem = _column_problem(channel)
-            if problem is not None:
-                raise PartRejected("malformed", f"{where}: channel {channel.src}->{process} {problem}")
         if part.HasField("state") and process in pending.states:
             raise PartRejected("duplicate_part", f"{where}: its state was already reported")
+        dsts: set[str] = set()
         for count in part.outbound:
             dst = count.dst
+            if not dst or dst == process:
+                raise PartRejected("malformed", f"{where}: an outbound channel has no peer or is to itself")
+            if dst in dsts:
+                raise PartRejected("malformed", f"{where}: an outbound channel is listed twice")
+            dsts.add(dst)
             if (process, dst) in pending.sent:
                 raise PartRejected("duplicate_part", f"{where}: channel {process}->{dst} already reported")
             if count.sent_before_marker and process in pending.states:
                 # A channel opened after the recording carries nothing before its marker.
                 n = count.sent_before_marker
                 raise PartRejected("malformed", f"{where}: channel {process}->{dst} counts n={n} after its state")
+        for channel in part.inbound:
+            if not channel.src or channel.src == process:
+                raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
+            problem = _column_problem(channel)
+            if problem is not None:
+                raise PartRejected("malformed", f"{where}: channel {channel.src}->{process} {problem}")
         return pending
 
     @staticmethod
@@ -334,7 +339,6 @@ class Assembler:
         (new objects: nothing accepted is touched). A channel continues only after an open piece,
         with the same m."""
         process = part.process_id
-        where = f"part of snapshot {part.snapshot_id} from {process}"
         merged: dict[Channel, _Received] = {}
         listed: set[str] = set()
         for piece in part.inbound:
@@ -342,14 +346,15 @@ class Assembler:
                 continue
             channel = (piece.src, process)
             earlier = merged.get(channel) or pending.received.get(channel)
-            name = f"channel {piece.src}->{process}"
             if earlier is None:
                 merged[channel] = _Received([piece], recorded_count(piece), piece.open)
             elif not earlier.open:
+                where, name = _Where(part), f"channel {piece.src}->{process}"
                 if piece.src in listed:
                     raise PartRejected("malformed", f"{where}: {name} is listed twice")
                 raise PartRejected("duplicate_part", f"{where}: {name} already reported")
             elif piece.received_before_recording != earlier.m:
+                where, name = _Where(part), f"channel {piece.src}->{process}"
                 raise PartRejected(
                     "malformed",
                     f"{where}: {name} continues with m={piece.received_before_recording}, not m={earlier.m}",
@@ -367,6 +372,20 @@ class Assembler:
         self._finished_order.append(snapshot_id)
         if len(self._finished_order) > _FINISHED_MEMORY:
             self._finished.discard(self._finished_order.popleft())
+
+
+class _Where:
+    """Names a part in a rejection (\"part of snapshot 7 from p\"), formatted only if one is raised."""
+
+    __slots__ = ("part", "sender")
+
+    def __init__(self, part: LocalSnapshotPart, sender: str | None = None) -> None:
+        self.part, self.sender = part, sender
+
+    def __str__(self) -> str:
+        return (
+            f"part of snapshot {self.part.snapshot_id} from {self.sender or self.part.process_id or '<no process id>'}"
+        )
 
 
 def recorded_count(piece: InboundChannelState) -> int:
@@ -406,6 +425,8 @@ def _add_recorded(target: Any, piece: InboundChannelState) -> None:
 
 def _column_problem(piece: InboundChannelState) -> str | None:
     """What is wrong with the column form of ``piece``, if anything."""
+    if not (piece.payloads or piece.run_lengths or piece.run_starts or piece.extras):
+        return None
     count = len(piece.payloads)
     if len(piece.run_starts) != len(piece.run_lengths) or sum(piece.run_lengths) != count:
         return f"has {count} payloads but runs of {list(piece.run_lengths)} from {list(piece.run_starts)}"
