@@ -280,9 +280,11 @@ class Assembler:
         """Reject a part over the size bounds; abort its snapshot when the sender is a member."""
         where = _Where(part, sender)
         reason = detail = None
-        if self._max_part_bytes is not None and (size := part.ByteSize()) > self._max_part_bytes:
+        size = part.ByteSize()
+        if self._max_part_bytes is not None and size > self._max_part_bytes:
             reason, detail = "too_large", f"{where} is {size} bytes, above the limit of {self._max_part_bytes}"
-        elif self._max_part_messages is not None:
+        # Every recorded message takes two bytes at least: a smaller part cannot pass the count.
+        elif self._max_part_messages is not None and size >= 2 * self._max_part_messages:
             messages = sum(map(recorded_count, part.inbound))
             if messages > self._max_part_messages:
                 limit = self._max_part_messages
