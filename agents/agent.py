@@ -202,6 +202,7 @@ class Agent:
             metrics=self.metrics,
             read_ahead_entries=self._settings.read_ahead_entries,
             read_ahead_bytes=self._settings.read_ahead_bytes,
+            ack_delay=self._settings.ack_delay,
         )
         loop = asyncio.get_running_loop()
         self._delivery = loop.create_task(self._deliver_forever(), name=f"delivery-{self.process_id}")

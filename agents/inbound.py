@@ -18,9 +18,12 @@ while the receive queue is full:
   queue has room, else with the sender's own starting point); every later one either moves
   ``next_seq`` forward, or repeats it exactly once, to say *your window is held here: my receive
   queue is full* (the sender then knows its blocked sends wait on this process consuming);
-* a frame of markers only that the sender marked ``ack_later`` (its window has room to spare) is
-  not answered by itself: the next acknowledgement covers it, for whatever reason that one goes
-  (an application message, a hold, a new stream, or reading ahead as far as allowed, below);
+* a frame the sender marked ``ack_later`` (its window has room to spare) is not answered by
+  itself: the next acknowledgement covers it, for whatever reason that one goes (a frame that
+  wants one, a hold, a new stream, reading ahead as far as allowed, below), and at the latest
+  ``ack_delay`` seconds after it came. Sparse traffic then costs one acknowledgement per
+  ``ack_delay`` instead of one per frame, and a busy sender, its window half taken, asks for
+  every frame to be acknowledged at once;
 * meanwhile the stream keeps reading, unacknowledged, up to ``read_ahead_entries`` entries or
   ``read_ahead_bytes`` bytes, so that markers behind a full window still arrive (a snapshot can
   then record a flow-control deadlock); beyond that it stops reading and gRPC's flow control holds
@@ -69,6 +72,7 @@ class _Stream:
     """One ``Channel`` call: what it accepted, what it acknowledged, and its two tasks' signals."""
 
     __slots__ = (
+        "ack_timer",
         "acked",
         "due",
         "expected",
@@ -92,6 +96,16 @@ class _Stream:
         self.unacked: deque[tuple[int, int]] = deque()  # (end sequence number, bytes) per frame read
         self.wake = asyncio.Event()  # for the writer: something accepted, room, or the reader ended
         self.progress = asyncio.Event()  # for the reader: something acknowledged
+        self.ack_timer: asyncio.TimerHandle | None = None  # makes what was accepted due, ack_delay after
+
+    def make_due(self) -> None:
+        """Everything accepted is to be acknowledged now."""
+        if self.ack_timer is not None:
+            self.ack_timer.cancel()
+            self.ack_timer = None
+        if self.expected is not None:
+            self.due = self.expected.next_seq
+        self.wake.set()
 
     def next_ack(self, room: bool) -> int | None:
         """The acknowledgement to send now, if any (see the module docstring)."""
@@ -120,6 +134,9 @@ class _Stream:
         self.acked = next_seq
         while self.unacked and self.unacked[0][0] <= next_seq:
             self.unacked.popleft()
+        if self.ack_timer is not None and self.expected is not None and next_seq >= self.expected.next_seq:
+            self.ack_timer.cancel()  # this one covers everything accepted
+            self.ack_timer = None
         self.progress.set()
         return next_seq
 
@@ -143,6 +160,7 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         metrics: AgentMetrics,
         read_ahead_entries: int,
         read_ahead_bytes: int,
+        ack_delay: float,
     ) -> None:
         self._process_id = process_id
         self._incarnation = incarnation
@@ -154,6 +172,7 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         self._metrics = metrics
         self._read_ahead_entries = read_ahead_entries
         self._read_ahead_bytes = read_ahead_bytes
+        self._ack_delay = ack_delay
         self._expected: dict[str, _Expected] = {}
         self._streams: set[_Stream] = set()
         inbox.on_room(self._room)
@@ -178,6 +197,8 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
             error = reader.exception()
         finally:
             self._streams.discard(stream)
+            if stream.ack_timer is not None:
+                stream.ack_timer.cancel()
             if not reader.done():
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -208,16 +229,18 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                 else:
                     self._take(frame, entries, stream)
                 stream.unacked.append((frame.first_seq + len(entries), frame.ByteSize()))
-                if not (frame.ack_later and len(frame.markers) == len(entries)):
-                    stream.due = stream.expected.next_seq
+                if not frame.ack_later:
+                    stream.make_due()
+                elif stream.ack_timer is None:
+                    loop = asyncio.get_running_loop()
+                    stream.ack_timer = loop.call_later(self._ack_delay, stream.make_due)
                 stream.wake.set()
                 while (
                     stream.expected.next_seq - stream.acked >= self._read_ahead_entries
                     or stream.unacked_bytes() >= self._read_ahead_bytes
                 ):
-                    # Read ahead as far as allowed: markers left to wait are acknowledged now.
-                    stream.due = stream.expected.next_seq
-                    stream.wake.set()
+                    # Read ahead as far as allowed: what was left to wait is acknowledged now.
+                    stream.make_due()
                     stream.progress.clear()
                     await stream.progress.wait()
         finally:

@@ -15,10 +15,11 @@ consume, which the agent reports as a flow-control wait.
 
 A marker of a detector snapshot is held back instead of written: it goes in front of the next
 entry, or is dropped at the snapshot's deadline (the core's *Markers may wait* says why that is
-enough), so a snapshot costs a channel no write of its own. A frame of markers only (a local
-snapshot's), written while at most half the window is taken, asks the receiver to acknowledge it
-later (``ack_later``): the next acknowledgement covers it, and once half the window is taken
-every frame is acknowledged at once, so the markers left waiting never hold back a send.
+enough), so a snapshot costs a channel no write of its own. A frame written while at most half the
+window is taken asks the receiver to acknowledge it later (``ack_later``): within the receiver's
+``ack_delay``, or with the next acknowledgement that goes anyway. Sparse traffic then costs about
+one write per message, not two; once half the window is taken every frame is acknowledged at
+once, so what waits for an acknowledgement never holds back a send.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class ChannelSettings:
         max_frame_bytes: int = 1024 * 1024,
         backoff_initial: float = 0.05,
         backoff_max: float = 2.0,
+        ack_delay: float = 0.25,
         inbox_entries: int = 4096,
         inbox_bytes: int = 16 * 1024 * 1024,
         read_ahead_entries: int | None = None,
@@ -67,6 +69,10 @@ class ChannelSettings:
         limits = (window_entries, window_bytes, max_frame_entries, max_frame_bytes, inbox_entries, inbox_bytes)
         if min(*limits, read_ahead_entries, read_ahead_bytes) <= 0:
             raise ValueError("channel windows, frame limits, receive queue and read-ahead bounds must be positive")
+        if ack_delay < 0:
+            raise ValueError(f"ack_delay must not be negative, not {ack_delay}")
+        # Receiving: a frame the sender lets wait is acknowledged at the latest this long after it came.
+        self.ack_delay = ack_delay
         self.window_entries = window_entries
         self.window_bytes = window_bytes
         self.max_frame_entries = max_frame_entries
@@ -317,7 +323,7 @@ class OutboundChannel:
         first_seq = self._acked + start - self._head
         frame = encode(first_seq, batch)
         self._next_to_write = end
-        if len(frame.markers) == len(batch) and self._room_to_spare():
+        if self._room_to_spare():
             frame.ack_later = True
         if start < self._written_high:
             self._metrics.retransmitted(self.dst, min(end, self._written_high) - start)
@@ -333,7 +339,7 @@ class OutboundChannel:
         return frame
 
     def _room_to_spare(self) -> bool:
-        """Whether at most half the window is taken (entries and bytes): markers may wait for an ack."""
+        """Whether at most half the window is taken (entries and bytes): a frame may wait for its ack."""
         return (len(self._entries) - self._head) * 2 <= self._max_entries and self._window_bytes * 2 <= self._max_bytes
 
     async def _read_acks(self, call: grpc.aio.StreamStreamCall) -> None:

@@ -1,9 +1,10 @@
-"""Markers that wait for the next acknowledgement (``ChannelFrame.ack_later``).
+"""Frames that wait for the next acknowledgement (``ChannelFrame.ack_later``).
 
-A sender marks a frame of markers only ``ack_later`` while at most half its window is taken; the
-receiver then leaves it to its next acknowledgement. These tests check the receiver's rule through
-a raw ``Peer.Channel`` client playing the sender A to a live agent B, and the sender's rule end to
-end: an idle channel with a small window keeps taking snapshots and sends.
+A sender marks a frame ``ack_later`` while at most half its window is taken; the receiver then
+leaves it to its next acknowledgement, or acknowledges it ``ack_delay`` after it came. These tests
+check the receiver's rule through a raw ``Peer.Channel`` client playing the sender A to a live
+agent B, and the sender's rule end to end: an idle channel with a small window keeps taking
+snapshots and sends, and sparse messages cost no acknowledgement each.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import pytest
 
 from polling import async_poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
@@ -49,24 +51,64 @@ async def next_ack(call: Any) -> int:
     return reply.next_seq
 
 
-def test_a_marker_frame_left_for_later_is_acknowledged_with_what_follows() -> None:
-    """Acknowledgements come in order: had the receiver answered the marker by itself, the next
-    one read would stop at it."""
+def test_a_frame_left_for_later_is_acknowledged_with_what_follows() -> None:
+    """Acknowledgements come in order: had the receiver answered a waiting frame by itself, the
+    next one read would stop at it. (No delay runs out here: B's ack_delay is an hour.)"""
 
     async def scenario() -> None:
-        async with agent_b() as (_, stub):
+        async with agent_b(channel_settings=ChannelSettings(ack_delay=3600)) as (_, stub):
             call = stub.Channel(timeout=10)
             await call.write(encode(0, [AppMessage(b"m0")], HELLO))
             assert await next_ack(call) == 1
             await call.write(later(encode(1, [Marker(7)])))
-            await call.write(encode(2, [AppMessage(b"m2")]))
-            assert await next_ack(call) == 3  # one acknowledgement for the marker and m2
-            # The flag does not hold back a frame that carries a message, nor is a marker frame
-            # without it held back.
-            await call.write(later(encode(3, [Marker(8), AppMessage(b"m4")])))
-            assert await next_ack(call) == 5
-            await call.write(encode(5, [Marker(9)]))
-            assert await next_ack(call) == 6
+            await call.write(later(encode(2, [AppMessage(b"m2")])))
+            await call.write(encode(3, [AppMessage(b"m3")]))
+            assert await next_ack(call) == 4  # one acknowledgement for the marker, m2 and m3
+            await call.write(later(encode(4, [Marker(8), AppMessage(b"m5")])))
+            await call.write(encode(6, [Marker(9)]))  # a frame without the flag is answered at once
+            assert await next_ack(call) == 7
+
+    run(scenario())
+
+
+def test_a_frame_left_for_later_is_acknowledged_after_the_receivers_ack_delay() -> None:
+    async def scenario() -> None:
+        async with agent_b(channel_settings=ChannelSettings(ack_delay=0.05)) as (_, stub):
+            call = stub.Channel(timeout=10)
+            await call.write(encode(0, [AppMessage(b"m0")], HELLO))
+            assert await next_ack(call) == 1
+            await call.write(later(encode(1, [AppMessage(b"m1"), AppMessage(b"m2")])))
+            assert await next_ack(call) == 3  # nothing else came: the delay ran out
+
+    run(scenario())
+
+
+def test_sparse_messages_are_acknowledged_together_until_half_the_window_is_taken() -> None:
+    """A sends one message at a time into a window of 64: none is answered by itself (B's
+    ack_delay is an hour) until the window is half taken; then every frame is."""
+
+    async def scenario() -> None:
+        got: list[bytes] = []
+        settings = ChannelSettings(window_entries=64, ack_delay=3600)
+        b = Agent("B", handler=lambda src, message: got.append(message.payload), channel_settings=settings)
+        await b.start()
+        a = Agent("A", peers={"B": b.address}, channel_settings=settings)
+        await a.start()
+        try:
+            await a.send("B", b"0")
+            await async_poll(lambda: len(got) == 1, "the first message delivered")
+            channel = a._outbound["B"]
+            first = channel.unacknowledged  # 0 if the answer to the stream's hello covered it
+            for i in range(1, 31):
+                await a.send("B", b"%d" % i)
+                await async_poll(lambda i=i: len(got) == i + 1, "the message delivered")
+            assert channel.unacknowledged == first + 30  # one at a time, and not one answered
+            await a.send("B", b"31")
+            await a.send("B", b"32")  # past half the window: a frame that wants its acknowledgement
+            await async_poll(lambda: channel.unacknowledged == 0, "everything acknowledged at once")
+        finally:
+            await a.stop()
+            await b.stop()
 
     run(scenario())
 
@@ -167,3 +209,11 @@ def test_a_hold_is_lifted_at_once_even_when_only_waiting_markers_are_unacknowled
                 event.set()
 
     run(scenario())
+
+
+def test_channel_settings_refuse_bounds_that_cannot_work() -> None:
+    with pytest.raises(ValueError, match="ack_delay must not be negative"):
+        ChannelSettings(ack_delay=-1)
+    with pytest.raises(ValueError, match="must be positive"):
+        ChannelSettings(window_entries=0)
+    assert ChannelSettings(ack_delay=0).ack_delay == 0  # every frame answered as soon as it can be
