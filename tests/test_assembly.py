@@ -16,6 +16,7 @@ from stablewatch.detector.service.assembly import (
     recorded_messages,
 )
 from stablewatch.v1 import (
+    AckPosition,
     ChannelSnapshot,
     GlobalSnapshot,
     InboundChannelState,
@@ -516,3 +517,20 @@ def test_the_message_bound_counts_messages_by_column() -> None:
     with pytest.raises(PartRejected) as caught:
         assembler.add_part(part, sender="b")
     assert caught.value.reason == "too_many_messages" and "records 3 messages" in caught.value.detail
+
+
+def test_a_channel_reported_again_after_it_was_proven_is_in_the_snapshot_as_last_reported() -> None:
+    """a counts n = 0 on a -> b and b's state does not list it (m = 0): proven, and built into the
+    snapshot at once. A later report of it that adds nothing but b's acknowledgement position is
+    still what the completed snapshot holds, once."""
+    assembler = started(("a", "b", "c"))
+    assembler.add_part(state_part("a", {"b": 0}), sender="a")
+    assembler.add_part(state_part("b", {}), sender="b")
+    acked = AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=3)
+    late = LocalSnapshotPart(snapshot_id=SNAPSHOT, process_id="b")
+    late.inbound.add(src="a", acked=acked)
+    assert assembler.add_part(late, sender="b") is None
+    outcome = assembler.add_part(state_part("c", {}), sender="c")
+    assert isinstance(outcome, Completed)
+    (channel,) = outcome.snapshot.channels
+    assert (channel.src, channel.dst, channel.receiver_acked) == ("a", "b", acked)

@@ -40,6 +40,7 @@ from stablewatch.v1 import (
     InboundChannelState,
     LocalSnapshotPart,
     LocalState,
+    ProcessSnapshot,
     RecordedMessage,
 )
 
@@ -116,6 +117,11 @@ class _Pending:
     members: frozenset[str]
     expected: frozenset[str] = frozenset()
     expected_count: int = 0
+    # The global snapshot, grown as parts come: each state when it arrives, each channel when it is
+    # proven (so that completing a snapshot of many members is a sort, not a build).
+    snapshot: GlobalSnapshot = field(default_factory=GlobalSnapshot)
+    built: set[Channel] = field(default_factory=set)  # channels in snapshot.channels
+    rebuild: bool = False  # a built channel was reported again: build them all afresh at the end
     outside: set[str] = field(default_factory=set)  # channel peers that are not members
     states: dict[str, LocalState] = field(default_factory=dict)
     sent: dict[Channel, int] = field(default_factory=dict)  # n, as the sender reported it
@@ -151,7 +157,29 @@ class _Pending:
             self.proven.add(channel)
         else:
             self.proven.discard(channel)
+        if channel in self.built:
+            self.rebuild = True  # it was touched again: what was built may be out of date
+        elif channel in self.proven:
+            self.build(channel)
+            self.built.add(channel)
         return None
+
+    def build(self, channel: Channel) -> None:
+        """Add ``channel`` to the global snapshot, as proven (in place: no recorded message is copied twice)."""
+        src, dst = channel
+        received = self.received.get(channel)
+        first = received.pieces[0] if received is not None else None
+        added = self.snapshot.channels.add(
+            src=src,
+            dst=dst,
+            sent_before_marker=self.sent.get(channel, 0),
+            received_before_recording=first.received_before_recording if first is not None else 0,
+            receiver_acked=first.acked if first is not None and first.HasField("acked") else None,
+            sender_ack_seen=self.ack_seen.get(channel),
+        )
+        if received is not None:
+            for piece in received.pieces:
+                _add_recorded(added.messages, piece)
 
     def counts(self, channel: Channel) -> tuple[int | None, int, int, bool]:
         """(n, m, recorded, open) of ``channel`` as far as known: n is None until its sender has
@@ -197,7 +225,12 @@ class Assembler:
             raise ValueError(f"snapshot {snapshot_id} needs non-empty member ids, got {sorted(member_set)}")
         if expected_count < 0:
             raise ValueError(f"expected_count must be >= 0, not {expected_count}")
-        self._pending[snapshot_id] = _Pending(snapshot_id, member_set, frozenset(expected) | member_set, expected_count)
+        every = frozenset(expected) | member_set
+        pending = _Pending(snapshot_id, member_set, every, expected_count)
+        pending.snapshot.snapshot_id = snapshot_id
+        pending.snapshot.expected_members.extend(sorted(every))
+        pending.snapshot.expected_member_count = expected_count
+        self._pending[snapshot_id] = pending
 
     def add_part(self, part: LocalSnapshotPart, sender: str | None = None) -> Completed | None:
         """Merge ``part`` (from the agent registered as ``sender``, when known).
@@ -217,6 +250,7 @@ class Assembler:
         touched: set[Channel] = set(received)
         if part.HasField("state"):
             pending.states[process] = part.state
+            pending.snapshot.processes.add(process_id=process, state=part.state)
             touched.update(pending.channels.get(process, ()))
         # Channels to or from non-members are outside the cut: the other end never reports. Their
         # peers are remembered: a cut that names them is open.
@@ -439,28 +473,22 @@ def _column_problem(piece: InboundChannelState) -> str | None:
 
 
 def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
-    snapshot = GlobalSnapshot(
-        snapshot_id=pending.snapshot_id,
-        expected_members=sorted(pending.expected),
-        expected_member_count=pending.expected_count,
-        outside_peers=sorted(pending.outside),
-    )
-    # Built in place with add(): append() would copy each channel's recorded messages once more.
-    for process in sorted(pending.states):
-        snapshot.processes.add(process_id=process, state=pending.states[process])
-    for channel in sorted(pending.known):
-        src, dst = channel
-        received = pending.received.get(channel)
-        first = received.pieces[0] if received is not None else None
-        added = snapshot.channels.add(
-            src=src,
-            dst=dst,
-            sent_before_marker=pending.sent.get(channel, 0),
-            received_before_recording=first.received_before_recording if first is not None else 0,
-            receiver_acked=first.acked if first is not None and first.HasField("acked") else None,
-            sender_ack_seen=pending.ack_seen.get(channel),
-        )
-        if received is not None:
-            for piece in received.pieces:
-                _add_recorded(added.messages, piece)
+    """The complete global snapshot: what the parts built, in order (processes by id, channels by
+    their ends)."""
+    snapshot = pending.snapshot
+    snapshot.outside_peers.extend(sorted(pending.outside))
+    snapshot.processes.sort(key=_process_id)
+    if pending.rebuild:
+        del snapshot.channels[:]
+        for channel in pending.known:
+            pending.build(channel)
+    snapshot.channels.sort(key=_ends)
     return snapshot
+
+
+def _process_id(process: ProcessSnapshot) -> str:
+    return process.process_id
+
+
+def _ends(channel: ChannelSnapshot) -> tuple[str, str]:
+    return channel.src, channel.dst
