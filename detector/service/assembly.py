@@ -98,17 +98,20 @@ class Aborted:
     reason: str
 
 
-@dataclass(slots=True)
-class _Received:
-    """The receiver's end of one channel, merged from its reports in order."""
+class _Link:
+    """One channel between members, as far as its two ends have reported it."""
 
-    pieces: list[InboundChannelState]  # the first carries m and the acknowledgement position
-    recorded: int  # messages in all pieces
-    open: bool  # the last piece said more may follow
+    __slots__ = ("ack_seen", "built", "counted", "m", "n", "open", "pieces", "recorded")
 
-    @property
-    def m(self) -> int:
-        return self.pieces[0].received_before_recording
+    def __init__(self) -> None:
+        self.n: int | None = None  # the sender's count; None until it says (a count, or its state)
+        self.counted = False  # n came as a count (not from the state that lists no such channel)
+        self.ack_seen: AckPosition | None = None  # at the sender's recording
+        self.pieces: list[InboundChannelState] | None = None  # the receiver's reports, in order
+        self.m = 0  # the first piece's: received before recording
+        self.recorded = 0  # messages in all pieces
+        self.open = True  # the last piece said more may follow (or none came yet)
+        self.built = False  # proven and in the global snapshot
 
 
 @dataclass(slots=True)
@@ -120,78 +123,73 @@ class _Pending:
     # The global snapshot, grown as parts come: each state when it arrives, each channel when it is
     # proven (so that completing a snapshot of many members is a sort, not a build).
     snapshot: GlobalSnapshot = field(default_factory=GlobalSnapshot)
-    built: set[Channel] = field(default_factory=set)  # channels in snapshot.channels
     rebuild: bool = False  # a built channel was reported again: build them all afresh at the end
     outside: set[str] = field(default_factory=set)  # channel peers that are not members
     states: dict[str, LocalState] = field(default_factory=dict)
-    sent: dict[Channel, int] = field(default_factory=dict)  # n, as the sender reported it
-    ack_seen: dict[Channel, AckPosition] = field(default_factory=dict)  # at the sender's recording
-    received: dict[Channel, _Received] = field(default_factory=dict)
-    known: set[Channel] = field(default_factory=set)  # channels between members that either end named
-    channels: dict[str, set[Channel]] = field(default_factory=dict)  # the known ones, per member at an end
-    proven: set[Channel] = field(default_factory=set)
+    links: dict[Channel, _Link] = field(default_factory=dict)  # channels between members either end named
+    of: dict[str, list[Channel]] = field(default_factory=dict)  # the links, per member at either end
+    built: int = 0  # links proven (and built)
 
     def is_complete(self) -> bool:
-        return len(self.states) == len(self.members) and len(self.proven) == len(self.known)
+        return len(self.states) == len(self.members) and self.built == len(self.links)
 
-    def settle(self, channel: Channel) -> str | None:
-        """Note ``channel`` as known (under both its ends) and as proven or not, from what came so
-        far; describe it if it fails the proof: a count past ``n``, or a whole channel short of it."""
-        if channel not in self.known:
-            self.known.add(channel)
+    def link(self, channel: Channel) -> _Link:
+        """The link of ``channel``, new (and filed under both its ends) if none yet."""
+        link = self.links.get(channel)
+        if link is None:
+            link = self.links[channel] = _Link()
+            if channel[0] in self.states:
+                link.n = 0  # the sender's state lists every channel it had: this one carried nothing
             for process in channel:
-                self.channels.setdefault(process, set()).add(channel)
-        n = self.sent.get(channel)  # self.counts(channel), inline: every part settles several
-        if n is None and channel[0] in self.states:
-            n = 0
-        end = self.received.get(channel)
-        m, recorded, still_open = (0, 0, True) if end is None else (end.m, end.recorded, end.open)
-        if n is not None and (m + recorded > n or (not still_open and m + recorded != n)):
-            relation = ">" if m + recorded > n else "!="
+                self.of.setdefault(process, []).append(channel)
+        return link
+
+    def settle(self, channel: Channel, link: _Link) -> str | None:
+        """Build ``link`` into the snapshot once proven; describe it if it fails the proof: a count
+        past ``n``, or a channel reported whole short of it."""
+        n = link.n
+        if n is None:
+            return None
+        total = link.m + link.recorded
+        if total > n or (not link.open and total != n):
+            relation = ">" if total > n else "!="
             return (
                 f"snapshot {self.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: "
-                f"m={m} + recorded={recorded} {relation} n={n}"
+                f"m={link.m} + recorded={link.recorded} {relation} n={n}"
             )
-        # The receiver's state must be in: until then it may still list the channel.
-        if n is not None and m + recorded == n and channel[1] in self.states:
-            self.proven.add(channel)
-        else:
-            self.proven.discard(channel)
-        if channel in self.built:
-            self.rebuild = True  # it was touched again: what was built may be out of date
-        elif channel in self.proven:
-            self.build(channel)
-            self.built.add(channel)
+        if link.built:
+            self.rebuild = True  # reported again: what was built may be out of date
+        elif total == n and channel[1] in self.states:  # the receiver's state may still list it
+            self.build(channel, link)
+            link.built = True
+            self.built += 1
         return None
 
-    def build(self, channel: Channel) -> None:
-        """Add ``channel`` to the global snapshot, as proven (in place: no recorded message is copied twice)."""
+    def build(self, channel: Channel, link: _Link) -> None:
+        """Add the proven ``channel`` to the global snapshot (in place: no recorded message is copied twice)."""
         src, dst = channel
-        received = self.received.get(channel)
-        first = received.pieces[0] if received is not None else None
+        pieces = link.pieces
+        first = pieces[0] if pieces else None
         added = self.snapshot.channels.add(
             src=src,
             dst=dst,
-            sent_before_marker=self.sent.get(channel, 0),
-            received_before_recording=first.received_before_recording if first is not None else 0,
+            sent_before_marker=link.n or 0,
+            received_before_recording=link.m,
             receiver_acked=first.acked if first is not None and first.HasField("acked") else None,
-            sender_ack_seen=self.ack_seen.get(channel),
+            sender_ack_seen=link.ack_seen,
         )
-        if received is not None:
-            for piece in received.pieces:
+        if pieces:
+            for piece in pieces:
                 _add_recorded(added.messages, piece)
 
     def counts(self, channel: Channel) -> tuple[int | None, int, int, bool]:
         """(n, m, recorded, open) of ``channel`` as far as known: n is None until its sender has
         reported its state, which lists every channel it had (one it does not list carried nothing,
         n = 0); a receiver that has reported nothing of it had m = 0 and recorded nothing yet."""
-        n = self.sent.get(channel)
-        if n is None and channel[0] in self.states:
-            n = 0
-        end = self.received.get(channel)
-        if end is None:
-            return n, 0, 0, True
-        return n, end.m, end.recorded, end.open
+        link = self.links.get(channel)
+        if link is None:
+            return (0 if channel[0] in self.states else None), 0, 0, True
+        return link.n, link.m, link.recorded, link.open
 
 
 class Assembler:
@@ -242,32 +240,55 @@ class Assembler:
         Costs O(channels the part names), plus O(channels of its process) for a state part.
         """
         self._check_bounds(part, sender)
-        pending = self._validate(part, sender)
-        received = self._merge_inbound(pending, part)
+        pending, counts = self._validate(part, sender)
+        pieces = self._check_pieces(pending, part)
         # Every check that would leave the snapshot running is done: the part is taken whole. A
         # channel that then fails the proof ends the snapshot, so nothing is left to keep apart.
+        # (Fields are read once, by the checks: every part of every snapshot passes here.)
         process = part.process_id
-        touched: set[Channel] = set(received)
-        if part.HasField("state"):
+        touched: list[Channel] = []
+        with_state = part.HasField("state")
+        if with_state:
             pending.states[process] = part.state
             pending.snapshot.processes.add(process_id=process, state=part.state)
-            touched.update(pending.channels.get(process, ()))
-        # Channels to or from non-members are outside the cut: the other end never reports. Their
-        # peers are remembered: a cut that names them is open.
-        for count in part.outbound:
-            if count.dst in pending.members:
-                channel = (process, count.dst)
-                pending.sent[channel] = count.sent_before_marker
-                if count.HasField("ack_seen"):
-                    pending.ack_seen[channel] = count.ack_seen
-                touched.add(channel)
+        members = pending.members
+        for dst, n, ack_seen in counts:
+            if dst not in members:
+                # Channels to or from non-members are outside the cut: the other end never reports.
+                # Their peers are remembered: a cut that names them is open.
+                pending.outside.add(dst)
+                continue
+            channel = (process, dst)
+            link = pending.link(channel)
+            link.n = n
+            link.counted = True
+            link.ack_seen = ack_seen
+            touched.append(channel)
+        for src, piece, m, recorded, still_open in pieces:
+            if src not in members:
+                pending.outside.add(src)
+                continue
+            channel = (src, process)
+            link = pending.link(channel)
+            if link.pieces is None:
+                link.pieces = [piece]
+                link.m = m
             else:
-                pending.outside.add(count.dst)
-        pending.outside.update(channel.src for channel in part.inbound if channel.src not in pending.members)
-        pending.received.update(received)
+                link.pieces.append(piece)
+            link.recorded += recorded
+            link.open = still_open
+            touched.append(channel)
+        links = pending.links
+        if with_state:  # every channel of this process: its n (sender) or its receiver is in now
+            touched = pending.of.get(process, [])
+            for channel in touched:
+                if channel[0] == process:
+                    link = links[channel]
+                    if link.n is None:
+                        link.n = 0  # its state lists every channel it had: this one carried nothing
         failure: tuple[Channel, str] | None = None
         for channel in touched:
-            problem = pending.settle(channel)
+            problem = pending.settle(channel, links[channel])
             if problem is not None and (failure is None or channel < failure[0]):
                 failure = (channel, problem)  # the first in order, so the reason does not vary
         if failure is not None:
@@ -300,7 +321,7 @@ class Assembler:
         if states:
             pieces.append(f"state of {', '.join(states)}")
         channels = []
-        for channel in sorted(pending.known - pending.proven):
+        for channel in sorted(channel for channel, link in pending.links.items() if not link.built):
             n, m, recorded, _ = pending.counts(channel)
             have = f"{m + recorded} of {n}" if n is not None else f"{m + recorded} of n unknown"
             channels.append(f"{channel[0]}->{channel[1]} ({have})")
@@ -331,7 +352,11 @@ class Assembler:
             aborted = self.abort(part.snapshot_id, f"{detail}: the snapshot cannot be whole")
         raise PartRejected(reason, detail, aborted=aborted)
 
-    def _validate(self, part: LocalSnapshotPart, sender: str | None) -> _Pending:
+    def _validate(
+        self, part: LocalSnapshotPart, sender: str | None
+    ) -> tuple[_Pending, list[tuple[str, int, AckPosition | None]]]:
+        """The running snapshot ``part`` belongs to, and its outbound counts (dst, n, ack position),
+        after every check on the part's process and counts."""
         snapshot_id, process = part.snapshot_id, part.process_id
         where = _Where(part)
         if not process:
@@ -347,6 +372,8 @@ class Assembler:
             raise PartRejected("not_member", f"{where}: {process} is not a member of snapshot {snapshot_id}")
         if part.HasField("state") and process in pending.states:
             raise PartRejected("duplicate_part", f"{where}: its state was already reported")
+        links, recorded = pending.links, process in pending.states
+        counts: list[tuple[str, int, AckPosition | None]] = []
         dsts: set[str] = set()
         for count in part.outbound:
             dst = count.dst
@@ -355,51 +382,59 @@ class Assembler:
             if dst in dsts:
                 raise PartRejected("malformed", f"{where}: an outbound channel is listed twice")
             dsts.add(dst)
-            if (process, dst) in pending.sent:
+            link = links.get((process, dst))
+            if link is not None and link.counted:
                 raise PartRejected("duplicate_part", f"{where}: channel {process}->{dst} already reported")
-            if count.sent_before_marker and process in pending.states:
+            n = count.sent_before_marker
+            if n and recorded:
                 # A channel opened after the recording carries nothing before its marker.
-                n = count.sent_before_marker
                 raise PartRejected("malformed", f"{where}: channel {process}->{dst} counts n={n} after its state")
-        for channel in part.inbound:
-            if not channel.src or channel.src == process:
-                raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
-            problem = _column_problem(channel)
-            if problem is not None:
-                raise PartRejected("malformed", f"{where}: channel {channel.src}->{process} {problem}")
-        return pending
+            counts.append((dst, n, count.ack_seen if count.HasField("ack_seen") else None))
+        return pending, counts
 
     @staticmethod
-    def _merge_inbound(pending: _Pending, part: LocalSnapshotPart) -> dict[Channel, _Received]:
-        """The receiver's ends of the member channels ``part`` reports, merged with what came before
-        (new objects: nothing accepted is touched). A channel continues only after an open piece,
-        with the same m."""
+    def _check_pieces(
+        pending: _Pending, part: LocalSnapshotPart
+    ) -> list[tuple[str, InboundChannelState, int, int, bool]]:
+        """The inbound channels ``part`` reports (src, piece, m, messages, open), checked against
+        what came before, touching nothing: a channel continues only after an open piece, with the
+        same m."""
         process = part.process_id
-        merged: dict[Channel, _Received] = {}
-        listed: set[str] = set()
+        where = _Where(part)
+        members = pending.members
+        pieces: list[tuple[str, InboundChannelState, int, int, bool]] = []
+        # Per channel this part reports: (m, whether the last piece so far is open, listed here before).
+        ends: dict[str, tuple[int, bool, bool]] = {}
         for piece in part.inbound:
-            if piece.src not in pending.members:
+            src = piece.src
+            if not src or src == process:
+                raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
+            payloads = len(piece.payloads)
+            if payloads or piece.run_lengths or piece.run_starts or piece.extras:
+                problem = _column_problem(piece)
+                if problem is not None:
+                    raise PartRejected("malformed", f"{where}: channel {src}->{process} {problem}")
+            m, still_open = piece.received_before_recording, piece.open
+            pieces.append((src, piece, m, len(piece.messages) + payloads, still_open))
+            if src not in members:
                 continue
-            channel = (piece.src, process)
-            earlier = merged.get(channel) or pending.received.get(channel)
-            if earlier is None:
-                merged[channel] = _Received([piece], recorded_count(piece), piece.open)
-            elif not earlier.open:
-                where, name = _Where(part), f"channel {piece.src}->{process}"
-                if piece.src in listed:
+            end = ends.get(src)
+            if end is None:
+                link = pending.links.get((src, process))
+                if link is None or link.pieces is None:
+                    ends[src] = (m, still_open, True)
+                    continue
+                end = (link.m, link.open, False)
+            first_m, was_open, here = end
+            name = f"channel {src}->{process}"
+            if not was_open:
+                if here:
                     raise PartRejected("malformed", f"{where}: {name} is listed twice")
                 raise PartRejected("duplicate_part", f"{where}: {name} already reported")
-            elif piece.received_before_recording != earlier.m:
-                where, name = _Where(part), f"channel {piece.src}->{process}"
-                raise PartRejected(
-                    "malformed",
-                    f"{where}: {name} continues with m={piece.received_before_recording}, not m={earlier.m}",
-                )
-            else:
-                pieces = [*earlier.pieces, piece]
-                merged[channel] = _Received(pieces, earlier.recorded + recorded_count(piece), piece.open)
-            listed.add(piece.src)
-        return merged
+            if m != first_m:
+                raise PartRejected("malformed", f"{where}: {name} continues with m={m}, not m={first_m}")
+            ends[src] = (first_m, still_open, True)
+        return pieces
 
     def _remember_finished(self, snapshot_id: int) -> None:
         if snapshot_id in self._finished:
@@ -480,8 +515,8 @@ def _global_snapshot(pending: _Pending) -> GlobalSnapshot:
     snapshot.processes.sort(key=_process_id)
     if pending.rebuild:
         del snapshot.channels[:]
-        for channel in pending.known:
-            pending.build(channel)
+        for channel, link in pending.links.items():
+            pending.build(channel, link)
     snapshot.channels.sort(key=_ends)
     return snapshot
 
