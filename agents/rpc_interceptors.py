@@ -39,8 +39,8 @@ as an iterator (not written with ``call.write``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
+import functools
 import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
@@ -71,7 +71,8 @@ def current_task_name() -> str:
     return task.get_name() if task is not None else threading.current_thread().name
 
 
-def _stamp_of(metadata: Any) -> str | None:
+def stamp_of(metadata: Any) -> str | None:
+    """The text of our stamp entry among ``metadata`` (a call's trailing metadata), or None."""
     for key, value in metadata or ():
         if key == STAMP_KEY:
             return value.decode(errors="replace") if isinstance(value, bytes) else value
@@ -93,32 +94,35 @@ def _end_sync(agent: RpcAgent, call: IncomingCall, context: grpc.ServicerContext
         context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
 
 
-def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+#: The call a sync server's handler serves. The sync server runs a call's interceptors and its
+#: handler in one ``contextvars.Context`` of the call's own, so the interceptor sets it (and
+#: :data:`CURRENT_TASK`) when the call arrives, and the handler, wrapped once per method, reads it.
+_SERVED: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_served_call")
+
+
+def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any]) -> Callable[..., Any]:
     def run(request: Any, context: grpc.ServicerContext) -> Any:
+        call = _SERVED.get()
         agent.handler_started(call)
-        token = CURRENT_TASK.set(call.name)
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
             return behavior(request, context)
         finally:
-            CURRENT_TASK.reset(token)
             _end_sync(agent, call, context)
 
     return run
 
 
-def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any]) -> Callable[..., Any]:
     def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        call = _SERVED.get()
         agent.handler_started(call)
-        token = CURRENT_TASK.set(call.name)
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
             yield from behavior(request, context)
         finally:
-            with contextlib.suppress(ValueError):  # closed from another context
-                CURRENT_TASK.reset(token)
             _end_sync(agent, call, context)
 
     return run
@@ -136,26 +140,29 @@ class _Handler(NamedTuple):
 
 
 class _MethodHandler(_Handler, grpc.RpcMethodHandler):
-    """A method handler with its behavior wrapped for one call (built per call: a plain tuple)."""
+    """A method handler with its behavior wrapped (a plain tuple, as grpc reads it)."""
 
 
 def _wrap(
     handler: grpc.RpcMethodHandler,
-    agent: RpcAgent,
-    call: IncomingCall,
-    wrap_unary: Callable[[RpcAgent, Callable[..., Any], IncomingCall], Any],
-    wrap_streaming: Callable[[RpcAgent, Callable[..., Any], IncomingCall], Any],
+    wrap_unary: Callable[[Callable[..., Any]], Any],
+    wrap_streaming: Callable[[Callable[..., Any]], Any],
 ) -> Any:
-    """``handler`` with its behavior wrapped for ``call`` (``wrap_unary`` for a unary response)."""
+    """``handler`` with its behavior wrapped (``wrap_unary`` for a unary response)."""
     requests, responses = handler.request_streaming, handler.response_streaming
     options = (requests, responses, handler.request_deserializer, handler.response_serializer)
     if not requests and not responses:  # the common case first
-        return _MethodHandler(*options, wrap_unary(agent, handler.unary_unary, call), None, None, None)
+        return _MethodHandler(*options, wrap_unary(handler.unary_unary), None, None, None)
     if requests and responses:
-        return _MethodHandler(*options, None, None, None, wrap_streaming(agent, handler.stream_stream, call))
+        return _MethodHandler(*options, None, None, None, wrap_streaming(handler.stream_stream))
     if requests:
-        return _MethodHandler(*options, None, None, wrap_unary(agent, handler.stream_unary, call), None)
-    return _MethodHandler(*options, None, wrap_streaming(agent, handler.unary_stream, call), None, None)
+        return _MethodHandler(*options, None, None, wrap_unary(handler.stream_unary), None)
+    return _MethodHandler(*options, None, wrap_streaming(handler.unary_stream), None, None)
+
+
+# Wrapped handlers kept per server interceptor: handlers are few (one per method), but a generic
+# handler may make new ones; past this many the cache starts again.
+_MAX_WRAPPED = 1024
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
@@ -163,12 +170,13 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
     grpc calls ``intercept_service`` in the server's polling thread when a call arrives, before the
     call is queued for the thread pool: that is where the request is taken in (and, with ``workers``,
-    where it joins the queue); the wrapped handler runs later in a worker.
+    where it joins the queue); the wrapped handler runs later in a worker, in the same context.
     """
 
     def __init__(self, agent: RpcAgent, pool: WorkerPool | None) -> None:
         self._agent = agent
         self._pool = pool
+        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, Any]] = {}  # id(handler) -> (handler, wrapped)
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
@@ -176,9 +184,18 @@ class ServerInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, self._pool)
+        _SERVED.set(call)
+        CURRENT_TASK.set(call.name)  # the calls its handler makes wait in its name
+        kept = self._wrapped.get(id(handler))
+        if kept is not None and kept[0] is handler:
+            return kept[1]
         agent = self._agent
-        call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, self._pool)
-        return _wrap(handler, agent, call, _unary_sync, _streaming_sync)
+        wrapped = _wrap(handler, functools.partial(_unary_sync, agent), functools.partial(_streaming_sync, agent))
+        if len(self._wrapped) >= _MAX_WRAPPED:
+            self._wrapped.clear()
+        self._wrapped[id(handler)] = (handler, wrapped)  # the handler kept alive, so its id is not reused
+        return wrapped
 
 
 class _StampingContext:
@@ -265,7 +282,7 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
             return None
         agent = self._agent
         call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
-        return _wrap(handler, agent, call, _unary_aio, _streaming_aio)
+        return _wrap(handler, lambda run: _unary_aio(agent, run, call), lambda run: _streaming_aio(agent, run, call))
 
 
 # -- client side ----------------------------------------------------------------------------------
@@ -320,7 +337,7 @@ class _Settled:
                 self._done = True
                 outcome = self._outcome
                 try:
-                    self._agent.call_returned(self._call, _stamp_of(outcome.trailing_metadata()), outcome.code())
+                    self._agent.call_returned(self._call, stamp_of(outcome.trailing_metadata()), outcome.code())
                 except RefusedResponse as error:
                     self._error = error
         if self._error is not None and not quiet:
@@ -449,7 +466,7 @@ class ClientInterceptor(
         if kind is _UnaryOutcome and outcome.done():
             # A blocking call (``__call__``, ``with_call``): the continuation returned its end. Take it
             # in now, before the caller sees it; nothing is left to wait for, so nothing to wrap.
-            stamp_text = _stamp_of(outcome.trailing_metadata())
+            stamp_text = stamp_of(outcome.trailing_metadata())
             code = None if stamp_text is not None else outcome.code()  # it matters only without a stamp
             try:
                 agent.call_returned(call, stamp_text, code)
@@ -486,12 +503,12 @@ class _AioClient:
             grpc_call = await continuation(_aio_details_with(details, call), request)
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
-            agent.call_returned(call, _stamp_of(error.trailing_metadata()), error.code())
+            agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
             raise
         except BaseException:  # cancelled here: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
-        agent.call_returned(call, _stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+        agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
         return response
 
     async def _streaming(self, continuation: Callable[..., Any], details: Any, request: Any) -> AsyncIterator[Any]:
@@ -510,13 +527,13 @@ class _AioClient:
             async for response in grpc_call:
                 yield response
         except grpc.aio.AioRpcError as error:
-            agent.call_returned(call, _stamp_of(error.trailing_metadata()), error.code())
+            agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
             raise
         except BaseException:
             grpc_call.cancel()
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
-        agent.call_returned(call, _stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+        agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
 
 
 class _AioUnaryUnary(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):

@@ -166,11 +166,11 @@ class Peers:
         self,
         fixed: dict[str, str],
         directory: PeerDirectory | None,
-        interceptors: Callable[[str], list[Any]],
+        instrument: Callable[[grpc.Channel, str], grpc.Channel],
     ) -> None:
         self._fixed = fixed
         self._directory = directory
-        self._interceptors = interceptors  # service -> the client interceptors of a channel to it
+        self._instrument = instrument  # (channel, the service it leads to) -> the channel to use
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._methods: dict[str, Callable[[bytes], bytes]] = {}
@@ -186,9 +186,7 @@ class Peers:
                 service = CALLEE[method]
                 channel = self._channels.get(service)
                 if channel is None:
-                    channel = grpc.insecure_channel(self._resolve(service))
-                    if interceptors := self._interceptors(service):
-                        channel = grpc.intercept_channel(channel, *interceptors)
+                    channel = self._instrument(grpc.insecure_channel(self._resolve(service)), service)
                     self._channels[service] = channel
                 callable_ = self._methods[method] = channel.unary_unary(method)
         return callable_
@@ -312,16 +310,16 @@ def read_status(admin: str | grpc.Channel, timeout: float = 5.0) -> dict[str, An
 
 def _instrument(
     args: argparse.Namespace, workers: int
-) -> tuple[list[grpc.ServerInterceptor], Callable[[str], list[Any]], Callable[[], None]]:
-    """This process's RPC-mode agent: its server interceptors, its client interceptors for a channel
-    to a given service, and how to stop it. Without ``--detector`` there is no agent: plain gRPC.
+) -> tuple[list[grpc.ServerInterceptor], Callable[[grpc.Channel, str], grpc.Channel], Callable[[], None]]:
+    """This process's RPC-mode agent: its server interceptors, how a channel to a given service is
+    instrumented, and how to stop it. Without ``--detector`` there is no agent: plain gRPC.
     """
     if args.detector is None:
-        return [], lambda service: [], lambda: None
+        return [], lambda channel, service: channel, lambda: None
     agent = RpcAgent(args.service, detector=args.detector).start()
-    # The two lines a service adds: one interceptor on its server, one on each channel (naming its peer).
+    # The two lines a service adds: an interceptor on its server, and each channel instrumented (naming its peer).
     server_interceptors = [agent.server_interceptor(workers=workers)]
-    return server_interceptors, lambda service: [agent.client_interceptor(service)], agent.stop
+    return server_interceptors, agent.instrument_channel, agent.stop
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -331,9 +329,9 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     workload = WORKLOADS[args.workload]
     workers = args.workers or workload.workers.get(args.service, 1)
-    server_interceptors, client_interceptors, stop_agent = _instrument(args, workers)
+    server_interceptors, instrument_channel, stop_agent = _instrument(args, workers)
     directory = PeerDirectory(args.peers_dir) if args.peers_dir else None
-    peers = Peers(dict(args.peer), directory, client_interceptors)
+    peers = Peers(dict(args.peer), directory, instrument_channel)
     shop = Shop(args.service, args, peers)
 
     admin = grpc.server(futures.ThreadPoolExecutor(1, thread_name_prefix="admin"))

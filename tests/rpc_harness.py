@@ -44,11 +44,13 @@ class Service:
 
 
 def channel_to(service: Service, agent: RpcAgent | None, peer: str | None) -> grpc.Channel:
+    """A channel to ``service``, instrumented by ``agent`` as the README says (``instrument_channel``)."""
     channel = grpc.insecure_channel(service.address)
     if agent is None:
         return channel
-    interceptor = agent.client_interceptor(peer) if peer else agent.client_interceptor(target=service.address)
-    return grpc.intercept_channel(channel, interceptor)
+    if peer:
+        return agent.instrument_channel(channel, peer)
+    return agent.instrument_channel(channel, target=service.address)
 
 
 def call(channel: grpc.Channel, method: str, payload: bytes = b"", **kwargs: Any) -> bytes:

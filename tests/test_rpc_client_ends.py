@@ -1,6 +1,8 @@
-"""The sync client interceptor takes in a call's end before its caller sees it, whichever way the call
-is made (blocking ``__call__``/``with_call``, or ``future``), and a call its caller abandons still ends
-its wait. The server here has no agent: its trailing metadata is scripted."""
+"""The sync client side (the client interceptor, and the instrumented channel) takes in a call's end
+before its caller sees it, whichever way the call is made (blocking ``__call__``/``with_call``, or
+``future``); a call its caller abandons still ends its wait; a call that fails is taken in too, and
+restarts the pair's counts only when the server's stamp does not say what arrived. The server here
+has no agent: its trailing metadata is scripted."""
 
 from __future__ import annotations
 
@@ -17,8 +19,22 @@ from stablewatch.agents.rpc_agent import BadStamp, RpcAgent
 GOOD = "0.1.0.server"  # color 0, incarnation 1, session 0, from the channel's peer
 
 
+def instrumented(kind: str, agent: RpcAgent, address: str) -> grpc.Channel:
+    """A channel to ``address`` leading to the process "server", instrumented the ``kind`` way."""
+    if kind == "interceptor":
+        return grpc.intercept_channel(grpc.insecure_channel(address), agent.client_interceptor("server"))
+    return agent.instrument_channel(grpc.insecure_channel(address), "server")
+
+
+@pytest.fixture(params=["interceptor", "channel"])
+def client_kind(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 @pytest.fixture(params=[GOOD, "not-a-stamp", None], ids=["stamped", "bad-stamp", "unstamped"])
-def echo(request: pytest.FixtureRequest) -> Iterator[tuple[grpc.UnaryUnaryMultiCallable, RpcAgent, threading.Event]]:
+def echo(
+    request: pytest.FixtureRequest, client_kind: str
+) -> Iterator[tuple[grpc.UnaryUnaryMultiCallable, RpcAgent, threading.Event]]:
     stamp: str | None = request.param
     release = threading.Event()
 
@@ -30,7 +46,7 @@ def echo(request: pytest.FixtureRequest) -> Iterator[tuple[grpc.UnaryUnaryMultiC
 
     service = Service({"Echo": handler}, None)
     agent = RpcAgent("client")
-    channel = grpc.intercept_channel(grpc.insecure_channel(service.address), agent.client_interceptor("server"))
+    channel = instrumented(client_kind, agent, service.address)
     try:
         yield channel.unary_unary(f"/{SERVICE}/Echo"), agent, release
     finally:
@@ -77,3 +93,36 @@ def test_a_call_its_caller_abandons_still_ends_its_wait(echo) -> None:
     release.set()
     poll(lambda: outstanding(agent) == 0, "the abandoned call's end taken in")
     assert future.done()
+
+
+@pytest.mark.parametrize("stamped", [True, False], ids=["stamped", "unstamped"])
+@pytest.mark.parametrize("how", ["call", "with_call", "future"])
+def test_a_failed_call_is_taken_in_and_restarts_the_counts_only_without_the_servers_stamp(
+    client_kind: str, how: str, stamped: bool
+) -> None:
+    def refuse(payload: bytes, context: grpc.ServicerContext) -> bytes:
+        if stamped:
+            context.set_trailing_metadata((("stablewatch-stamp", GOOD),))
+        context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused by the service")
+
+    service = Service({"Refuse": refuse}, None)
+    agent = RpcAgent("client")
+    channel = instrumented(client_kind, agent, service.address)
+    try:
+        method = channel.unary_unary(f"/{SERVICE}/Refuse")
+        with pytest.raises(grpc.RpcError) as raised:
+            if how == "call":
+                method(b"x", timeout=10)
+            elif how == "with_call":
+                method.with_call(b"x", timeout=10)
+            else:
+                method.future(b"x", timeout=10).result()
+        assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert raised.value.details() == "refused by the service"
+        assert outstanding(agent) == 0
+        # The server's stamp says the request arrived and the refusal is its response: the counts
+        # stay comparable. Without it, nobody knows what arrived: the pair's counts restart.
+        assert agent._core.session("server") == (0 if stamped else 1)
+    finally:
+        channel.close()
+        service.stop()

@@ -1,0 +1,180 @@
+"""The sync client side of RPC mode as an instrumented channel, without gRPC's per-call interceptor work.
+
+``agent.instrument_channel(channel, peer)`` returns a :class:`grpc.Channel` that stubs use as they
+use any channel. It does what the client interceptor does (see
+:mod:`stablewatch.agents.rpc_interceptors`: the request's stamp in its initial metadata, the
+response's stamp taken in before the caller sees the response, the caller waiting on the callee's
+task while the call is out) with the same agent calls, so the protocol is the same.
+
+Why a channel and not only an interceptor: for every call, ``grpc.intercept_channel`` builds a new
+multi-callable (and a call-details tuple, a continuation closure and an outcome object) before the
+interceptor runs. On our 2-core machines that cost more CPU per call than the whole protocol
+(``bench/rpc_overhead.py`` measures both). Here a unary call keeps one multi-callable per method
+and goes straight to its ``with_call``. A ``future()`` and the streaming calls, whose ends come
+later, go through the client interceptor on the same channel, so they behave exactly as with
+``grpc.intercept_channel``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from stablewatch.agents.rpc_interceptors import ClientInterceptor, current_task_name, stamp_of
+
+if TYPE_CHECKING:
+    from stablewatch.agents.rpc_agent import RpcAgent
+
+__all__ = ["InstrumentedChannel"]
+
+_OK = grpc.StatusCode.OK
+
+
+class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
+    """One method of an instrumented channel: blocking calls on the fast path, futures through the interceptor."""
+
+    def __init__(
+        self, agent: RpcAgent, peer: str, instrumented: bool, method: str, plain: Any, intercepted: Any
+    ) -> None:
+        self._agent, self._peer, self._instrumented, self._method = agent, peer, instrumented, method
+        self._plain, self._intercepted = plain, intercepted
+
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._call(request, timeout, metadata, credentials, wait_for_ready, compression)[0]
+
+    def with_call(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> tuple[Any, grpc.Call]:
+        return self._call(request, timeout, metadata, credentials, wait_for_ready, compression)
+
+    def future(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._intercepted.future(
+            request,
+            timeout=timeout,
+            metadata=metadata,
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
+
+    def _call(
+        self, request: Any, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any, compression: Any
+    ) -> tuple[Any, grpc.Call]:
+        agent = self._agent
+        call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented)
+        if call.metadata:
+            metadata = (*metadata, *call.metadata) if metadata else call.metadata
+        try:
+            response, grpc_call = self._plain.with_call(
+                request,
+                timeout=timeout,
+                metadata=metadata,
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+        except grpc.RpcError as error:
+            # The call ended in an error: take its end in (the server's stamp, if it set one) first.
+            ended = error if isinstance(error, grpc.Call) else None
+            stamp = stamp_of(ended.trailing_metadata()) if ended is not None else None
+            agent.call_returned(call, stamp, ended.code() if ended is not None else grpc.StatusCode.UNKNOWN)
+            raise
+        except BaseException:  # not sent, or interrupted: nobody knows whether the request arrived
+            agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
+            raise
+        stamp = stamp_of(grpc_call.trailing_metadata())
+        agent.call_returned(call, stamp, None if stamp is not None else _OK)  # RefusedResponse propagates
+        return response, grpc_call
+
+
+class InstrumentedChannel(grpc.Channel):
+    """A sync channel whose calls take part in snapshots (``agent.instrument_channel(channel, peer)``).
+
+    Closing it closes the channel it wraps.
+    """
+
+    def __init__(self, channel: grpc.Channel, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+        self._channel = channel
+        self._agent, self._peer, self._instrumented = agent, peer, instrumented
+        self._intercepted = grpc.intercept_channel(channel, ClientInterceptor(agent, peer, instrumented))
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.UnaryUnaryMultiCallable:
+        plain = self._channel.unary_unary(method, request_serializer, response_deserializer, _registered_method)
+        intercepted = self._intercepted.unary_unary(
+            method, request_serializer, response_deserializer, _registered_method
+        )
+        name = method.decode() if isinstance(method, bytes) else method
+        return _UnaryUnary(self._agent, self._peer, self._instrumented, name, plain, intercepted)
+
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.UnaryStreamMultiCallable:
+        return self._intercepted.unary_stream(method, request_serializer, response_deserializer, _registered_method)
+
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.StreamUnaryMultiCallable:
+        return self._intercepted.stream_unary(method, request_serializer, response_deserializer, _registered_method)
+
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.StreamStreamMultiCallable:
+        return self._intercepted.stream_stream(method, request_serializer, response_deserializer, _registered_method)
+
+    def subscribe(self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool = False) -> None:
+        self._channel.subscribe(callback, try_to_connect=try_to_connect)
+
+    def unsubscribe(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
+        self._channel.unsubscribe(callback)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> InstrumentedChannel:
+        return self
+
+    def __exit__(self, *exc_info: object) -> bool:
+        self.close()
+        return False
