@@ -70,6 +70,18 @@ def test_hot_path_benchmark_prints_its_json_line() -> None:
         assert 0 < low <= result[f"{case}_ns"] <= high, (case, result)
 
 
+def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
+    result = bench_json("rpc_hot_path.py", "--seconds", "0.05", "--rounds", "2", timeout=120)
+    for case in ("loopback", "stamp_only", "instrumented", "instrumented_recording", "client_interceptor"):
+        low, high = result[f"{case}_spread"]
+        assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
+        if case != "loopback":
+            added = result[f"{case}_us"] - result["loopback_us"]  # both rounded to 0.01
+            assert abs(result[f"{case}_added_us"] - added) <= 0.011, result
+    # The agents' work is more than carrying a stamp: had a case lost its agent, this would fail.
+    assert result["instrumented_added_us"] > result["stamp_only_added_us"] > 0, result
+
+
 @pytest.mark.timeout(180)
 def test_rpc_phantom_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_phantom.py", "--snapshots", "30", "--max-seconds", "60", timeout=150)
@@ -87,13 +99,14 @@ def test_rpc_phantom_benchmark_prints_its_json_line() -> None:
 def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     sizes = ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "2", "--concurrency", "2"]
     result = bench_json("rpc_overhead.py", *sizes, timeout=150)
-    for case in ("plain", "noop", "stamp_only", "intercepted", "with_snapshots"):
+    for case in ("plain", "noop", "stamp_only", "client_interceptor", "intercepted", "with_snapshots"):
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
         assert result[f"{case}_calls_per_s"] > 0, (case, result)
         cpu = result[f"{case}_cpu_us_per_call"]
         assert cpu > 0 and result[f"{case}_client_cpu_us"] + result[f"{case}_server_cpu_us"] >= cpu - 0.2, result
     keys = ("noop_overhead_p50", "stamp_only_overhead_p50", "overhead_p50", "overhead_p50_with_snapshots")
+    keys += ("client_interceptor_overhead_p50", "client_interceptor_throughput_ratio", "stamp_only_throughput_ratio")
     for key in (*keys, "throughput_ratio", "cpu_overhead", "stamp_only_cpu_overhead", "noop_cpu_overhead"):
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
