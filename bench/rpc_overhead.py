@@ -46,7 +46,10 @@ the p99s and calls/s of every case; ``snapshots_per_s`` (what the detector achie
 measured) and ``snapshots_completed``; and the ``targets``: p50 overhead <= 5 %, throughput
 >= 0.95 x plain, with and without snapshots.
 
-    python bench/rpc_overhead.py [--seconds 10] [--warmup 1] [--rounds 5] [--concurrency 4] [--probe]
+    python bench/rpc_overhead.py [--seconds 10] [--warmup 1] [--rounds 5] [--concurrency 4] [--probe] [--cases ...]
+
+``--cases CASE[,CASE]`` runs only those cases (no table or JSON line), for a profiler:
+``py-spy record --gil --pid PID`` on the ``--role client`` or ``--role server`` process.
 
 ``--probe`` times the agent's own steps where they run, in the two processes: each entry point of
 the agent and of its interceptors is wrapped to add up the thread CPU time it takes (each wrapper
@@ -416,8 +419,9 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"agents did not attach to the detector: {sorted(coordinator.members)}")
             await asyncio.sleep(0.01)
+        cases = tuple(case for case in CASES if case in args.cases)
         for number in range(args.rounds):
-            order = CASES[number % len(CASES) :] + CASES[: number % len(CASES)]  # rotate against drift
+            order = cases[number % len(cases) :] + cases[: number % len(cases)]  # rotate against drift
             measured = {case: await run_phase(client, case, args, coordinator) for case in order}
             rounds.append(measured)
             line = ", ".join(f"{case} p50 {m.p50_us:.0f} µs {m.per_s:,.0f}/s" for case, m in measured.items())
@@ -572,6 +576,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=4, help="client threads calling at once (4)")
     parser.add_argument("--workers", type=int, default=4, help="worker threads of each server (4)")
     parser.add_argument("--probe", action="store_true", help="time the agent's steps in place (see above)")
+    parser.add_argument(
+        "--cases",
+        type=lambda text: text.split(","),
+        default=list(CASES),
+        help="comma-separated cases to run (all for the table and the JSON line; fewer to profile one)",
+    )
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--detector", help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
@@ -582,7 +592,12 @@ def main() -> None:
             install_probe(args.role)
         ROLES[args.role](args)
         return
+    unknown = set(args.cases) - set(CASES)
+    if unknown:
+        parser.error(f"unknown cases {sorted(unknown)}: the cases are {', '.join(CASES)}")
     rounds = asyncio.run(orchestrate(args))
+    if set(args.cases) != set(CASES):
+        return  # a profiling run: no ratios without every case
     result = report(args, rounds)
     print_table(args, rounds, result)
     print(json.dumps(result), flush=True)
