@@ -250,7 +250,9 @@ class RpcAgent:
         """
         return ClientInterceptor(self, *_peer_of(peer, target))
 
-    def instrument_channel(self, channel: grpc.Channel, peer: str | None = None, *, target: str | None = None) -> Any:
+    def instrument_channel(
+        self, channel: grpc.Channel, peer: str | None = None, *, target: str | None = None
+    ) -> InstrumentedChannel:
         """``channel`` (sync) with its calls taking part in snapshots: the client interceptor's work,
         without gRPC's per-call interceptor machinery (see :mod:`stablewatch.agents.rpc_channel`).
 

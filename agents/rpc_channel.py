@@ -8,11 +8,11 @@ task while the call is out) with the same agent calls, so the protocol is the sa
 
 Why a channel and not only an interceptor: for every call, ``grpc.intercept_channel`` builds a new
 multi-callable (and a call-details tuple, a continuation closure and an outcome object) before the
-interceptor runs. On our 2-core machines that cost more CPU per call than the whole protocol
-(``bench/rpc_overhead.py`` measures both). Here a unary call keeps one multi-callable per method
-and goes straight to its ``with_call``. A ``future()`` and the streaming calls, whose ends come
-later, go through the client interceptor on the same channel, so they behave exactly as with
-``grpc.intercept_channel``.
+interceptor runs. Here a unary call keeps one multi-callable per method and goes straight to its
+``with_call``: ``bench/rpc_hot_path.py`` measured one call's Python, both sides, at 9.3 µs this way
+against 12.1 µs through the client interceptor (the harness alone 0.9 µs). A ``future()`` and the
+streaming calls, whose ends come later, go through the client interceptor on the same channel, so
+they behave exactly as with ``grpc.intercept_channel``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import grpc
 
-from stablewatch.agents.rpc_interceptors import ClientInterceptor, current_task_name, stamp_of
+from stablewatch.agents.rpc_calls import RefusedResponse
+from stablewatch.agents.rpc_interceptors import ClientInterceptor, current_task_name, stamp_of, with_stamp
 
 if TYPE_CHECKING:
     from stablewatch.agents.rpc_agent import RpcAgent
@@ -86,13 +87,11 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
     ) -> tuple[Any, grpc.Call]:
         agent = self._agent
         call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented)
-        if call.metadata:
-            metadata = (*metadata, *call.metadata) if metadata else call.metadata
         try:
             response, grpc_call = self._plain.with_call(
                 request,
                 timeout=timeout,
-                metadata=metadata,
+                metadata=with_stamp(metadata, call),
                 credentials=credentials,
                 wait_for_ready=wait_for_ready,
                 compression=compression,
@@ -101,7 +100,10 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
             # The call ended in an error: take its end in (the server's stamp, if it set one) first.
             ended = error if isinstance(error, grpc.Call) else None
             stamp = stamp_of(ended.trailing_metadata()) if ended is not None else None
-            agent.call_returned(call, stamp, ended.code() if ended is not None else grpc.StatusCode.UNKNOWN)
+            try:
+                agent.call_returned(call, stamp, ended.code() if ended is not None else grpc.StatusCode.UNKNOWN)
+            except RefusedResponse as refused:
+                raise refused from error
             raise
         except BaseException:  # not sent, or interrupted: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
@@ -118,6 +120,10 @@ class InstrumentedChannel(grpc.Channel):
     """
 
     def __init__(self, channel: grpc.Channel, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+        if isinstance(channel, grpc.aio.Channel):
+            raise TypeError(
+                "instrument_channel takes a sync channel; an asyncio one takes agent.aio_client_interceptors"
+            )
         self._channel = channel
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
         self._intercepted = grpc.intercept_channel(channel, ClientInterceptor(agent, peer, instrumented))

@@ -94,15 +94,20 @@ def _end_sync(agent: RpcAgent, call: IncomingCall, context: grpc.ServicerContext
         context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
 
 
-#: The call a sync server's handler serves. The sync server runs a call's interceptors and its
-#: handler in one ``contextvars.Context`` of the call's own, so the interceptor sets it (and
-#: :data:`CURRENT_TASK`) when the call arrives, and the handler, wrapped once per method, reads it.
-_SERVED: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_served_call")
+def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
+    """The call the running handler serves, as its server interceptor set it on arrival."""
+    call = served.get(None)
+    if call is None:
+        raise RuntimeError(
+            "stablewatch: a handler ran outside its call's context (grpc's sync server runs a call's "
+            "interceptors and its handler in one context; did something run the handler on its own?)"
+        )
+    return call
 
 
-def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _unary_sync(agent: RpcAgent, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
     def run(request: Any, context: grpc.ServicerContext) -> Any:
-        call = _SERVED.get()
+        call = _served(served)
         agent.handler_started(call)
         try:
             if call.error is not None:
@@ -114,9 +119,9 @@ def _unary_sync(agent: RpcAgent, behavior: Callable[..., Any]) -> Callable[..., 
     return run
 
 
-def _streaming_sync(agent: RpcAgent, behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _streaming_sync(agent: RpcAgent, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
     def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        call = _SERVED.get()
+        call = _served(served)
         agent.handler_started(call)
         try:
             if call.error is not None:
@@ -160,9 +165,10 @@ def _wrap(
     return _MethodHandler(*options, None, wrap_streaming(handler.unary_stream), None, None)
 
 
-# Wrapped handlers kept per server interceptor: handlers are few (one per method), but a generic
-# handler may make new ones; past this many the cache starts again.
-_MAX_WRAPPED = 1024
+# Wrapped handlers kept per server interceptor: one per method, unless an interceptor behind ours
+# makes a new handler for every call (then every call is wrapped anew, and the cache starts again
+# whenever it holds this many).
+_MAX_WRAPPED = 64
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
@@ -170,12 +176,17 @@ class ServerInterceptor(grpc.ServerInterceptor):
 
     grpc calls ``intercept_service`` in the server's polling thread when a call arrives, before the
     call is queued for the thread pool: that is where the request is taken in (and, with ``workers``,
-    where it joins the queue); the wrapped handler runs later in a worker, in the same context.
+    where it joins the queue). The handler runs later in a worker, in the same ``contextvars.Context``
+    (the sync server makes one per call for its interceptors and its handler): the interceptor puts
+    the call there, in a variable of its own, and :data:`CURRENT_TASK`, so the handler is wrapped
+    once per method, not per call.
     """
 
     def __init__(self, agent: RpcAgent, pool: WorkerPool | None) -> None:
         self._agent = agent
         self._pool = pool
+        # One variable per interceptor: two of them in one server must not read each other's calls.
+        self._served: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_served_call")
         self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, Any]] = {}  # id(handler) -> (handler, wrapped)
 
     def intercept_service(
@@ -185,13 +196,15 @@ class ServerInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, self._pool)
-        _SERVED.set(call)
+        self._served.set(call)
         CURRENT_TASK.set(call.name)  # the calls its handler makes wait in its name
         kept = self._wrapped.get(id(handler))
         if kept is not None and kept[0] is handler:
             return kept[1]
-        agent = self._agent
-        wrapped = _wrap(handler, functools.partial(_unary_sync, agent), functools.partial(_streaming_sync, agent))
+        agent, served = self._agent, self._served
+        wrapped = _wrap(
+            handler, functools.partial(_unary_sync, agent, served), functools.partial(_streaming_sync, agent, served)
+        )
         if len(self._wrapped) >= _MAX_WRAPPED:
             self._wrapped.clear()
         self._wrapped[id(handler)] = (handler, wrapped)  # the handler kept alive, so its id is not reused
@@ -301,11 +314,18 @@ class _CallDetails(_Details, grpc.ClientCallDetails):
     """Call details with the stamp added to the metadata."""
 
 
+def with_stamp(metadata: Any, call: OutgoingCall) -> Any:
+    """A call's request metadata with the stamp of ``call`` added (if it carries one)."""
+    if not call.metadata:
+        return metadata
+    return (*metadata, *call.metadata) if metadata else call.metadata
+
+
 def _details_with(details: Any, call: OutgoingCall) -> Any:
     """The sync call's details with the stamp added to its metadata."""
     if not call.metadata:
         return details
-    metadata = (*details.metadata, *call.metadata) if details.metadata else call.metadata
+    metadata = with_stamp(details.metadata, call)
     wait_for_ready = getattr(details, "wait_for_ready", None)
     compression = getattr(details, "compression", None)
     return _CallDetails(details.method, details.timeout, metadata, details.credentials, wait_for_ready, compression)
@@ -315,7 +335,7 @@ def _aio_details_with(details: Any, call: OutgoingCall) -> Any:
     """The asyncio call's details with the stamp added to its metadata."""
     if not call.metadata or not isinstance(details, grpc.aio.ClientCallDetails):
         return _details_with(details, call)
-    metadata = (*details.metadata, *call.metadata) if details.metadata else call.metadata
+    metadata = with_stamp(details.metadata, call)
     wait_for_ready = getattr(details, "wait_for_ready", None)
     return grpc.aio.ClientCallDetails(details.method, details.timeout, metadata, details.credentials, wait_for_ready)
 

@@ -20,8 +20,9 @@ Python the instrumentation adds to a call, on both sides, with no noise but the 
   ``grpc.intercept_channel``.
 
 Each case runs in interleaved rounds of ``--seconds`` (1) each, ``--rounds`` (5). The table and the
-last line (JSON) give the median µs per call and the spread (lowest and highest round), and each
-case less ``loopback`` (``*_added_us``).
+last line (JSON) give the median µs per call and the spread (lowest and highest round), each case
+less ``loopback`` (``*_added_us``), and for the agents' cases the requests their client stamped
+(``*_stamped_requests``: one per call made).
 
     python bench/rpc_hot_path.py [--seconds 1] [--rounds 5] [--profile CASE]
 
@@ -165,8 +166,15 @@ class LoopbackChannel(grpc.Channel):
         return None
 
 
-def cases() -> dict[str, Callable[[], Any]]:
-    """Each case's blocking unary method (called with the payload)."""
+def stamped_requests(agent: RpcAgent) -> int:
+    """How many requests ``agent`` has sent with a stamp."""
+    value = agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_stamped_messages_total", {"kind": "request"})
+    return int(value or 0)
+
+
+def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
+    """Each case's blocking unary method (called with the payload), and the client agent of each
+    case that has one."""
     plain = LoopbackChannel(LoopbackServer([])).unary_unary(METHOD)
     stamp_only = StampOnlyMethod(LoopbackChannel(LoopbackServer([StampOnlyServerInterceptor()])).unary_unary(METHOD))
 
@@ -177,29 +185,32 @@ def cases() -> dict[str, Callable[[], Any]]:
                 agent.start_snapshot(1, lifetime=3600)
         return client, LoopbackChannel(LoopbackServer([server.server_interceptor(workers=4)]))
 
-    client, channel = agents(False)
-    instrumented = client.instrument_channel(channel, "server").unary_unary(METHOD)
-    client, channel = agents(True)
-    recording = client.instrument_channel(channel, "server").unary_unary(METHOD)
-    client, channel = agents(False)
-    intercepted = grpc.intercept_channel(channel, client.client_interceptor("server")).unary_unary(METHOD)
-    return {
+    clients: dict[str, RpcAgent] = {}
+    clients["instrumented"], channel = agents(False)
+    instrumented = clients["instrumented"].instrument_channel(channel, "server").unary_unary(METHOD)
+    clients["instrumented_recording"], channel = agents(True)
+    recording = clients["instrumented_recording"].instrument_channel(channel, "server").unary_unary(METHOD)
+    clients["client_interceptor"], channel = agents(False)
+    interceptor = clients["client_interceptor"].client_interceptor("server")
+    intercepted = grpc.intercept_channel(channel, interceptor).unary_unary(METHOD)
+    methods = {
         "loopback": plain,
         "stamp_only": stamp_only,
         "instrumented": instrumented,
         "instrumented_recording": recording,
         "client_interceptor": intercepted,
     }
+    return methods, clients
 
 
-def per_call(method: Callable[[bytes], Any], seconds: float) -> float:
-    """Seconds per call, calling ``method`` in batches for ``seconds``."""
+def per_call(method: Callable[[bytes], Any], seconds: float) -> tuple[float, int]:
+    """Seconds per call, calling ``method`` in batches for ``seconds``, and the calls made."""
     calls, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < seconds:
         for _ in range(1000):
             method(PAYLOAD)
         calls += 1000
-    return elapsed / calls
+    return elapsed / calls, calls
 
 
 def main() -> None:
@@ -208,16 +219,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     parser.add_argument("--profile", metavar="CASE", help="profile one case instead of the benchmark")
     args = parser.parse_args()
-    methods = cases()
+    methods, clients = cases()
     if args.profile:
         profiler = cProfile.Profile()
         profiler.runcall(per_call, methods[args.profile], args.seconds)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         return
     results: dict[str, list[float]] = {name: [] for name in methods}
+    calls = dict.fromkeys(methods, 0)
     for _ in range(args.rounds):
         for name, method in methods.items():
-            results[name].append(per_call(method, args.seconds) * 1e6)
+            seconds, made = per_call(method, args.seconds)
+            results[name].append(seconds * 1e6)
+            calls[name] += made
 
     table = Table(title=f"one unary call's Python, µs: {args.rounds} interleaved rounds of {args.seconds:g} s per case")
     for column in ("case", "median", "lowest", "highest", "added to loopback"):
@@ -230,8 +244,11 @@ def main() -> None:
         table.add_row(name, f"{median:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", added)
         summary[f"{name}_us"] = round(median, 2)
         summary[f"{name}_spread"] = [round(min(values), 2), round(max(values), 2)]
+        summary[f"{name}_calls"] = calls[name]
         if name != "loopback":
             summary[f"{name}_added_us"] = round(median - floor, 2)
+        if name in clients:  # the agent was really on the path: it stamped every request
+            summary[f"{name}_stamped_requests"] = stamped_requests(clients[name])
     Console().print(table)
     print(json.dumps(summary), flush=True)
 

@@ -160,7 +160,7 @@ class Outstanding:
 
 
 class Peers:
-    """Channels to the other services, dialled on first use, with the client interceptors."""
+    """Channels to the other services, dialled on first use, each instrumented by the agent (if any)."""
 
     def __init__(
         self,

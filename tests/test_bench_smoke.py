@@ -75,11 +75,12 @@ def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
     for case in ("loopback", "stamp_only", "instrumented", "instrumented_recording", "client_interceptor"):
         low, high = result[f"{case}_spread"]
         assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
-        if case != "loopback":
-            added = result[f"{case}_us"] - result["loopback_us"]  # both rounded to 0.01
-            assert abs(result[f"{case}_added_us"] - added) <= 0.011, result
-    # The agents' work is more than carrying a stamp: had a case lost its agent, this would fail.
-    assert result["instrumented_added_us"] > result["stamp_only_added_us"] > 0, result
+        assert result[f"{case}_calls"] > 0, (case, result)
+        assert (f"{case}_added_us" in result) == (case != "loopback"), result
+    # The agents were really on the path of their cases: every request made was stamped.
+    for case in ("instrumented", "instrumented_recording", "client_interceptor"):
+        assert result[f"{case}_stamped_requests"] == result[f"{case}_calls"], (case, result)
+    assert "stamp_only_stamped_requests" not in result
 
 
 @pytest.mark.timeout(180)

@@ -6,6 +6,7 @@ has no agent: its trailing metadata is scripted."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Iterator
 
@@ -15,6 +16,7 @@ from rpc_harness import SERVICE, Service
 
 from polling import poll
 from stablewatch.agents.rpc_agent import BadStamp, RpcAgent
+from stablewatch.agents.rpc_interceptors import ClientInterceptor
 
 GOOD = "0.1.0.server"  # color 0, incarnation 1, session 0, from the channel's peer
 
@@ -126,3 +128,68 @@ def test_a_failed_call_is_taken_in_and_restarts_the_counts_only_without_the_serv
     finally:
         channel.close()
         service.stop()
+
+
+def test_blocking_calls_on_an_instrumented_channel_skip_the_interceptor_and_futures_take_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = Service({"Echo": lambda payload, context: payload}, None)
+    agent = RpcAgent("client")
+    took: list[str] = []
+    invoke = ClientInterceptor._invoke
+
+    def noted(self: ClientInterceptor, *args: object) -> object:
+        took.append("interceptor")
+        return invoke(self, *args)
+
+    monkeypatch.setattr(ClientInterceptor, "_invoke", noted)
+    with agent.instrument_channel(grpc.insecure_channel(service.address), "server") as channel:
+        method = channel.unary_unary(f"/{SERVICE}/Echo")
+        assert method(b"a", timeout=10) == b"a"
+        assert method.with_call(b"b", timeout=10)[0] == b"b"
+        assert took == []  # the fast path: gRPC's interceptor machinery never ran
+        assert method.future(b"c", timeout=10).result() == b"c"
+        assert took == ["interceptor"]
+    assert stamped_requests(agent) == 3
+    assert outstanding(agent) == 0
+    with pytest.raises(ValueError):  # `with` closed the channel it wraps
+        method(b"d", timeout=10)
+    service.stop()
+
+
+def test_a_call_that_fails_before_grpc_answers_is_taken_in_and_restarts_the_counts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    service = Service({"Echo": lambda payload, context: payload}, None)
+    agent = RpcAgent("client")
+    channel = agent.instrument_channel(grpc.insecure_channel(service.address), "server")
+    try:
+        method = channel.unary_unary(f"/{SERVICE}/Echo")
+
+        def broken(*args: object, **kwargs: object) -> object:
+            raise ValueError("the request could not be serialized")
+
+        monkeypatch.setattr(method._plain, "with_call", broken)
+        with pytest.raises(ValueError, match="serialized"):
+            method(b"x")
+        assert outstanding(agent) == 0  # the caller waits on nothing any more
+        assert agent._core.session("server") == 1  # nobody knows whether it went: counts restart
+    finally:
+        channel.close()
+        service.stop()
+
+
+def test_an_asyncio_channel_is_refused_with_the_way_to_instrument_it() -> None:
+    async def attempt() -> None:
+        channel = grpc.aio.insecure_channel("127.0.0.1:9")
+        try:
+            with pytest.raises(TypeError, match="aio_client_interceptors"):
+                RpcAgent("client").instrument_channel(channel, "server")
+        finally:
+            await channel.close()
+
+    asyncio.run(attempt())
+
+
+def stamped_requests(agent: RpcAgent) -> float | None:
+    return agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_stamped_messages_total", {"kind": "request"})

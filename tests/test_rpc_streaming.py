@@ -16,6 +16,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
+import pytest
 from detector_harness import Running
 from rpc_harness import SERVICE, agent, deadlock, snapshot, stamped, stored
 
@@ -50,7 +51,8 @@ def has_stamp(metadata: Any) -> bool:
     return any(key == STAMP_KEY for key, _ in metadata or ())
 
 
-def test_sync_streaming_calls_in_flight(running: Running) -> None:
+@pytest.mark.parametrize("client", ["interceptor", "instrumented channel"])
+def test_sync_streaming_calls_in_flight(running: Running, client: str) -> None:
     s_agent, c_agent = agent(running, "S"), agent(running, "C", gate=True)
     c_gate: threading.Event = c_agent.gate  # type: ignore[attr-defined]
     c_gate.set()
@@ -91,7 +93,11 @@ def test_sync_streaming_calls_in_flight(running: Running) -> None:
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
-    channel = grpc.intercept_channel(grpc.insecure_channel(f"127.0.0.1:{port}"), c_agent.client_interceptor("S"))
+    plain = grpc.insecure_channel(f"127.0.0.1:{port}")
+    if client == "interceptor":
+        channel = grpc.intercept_channel(plain, c_agent.client_interceptor("S"))
+    else:
+        channel = c_agent.instrument_channel(plain, "S")
     callers = {name: futures.ThreadPoolExecutor(1, thread_name_prefix=name) for name in METHODS}
     streams: dict[str, Any] = {}
 
