@@ -626,8 +626,8 @@ class SnapshotCore:
             recording.closed.add(first_marker_from)
         self._recordings[snapshot_id] = recording
         self._awaiting_state = snapshot_id
-        markers = [SendEntry(dst, Marker(snapshot_id)) for dst in self.outbound_channels]
-        return (RecordState(snapshot_id), *markers)
+        marker = Marker(snapshot_id)  # one for every channel: channels may keep it a while
+        return (RecordState(snapshot_id), *(SendEntry(dst, marker) for dst in self.outbound_channels))
 
     def _markers_for_new_channel(self, dst: str) -> tuple[Action, ...]:
         """Markers (and n = 0 reports) that a channel opening mid-snapshot must carry first."""

@@ -42,6 +42,10 @@ from stablewatch.v1 import AckPosition, ChannelAck, ChannelFrame, ChannelHello, 
 
 __all__ = ["ChannelSettings", "OutboundChannel"]
 
+# Acknowledged entries are dropped from the window's front once there are this many (and more than
+# the entries still in it).
+_COMPACT_AFTER = 256
+
 
 class ChannelSettings:
     """Limits and timings shared by every channel of an agent."""
@@ -375,8 +379,10 @@ class OutboundChannel:
             self._space.set()
 
     def _compact(self) -> None:
-        """Drop acknowledged entries from the front now and then (amortised O(1) per entry)."""
-        if self._head > 4096 and self._head * 2 > len(self._entries):
+        """Drop acknowledged entries from the front once they outnumber the rest (amortised O(1) per
+        entry), and soon: markers are tuples, and a slow channel that kept thousands of acknowledged
+        ones would have every full garbage collection of the process walk them."""
+        if self._head >= _COMPACT_AFTER and self._head * 2 > len(self._entries):
             del self._entries[: self._head]
             del self._sizes[: self._head]
             self._next_to_write -= self._head

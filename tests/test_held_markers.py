@@ -144,3 +144,28 @@ def test_a_snapshot_of_processes_with_nothing_in_flight_costs_each_one_part_and_
             await detector.stop()
 
     run(scenario(), timeout=60)
+
+
+def test_acknowledged_messages_and_markers_leave_the_window_soon() -> None:
+    """A window keeps fewer than 256 acknowledged entries, not thousands: markers are tuples, and
+    every full garbage collection of the process walks what it keeps."""
+
+    async def scenario() -> None:
+        parts: list[LocalSnapshotPart] = []
+        delivered: list[bytes] = []
+        a, b = await pair(parts, delivered)
+        try:
+            for number in range(2000):
+                if number % 134 == 0:  # 15 snapshots, within max_recordings (they are never finished)
+                    await a.start_snapshot()  # a local snapshot's marker goes into the window at once
+                await a.send("B", b"m%d" % number)
+            channel = a._outbound["B"]
+            await async_poll(lambda: len(delivered) == 2001, "every message delivered")
+            await async_poll(lambda: channel.unacknowledged == 0, "every entry acknowledged")
+            assert metric(a, "markers_sent") == 15  # the markers did go through the window
+            assert len(channel._entries) < 256, len(channel._entries)
+        finally:
+            await a.stop()
+            await b.stop()
+
+    run(scenario())
