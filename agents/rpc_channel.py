@@ -23,14 +23,18 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from stablewatch.agents.rpc_calls import RefusedResponse
-from stablewatch.agents.rpc_interceptors import ClientInterceptor, current_task_name, stamp_of, with_stamp
+from stablewatch.agents.rpc_interceptors import (
+    ClientInterceptor,
+    current_task_name,
+    method_name,
+    take_in_end,
+    with_stamp,
+)
 
 if TYPE_CHECKING:
     from stablewatch.agents.rpc_agent import RpcAgent
 
 __all__ = ["InstrumentedChannel"]
-
-_OK = grpc.StatusCode.OK
 
 
 class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
@@ -98,18 +102,18 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
             )
         except grpc.RpcError as error:
             # The call ended in an error: take its end in (the server's stamp, if it set one) first.
-            ended = error if isinstance(error, grpc.Call) else None
-            stamp = stamp_of(ended.trailing_metadata()) if ended is not None else None
             try:
-                agent.call_returned(call, stamp, ended.code() if ended is not None else grpc.StatusCode.UNKNOWN)
+                if isinstance(error, grpc.Call):
+                    take_in_end(agent, call, error)
+                else:
+                    agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
             except RefusedResponse as refused:
                 raise refused from error
             raise
         except BaseException:  # not sent, or interrupted: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
             raise
-        stamp = stamp_of(grpc_call.trailing_metadata())
-        agent.call_returned(call, stamp, None if stamp is not None else _OK)  # RefusedResponse propagates
+        take_in_end(agent, call, grpc_call)  # a RefusedResponse propagates to the caller
         return response, grpc_call
 
 
@@ -139,8 +143,7 @@ class InstrumentedChannel(grpc.Channel):
         intercepted = self._intercepted.unary_unary(
             method, request_serializer, response_deserializer, _registered_method
         )
-        name = method.decode() if isinstance(method, bytes) else method
-        return _UnaryUnary(self._agent, self._peer, self._instrumented, name, plain, intercepted)
+        return _UnaryUnary(self._agent, self._peer, self._instrumented, method_name(method), plain, intercepted)
 
     def unary_stream(
         self,

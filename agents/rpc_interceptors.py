@@ -79,9 +79,17 @@ def stamp_of(metadata: Any) -> str | None:
     return None
 
 
-def _method(details: Any) -> str:
-    method = details.method
+def method_name(method: str | bytes) -> str:
+    """A call's method as text (gRPC hands it over as bytes in places)."""
     return method.decode() if isinstance(method, bytes) else method
+
+
+def take_in_end(agent: RpcAgent, call: OutgoingCall, ended: Any) -> None:
+    """Take in the end of the sync ``call`` from the finished gRPC call ``ended``: the server's stamp,
+    or, without one, its status (which matters only then). Raises a :class:`RefusedResponse` when
+    the response is refused."""
+    stamp = stamp_of(ended.trailing_metadata())
+    agent.call_returned(call, stamp, None if stamp is not None else ended.code())
 
 
 # -- server side ----------------------------------------------------------------------------------
@@ -355,9 +363,8 @@ class _Settled:
         with self._lock:
             if not self._done:
                 self._done = True
-                outcome = self._outcome
                 try:
-                    self._agent.call_returned(self._call, stamp_of(outcome.trailing_metadata()), outcome.code())
+                    take_in_end(self._agent, self._call, self._outcome)
                 except RefusedResponse as error:
                     self._error = error
         if self._error is not None and not quiet:
@@ -477,7 +484,8 @@ class ClientInterceptor(
 
     def _invoke(self, continuation: Callable[..., Any], details: Any, request: Any, kind: type[_UnaryOutcome]) -> Any:
         agent = self._agent
-        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, kind.caller_waits)
+        method = method_name(details.method)
+        call = agent.call_out(self._peer, method, current_task_name(), self._instrumented, kind.caller_waits)
         try:
             outcome = continuation(_details_with(details, call), request)
         except BaseException:
@@ -486,10 +494,8 @@ class ClientInterceptor(
         if kind is _UnaryOutcome and outcome.done():
             # A blocking call (``__call__``, ``with_call``): the continuation returned its end. Take it
             # in now, before the caller sees it; nothing is left to wait for, so nothing to wrap.
-            stamp_text = stamp_of(outcome.trailing_metadata())
-            code = None if stamp_text is not None else outcome.code()  # it matters only without a stamp
             try:
-                agent.call_returned(call, stamp_text, code)
+                take_in_end(agent, call, outcome)
             except RefusedResponse as refused:
                 return _RefusedOutcome(outcome, refused)
             return outcome
@@ -518,7 +524,7 @@ class _AioClient:
 
     async def _unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         agent = self._agent
-        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented)
+        call = agent.call_out(self._peer, method_name(details.method), current_task_name(), self._instrumented)
         try:
             grpc_call = await continuation(_aio_details_with(details, call), request)
             response = await grpc_call
@@ -533,7 +539,7 @@ class _AioClient:
 
     async def _streaming(self, continuation: Callable[..., Any], details: Any, request: Any) -> AsyncIterator[Any]:
         agent = self._agent
-        call = agent.call_out(self._peer, _method(details), current_task_name(), self._instrumented, False)
+        call = agent.call_out(self._peer, method_name(details.method), current_task_name(), self._instrumented, False)
         try:
             grpc_call = await continuation(_aio_details_with(details, call), request)
         except BaseException:
