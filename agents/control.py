@@ -72,8 +72,10 @@ EVENTS = (
 
 DEFAULT_MAX_QUEUED = 10_000
 # The detector's status codes for a registration it will not take (its certificate does not name
-# this process, no certificate, over its limits): logged as refusals, not as a detector that is down.
+# this process, no certificate, over its limits, a malformed Register): logged as refusals, not as a
+# detector that is down.
 _REFUSALS = (
+    grpc.StatusCode.INVALID_ARGUMENT,
     grpc.StatusCode.PERMISSION_DENIED,
     grpc.StatusCode.UNAUTHENTICATED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -101,6 +101,7 @@ from stablewatch.v1 import (
     LocalState,
     OutboundCount,
 )
+from stablewatch.v1.bounds import process_id_problem
 
 __all__ = [
     "DEFAULT_LIFETIME",
@@ -276,8 +277,9 @@ class SnapshotCore:
         max_recordings: int = DEFAULT_MAX_RECORDINGS,
         default_lifetime: float = DEFAULT_LIFETIME,
     ) -> None:
-        if not process_id:
-            raise LocalProtocolError("process_id must be a non-empty string")
+        problem = process_id_problem(process_id)
+        if problem is not None:
+            raise LocalProtocolError(problem)
         if max_recorded_bytes <= 0:
             raise LocalProtocolError(f"max_recorded_bytes must be positive, got {max_recorded_bytes}")
         if max_recordings <= 0:

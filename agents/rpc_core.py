@@ -102,6 +102,7 @@ from stablewatch.agents.core import (
     SnapshotFailed,
 )
 from stablewatch.v1 import LocalSnapshotPart, LocalState, OutboundCount, RecordedMessage
+from stablewatch.v1.bounds import process_id_problem
 
 __all__ = [
     "DEFAULT_MAX_SKEW",
@@ -230,8 +231,9 @@ class ColorCore:
         default_lifetime: float = DEFAULT_LIFETIME,
         max_skew: float = DEFAULT_MAX_SKEW,
     ) -> None:
-        if not process_id:
-            raise LocalProtocolError("process_id must be a non-empty string")
+        problem = process_id_problem(process_id)
+        if problem is not None:
+            raise LocalProtocolError(problem)
         if not 0 <= incarnation < _UINT64:
             raise LocalProtocolError(f"incarnation must fit in 64 bits, got {incarnation}")
         if max_recordings <= 0:

@@ -10,6 +10,12 @@ state the process really was in: never half of an update.
 A new keeper is **active**: a process that never said it is idle must not look idle, or the
 detector could report termination while it is still working. A service that wants termination
 detection calls ``set_active(False)`` when it runs out of work.
+
+Names are held to the detector's maxima (:mod:`stablewatch.v1.bounds`), so that an
+application learns of a name the detector would reject when it sets it, with a ValueError, not
+from snapshots that never complete: a counter's or an attribute's name at most 256 bytes (UTF-8),
+a task 1024, a wait target's process id 256, none of them with a control character, and each
+string inside an attribute's value at most 64 KiB.
 """
 
 from __future__ import annotations
@@ -24,6 +30,15 @@ from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
 from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalState, Wait, WaitNode
+from stablewatch.v1.bounds import (
+    MAX_ID_BYTES,
+    MAX_NAME_BYTES,
+    MAX_TASK_BYTES,
+    MAX_TEXT_BYTES,
+    has_control_character,
+    quoted_prefix,
+    too_long,
+)
 
 __all__ = ["LocalStateKeeper", "Target", "Targets"]
 
@@ -142,6 +157,7 @@ class LocalStateKeeper:
         """
         if not isinstance(key, str):
             raise TypeError(f"attribute key must be a str, not {type(key).__name__}")
+        _check_text(key, "attribute name", MAX_NAME_BYTES)
         value = _json_copy(value, key)
         with self._lock:
             self._attributes[key] = value
@@ -218,6 +234,17 @@ def _check_name(name: object) -> None:
         raise TypeError(f"counter name must be a str, not {type(name).__name__}")
     if not name:
         raise ValueError("counter name must not be empty")
+    _check_text(name, "counter name", MAX_NAME_BYTES)
+
+
+def _check_text(text: str, what: str, limit: int) -> None:
+    """Refuse what the detector would reject: ``text`` over ``limit`` bytes, or with a control character."""
+    if len(text) * 4 <= limit and text.isprintable():  # the usual short name, told in two C calls
+        return
+    if too_long(text, limit):
+        raise ValueError(f"{what} {quoted_prefix(text)} is longer than {limit} bytes, the most the detector takes")
+    if has_control_character(text):
+        raise ValueError(f"{what} {quoted_prefix(text)} holds a control character")
 
 
 def _check_int(value: object, what: str) -> int:
@@ -245,6 +272,8 @@ def _target(target: object) -> tuple[str, str]:
         raise TypeError(f"wait target process and task must be str, got {target!r}")
     if not process:
         raise ValueError(f"wait target {target!r} names no process")
+    _check_text(process, "wait target process", MAX_ID_BYTES)
+    _check_text(task, "wait target task", MAX_TASK_BYTES)
     return process, task
 
 
@@ -253,6 +282,7 @@ def _make_wait(targets: Targets, model: str, task: str) -> _Wait:
         raise ValueError(f"wait model must be 'and' or 'or', not {model!r}")
     if not isinstance(task, str):
         raise TypeError(f"task must be a str, not {type(task).__name__}")
+    _check_text(task, "task", MAX_TASK_BYTES)
     items = [targets] if isinstance(targets, str | WaitNode) else list(targets)
     if not items:
         raise ValueError("a wait needs at least one target")
@@ -275,8 +305,15 @@ def _merge_waits(waits: list[_Wait]) -> list[Wait]:
 
 
 def _json_copy(value: object, path: str) -> object:
-    """A deep copy of a JSON-like value, or TypeError naming where in `path` it is not JSON-like."""
-    if value is None or isinstance(value, bool | str):
+    """A deep copy of a JSON-like value, or TypeError naming where in `path` it is not JSON-like
+    (ValueError where a text is longer than the detector takes)."""
+    if isinstance(value, str):
+        if too_long(value, MAX_TEXT_BYTES):
+            raise ValueError(
+                f"attribute {path}: a text longer than {MAX_TEXT_BYTES} bytes, the most the detector takes"
+            )
+        return value
+    if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int | float):
         if isinstance(value, float) and not math.isfinite(value):
@@ -289,6 +326,10 @@ def _json_copy(value: object, path: str) -> object:
         for k, v in value.items():
             if not isinstance(k, str):
                 raise TypeError(f"attribute {path}: key {k!r} is not a str")
+            if too_long(k, MAX_TEXT_BYTES):
+                raise ValueError(
+                    f"attribute {path}: a key longer than {MAX_TEXT_BYTES} bytes, the most the detector takes"
+                )
             copied[k] = _json_copy(v, f"{path}.{k}")
         return copied
     raise TypeError(f"attribute {path}: {type(value).__name__} is not JSON-like")

@@ -7,6 +7,7 @@ and ``graph`` run as subprocesses against it. Flag checking runs in-process (arg
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import queue
@@ -367,6 +368,30 @@ def test_no_agents_snapshot_exits_1(tmp_path: Path) -> None:
         }
     finally:
         assert detector.stop() == 0
+
+
+def test_listen_on_port_0_reports_the_ports_it_bound(system: System) -> None:
+    """``--listen 127.0.0.1:0 --metrics-port 0 --json`` (the fixture's detector) names real ports."""
+    host, _, port = system.address.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    result = stablewatch("health", "--detector", system.address)
+    assert result.returncode == 0, result.stderr
+    metrics_port = int(system.detector.metrics.rsplit(":", 1)[1].removesuffix("/metrics"))
+    assert metrics_port > 0 and metrics_port != int(port)
+
+
+def test_detector_help_says_port_0_picks_a_free_port(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["detector", "--help"])
+    assert exit_.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # as printed, wrapped
+    assert text.count("0: any free port, which --json reports") == 2  # --listen and --metrics-port
+
+
+def test_version_prints_the_package_version() -> None:
+    result = stablewatch("--version")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"stablewatch {importlib.metadata.version('stablewatch')}\n"
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])

@@ -389,6 +389,40 @@ def test_refused_registration_is_retried() -> None:
     run(body)
 
 
+class AbortingDetector(FakeDetector):
+    """Ends every stream with one status after reading its Register, as a detector refusing it does."""
+
+    def __init__(self, code: grpc.StatusCode) -> None:
+        super().__init__()
+        self.code = code
+
+    async def Attach(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+        self.registrations.append(await context.read())
+        await context.abort(self.code, "the Register's process id holds a control character")
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED])
+def test_a_registration_refused_with_a_status_is_reported_as_refused(code: grpc.StatusCode) -> None:
+    """A malformed Register (INVALID_ARGUMENT) is a refusal the agent logs, not a detector that is down."""
+
+    async def body() -> None:
+        detector = AbortingDetector(code)
+        server, port = await serve(detector)
+        agent = Agent()
+        client = agent.client(port)
+        await client.start()
+        try:
+            await async_poll(lambda: any(kind == "refused" for kind, _ in agent.events), "a refusal")
+            refused = [detail for kind, detail in agent.events if kind == "refused"]
+            assert "control character" in refused[0]
+            assert not any(kind == "unreachable" for kind, _ in agent.events)
+        finally:
+            await client.stop()
+            await server.stop(None)
+
+    run(body)
+
+
 def test_full_queue_drops_without_blocking() -> None:
     async def body() -> None:
         detector = FakeDetector()

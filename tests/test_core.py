@@ -828,3 +828,13 @@ def test_acknowledgement_positions_reach_the_global_snapshot() -> None:
     assert by_channel["p", "q"].receiver_acked == acked
     assert not by_channel["q", "p"].HasField("sender_ack_seen")
     assert not by_channel["q", "p"].HasField("receiver_acked")
+
+
+@pytest.mark.parametrize(
+    ("process_id", "problem"),
+    [("", "process id is empty"), ("p" * 257, "longer than 256 bytes"), ("a\nb", "control character")],
+)
+def test_a_process_id_the_detector_would_refuse_is_refused_at_once(process_id: str, problem: str) -> None:
+    """An agent learns of a bad id when it is built, not from a detector that keeps refusing it."""
+    with pytest.raises(LocalProtocolError, match=problem):
+        SnapshotCore(process_id)

@@ -90,19 +90,23 @@ def query_code(running: Running, creds: grpc.ChannelCredentials | None, method: 
         return grpc.StatusCode.OK
 
 
-async def register(address: str, creds: grpc.ChannelCredentials | None, process_id: str) -> tuple[grpc.StatusCode, str]:
-    """Open a control stream, register as `process_id`; the reply's kind, or the status that ended it."""
-    channel = grpc.aio.insecure_channel(address) if creds is None else grpc.aio.secure_channel(address, creds)
-    async with channel:
-        call = control_pb2_grpc.ControlStub(channel).Attach()
+def register(address: str, creds: grpc.ChannelCredentials | None, process_id: str) -> tuple[grpc.StatusCode, str]:
+    """Open a control stream, register as `process_id`; the reply's kind, or the status that ended it.
+
+    The blocking client, because it reports the status the detector sent: when the detector refuses
+    a stream before reading it, a grpc.aio client's write races that status and may report
+    INTERNAL ("Internal error from Core") instead.
+    """
+    channel = grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
+    with channel:
+        register = AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1"))
+        replies = control_pb2_grpc.ControlStub(channel).Attach(iter([register]), timeout=TIMEOUT)
         try:
-            await call.write(AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1")))
-            reply = await asyncio.wait_for(call.read(), TIMEOUT)
-        except grpc.aio.AioRpcError as error:
+            return grpc.StatusCode.OK, next(replies).WhichOneof("kind")
+        except grpc.RpcError as error:
             return error.code(), error.details() or ""
         finally:
-            call.cancel()
-        return grpc.StatusCode.OK, reply.WhichOneof("kind")
+            replies.cancel()
 
 
 # -- the happy path ---------------------------------------------------------------------------------------
@@ -149,14 +153,14 @@ def test_agents_attach_over_mutual_tls_and_a_snapshot_completes(mtls: Running, p
 def test_spoofed_process_id_is_refused_and_counted(mtls: Running, pki: dict[str, Path]) -> None:
     """P's certificate registering as Q: PERMISSION_DENIED naming the URI it lacks; Q never attaches."""
     before = mtls.metric(REFUSED, reason="identity_mismatch")
-    code, details = asyncio.run(register(mtls.detector.address, credentials(pki, "agent_P"), "Q"))
+    code, details = register(mtls.detector.address, credentials(pki, "agent_P"), "Q")
     assert code == grpc.StatusCode.PERMISSION_DENIED
-    assert "'Q' is not in the client certificate, which names P" in details
+    assert "'Q' is not in the client certificate, which names 'P'" in details
     assert process_uri("Q") in details
     assert mtls.metric(REFUSED, reason="identity_mismatch") == before + 1
     assert "Q" not in mtls.detector.coordinator.members
     # P's own id is accepted on the same certificate.
-    assert asyncio.run(register(mtls.detector.address, credentials(pki, "agent_P"), "P")) == (
+    assert register(mtls.detector.address, credentials(pki, "agent_P"), "P") == (
         grpc.StatusCode.OK,
         "registered",
     )
@@ -164,9 +168,13 @@ def test_spoofed_process_id_is_refused_and_counted(mtls: Running, pki: dict[str,
 
 @pytest.mark.parametrize("name", ["nobody", "operator"])
 def test_certificate_without_a_process_cannot_attach(mtls: Running, pki: dict[str, Path], name: str) -> None:
-    code, details = asyncio.run(register(mtls.detector.address, credentials(pki, name), "P"))
+    """Refused before the stream takes a slot or its Register is read, and counted."""
+    denied, mismatched = (mtls.metric(REFUSED, reason=reason) for reason in ("permission_denied", "identity_mismatch"))
+    code, details = register(mtls.detector.address, credentials(pki, name), "P")
     assert code == grpc.StatusCode.PERMISSION_DENIED
     assert "no process" in details
+    assert mtls.metric(REFUSED, reason="permission_denied") == denied + 1
+    assert mtls.metric(REFUSED, reason="identity_mismatch") == mismatched  # its Register was never read
 
 
 def test_part_naming_another_process_is_rejected(mtls: Running, pki: dict[str, Path]) -> None:
@@ -222,7 +230,7 @@ async def _stored(running: Running, snapshot_id: int):  # type: ignore[no-untype
 
 def test_plaintext_client_is_refused_by_a_tls_detector(mtls: Running) -> None:
     assert query_code(mtls, None, "ListMembers") == grpc.StatusCode.UNAVAILABLE
-    code, _ = asyncio.run(register(mtls.detector.address, None, "P"))
+    code, _ = register(mtls.detector.address, None, "P")
     assert code == grpc.StatusCode.UNAVAILABLE
     with DetectorClient(mtls.detector.address, timeout=TIMEOUT) as plaintext, pytest.raises(DetectorError) as caught:
         plaintext.members()
@@ -231,7 +239,7 @@ def test_plaintext_client_is_refused_by_a_tls_detector(mtls: Running) -> None:
 
 def test_client_without_a_certificate_is_refused_by_mutual_tls(mtls: Running, pki: dict[str, Path]) -> None:
     assert query_code(mtls, credentials(pki, None), "ListMembers") == grpc.StatusCode.UNAVAILABLE
-    code, _ = asyncio.run(register(mtls.detector.address, credentials(pki, None), "P"))
+    code, _ = register(mtls.detector.address, credentials(pki, None), "P")
     assert code == grpc.StatusCode.UNAVAILABLE
 
 
@@ -243,7 +251,7 @@ def test_certificates_of_another_ca_are_refused_both_ways(
     wrong_trust = channel_credentials(foreign["ca_cert"], pki["operator_cert"], pki["operator_key"])
     for creds in (wrong_client, wrong_trust):
         assert query_code(mtls, creds, "ListMembers") == grpc.StatusCode.UNAVAILABLE
-        assert asyncio.run(register(mtls.detector.address, creds, "P"))[0] == grpc.StatusCode.UNAVAILABLE
+        assert register(mtls.detector.address, creds, "P")[0] == grpc.StatusCode.UNAVAILABLE
     with (
         DetectorClient(mtls.detector.address, timeout=TIMEOUT, credentials=wrong_client) as foreign_client,
         pytest.raises(DetectorError, match="over TLS"),

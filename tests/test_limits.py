@@ -211,7 +211,7 @@ def test_agents_over_the_limit_are_refused(start: Callable[..., Running]) -> Non
         await second.send(AgentMessage(register=control_pb2.Register(process_id="Q", address="x:1")))
         code, details = await second.status()
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "Q is refused" in details
+        assert "'Q' is refused" in details
         assert running.metric(REFUSED, reason="too_many_agents") == 1
         assert set(running.detector.coordinator.members) == {"P"}
         await first.close()
@@ -283,7 +283,8 @@ def test_page_size_and_expected_members_are_bounded(start: Callable[..., Running
 
 
 def test_watch_streams_over_the_limit_are_refused(start: Callable[..., Running]) -> None:
-    running = start(max_watchers=1)
+    """127.0.0.1 may hold one stream here (the total, from two addresses: test_query_limits.py)."""
+    running = start(max_watchers=2, max_watchers_per_identity=1)
     with grpc.insecure_channel(running.detector.address) as channel:
         stub = query_pb2_grpc.QueryStub(channel)
         first = stub.Watch(query_pb2.WatchRequest(), timeout=30)
@@ -291,7 +292,7 @@ def test_watch_streams_over_the_limit_are_refused(start: Callable[..., Running])
             poll(lambda: running.detector._watch.watchers == 1, "the first watcher")
             second = stub.Watch(query_pb2.WatchRequest(), timeout=TIMEOUT)
             assert code_of(lambda: next(second)) == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert running.metric(REFUSED, reason="too_many_watchers") == 1
+            assert running.metric(REFUSED, reason="too_many_watchers_for_identity") == 1
         finally:
             first.cancel()
 

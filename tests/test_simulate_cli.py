@@ -139,3 +139,43 @@ def test_one_snapshot_is_singular(tmp_path: Path, capsys: pytest.CaptureFixture[
     text = " ".join(capsys.readouterr().out.split())
     assert "1 snapshot of t.events" in text
     assert "wrote 1 .snap file to" in text
+
+
+def test_a_refused_snapshot_is_printed_with_its_reason_and_exits_3(tmp_path: Path) -> None:
+    """Given an agent's bound on snapshots recording at once, the one refused is reported, not dropped."""
+    top, ev = _write(tmp_path, TOPOLOGY, "snapshot A\nsnapshot B\ntick 10\n")  # B records 1 before marker 0 comes
+    script = Path(sys.executable).with_name("stablewatch")
+    argv = [str(script), "simulate", "--topology", str(top), "--events", str(ev)]
+    run = subprocess.run(
+        [*argv, "--out", str(tmp_path / "out"), "--max-recordings", "1"], capture_output=True, text=True, timeout=60
+    )
+    assert run.returncode == 3, run.stderr
+    text = " ".join(run.stdout.split())
+    assert "failed: snapshot 0: process B: refused, 1 snapshots are recording, the bound (max_recordings)" in text
+    assert "1 of 2 snapshots failed" in text
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["1.snap"]
+    # Without the bound (the default) the same trace replays both, and a failure outranks a difference.
+    unbounded = subprocess.run([*argv, "--out", str(tmp_path / "all")], capture_output=True, text=True, timeout=60)
+    assert unbounded.returncode == 0, unbounded.stderr
+    assert sorted(path.name for path in (tmp_path / "all").iterdir()) == ["0.snap", "1.snap"]
+    expected = [*argv, "--out", str(tmp_path / "again"), "--expected", str(tmp_path / "all"), "--max-recordings", "1"]
+    again = subprocess.run(expected, capture_output=True, text=True, timeout=60)
+    assert again.returncode == 3
+    assert "differs: snapshot 0: expected but not produced" in " ".join(again.stdout.split())
+
+
+def test_a_snapshot_past_the_recorded_bytes_bound_fails_in_the_json_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A snapshot whose recording passes an agent's byte bound fails, with its reason in the JSON."""
+    # Both messages reach A after it records and before C's marker (16 bytes charged for each).
+    top, ev = _write(tmp_path, TOPOLOGY, "snapshot A\nsend C A 1\nsend C A 1\ntick 10\n")
+    assert _simulate(top, ev, tmp_path / "out", "--max-recorded-bytes", "16", "--json") == 3
+    report = json.loads(capsys.readouterr().out)
+    assert report["started"] == 1
+    assert report["snapshots"] == []
+    assert report["failed"] == [{"snapshot_id": 0, "reason": "process A: recorded bytes exceeded the bound (32 > 16)"}]
+    assert _simulate(top, ev, tmp_path / "unbounded", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["started"], report["failed"]) == (1, [])
+    assert report["snapshots"][0]["snap"].count("C A token(1)") == 2

@@ -14,7 +14,7 @@
 
 Exit statuses: 0 success, 1 the detector is unreachable or refused (or a simulation differs from
 the expected snapshots), 2 bad flags or input (for ``archive``: a bad store, archive or file), 3
-``snapshot`` was aborted.
+``snapshot`` was aborted (``simulate``: a snapshot failed).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -41,7 +42,9 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
+from stablewatch.agents.core import DEFAULT_MAX_RECORDINGS
 from stablewatch.agents.tls import channel_credentials, read_pem, server_name_options
 from stablewatch.detector.cli.client import DEFAULT_ADDRESS, DEFAULT_TIMEOUT, DetectorClient, DetectorError
 from stablewatch.detector.cli.demo import run_demo
@@ -80,12 +83,13 @@ __all__ = ["main"]
 EXIT_MISMATCH = 1
 EXIT_ERROR = 1  # the detector is unreachable, refused the request, or cannot start
 EXIT_BAD_INPUT = 2  # argparse exits with it too
-EXIT_ABORTED = 3  # `snapshot`: the snapshot was aborted
+EXIT_ABORTED = 3  # `snapshot`: the snapshot was aborted; `simulate`: a snapshot failed
 EXIT_INTERRUPTED = 130  # Ctrl-C, except in `watch` where it is the normal way out
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="stablewatch", description="Detect stable properties with snapshots.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {importlib.metadata.version('stablewatch')}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     simulate = commands.add_parser(
@@ -99,6 +103,12 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--out", type=Path, required=True, help="folder for <snapshot id>.snap files")
     simulate.add_argument("--expected", type=Path, help="folder or path prefix of expected .snap files")
     simulate.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    simulate.add_argument("--max-recordings", type=_positive_int, metavar="N",
+        help=f"refuse a snapshot at a process already recording N, as agents do ({DEFAULT_MAX_RECORDINGS}; "
+        "default: no bound)")  # fmt: skip
+    simulate.add_argument("--max-recorded-bytes", type=_positive_int, metavar="N",
+        help="fail a snapshot whose recording at a process passes N bytes (16 a token message), as agents do "
+        "(default: no bound)")  # fmt: skip
 
     demo = commands.add_parser(
         "demo",
@@ -131,10 +141,11 @@ def _parser() -> argparse.ArgumentParser:
         "status, snapshot, watch and graph commands query it there.",
     )
     add = detector.add_argument
-    add("--listen", type=_address, default=config.listen, metavar="HOST:PORT", help="gRPC address (%(default)s)")
+    add("--listen", type=_address, default=config.listen, metavar="HOST:PORT",
+        help="gRPC address (%(default)s; port 0: any free port, which --json reports)")  # fmt: skip
     add("--data-dir", type=Path, default=Path("stablewatch-data"), metavar="DIR", help="store folder (%(default)s)")
     add("--metrics-port", type=_metrics_port, default=config.metrics_port, metavar="N",
-        help="/metrics port (%(default)s; 0: any free port; -1 or none: off)")  # fmt: skip
+        help="/metrics port (%(default)s; 0: any free port, which --json reports; -1 or none: off)")  # fmt: skip
     add("--metrics-address", metavar="HOST",
         help="where /metrics listens (default: the --listen host; 127.0.0.1 keeps it on this machine)")  # fmt: skip
     add("--interval", type=_interval, default=config.interval, metavar="S",
@@ -166,7 +177,8 @@ def _parser() -> argparse.ArgumentParser:
         help="with --archive: write a batch once N snapshots wait (%(default)s)")  # fmt: skip
     add("--archive-age", type=_positive, default=config.archive_age, metavar="S",
         help="with --archive: or once the oldest has waited S seconds (%(default)s)")  # fmt: skip
-    add("--json", action="store_true", help='print {"event": "ready", "address": ..., "metrics": ...} when serving')
+    add("--json", action="store_true",
+        help='print {"event": "ready", "address": ..., "metrics": ...} (the ports it bound) when serving')  # fmt: skip
     security = detector.add_argument_group(
         "security", "TLS, mutual TLS and the bounds against abuse (SECURITY.md tells what they protect)"
     )
@@ -299,7 +311,7 @@ def _main(argv: Sequence[str] | None) -> int:
             delays = (
                 tape_delays(parse_delays(args.delays), str(args.delays)) if args.delays else random_delays(args.seed)
             )
-            return _simulate(args.topology, args.events, delays, args.out, args.expected, args.json, console)
+            return _simulate(args, delays, console)
         if args.command == "demo":
             return _demo(args, console)
     except TraceError as error:
@@ -366,19 +378,21 @@ def _demo_history(archive: Path, out: Path, console: Console, quiet: bool) -> di
 # -- simulate, demo -----------------------------------------------------------------------------------------
 
 
-def _simulate(
-    topology_path: Path,
-    events_path: Path,
-    delays: Iterator[int],
-    out: Path | None,
-    expected: Path | None,
-    as_json: bool,
-    console: Console,
-) -> int:
+def _simulate(args: argparse.Namespace, delays: Iterator[int], console: Console) -> int:
+    """Replay a trace, write and print its snapshots; a failed snapshot is printed with its reason and
+    exits 3, a difference from the expected snapshots exits 1."""
+    topology_path, events_path, out, expected, as_json = args.topology, args.events, args.out, args.expected, args.json
     topology = parse_topology(topology_path)
     events = parse_events(events_path, topology)
     expected_snaps = [parse_snap(path) for path in expected_snap_files(expected)] if expected else None
-    snapshots = Simulation(topology, delays, events_source=str(events_path)).run(events)
+    simulation = Simulation(
+        topology,
+        delays,
+        events_source=str(events_path),
+        max_recordings=args.max_recordings,
+        max_recorded_bytes=args.max_recorded_bytes,
+    )
+    snapshots = simulation.run(events)
 
     totals = {TOKENS: sum(topology.balances.values())}
     entries = []
@@ -408,6 +422,8 @@ def _simulate(
                 }
                 for (snapshot, results), snap in zip(entries, snaps, strict=True)
             ],
+            "started": simulation.started,
+            "failed": [{"snapshot_id": aborted.snapshot_id, "reason": aborted.reason} for aborted in simulation.failed],
             "matches_expected": None if expected_snaps is None else not differences,
             "differences": differences,
         }
@@ -416,12 +432,18 @@ def _simulate(
         console.print(snapshot_report(entries, title=f"{plural(len(snapshots), 'snapshot')} of {events_path.name}"))
         if out is not None:
             console.print(f"wrote {plural(len(snaps), '.snap file')} to {out}")
+        for aborted in simulation.failed:
+            console.print(f"[red]failed[/]: snapshot {aborted.snapshot_id}: {escape(aborted.reason)}", soft_wrap=True)
+        if simulation.failed:
+            console.print(f"[red]{len(simulation.failed)} of {plural(simulation.started, 'snapshot')} failed[/]")
         if expected_snaps is not None:
             for difference in differences:
                 console.print(f"[red]differs[/]: {difference}")
             if not differences:
                 matched = plural(len(expected_snaps), "expected snapshot")
                 console.print(f"[green]{'the' if len(expected_snaps) == 1 else 'all'} {matched} match[/]")
+    if simulation.failed:
+        return EXIT_ABORTED
     return EXIT_MISMATCH if differences else 0
 
 

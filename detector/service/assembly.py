@@ -21,7 +21,11 @@ The assembler never trusts a part: each bad one raises :class:`PartRejected` wit
 :data:`REJECTION_REASONS` and leaves everything already accepted untouched. A part over the size
 bounds (``max_part_bytes`` serialized, ``max_part_messages`` recorded messages) is rejected before
 anything else is looked at; when its sender is a member of the running snapshot, the snapshot can
-never be whole and is aborted at once.
+never be whole and is aborted at once. So is a part holding a string over its maximum (a process
+id, a task, a counter's or an attribute's name, an attribute's text: :data:`~stablewatch.v1.bounds.MAX_ID_BYTES`
+and the rest, ``name_too_long``), found where the checks first read each string, before anything
+quotes it; an id or a name with a control character is ``malformed``. A rejection quotes at most a
+prefix of anything the part holds.
 """
 
 from __future__ import annotations
@@ -33,15 +37,27 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from google.protobuf.struct_pb2 import Struct
+
 from stablewatch.v1 import (
     AckPosition,
     ChannelSnapshot,
+    EntryExtras,
     GlobalSnapshot,
     InboundChannelState,
     LocalSnapshotPart,
     LocalState,
     ProcessSnapshot,
     RecordedMessage,
+)
+from stablewatch.v1.bounds import (
+    MAX_ID_BYTES,
+    MAX_NAME_BYTES,
+    MAX_TASK_BYTES,
+    MAX_TEXT_BYTES,
+    has_control_character,
+    quoted_prefix,
+    too_long,
 )
 
 __all__ = [
@@ -56,7 +72,7 @@ __all__ = [
 
 #: Every reason a part can be rejected for (bounded: safe as a metric label).
 REJECTION_REASONS = (
-    "malformed",  # missing ids, a channel to itself, a channel listed twice, a channel's m changed
+    "malformed",  # missing ids, a channel to itself or listed twice, a channel's m changed, a control character
     "unknown_snapshot",  # no such snapshot was started
     "late",  # the snapshot already completed or was aborted
     "not_member",  # the process is not a member of the snapshot
@@ -65,6 +81,7 @@ REJECTION_REASONS = (
     "inconsistent_counts",  # m + len(recorded) != n on some channel: the cut is not consistent
     "too_large",  # the part is larger than max_part_bytes
     "too_many_messages",  # the part records more than max_part_messages messages
+    "name_too_long",  # an id, task or name over its maximum (stablewatch.v1.bounds), or an attribute's text
 )
 
 # How many finished snapshot ids are remembered to tell "late" from "unknown".
@@ -356,11 +373,14 @@ class Assembler:
         self, part: LocalSnapshotPart, sender: str | None
     ) -> tuple[_Pending, list[tuple[str, int, AckPosition | None]]]:
         """The running snapshot ``part`` belongs to, and its outbound counts (dst, n, ack position),
-        after every check on the part's process and counts."""
+        after every check on the part's process, its state's strings and its counts. Each string is
+        checked (:func:`_text_problem`) before anything quotes it."""
         snapshot_id, process = part.snapshot_id, part.process_id
         where = _Where(part)
         if not process:
             raise PartRejected("malformed", f"{where}: process_id is empty")
+        if (problem := _text_problem(process, MAX_ID_BYTES)) is not None:
+            raise self._bad_text(None, where, "process id", process, problem)  # never a member's
         if sender is not None and sender != process:
             raise PartRejected("spoofed", f"{where} arrived on the stream of {sender}")
         pending = self._pending.get(snapshot_id)
@@ -370,8 +390,11 @@ class Assembler:
             raise PartRejected(reason, f"{where}: snapshot {snapshot_id} is {state}")
         if process not in pending.members:
             raise PartRejected("not_member", f"{where}: {process} is not a member of snapshot {snapshot_id}")
-        if part.HasField("state") and process in pending.states:
-            raise PartRejected("duplicate_part", f"{where}: its state was already reported")
+        if part.HasField("state"):
+            if process in pending.states:
+                raise PartRejected("duplicate_part", f"{where}: its state was already reported")
+            if (found := _state_problem(part.state)) is not None:
+                raise self._bad_text(pending, where, *found)
         links, recorded = pending.links, process in pending.states
         counts: list[tuple[str, int, AckPosition | None]] = []
         dsts: set[str] = set()
@@ -379,6 +402,8 @@ class Assembler:
             dst = count.dst
             if not dst or dst == process:
                 raise PartRejected("malformed", f"{where}: an outbound channel has no peer or is to itself")
+            if (problem := _text_problem(dst, MAX_ID_BYTES)) is not None:
+                raise self._bad_text(pending, where, "process id", dst, problem)
             if dst in dsts:
                 raise PartRejected("malformed", f"{where}: an outbound channel is listed twice")
             dsts.add(dst)
@@ -392,13 +417,12 @@ class Assembler:
             counts.append((dst, n, count.ack_seen if count.HasField("ack_seen") else None))
         return pending, counts
 
-    @staticmethod
     def _check_pieces(
-        pending: _Pending, part: LocalSnapshotPart
+        self, pending: _Pending, part: LocalSnapshotPart
     ) -> list[tuple[str, InboundChannelState, int, int, bool]]:
         """The inbound channels ``part`` reports (src, piece, m, messages, open), checked against
         what came before, touching nothing: a channel continues only after an open piece, with the
-        same m."""
+        same m. The strings of its recorded messages are checked too."""
         process = part.process_id
         where = _Where(part)
         members = pending.members
@@ -409,13 +433,19 @@ class Assembler:
             src = piece.src
             if not src or src == process:
                 raise PartRejected("malformed", f"{where}: an inbound channel has no peer or is to itself")
+            if (problem := _text_problem(src, MAX_ID_BYTES)) is not None:
+                raise self._bad_text(pending, where, "process id", src, problem)
             payloads = len(piece.payloads)
-            if payloads or piece.run_lengths or piece.run_starts or piece.extras:
+            extras = piece.extras
+            if payloads or piece.run_lengths or piece.run_starts or extras:
                 problem = _column_problem(piece)
                 if problem is not None:
                     raise PartRejected("malformed", f"{where}: channel {src}->{process} {problem}")
+            messages = piece.messages
+            if (messages or extras) and (found := _message_problem(messages, extras)) is not None:
+                raise self._bad_text(pending, where, *found)
             m, still_open = piece.received_before_recording, piece.open
-            pieces.append((src, piece, m, len(piece.messages) + payloads, still_open))
+            pieces.append((src, piece, m, len(messages) + payloads, still_open))
             if src not in members:
                 continue
             end = ends.get(src)
@@ -436,6 +466,18 @@ class Assembler:
             ends[src] = (first_m, still_open, True)
         return pieces
 
+    def _bad_text(
+        self, pending: _Pending | None, where: _Where, what: str, text: str, problem: tuple[str, str]
+    ) -> PartRejected:
+        """The rejection of a part holding ``text`` (a ``what``) with ``problem`` (a reason and what is
+        wrong); a string over its maximum aborts ``pending``, which can never be whole then."""
+        reason, wrong = problem
+        detail = f"{where}: the {what} {quoted_prefix(text)} {wrong}"
+        if reason == "malformed" or pending is None:  # as every malformed part: the snapshot goes on
+            return PartRejected(reason, detail)
+        aborted = self.abort(pending.snapshot_id, f"{detail}: the snapshot cannot be whole")
+        return PartRejected(reason, detail, aborted=aborted)
+
     def _remember_finished(self, snapshot_id: int) -> None:
         if snapshot_id in self._finished:
             return
@@ -454,9 +496,110 @@ class _Where:
         self.part, self.sender = part, sender
 
     def __str__(self) -> str:
-        return (
-            f"part of snapshot {self.part.snapshot_id} from {self.sender or self.part.process_id or '<no process id>'}"
-        )
+        process = self.sender or self.part.process_id
+        if not process:
+            process = "<no process id>"
+        elif too_long(process, MAX_ID_BYTES) or has_control_character(process):
+            process = quoted_prefix(process)  # not checked yet: the part itself may be the culprit
+        return f"part of snapshot {self.part.snapshot_id} from {process}"
+
+
+def _text_problem(text: str, limit: int) -> tuple[str, str] | None:
+    """What is wrong with an id or a name of at most ``limit`` bytes, as (rejection reason, what is
+    wrong): ``name_too_long`` when it is longer, ``malformed`` when it holds a control character.
+    None for the usual short printable one, told in two C calls."""
+    if len(text) * 4 <= limit and text.isprintable():
+        return None
+    if too_long(text, limit):
+        return "name_too_long", f"is longer than {limit} bytes"
+    if has_control_character(text):
+        return "malformed", "holds a control character"
+    return None
+
+
+def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None:
+    """The first string of ``state`` that is not acceptable, as (what it is, the string, the
+    problem): a wait's task or target, a counter's or an attribute's name, an attribute's text.
+
+    Every part with a state passes here: its ids and names are looked at all at once (two C
+    calls), and one by one only when one of them may be long or is not printable.
+    """
+    ids: list[str] = []
+    tasks: list[str] = []
+    for wait in state.waits:
+        tasks.append(wait.task)
+        for target in wait.targets:
+            ids.append(target.process)
+            tasks.append(target.task)
+    names = list(state.counters)
+    attributes = state.attributes if state.HasField("attributes") else None
+    if attributes is not None:
+        names.extend(attributes.fields)
+    every = [*ids, *tasks, *names]
+    # MAX_ID_BYTES and MAX_NAME_BYTES are the smallest maxima: no string a quarter as long is over one.
+    if every and (max(map(len, every)) * 4 > MAX_ID_BYTES or not "".join(every).isprintable()):
+        for what, strings, limit in (
+            ("process id", ids, MAX_ID_BYTES),
+            ("task", tasks, MAX_TASK_BYTES),
+            ("counter or attribute name", names, MAX_NAME_BYTES),
+        ):
+            for text in strings:
+                if (problem := _text_problem(text, limit)) is not None:
+                    return what, text, problem
+    # Below MAX_TEXT_BYTES in all, the attributes hold no string over it.
+    if attributes is not None and attributes.ByteSize() > MAX_TEXT_BYTES:
+        text = _long_text(attributes)
+        if text is not None:
+            return "attribute text", text, ("name_too_long", f"is longer than {MAX_TEXT_BYTES} bytes")
+    return None
+
+
+def _message_problem(
+    messages: Iterable[RecordedMessage], extras: Iterable[EntryExtras]
+) -> tuple[str, str, tuple[str, str]] | None:
+    """The first unacceptable string of recorded messages (the task one wakes, its counters' names)
+    or of column extras (counters' names), as :func:`_state_problem` gives one.
+
+    One pass over the messages gathers their strings; they are looked at one by one only when
+    one of them may be long or is not printable (as in :func:`_state_problem`).
+    """
+    tasks: list[str] = []
+    names: list[str] = []
+    for message in messages:
+        tasks.append(message.wakes_task)
+        counters = message.counters
+        if counters:
+            names.extend(counters)
+    for extra in extras:
+        names.extend(extra.counters)
+    every = [*tasks, *names]
+    if every and (max(map(len, every)) * 4 > MAX_NAME_BYTES or not "".join(every).isprintable()):
+        for what, strings, limit in (("task", tasks, MAX_TASK_BYTES), ("counter name", names, MAX_NAME_BYTES)):
+            for text in strings:
+                if (problem := _text_problem(text, limit)) is not None:
+                    return what, text, problem
+    return None
+
+
+def _long_text(attributes: Struct) -> str | None:
+    """A string below the names of ``attributes`` (a value, or a key of a struct inside one) over
+    :data:`~stablewatch.v1.bounds.MAX_TEXT_BYTES`, if any."""
+    values = list(attributes.fields.values())
+    while values:
+        value = values.pop()
+        kind = value.WhichOneof("kind")
+        if kind == "string_value":
+            if too_long(value.string_value, MAX_TEXT_BYTES):
+                return value.string_value
+        elif kind == "struct_value":
+            fields = value.struct_value.fields
+            for key in fields:
+                if too_long(key, MAX_TEXT_BYTES):
+                    return key
+            values.extend(fields.values())
+        elif kind == "list_value":
+            values.extend(value.list_value.values)
+    return None
 
 
 def recorded_count(piece: InboundChannelState) -> int:

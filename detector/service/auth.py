@@ -5,7 +5,8 @@ by that CA, and the certificate's URI subject alternative names say what its hol
 
 * ``stablewatch://process/<id>`` — attach as agent ``<id>`` on the control stream (the id is
   percent-encoded; :func:`stablewatch.agents.tls.process_uri`). Parts are then accepted only for
-  that process, on its own stream.
+  that process, on its own stream. A certificate that names no process cannot open a control
+  stream at all: it is refused before the stream takes one of the detector's slots.
 * ``stablewatch://role/reader`` — read: latest results, snapshots, wait-for graphs, members, the
   watch stream, and server reflection.
 * ``stablewatch://role/operator`` — read, and trigger snapshots (``TriggerSnapshot``).
@@ -26,10 +27,12 @@ import enum
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import unquote
 
 import grpc
 
 from stablewatch.agents.tls import PROCESS_URI_PREFIX, peer_process_ids, peer_uris, process_uri
+from stablewatch.detector.service.limits import quoted_prefix
 
 __all__ = [
     "METHOD_PERMISSIONS",
@@ -39,6 +42,7 @@ __all__ = [
     "Authorizer",
     "Denied",
     "Permission",
+    "peer_identity",
     "role_uri",
 ]
 
@@ -86,6 +90,24 @@ def role_uri(role: str) -> str:
     return ROLE_URI_PREFIX + role
 
 
+def peer_identity(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling, for limits per client: the client certificate (its subject and sorted
+    subject alternative names) under mutual TLS, else the peer's address without its port.
+
+    Certificates with the same subject and names are one identity (a renewed certificate stays
+    the same client); without one, each host is one identity, whatever port it calls from.
+    """
+    auth = context.auth_context()
+    if auth.get("x509_pem_cert"):
+        subject = b"".join(auth.get("x509_subject", ())).decode(errors="replace")
+        names = sorted(name.decode(errors="replace") for name in auth.get("x509_subject_alternative_name", ()))
+        return f"certificate {subject} [{', '.join(names)}]"
+    kind, _, address = context.peer().partition(":")
+    if kind in ("ipv4", "ipv6"):
+        address = unquote(address.rsplit(":", 1)[0])  # ipv4:127.0.0.1:54321, ipv6:%5B::1%5D:54321
+    return f"address {address or context.peer()}"
+
+
 class Denied(Exception):
     """A call or registration is refused: ``code`` for the client, ``reason`` for the metric."""
 
@@ -118,12 +140,28 @@ class Authorizer:
         if any(permission in ROLES.get(role, ()) for role in roles):
             return
         needs = " or ".join(role_uri(role) for role, granted in ROLES.items() if permission in granted)
-        shown = ", ".join(roles) or "none"
+        shown = quoted_prefix(", ".join(roles), 128) if roles else "none"
         raise Denied(
             grpc.StatusCode.PERMISSION_DENIED,
             "permission_denied",
             f"{method} needs a client certificate with the URI SAN {needs} (its roles: {shown})",
         )
+
+    def check_agent(self, context: grpc.aio.ServicerContext) -> None:
+        """Raise :class:`Denied` unless the peer may attach as some process: under mutual TLS, its
+        certificate must name one. Checked before a control stream takes a slot or is read."""
+        allowed = peer_process_ids(context)
+        if allowed is None:
+            if self.required:
+                raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "an agent needs a client certificate")
+            return
+        if not allowed:
+            raise Denied(
+                grpc.StatusCode.PERMISSION_DENIED,
+                "permission_denied",
+                f"an agent's client certificate must carry a URI SAN {PROCESS_URI_PREFIX}<id>; this one names "
+                "no process",
+            )
 
     def check_process(self, context: grpc.aio.ServicerContext, process_id: str) -> None:
         """Raise :class:`Denied` unless the peer may register as ``process_id``."""
@@ -133,12 +171,13 @@ class Authorizer:
                 raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", "an agent needs a client certificate")
             return
         if process_id not in allowed:
-            named = ", ".join(sorted(allowed)) or f"no process (no {PROCESS_URI_PREFIX}<id> URI SAN)"
+            # Every quote is a prefix: the refusal's size does not grow with the id or the certificate.
+            named = quoted_prefix(", ".join(sorted(allowed)), 128) if allowed else "no process"
             raise Denied(
                 grpc.StatusCode.PERMISSION_DENIED,
                 "identity_mismatch",
-                f"process id {process_id!r} is not in the client certificate, which names {named}; "
-                f"an agent's certificate must carry the URI SAN {process_uri(process_id)}",
+                f"process id {quoted_prefix(process_id)} is not in the client certificate, which names {named}; "
+                f"an agent's certificate must carry the URI SAN {quoted_prefix(process_uri(process_id), 128)}",
             )
 
 

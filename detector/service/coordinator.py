@@ -26,12 +26,15 @@ members report towards it. For every accepted part from q, each ``OutboundCount(
 such a member is forwarded to p as a ``ChannelTarget`` (with q's registered incarnation and the
 count's session), so that p can report its end of the channel once ``m + recorded == n``.
 
-Who may attach: with an :class:`~.auth.Authorizer` (mutual TLS), the registered process id must be
-one the agent's certificate names, or the stream ends with PERMISSION_DENIED; parts are then taken
-only for that process (the assembler rejects a part naming another as ``spoofed``). The
-:class:`~.limits.Limits` bound the streams open, the agents attached, the time to register and the
-size of each part. Every refused stream is reported to ``on_refused`` with a reason from
-:data:`~.limits.REFUSAL_REASONS`.
+Who may attach: with an :class:`~.auth.Authorizer` (mutual TLS), a certificate that names no
+process is refused before its stream takes a slot, and the registered process id must be one the
+agent's certificate names, or the stream ends with PERMISSION_DENIED; parts are then taken only for
+that process (the assembler rejects a part naming another as ``spoofed``). A Register whose process
+id is empty, too long or holds a control character ends with INVALID_ARGUMENT before anything
+quotes it, and every refusal quotes at most a prefix of what the agent sent. The
+:class:`~.limits.Limits` bound the streams open, those one identity holds before they register,
+the agents attached, the time to register and the size of each part. Every refused stream is
+reported to ``on_refused`` with a reason from :data:`~.limits.REFUSAL_REASONS`.
 """
 
 from __future__ import annotations
@@ -46,8 +49,16 @@ from typing import NoReturn
 import grpc
 
 from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected, recorded_count
-from stablewatch.detector.service.auth import Authorizer, Denied
-from stablewatch.detector.service.limits import Limits
+from stablewatch.detector.service.auth import Authorizer, Denied, peer_identity
+from stablewatch.detector.service.limits import (
+    MAX_ADDRESS_BYTES,
+    MAX_ID_BYTES,
+    MAX_NAME_BYTES,
+    Limits,
+    has_control_character,
+    quoted_prefix,
+    too_long,
+)
 from stablewatch.v1 import (
     AgentMessage,
     DetectorMessage,
@@ -56,6 +67,7 @@ from stablewatch.v1 import (
     control_pb2,
     control_pb2_grpc,
 )
+from stablewatch.v1.bounds import process_id_problem
 
 __all__ = ["ABORT_KINDS", "ENDED_NOTICE_DELAY", "Coordinator", "Member", "NoAgents", "SnapshotAborted"]
 
@@ -66,14 +78,21 @@ ABORT_KINDS = (
     "member_detached",
     "member_failed",
     "inconsistent",
-    "part_too_large",  # a member's part was over the detector's size bounds
+    "part_too_large",  # a member's part was over the detector's size bounds (its bytes, messages or a string)
     "no_members",
     "shutdown",
 )
 #: Seconds the news that a snapshot ended waits for a start to ride on before it goes on its own.
 ENDED_NOTICE_DELAY = 0.1
+# The most a valid Register takes, encoded: its three strings at their maxima, with room for the tags,
+# lengths and numbers.
+_MAX_REGISTER_BYTES = MAX_ID_BYTES + MAX_ADDRESS_BYTES + MAX_NAME_BYTES + 64
 # The abort kind of a snapshot that a rejected part aborted, by the part's rejection reason.
-_ABORT_KIND_OF_REJECTION = {"too_large": "part_too_large", "too_many_messages": "part_too_large"}
+_ABORT_KIND_OF_REJECTION = {
+    "too_large": "part_too_large",
+    "too_many_messages": "part_too_large",
+    "name_too_long": "part_too_large",
+}
 
 
 class NoAgents(Exception):
@@ -146,6 +165,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self.limits = limits or Limits()
         self._authorizer = authorizer
         self._streams = 0  # control streams open, registered or not
+        self._unregistered: dict[str, int] = {}  # control streams open and not registered yet, per identity
         self._assembler = Assembler(
             max_part_bytes=self.limits.max_part_bytes, max_part_messages=self.limits.max_part_messages
         )
@@ -240,6 +260,12 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         """Control streams open now, registered or not (bounded by ``limits.max_control_streams``)."""
         return self._streams
 
+    @property
+    def unregistered_streams(self) -> int:
+        """Control streams open now that have not registered yet (each identity holds at most
+        ``limits.max_unregistered_per_identity``)."""
+        return sum(self._unregistered.values())
+
     async def ping_all(self, timeout: float) -> float:
         """Send a no-op to every member and wait for every reply: the broadcast round trip, in seconds."""
         members = list(self.members.values())
@@ -278,7 +304,27 @@ class Coordinator(control_pb2_grpc.ControlServicer):
     async def Attach(
         self, request_iterator: AsyncIterator[AgentMessage], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[DetectorMessage]:
-        """One agent's control stream: registration first, then parts, failures, heartbeats, pongs."""
+        """One agent's control stream: registration first, then parts, failures, heartbeats, pongs.
+
+        Who may attach is checked before the stream takes a slot, and one identity holds at most
+        ``limits.max_unregistered_per_identity`` streams that have not registered yet: a client
+        that opens streams and never registers cannot lock the agents out.
+        """
+        if self._authorizer is not None:
+            try:
+                self._authorizer.check_agent(context)
+            except Denied as denied:
+                await self._refuse(context, denied.code, denied.reason, str(denied))
+        identity = peer_identity(context)
+        waiting = self._unregistered.get(identity, 0)
+        if waiting >= self.limits.max_unregistered_per_identity:
+            await self._refuse(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "too_many_unregistered",
+                f"{quoted_prefix(identity, 128)} has {waiting} control streams open that have not registered, "
+                "the most one client may",
+            )
         if self._streams >= self.limits.max_control_streams:
             await self._refuse(
                 context,
@@ -287,8 +333,15 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 f"the detector has {self._streams} control streams open, its limit",
             )
         self._streams += 1
+        self._unregistered[identity] = waiting + 1
         try:
-            member = await self._register(request_iterator, context)
+            try:
+                member = await self._register(request_iterator, context)
+            finally:
+                if self._unregistered[identity] == 1:
+                    del self._unregistered[identity]
+                else:
+                    self._unregistered[identity] -= 1
             if isinstance(member, control_pb2.Refused):
                 yield DetectorMessage(refused=member)
                 return
@@ -306,24 +359,28 @@ class Coordinator(control_pb2_grpc.ControlServicer):
 
         An id attached already is refused with a message, not a status: the agent retries, as the
         stream holding it may be one of its own that is dying. Every other refusal ends the stream.
+        The Register's strings are checked before anything quotes them (:func:`_register_problem`).
         """
         try:
             first = await asyncio.wait_for(anext(aiter(request_iterator), None), self.limits.register_timeout)
         except TimeoutError:
             timeout = f"no Register within {self.limits.register_timeout:g} s"
             await self._refuse(context, grpc.StatusCode.DEADLINE_EXCEEDED, "no_register", timeout)
-        if first is None or first.WhichOneof("kind") != "register" or not first.register.process_id:
+        if first is None or first.WhichOneof("kind") != "register":
             await self._refuse(
                 context, grpc.StatusCode.INVALID_ARGUMENT, "no_register", "the first message must be a Register"
             )
         register = first.register
+        problem = _register_problem(register)
+        if problem is not None:
+            await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_register", problem)
         if self._authorizer is not None:
             try:
                 self._authorizer.check_process(context, register.process_id)
             except Denied as denied:
                 await self._refuse(context, denied.code, denied.reason, str(denied))
         if self._attached(register.process_id) is not None:
-            reason = f"process id {register.process_id} is already attached"
+            reason = f"process id {quoted_prefix(register.process_id)} is already attached"
             self._on_refused("already_attached", reason)
             return control_pb2.Refused(reason=reason)
         attached = len(self.members) + len(self.joining)
@@ -332,7 +389,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 "too_many_agents",
-                f"{attached} agents are attached, the detector's limit; {register.process_id} is refused",
+                f"{attached} agents are attached, the detector's limit; "
+                f"{quoted_prefix(register.process_id)} is refused",
             )
         now = time.time()
         member = Member(register.process_id, register.address, register.incarnation, now, now, register.rpc_mode)
@@ -388,7 +446,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 failure = message.failure
                 running = self._running.get(failure.snapshot_id)
                 if running is not None and member.process_id in running.members:
-                    reason = f"process {member.process_id} failed: {failure.reason}"
+                    reason = f"process {member.process_id} failed: {quoted_prefix(failure.reason, 256)}"
                     self.abort(failure.snapshot_id, reason, "member_failed")
             elif kind == "pong":
                 waiter = member.pongs.get(message.pong.nonce)
@@ -482,6 +540,34 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         for snapshot_id, running in list(self._running.items()):
             if member.process_id in running.members:
                 self.abort(snapshot_id, f"member {member.process_id} detached", "member_detached")
+
+
+def _register_problem(register: control_pb2.Register) -> str | None:
+    """What makes ``register`` unacceptable, quoting a prefix of the culprit; None when nothing does.
+
+    A process id is malformed when it is empty, over :data:`~stablewatch.v1.bounds.MAX_ID_BYTES` or holds a
+    control character; an address over :data:`~stablewatch.v1.bounds.MAX_ADDRESS_BYTES` or with a control
+    character, or an agent version over :data:`~stablewatch.v1.bounds.MAX_NAME_BYTES`, is malformed too.
+    """
+    size = register.ByteSize()
+    if size > _MAX_REGISTER_BYTES:  # told from the encoding: a huge id is not copied into a str to be refused
+        return (
+            f"the Register takes {size} bytes, more than a valid one can ({_MAX_REGISTER_BYTES}): its process id "
+            f"(at most {MAX_ID_BYTES} bytes), address ({MAX_ADDRESS_BYTES}) or agent version ({MAX_NAME_BYTES}) "
+            "is too long"
+        )
+    problem = process_id_problem(register.process_id)  # the rule the agents' cores apply to themselves
+    if problem is not None:
+        return f"the Register's {problem}"
+    address = register.address
+    if too_long(address, MAX_ADDRESS_BYTES) or has_control_character(address):
+        return (
+            f"the address {quoted_prefix(address)} is longer than {MAX_ADDRESS_BYTES} bytes or holds a control "
+            "character"
+        )
+    if too_long(register.agent_version, MAX_NAME_BYTES):
+        return f"the agent version {quoted_prefix(register.agent_version)} is longer than {MAX_NAME_BYTES} bytes"
+    return None
 
 
 def _only_empty_channels(part: LocalSnapshotPart) -> bool:

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from stablewatch.agents.tls import server_credentials
@@ -38,7 +38,9 @@ from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselin
 from stablewatch.detector.service.assembly import PartRejected
 from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
-from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket
+from stablewatch.detector.service.health_check import HealthService
+from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket, quoted_prefix
+from stablewatch.detector.service.malformed import MalformedInterceptor
 from stablewatch.detector.service.metrics import DetectorMetrics
 from stablewatch.detector.service.metrics_http import serve_metrics
 from stablewatch.detector.service.query import QueryService
@@ -135,7 +137,7 @@ class Detector:
         self._triggered: set[asyncio.Task[SnapshotResults]] = set()
         self._watch = WatchHub()
         self._latest: SnapshotResults | None = None
-        self._health = health.HealthServicer()
+        self._health = HealthService(self.refused)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -165,8 +167,10 @@ class Detector:
             ("grpc.so_reuseport", 0),  # without this, a second detector could bind the port and split the agents
             ("grpc.max_receive_message_length", config.limits.grpc_max_message),
         ]
-        interceptor = AuthInterceptor(self._authorizer, self.refused)
-        self._server = grpc.aio.server(options=options, interceptors=[interceptor])
+        # The first interceptor wraps the handler the second returns: permissions are checked
+        # before a request that is not protobuf is refused.
+        interceptors = [AuthInterceptor(self._authorizer, self.refused), MalformedInterceptor(self.refused)]
+        self._server = grpc.aio.server(options=options, interceptors=interceptors)
         control_pb2_grpc.add_ControlServicer_to_server(self.coordinator, self._server)
         query_pb2_grpc.add_QueryServicer_to_server(QueryService(self, config.limits), self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -194,7 +198,7 @@ class Detector:
             _log.warning("%s", warning)
         await self._server.start()
         for name in ("", *names[:2]):
-            self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
         if config.metrics_port is not None:
             self._metrics_server = serve_metrics(
                 self.metrics.registry,
@@ -234,7 +238,7 @@ class Detector:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         self._watch.close()
-        self._health.enter_graceful_shutdown()
+        await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self._metrics_server is not None:
@@ -377,16 +381,25 @@ class Detector:
         response.expected_missing.extend(sorted(set(self.config.expected_members) - self.coordinator.members.keys()))
         return response
 
-    def watch(self) -> AsyncIterator[WatchEvent]:
+    def watch(self, identity: str = "this process") -> AsyncIterator[WatchEvent]:
         """The latest results first, then every new result as it is published, until the detector stops.
 
-        Raises :class:`~.limits.LimitExceeded` when the most watch streams the limits allow are open.
+        `identity` is who watches (:func:`~.auth.peer_identity`). Raises :class:`~.limits.LimitExceeded`
+        when `identity` holds as many watch streams as one may, or all the detector allows are open.
         """
-        if self._watch.watchers >= self.config.limits.max_watchers:
+        limits = self.config.limits
+        held = self._watch.watchers_of(identity)
+        if held >= limits.max_watchers_per_identity:
+            raise self._over(
+                "too_many_watchers_for_identity",
+                f"{quoted_prefix(identity, 128)} holds {held} watch streams, the most one client may; "
+                "close one to open another",
+            )
+        if self._watch.watchers >= limits.max_watchers:
             raise self._over(
                 "too_many_watchers", f"{self._watch.watchers} watch streams are open, the detector's limit"
             )
-        return self._watch.subscribe(self._latest)
+        return self._watch.subscribe(self._latest, identity)
 
     # -- callbacks from the coordinator --------------------------------------------------------
 

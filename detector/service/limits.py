@@ -3,10 +3,13 @@
 Every input an agent or a client controls is bounded, so that no one can make the detector crash
 or grow its memory without limit: the size of a part and the messages it records, the agents
 attached and the control streams open, the time a stream may take to register, the query API's
-page size, the watch streams, and how often and how many snapshots clients may trigger. Each
-breach is refused with a reason from :data:`REFUSAL_REASONS` (or, for a part, a rejection reason of
-the assembler) and counted in a metric; the values come from :class:`Limits`, part of the
-detector's configuration.
+page size and tokens, the watch streams (in all and per client), and how often and how many
+snapshots clients may trigger. Each breach is refused with a reason from :data:`REFUSAL_REASONS`
+(or, for a part, a rejection reason of the assembler) and counted in a metric; the values come
+from :class:`Limits`, part of the detector's configuration. The strings an agent sends (process
+ids, tasks, names, addresses) have maxima of their own, fixed by the wire contract
+(:mod:`stablewatch.v1.bounds`, re-exported here), and a refusal quotes at most a short prefix of any of them
+(:func:`quoted_prefix`).
 """
 
 from __future__ import annotations
@@ -15,7 +18,32 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-__all__ = ["REFUSAL_REASONS", "LimitExceeded", "Limits", "TokenBucket", "parse_rate"]
+from stablewatch.v1.bounds import (
+    MAX_ADDRESS_BYTES,
+    MAX_ID_BYTES,
+    MAX_NAME_BYTES,
+    MAX_TASK_BYTES,
+    MAX_TEXT_BYTES,
+    has_control_character,
+    quoted_prefix,
+    too_long,
+)
+
+__all__ = [
+    "MAX_ADDRESS_BYTES",
+    "MAX_ID_BYTES",
+    "MAX_NAME_BYTES",
+    "MAX_TASK_BYTES",
+    "MAX_TEXT_BYTES",
+    "REFUSAL_REASONS",
+    "LimitExceeded",
+    "Limits",
+    "TokenBucket",
+    "has_control_character",
+    "parse_rate",
+    "quoted_prefix",
+    "too_long",
+]
 
 #: Why the detector refused a stream or a call (bounded: safe as a metric label).
 REFUSAL_REASONS = (
@@ -23,13 +51,17 @@ REFUSAL_REASONS = (
     "already_attached",  # that process id is attached through another stream
     "too_many_agents",  # Limits.max_agents are attached
     "too_many_streams",  # Limits.max_control_streams control streams are open
+    "too_many_unregistered",  # the caller holds Limits.max_unregistered_per_identity unregistered streams
     "no_register",  # a control stream did not begin with a Register in time
+    "bad_register",  # a Register's process id or address is empty, too long or holds a control character
     "unauthenticated",  # a call without a client certificate where one is required
     "permission_denied",  # a certificate without the role the call needs
     "rate_limited",  # TriggerSnapshot beyond Limits.trigger_rate
     "too_many_triggers",  # Limits.max_running_triggers triggered snapshots are running
     "too_many_watchers",  # Limits.max_watchers watch streams are open
-    "bad_request",  # a query over a bound: page size, expected members
+    "too_many_watchers_for_identity",  # the caller holds Limits.max_watchers_per_identity watch streams
+    "bad_request",  # a query over a bound: page size or token, expected members
+    "malformed",  # a request message that is not protobuf (detector.service.malformed)
 )
 
 
@@ -52,9 +84,16 @@ class Limits:
     max_part_messages: int = 100_000
     max_agents: int = 10_000  # attached at once
     max_control_streams: int = 10_240  # open at once, registered or not
-    register_timeout: float = 10.0  # seconds a new control stream has to send its Register
+    #: Control streams one identity (a client certificate; without one, a peer address) holds open
+    #: before they register: one client cannot take the slots of ``max_control_streams`` from others.
+    max_unregistered_per_identity: int = 8
+    #: Seconds a new control stream has to send its Register (an agent sends it first thing).
+    register_timeout: float = 2.0
     max_page_size: int = 1000  # ListSnapshots
     max_watchers: int = 100  # Watch streams open at once
+    #: Watch streams one identity (a client certificate; without one, a peer address) holds at once;
+    #: below ``max_watchers``, so that one client holding its share never locks the others out.
+    max_watchers_per_identity: int = 10
     #: TriggerSnapshot: at most ``count`` calls per ``seconds`` (a burst of ``count``); None: no limit.
     trigger_rate: tuple[int, float] | None = (10, 1.0)
     max_running_triggers: int = 4  # triggered snapshots running at once
@@ -65,12 +104,19 @@ class Limits:
             "max_part_messages",
             "max_agents",
             "max_control_streams",
+            "max_unregistered_per_identity",
             "max_page_size",
             "max_watchers",
+            "max_watchers_per_identity",
             "max_running_triggers",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"Limits.{name} must be at least 1, not {getattr(self, name)}")
+        if self.max_watchers_per_identity >= self.max_watchers:
+            raise ValueError(
+                f"Limits.max_watchers_per_identity ({self.max_watchers_per_identity}) must be below max_watchers "
+                f"({self.max_watchers}), or one identity could take every watch stream"
+            )
         if self.register_timeout <= 0:
             raise ValueError(f"Limits.register_timeout must be above 0, not {self.register_timeout}")
         if self.trigger_rate is not None:

@@ -4,10 +4,12 @@ It only translates: results and wait-for graphs are read as the detector stored 
 recomputed. The detector is any object with the small :class:`QueryBackend` interface.
 
 Errors carry standard status codes with a message: NOT_FOUND for an unknown snapshot,
-INVALID_ARGUMENT for a bad request (a page size or a list over the detector's limits among them),
-FAILED_PRECONDITION when no agent is attached or a snapshot has no state to show (aborted), and
-RESOURCE_EXHAUSTED over a limit of the detector (the trigger rate, running triggers, watchers).
-Who may call what is decided before a call gets here (:mod:`~.auth`).
+INVALID_ARGUMENT for a bad request (a page size, a page token or a list over the detector's
+limits among them), FAILED_PRECONDITION when no agent is attached or a snapshot has no state to
+show (aborted), and RESOURCE_EXHAUSTED over a limit of the detector (the trigger rate, running
+triggers, watchers in all and per client). Every string a client sends is bounded and checked
+before it is used, and a refusal quotes at most a short prefix of it. Who may call what is
+decided before a call gets here (:mod:`~.auth`).
 """
 
 from __future__ import annotations
@@ -17,16 +19,28 @@ from typing import NoReturn, Protocol
 
 import grpc
 
+from stablewatch.detector.service.auth import peer_identity
 from stablewatch.detector.service.coordinator import NoAgents
-from stablewatch.detector.service.limits import LimitExceeded, Limits
+from stablewatch.detector.service.limits import (
+    MAX_ID_BYTES,
+    LimitExceeded,
+    Limits,
+    has_control_character,
+    quoted_prefix,
+    too_long,
+)
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
 
-__all__ = ["QueryBackend", "QueryService", "outcome_name"]
+__all__ = ["MAX_PAGE_TOKEN_LENGTH", "QueryBackend", "QueryService", "outcome_name", "parse_page_token"]
 
 DEFAULT_PAGE_SIZE = 50
 MAX_TRIGGER_TIMEOUT_MS = 10 * 60 * 1000
+#: A page token is a snapshot id in ASCII decimal digits: at most this many (the digits of the
+#: largest int64, which bounds every id), never more than that value.
+MAX_PAGE_TOKEN_LENGTH = 19
+_MAX_SNAPSHOT_ID = 2**63 - 1
 
 
 async def _fail(context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
@@ -48,8 +62,8 @@ class QueryBackend(Protocol):
 
     def members(self) -> query_pb2.ListMembersResponse: ...
 
-    def watch(self) -> AsyncIterator[WatchEvent]:
-        """May raise LimitExceeded."""
+    def watch(self, identity: str) -> AsyncIterator[WatchEvent]:
+        """Watch as `identity` (:func:`~.auth.peer_identity`); may raise LimitExceeded."""
         ...
 
     def refused(self, reason: str, detail: str) -> None:
@@ -83,9 +97,10 @@ class QueryService(query_pb2_grpc.QueryServicer):
         page_size = request.page_size or min(DEFAULT_PAGE_SIZE, limit)
         before = None
         if request.page_token:
-            if not request.page_token.isdigit():
-                await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, f"bad page_token {request.page_token!r}")
-            before = int(request.page_token)
+            try:
+                before = parse_page_token(request.page_token)
+            except ValueError as error:
+                await self._bad_request(context, str(error))
         page = self._detector.store.list(page_size + 1, before)
         response = query_pb2.ListSnapshotsResponse(snapshots=page[:page_size])
         if len(page) > page_size:
@@ -108,14 +123,18 @@ class QueryService(query_pb2_grpc.QueryServicer):
 
     async def TriggerSnapshot(self, request, context) -> SnapshotResults:
         if request.timeout_ms > MAX_TRIGGER_TIMEOUT_MS:
-            await _fail(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_ms must be at most {MAX_TRIGGER_TIMEOUT_MS}"
-            )
-        if any(not name for name in request.expected_members):
-            await _fail(context, grpc.StatusCode.INVALID_ARGUMENT, "expected_members holds an empty process id")
+            await self._bad_request(context, f"timeout_ms must be at most {MAX_TRIGGER_TIMEOUT_MS}")
         if len(request.expected_members) > self._limits.max_agents:
             count, limit = len(request.expected_members), self._limits.max_agents
             await self._bad_request(context, f"expected_members names {count} processes, above the limit of {limit}")
+        for index, name in enumerate(request.expected_members):
+            # The same rules as a Register's process id: any other name could never attach.
+            if not name or too_long(name, MAX_ID_BYTES) or has_control_character(name):
+                await self._bad_request(
+                    context,
+                    f"expected_members[{index}] must be a process id of 1 to {MAX_ID_BYTES} bytes without control "
+                    f"characters, not {quoted_prefix(name)}",
+                )
         try:
             return await self._detector.trigger(request.timeout_ms / 1000 or None, request.expected_members)
         except NoAgents as error:
@@ -128,7 +147,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
 
     async def Watch(self, request, context) -> AsyncIterator[WatchEvent]:
         try:
-            events = self._detector.watch()
+            events = self._detector.watch(peer_identity(context))
         except LimitExceeded as error:
             await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         async for event in events:
@@ -156,6 +175,18 @@ class QueryService(query_pb2_grpc.QueryServicer):
         reason = f": {summary.abort_reason}" if summary.abort_reason else ""
         message = f"snapshot {snapshot_id} is {outcome_name(summary.outcome)}{reason}"
         await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, message)
+
+
+def parse_page_token(token: str) -> int:
+    """The snapshot id a page token names: ASCII digits, at most :data:`MAX_PAGE_TOKEN_LENGTH`,
+    within int64. Raises ValueError saying so otherwise, quoting at most a short prefix of it."""
+    # Length first: int() of a long string costs time, and str.isdigit() takes "²" and other digits.
+    if len(token) > MAX_PAGE_TOKEN_LENGTH or not (token.isascii() and token.isdigit()) or int(token) > _MAX_SNAPSHOT_ID:
+        raise ValueError(
+            f"page_token must be the next_page_token of an earlier page (ASCII digits, at most "
+            f"{MAX_PAGE_TOKEN_LENGTH}, within int64), not {quoted_prefix(token, 32)}"
+        )
+    return int(token)
 
 
 def outcome_name(outcome: int) -> str:

@@ -1,8 +1,9 @@
 """The watch stream's fan-out: every published result goes to every watcher, with what changed.
 
 A watcher that falls :data:`QUEUE_LIMIT` events behind is cut off (its stream ends) rather than
-letting the detector's memory grow. A predicate's value is one of true, false and unknown; a
-change from any of them to another is a change.
+letting the detector's memory grow. Each watcher belongs to an identity (who opened it), so that
+the detector can bound the streams one client holds. A predicate's value is one of true, false and
+unknown; a change from any of them to another is a change.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ class WatchHub:
     """Publishes results to watchers and remembers each predicate's last value."""
 
     def __init__(self, last: SnapshotResults | None = None) -> None:
-        self._watchers: set[asyncio.Queue[WatchEvent | None]] = set()
+        self._watchers: dict[asyncio.Queue[WatchEvent | None], str] = {}  # queue -> its identity
         self._last: dict[str, tuple[bool, bool]] = {}  # name -> (holds, unknown)
         if last is not None:
             self._last = {r.name: (r.holds, r.unknown) for r in last.results}
@@ -31,6 +32,10 @@ class WatchHub:
     def watchers(self) -> int:
         """Watch streams open now."""
         return len(self._watchers)
+
+    def watchers_of(self, identity: str) -> int:
+        """Watch streams `identity` holds open now (a scan: there are at most ``max_watchers``)."""
+        return sum(1 for owner in self._watchers.values() if owner == identity)
 
     def changes(self, results: Sequence[PredicateResult]) -> list[PredicateChange]:
         """The predicates whose value `results` change, and remember the new values."""
@@ -59,24 +64,25 @@ class WatchHub:
             try:
                 queue.put_nowait(event)
             except asyncio.QueueFull:
-                self._watchers.discard(queue)
+                del self._watchers[queue]
                 _end(queue)
 
-    async def subscribe(self, current: SnapshotResults | None = None) -> AsyncIterator[WatchEvent]:
+    async def subscribe(self, current: SnapshotResults | None = None, identity: str = "") -> AsyncIterator[WatchEvent]:
         """`current` first (every value in it marked ``first``), then every event published from
-        now on, until :meth:`close`: a watcher sees the present state at once, not only changes."""
+        now on, until :meth:`close`: a watcher sees the present state at once, not only changes.
+        The stream counts for `identity` (:meth:`watchers_of`) from its first step to its end."""
         queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue(QUEUE_LIMIT)
         if current is not None:
             values = [
                 PredicateChange(name=r.name, holds=r.holds, unknown=r.unknown, first=True) for r in current.results
             ]
             queue.put_nowait(WatchEvent(results=current, changes=values, snapshot_id=current.snapshot.snapshot_id))
-        self._watchers.add(queue)
+        self._watchers[queue] = identity
         try:
             while (event := await queue.get()) is not None:
                 yield event
         finally:
-            self._watchers.discard(queue)
+            self._watchers.pop(queue, None)
 
     def close(self) -> None:
         """End every watch stream."""

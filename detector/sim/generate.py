@@ -3,7 +3,8 @@
 :func:`random_trace` draws a topology (a ring, so every marker reaches every process, plus random
 links) and a script of sends, snapshots and ticks from one seed. Every send is covered by what
 its sender still holds of its initial balance, so the script is valid whatever the delays.
-``tests/conformance/generate.py`` writes such cases with the snapshots the simulator records.
+``tests/conformance/generate.py`` writes such cases with the snapshots that an independent
+reference replay records (not the simulator: the cases check it).
 """
 
 from __future__ import annotations

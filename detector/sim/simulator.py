@@ -11,11 +11,17 @@ network (per-link FIFO queues with delivery times) and the detector (an
 * a tick advances time by one, then each source (in id order) delivers at most one due message,
   the oldest on the first of its links (in destination order) that has one due;
 * after the last event it ticks until every snapshot is complete, then 6 more ticks.
+
+It is the reference replay of a trace, so its cores record any number of snapshots at once, of any
+size: an agent's bounds (``max_recordings``, ``max_recorded_bytes``) apply only when given. A
+snapshot that fails anyway (refused, over a bound, inconsistent) is aborted and kept in
+:attr:`Simulation.failed` with its reason, never dropped.
 """
 
 from __future__ import annotations
 
 import random
+import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -31,7 +37,7 @@ from stablewatch.agents.core import (
     SnapshotCore,
     SnapshotFailed,
 )
-from stablewatch.detector.service.assembly import Assembler, Completed
+from stablewatch.detector.service.assembly import Aborted, Assembler, Completed, PartRejected
 from stablewatch.detector.sim.cos418 import TOKENS, Send, SnapshotEvent, Tick, Topology, TraceError, TraceEvent
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 
@@ -39,6 +45,8 @@ __all__ = ["Simulation", "random_delays", "tape_delays"]
 
 # Ticks after every snapshot is complete, as the COS 418 harness does.
 _SETTLE_TICKS = 6
+# An agent's bound not given: none (a trace may run any number of snapshots, of any size).
+_UNBOUNDED = sys.maxsize
 
 
 def tape_delays(delays: Sequence[int], source: str = "delay tape") -> Iterator[int]:
@@ -62,21 +70,31 @@ class _InTransit:
 
 @dataclass
 class Simulation:
-    """One run of a topology through a script of events."""
+    """One run of a topology through a script of events.
+
+    ``max_recordings`` and ``max_recorded_bytes`` give every process an agent's bounds (None: no
+    bound). Every snapshot started ends in :attr:`completed` or in :attr:`failed`.
+    """
 
     topology: Topology
     delays: Iterator[int]
     events_source: str = "events"
     max_recorded_bytes: int | None = None
+    max_recordings: int | None = None
     now: int = 0
     balances: dict[str, int] = field(init=False)
     completed: list[GlobalSnapshot] = field(init=False, default_factory=list)
+    failed: list[Aborted] = field(init=False, default_factory=list)
 
     def __post_init__(self) -> None:
         self.balances = dict(self.topology.balances)
-        options = {} if self.max_recorded_bytes is None else {"max_recorded_bytes": self.max_recorded_bytes}
         self._cores = {
-            process: SnapshotCore(process, self.topology.links[process], **options)
+            process: SnapshotCore(
+                process,
+                self.topology.links[process],
+                max_recorded_bytes=_UNBOUNDED if self.max_recorded_bytes is None else self.max_recorded_bytes,
+                max_recordings=_UNBOUNDED if self.max_recordings is None else self.max_recordings,
+            )
             for process in self.topology.processes
         }
         self._links: dict[str, dict[str, deque[_InTransit]]] = {
@@ -84,12 +102,17 @@ class Simulation:
         }
         self._assembler = Assembler()
         self._next_snapshot_id = 0
-        self.failures: list[SnapshotFailed] = []
+
+    @property
+    def started(self) -> int:
+        """How many snapshots the script has started so far."""
+        return self._next_snapshot_id
 
     # -- the script ----------------------------------------------------------------------------
 
     def run(self, events: Sequence[TraceEvent]) -> list[GlobalSnapshot]:
-        """Play ``events``, then tick until every snapshot is complete; return them by id."""
+        """Play ``events``, then tick until every snapshot has ended; return the completed ones by id
+        (the others are in :attr:`failed`, by id too)."""
         for event in events:
             if isinstance(event, Send):
                 self.send(event.src, event.dst, event.tokens, line=event.line)
@@ -99,6 +122,7 @@ class Simulation:
                 for _ in range(event.steps):
                     self.tick()
         self.finish()
+        self.failed.sort(key=lambda aborted: aborted.snapshot_id)
         return sorted(self.completed, key=lambda snapshot: snapshot.snapshot_id)
 
     def send(self, src: str, dst: str, tokens: int, line: int = 0) -> None:
@@ -163,15 +187,28 @@ class Simulation:
             elif isinstance(action, ReportPart):
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
-                self.failures.append(action)
-                if self._assembler.fail(action.snapshot_id, process, action.reason) is not None:
-                    self._finish_everywhere(action.snapshot_id)
+                self._abort(action.snapshot_id, action.reason)  # the reason names the process
 
     def _report(self, part: LocalSnapshotPart) -> None:
-        outcome = self._assembler.add_part(part, sender=part.process_id)
+        try:
+            outcome = self._assembler.add_part(part, sender=part.process_id)
+        except PartRejected as rejected:
+            if rejected.aborted is not None:  # the part proved the cut inconsistent
+                self.failed.append(rejected.aborted)
+                self._finish_everywhere(part.snapshot_id)
+            else:  # a part the detector would refuse: the snapshot cannot be trusted whole
+                self._abort(part.snapshot_id, f"a part of {part.process_id} was rejected: {rejected}")
+            return
         if isinstance(outcome, Completed):
             self.completed.append(outcome.snapshot)
             self._finish_everywhere(outcome.snapshot.snapshot_id)
+
+    def _abort(self, snapshot_id: int, reason: str) -> None:
+        """End ``snapshot_id`` as failed, if it is still running (a failure after the first adds nothing)."""
+        aborted = self._assembler.abort(snapshot_id, reason)
+        if aborted is not None:
+            self.failed.append(aborted)
+            self._finish_everywhere(snapshot_id)
 
     def _finish_everywhere(self, snapshot_id: int) -> None:
         for core in self._cores.values():

@@ -1,0 +1,66 @@
+"""The most bytes each string of the wire contract may take, and how a refusal quotes one.
+
+Both sides hold to them: the detector checks every string an agent or a client sends before it
+logs, stores or echoes it (a Register over a bound is refused, a part holding one is rejected),
+and the agent's API refuses longer ones at once, so an application learns of a name the detector
+would reject when it sets it. A refusal quotes at most a short prefix (:func:`quoted_prefix`), so
+its size never grows with its input.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = [
+    "MAX_ADDRESS_BYTES",
+    "MAX_ID_BYTES",
+    "MAX_NAME_BYTES",
+    "MAX_TASK_BYTES",
+    "MAX_TEXT_BYTES",
+    "has_control_character",
+    "process_id_problem",
+    "quoted_prefix",
+    "too_long",
+]
+
+MAX_ID_BYTES = 256  # a process id: a Register's, a part's, a channel's other end, a wait target's
+MAX_NAME_BYTES = 256  # a counter's or an attribute's name; a Register's agent version
+#: A task: a waiter, a wait target's task, the task a recorded message wakes. RPC mode names a
+#: call's task ``"{method}#{process}:{seq}"``, so any method name up to 746 bytes fits.
+MAX_TASK_BYTES = 1024
+MAX_ADDRESS_BYTES = 512  # a Register's address (host:port; a DNS name takes 253 at most)
+MAX_TEXT_BYTES = 64 * 1024  # each string inside an attribute's value, and each key below its name
+
+_CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+def too_long(text: str, limit: int) -> bool:
+    """Whether `text` takes more than `limit` bytes in UTF-8 (encoded only when its length cannot tell)."""
+    length = len(text)
+    return length > limit or (length * 4 > limit and len(text.encode()) > limit)
+
+
+def has_control_character(text: str) -> bool:
+    """Whether `text` holds a control character (C0, DEL or C1): never in an id or a name, where it
+    could forge a log line or a terminal's display."""
+    return _CONTROL_CHARACTER.search(text) is not None
+
+
+def quoted_prefix(text: str, limit: int = 64) -> str:
+    """``repr`` of at most the first `limit` characters of client-controlled `text`, with its full
+    length when cut: what a refusal or a log line may quote, whatever the size of the input."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def process_id_problem(process_id: str) -> str | None:
+    """What makes `process_id` one the detector refuses (empty, over :data:`MAX_ID_BYTES`, a control
+    character), or None when it is fine."""
+    if not process_id:
+        return "process id is empty"
+    if too_long(process_id, MAX_ID_BYTES):
+        return f"process id {quoted_prefix(process_id)} is longer than {MAX_ID_BYTES} bytes"
+    if has_control_character(process_id):
+        return f"process id {quoted_prefix(process_id)} holds a control character"
+    return None
