@@ -27,6 +27,11 @@ The contract with the service
   seen half done. The state comes from :attr:`Agent.state` (a :class:`LocalStateKeeper`) or from a
   ``state_provider`` callback, which must be quick, must not block and must not send; the agent
   appends its flow-control waits to either.
+* **Activity and set-up are the service's.** :attr:`Agent.state` exists from construction and
+  starts *active*: a process that never said it is idle is taken as busy, so termination is never
+  claimed on its silence. The agent never changes activity: the service sets it passive when idle,
+  and active in the handler of a message that brings work. State set before :meth:`Agent.start`
+  is there from the first snapshot, so none sees the process without its counters.
 * **Counters on a message are units in transit.** With the built-in state keeper, ``send`` takes
   them out of this process's counters and delivery adds them to the receiver's, each atomically
   with the send or delivery, so tokens are conserved without extra care.

@@ -79,7 +79,7 @@ def evaluate_report(verdicts: pa.Table, evaluated: int, aborted: int, large: int
 
 def history_report(history: History) -> Group:
     """The ``history`` summary: the headline, then deadlock episodes, recurring processes, termination,
-    conservation, snapshot outcomes and the busiest channels."""
+    conservation, snapshot outcomes and the busiest channels; a table with no rows is one line instead."""
     t = history.tables
     deadlocks = t["deadlock_episodes"].to_pylist()
     ongoing = sum(1 for e in deadlocks if e["ongoing"])
@@ -92,74 +92,20 @@ def history_report(history: History) -> Group:
         _terminated(terminations),
     )
     parts: list[RenderableType] = [head]
-    parts.append(
-        _table(
-            "deadlock episodes",
-            ["#", "began (after → by)", "ended by", "lasted", "snapshots", "processes", "tasks"],
-            [
-                [
-                    e["episode"],
-                    f"{_when(e['began_after'])} → {_when(e['began_at'])}",
-                    "ongoing" if e["ongoing"] else _when(e["ended_at"]),
-                    _duration(e["duration_seconds"]),
-                    f"{e['first_snapshot_id']}..{e['last_snapshot_id']} ({e['snapshots']})",
-                    _names(e["processes"]),
-                    _names(e["tasks"]),
-                ]
-                for e in deadlocks[:_ROWS]
-            ],
-            len(deadlocks),
-        )
-    )
     recurring = t["recurring_processes"].to_pylist()
-    parts.append(
-        _table(
-            "processes most often deadlocked",
-            ["process", "snapshots", "episodes", "first seen", "last seen"],
-            [
-                [r["process"], r["snapshots"], r["episodes"], _when(r["first_seen_at"]), _when(r["last_seen_at"])]
-                for r in recurring[:_ROWS]
-            ],
-            len(recurring),
-        )
-    )
-    parts.append(
-        _table(
-            "termination",
-            ["#", "terminated (after → by)", "snapshot", "until"],
-            [
-                [
-                    e["episode"],
-                    f"{_when(e['began_after'])} → {_when(e['began_at'])}",
-                    e["first_snapshot_id"],
-                    "still terminated" if e["ongoing"] else _when(e["ended_at"]),
-                ]
-                for e in terminations[:_ROWS]
-            ],
-            len(terminations),
-        )
-    )
+    if not deadlocks and not recurring:
+        parts.append(Text("no deadlock episode"))
+    else:
+        parts.extend(_deadlock_tables(deadlocks, recurring))
+    if not terminations:
+        parts.append(Text("no termination episode"))
+    else:
+        parts.append(_termination_table(terminations))
     counters = t["conservation_summary"].to_pylist()
-    parts.append(
-        _table(
-            "conservation",
-            ["counter", "expected", "held", "violated", "unknown", "max |drift|", "last drift", "first violation"],
-            [
-                [
-                    c["counter"],
-                    c["expected"],
-                    c["held"],
-                    c["violated"],
-                    c["unknown"],
-                    c["max_abs_drift"],
-                    c["last_drift"],
-                    _when(c["first_violation_at"]),
-                ]
-                for c in counters
-            ],
-            len(counters),
-        )
-    )
+    if not counters:
+        parts.append(Text("conservation: no completed snapshot held a counter, so there was nothing to check"))
+    else:
+        parts.append(_conservation_table(counters))
     outcomes = t["snapshot_outcomes"].to_pylist()
     parts.append(
         _table(
@@ -180,26 +126,100 @@ def history_report(history: History) -> Group:
         )
     )
     channels = sorted(t["channel_backlog"].to_pylist(), key=lambda c: (-c["messages_p99"], c["src"], c["dst"]))
-    parts.append(
-        _table(
-            "busiest channels (messages in flight per snapshot)",
-            ["channel", "p50", "p90", "p99", "max", "bytes p99"],
-            [
-                [
-                    f"{c['src']} → {c['dst']}",
-                    c["messages_p50"],
-                    c["messages_p90"],
-                    c["messages_p99"],
-                    c["messages_max"],
-                    c["bytes_p99"],
-                ]
-                for c in channels[:5]
-            ],
-            len(channels),
-        )
-    )
+    if not channels:
+        parts.append(Text("channels: no completed snapshot held a channel"))
+    else:
+        parts.append(_channels_table(channels))
     written = f"tables: {history.out / 'history'}"
     if history.chart is not None:
         written += f"; chart: {history.chart}"
     parts.append(Text(written, style="dim"))
     return Group(*parts)
+
+
+def _deadlock_tables(deadlocks: list[dict[str, Any]], recurring: list[dict[str, Any]]) -> list[Table]:
+    """The deadlock episodes and the processes most often deadlocked."""
+    episodes = _table(
+        "deadlock episodes",
+        ["#", "began (after → by)", "ended by", "lasted", "snapshots", "processes", "tasks"],
+        [
+            [
+                e["episode"],
+                f"{_when(e['began_after'])} → {_when(e['began_at'])}",
+                "ongoing" if e["ongoing"] else _when(e["ended_at"]),
+                _duration(e["duration_seconds"]),
+                f"{e['first_snapshot_id']}..{e['last_snapshot_id']} ({e['snapshots']})",
+                _names(e["processes"]),
+                _names(e["tasks"]),
+            ]
+            for e in deadlocks[:_ROWS]
+        ],
+        len(deadlocks),
+    )
+    processes = _table(
+        "processes most often deadlocked",
+        ["process", "snapshots", "episodes", "first seen", "last seen"],
+        [
+            [r["process"], r["snapshots"], r["episodes"], _when(r["first_seen_at"]), _when(r["last_seen_at"])]
+            for r in recurring[:_ROWS]
+        ],
+        len(recurring),
+    )
+    return [episodes, processes]
+
+
+def _termination_table(terminations: list[dict[str, Any]]) -> Table:
+    return _table(
+        "termination",
+        ["#", "terminated (after → by)", "snapshot", "until"],
+        [
+            [
+                e["episode"],
+                f"{_when(e['began_after'])} → {_when(e['began_at'])}",
+                e["first_snapshot_id"],
+                "still terminated" if e["ongoing"] else _when(e["ended_at"]),
+            ]
+            for e in terminations[:_ROWS]
+        ],
+        len(terminations),
+    )
+
+
+def _conservation_table(counters: list[dict[str, Any]]) -> Table:
+    return _table(
+        "conservation",
+        ["counter", "expected", "held", "violated", "unknown", "max |drift|", "last drift", "first violation"],
+        [
+            [
+                c["counter"],
+                c["expected"],
+                c["held"],
+                c["violated"],
+                c["unknown"],
+                c["max_abs_drift"],
+                c["last_drift"],
+                _when(c["first_violation_at"]),
+            ]
+            for c in counters
+        ],
+        len(counters),
+    )
+
+
+def _channels_table(channels: list[dict[str, Any]]) -> Table:
+    return _table(
+        "busiest channels (messages in flight per snapshot)",
+        ["channel", "p50", "p90", "p99", "max", "bytes p99"],
+        [
+            [
+                f"{c['src']} → {c['dst']}",
+                c["messages_p50"],
+                c["messages_p90"],
+                c["messages_p99"],
+                c["messages_max"],
+                c["bytes_p99"],
+            ]
+            for c in channels[:5]
+        ],
+        len(channels),
+    )

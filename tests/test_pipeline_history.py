@@ -172,3 +172,30 @@ def test_history_is_callable_from_python_with_a_console(spark: SparkSession, tmp
     found = run_history(archive, tmp_path / "out", console)
     assert found.evaluated == 11 and found.aborted == 1
     assert "1 deadlock episode;" in console.export_text()
+
+
+def test_empty_tables_are_one_line_each(spark: SparkSession, tmp_path: Path) -> None:
+    """An archive without a deadlock, a termination, a counter or a channel: one line each, no empty table."""
+    items = []
+    for sid in range(1, 4):
+        snapshot = GlobalSnapshot(snapshot_id=sid, expected_members=["P0", "P1"])
+        snapshot.started_at.FromDatetime(at(sid))
+        snapshot.completed_at.FromDatetime(at(sid) + timedelta(seconds=1))
+        for pid in ("P0", "P1"):
+            snapshot.processes.append(ProcessSnapshot(process_id=pid, state=LocalState(active=pid == "P0")))
+        items.append(Archived(summary_of(snapshot), snapshot))
+    archive = write_archive(tmp_path / "archive", items)
+    console = Console(record=True, width=160)
+    run_history(archive, tmp_path / "out", console, chart=False)
+    lines = [line.strip() for line in console.export_text().splitlines()]
+    for line in (
+        "no deadlock episode",
+        "no termination episode",
+        "conservation: no completed snapshot held a counter, so there was nothing to check",
+        "channels: no completed snapshot held a channel",
+    ):
+        assert line in lines
+    titles = ["deadlock episodes", "processes most often deadlocked", "termination", "conservation"]
+    for title in [*titles, "busiest channels (messages in flight per snapshot)"]:
+        assert title not in lines
+    assert "snapshot outcomes" in lines  # a table with rows is still a table
