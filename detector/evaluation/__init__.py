@@ -4,7 +4,7 @@ The public API is small:
 
 * :func:`evaluate` — every predicate on one snapshot, as one :class:`~stablewatch.v1.Evaluation`;
 * :func:`new_baselines` — the conservation totals an evaluation just set;
-* :func:`verdict` — a result as ``"true"``, ``"false"`` or ``"unknown"``;
+* :class:`Verdict` (and :func:`verdict`) — a result as ``"true"``, ``"false"`` or ``"unknown"``;
 * :func:`coverage` — whether a cut is closed, and what it lacks;
 * :func:`wait_for_dot` — the wait-for graph as Graphviz DOT;
 * :class:`UserPredicate` and :func:`load_predicate` — user predicates as plugins.
@@ -17,9 +17,11 @@ from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.dot import wait_for_dot
 from stablewatch.detector.evaluation.evaluate import evaluate, new_baselines, result_named, verdict
 from stablewatch.detector.evaluation.plugins import UserPredicate, load_predicate
+from stablewatch.detector.evaluation.verdict import Verdict
 
 __all__ = [
     "UserPredicate",
+    "Verdict",
     "coverage",
     "evaluate",
     "load_predicate",

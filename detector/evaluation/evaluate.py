@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.plugins import UserPredicate
 from stablewatch.detector.evaluation.predicates import conservation, deadlock_result, termination
+from stablewatch.detector.evaluation.verdict import Verdict
 from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, to_proto
 from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult
 
@@ -66,8 +67,6 @@ def result_named(evaluation: Evaluation, name: str) -> PredicateResult | None:
     return next((r for r in evaluation.results if r.name == name), None)
 
 
-def verdict(result: PredicateResult) -> str:
-    """``"true"``, ``"false"`` or ``"unknown"`` (a failed user predicate is unknown)."""
-    if result.unknown or result.error:
-        return "unknown"
-    return "true" if result.holds else "false"
+def verdict(result: PredicateResult) -> Verdict:
+    """``"true"``, ``"false"`` or ``"unknown"`` (a failed user predicate is unknown): :meth:`Verdict.of`."""
+    return Verdict.of(result)
