@@ -2,8 +2,9 @@
 
 Every ``import`` of a ``stablewatch`` module is read (those under ``TYPE_CHECKING`` and inside
 functions too) from the folders that pyproject.toml maps onto the package. The floors, from the
-ground up: the package's root (its version) and the wire contract, the agents, the detector, the pipeline, the CLI on top; the examples
-stand apart (the agents are all they use, and only the CLI uses them).
+ground up: the package's root (its version) and the wire contract, the agents, the detector, the
+pipeline, the CLI on top; the examples stand apart (the agents are all they use, and only the CLI
+uses them).
 """
 
 from __future__ import annotations
