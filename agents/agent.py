@@ -79,6 +79,7 @@ import prometheus_client
 
 from stablewatch import __version__
 from stablewatch.agents.blocked import BlockedSends
+from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import (
     LOCAL_ID_BASE,
@@ -99,7 +100,6 @@ from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings, OutboundChannel
 from stablewatch.agents.state import LocalStateKeeper
-from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import LocalSnapshotPart, LocalState, channel_pb2_grpc
 
 __all__ = ["Agent", "MessageHandler", "MessageTooLarge"]

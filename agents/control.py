@@ -6,7 +6,7 @@ replies; the detector answers ``Registered`` (or ``Refused``) and then sends ``S
 the snapshots that ended since the last one), ``SnapshotsEnded``, ``AbortSnapshot``, ``Ping`` and,
 to an agent in RPC mode, ``ChannelTarget``. This
 module only carries those messages; the protocol itself lives in :mod:`stablewatch.agents.core`
-(and :mod:`stablewatch.agents.rpc_core` in RPC mode).
+(and :mod:`stablewatch.agents.rpc.core` in RPC mode).
 
 What the agent promises, and what :class:`ControlClient` guarantees for it:
 

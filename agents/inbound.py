@@ -48,7 +48,7 @@ from stablewatch.agents.core import Entry
 from stablewatch.agents.frames import FrameError, decode
 from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
-from stablewatch.agents.tls import check_channel_peer
+from stablewatch.agents.peer_identity import check_channel_peer
 from stablewatch.v1 import AckPosition, ChannelAck, ChannelFrame, channel_pb2_grpc
 
 __all__ = ["InboundChannels"]

@@ -27,13 +27,11 @@ import random
 import sys
 import time
 
+from child import emit
+
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 
 PAYLOAD = b"x" * 64
-
-
-def emit(**event: object) -> None:
-    print(json.dumps(event), flush=True)
 
 
 class Host:

@@ -44,29 +44,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import json
 import statistics
 import sys
 import time
 
 import grpc
-from child import Child
+from child import Child, emit
+from coordinator import attached, served_coordinator, stop_snapshots, take_snapshots
+from report import json_line, rounds_row, rounds_table, spread
 
 from stablewatch.agents import Agent, AppMessage
-from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
-from stablewatch.detector.service.scheduler import Scheduler
-from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc, control_pb2_grpc
+from stablewatch.detector.service.coordinator import Coordinator
+from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
 
 PAYLOAD = b"x" * 64
 FRAME_ENTRIES = 512
 REPORT_EVERY = 0.1  # seconds between the receiver's delivery counts
 CASES = ("raw", "agent", "agent+snapshots", "agent batches")
 AGAIN = "agent, again"  # the third phase of the agent pair (A-S-A)
-
-
-def emit(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
 
 
 async def wait_for_stdin_close() -> None:
@@ -229,22 +224,22 @@ async def run_pair(
         sender = await Child.start(__file__, f"{kind}-sender", "--peer", str(address), *with_detector, *sender_options)
         await sender.read()  # ready
         if kind == "agent":
-            deadline = time.monotonic() + 30
-            while set(coordinator.members) != {"sender", "receiver"}:
-                if time.monotonic() > deadline:
-                    raise TimeoutError("agents did not attach to the detector")
-                await asyncio.sleep(0.01)
+            await attached(coordinator, {"sender", "receiver"})
         sender.write("go\n")
         settle = float((await sender.read())["start"]) + args.warmup
         for case in phases:
-            snapshots = asyncio.ensure_future(take_snapshots(coordinator)) if case == "agent+snapshots" else None
+            finished: list[float] = []
+            snapshots = None
+            if case == "agent+snapshots":
+                snapshots = asyncio.ensure_future(take_snapshots(coordinator, finished))
             try:
                 first = await count_at(receiver, settle)
                 cpu_before = time.process_time()
                 last = await count_at(receiver, first[0] + args.seconds)
                 detector_cpu = (time.process_time() - cpu_before) / (last[0] - first[0])
             finally:
-                finished = await stop_snapshots(snapshots) if snapshots is not None else []
+                if snapshots is not None:
+                    await stop_snapshots(snapshots)
             completed = sum(first[0] <= t <= last[0] for t in finished)
             seconds = last[0] - first[0]
             measured[case] = Measured((last[1] - first[1]) / seconds, seconds, completed, detector_cpu)
@@ -256,12 +251,6 @@ async def run_pair(
                 await child.close()
 
 
-async def stop_snapshots(snapshots: asyncio.Future[list[float]]) -> list[float]:
-    """Stop the schedule; the completion times of the snapshots it took."""
-    snapshots.cancel()
-    return await snapshots
-
-
 async def count_at(receiver: Child, moment: float) -> tuple[float, int]:
     """The receiver's first (time, count) report at or after ``moment``."""
     while True:
@@ -270,39 +259,9 @@ async def count_at(receiver: Child, moment: float) -> tuple[float, int]:
             return float(report["t"]), int(report["count"])
 
 
-async def take_snapshots(coordinator: Coordinator, per_second: float = 10) -> list[float]:
-    """Snapshots on the detector's own schedule until cancelled; returns when each completed.
-
-    The detector's :class:`Scheduler` with its defaults (jitter 0.1, at most 2 at once, deadline
-    5 s): what a user gets from ``stablewatch detector --interval 0.1``.
-    """
-    completed: list[float] = []
-
-    async def take() -> None:
-        with contextlib.suppress(SnapshotAborted):
-            await coordinator.snapshot(5.0)
-            completed.append(time.monotonic())
-
-    scheduler = Scheduler(take, interval=1 / per_second, seed=1)
-    scheduler.start()
-    with contextlib.suppress(asyncio.CancelledError):
-        await asyncio.Event().wait()  # until the case ends and cancels this task
-    await scheduler.stop()
-    return completed
-
-
-def spread(values: list[float]) -> list[float]:
-    return [min(values), max(values)]
-
-
 async def orchestrate(args: argparse.Namespace) -> None:
-    coordinator = Coordinator(heartbeat_interval=1.0)
-    server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(coordinator, server)
-    detector = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
-    await server.start()
     rounds: list[dict[str, Measured]] = []
-    try:
+    async with served_coordinator() as (coordinator, detector):
         for number in range(args.rounds):
             measured: dict[str, Measured] = {}
             if "raw" in args.cases:
@@ -322,15 +281,12 @@ async def orchestrate(args: argparse.Namespace) -> None:
             rounds.append(measured)
             rates = ", ".join(f"{case} {m.rate:,.0f}/s" for case, m in measured.items())
             print(f"round {number + 1}/{args.rounds}: {rates}", file=sys.stderr, flush=True)
-    finally:
-        await server.stop(0)
     if set(args.cases) == set(CASES):
         report(args, rounds)
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     rates = {case: [r[case].rate for r in rounds] for case in CASES}
     median = {case: statistics.median(values) for case, values in rates.items()}
@@ -341,65 +297,47 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     snapshots = sum(r["agent+snapshots"].snapshots for r in rounds)
     ratio, overhead = statistics.median(ratios), statistics.median(overheads)
 
-    table = Table(
-        title=f"64-byte messages, one channel, 2 processes: {args.rounds} interleaved rounds of "
-        f"{args.seconds:g} s per case after {args.warmup:g} s of warm-up"
+    table = rounds_table(
+        f"64-byte messages, one channel, 2 processes: {args.rounds} interleaved rounds of "
+        f"{args.seconds:g} s per case after {args.warmup:g} s of warm-up",
+        len(rounds),
     )
-    table.add_column("case")
-    table.add_column("median", justify="right")
-    for number in range(len(rounds)):
-        table.add_column(f"round {number + 1}", justify="right")
-    table.add_column("target", justify="right")
     for case in CASES:
-        table.add_row(f"{case} msgs/s", f"{median[case]:,.0f}", *(f"{r:,.0f}" for r in rates[case]), "")
-    table.add_row("agent / raw", f"{ratio:.3f}", *(f"{r:.3f}" for r in ratios), ">= 0.8")
-    table.add_row(
-        "agent batches / raw", f"{statistics.median(batch_ratios):.3f}", *(f"{r:.3f}" for r in batch_ratios), ""
-    )
-    table.add_row("snapshot overhead", f"{overhead:.3f}", *(f"{o:.3f}" for o in overheads), "<= 0.05")
-    table.add_row(
-        "detector CPU (snapshots)",
-        f"{statistics.median(r['agent+snapshots'].detector_cpu for r in rounds):.1%}",
-        *(f"{r['agent+snapshots'].detector_cpu:.1%}" for r in rounds),
-        "",
-    )
-    table.add_row(
-        "snapshots/s completed",
-        f"{snapshots / snapshot_seconds:.1f}",
-        *(f"{r['agent+snapshots'].snapshots / r['agent+snapshots'].seconds:.1f}" for r in rounds),
-        "10 asked",
-    )
+        rounds_row(table, f"{case} msgs/s", rates[case], ",.0f")
+    rounds_row(table, "agent / raw", ratios, ".3f", ">= 0.8")
+    rounds_row(table, "agent batches / raw", batch_ratios, ".3f")
+    rounds_row(table, "snapshot overhead", overheads, ".3f", "<= 0.05")
+    rounds_row(table, "detector CPU (snapshots)", [r["agent+snapshots"].detector_cpu for r in rounds], ".1%")
+    snapshot_rates = [r["agent+snapshots"].snapshots / r["agent+snapshots"].seconds for r in rounds]
+    rounds_row(table, "snapshots/s completed", snapshot_rates, ".1f", "10 asked", snapshots / snapshot_seconds)
     Console().print(table)
-    print(
-        json.dumps(
-            {
-                "seconds": args.seconds,
-                "warmup": args.warmup,
-                "rounds": args.rounds,
-                "raw_msgs_per_s": round(median["raw"]),
-                "agent_msgs_per_s": round(median["agent"]),
-                "with_snapshots_msgs_per_s": round(median["agent+snapshots"]),
-                "raw_spread": [round(v) for v in spread(rates["raw"])],
-                "agent_spread": [round(v) for v in spread(rates["agent"])],
-                "with_snapshots_spread": [round(v) for v in spread(rates["agent+snapshots"])],
-                "batch_msgs_per_s": round(median["agent batches"]),
-                "batch_spread": [round(v) for v in spread(rates["agent batches"])],
-                "batch_ratio": round(statistics.median(batch_ratios), 4),
-                "batch_ratio_spread": [round(v, 4) for v in spread(batch_ratios)],
-                "ratio": round(ratio, 4),
-                "ratio_spread": [round(v, 4) for v in spread(ratios)],
-                "snapshot_overhead": round(overhead, 4),
-                "snapshot_overhead_spread": [round(v, 4) for v in spread(overheads)],
-                "snapshots_completed": snapshots,
-                "snapshots_per_s": round(snapshots / snapshot_seconds, 2),
-                "targets": {
-                    "ratio_at_least_0.8": ratio >= 0.8,
-                    "agent_at_least_200k": median["agent"] >= 200_000,
-                    "overhead_at_most_0.05": overhead <= 0.05,
-                },
-            }
-        ),
-        flush=True,
+    json_line(
+        {
+            "seconds": args.seconds,
+            "warmup": args.warmup,
+            "rounds": args.rounds,
+            "raw_msgs_per_s": round(median["raw"]),
+            "agent_msgs_per_s": round(median["agent"]),
+            "with_snapshots_msgs_per_s": round(median["agent+snapshots"]),
+            "raw_spread": spread(rates["raw"]),
+            "agent_spread": spread(rates["agent"]),
+            "with_snapshots_spread": spread(rates["agent+snapshots"]),
+            "batch_msgs_per_s": round(median["agent batches"]),
+            "batch_spread": spread(rates["agent batches"]),
+            "batch_ratio": round(statistics.median(batch_ratios), 4),
+            "batch_ratio_spread": spread(batch_ratios, 4),
+            "ratio": round(ratio, 4),
+            "ratio_spread": spread(ratios, 4),
+            "snapshot_overhead": round(overhead, 4),
+            "snapshot_overhead_spread": spread(overheads, 4),
+            "snapshots_completed": snapshots,
+            "snapshots_per_s": round(snapshots / snapshot_seconds, 2),
+            "targets": {
+                "ratio_at_least_0.8": ratio >= 0.8,
+                "agent_at_least_200k": median["agent"] >= 200_000,
+                "overhead_at_most_0.05": overhead <= 0.05,
+            },
+        }
     )
 
 

@@ -1,5 +1,5 @@
-"""One benchmark child process: the benchmark's own script run again with ``--role``, spoken to by
-lines on its stdin and answering JSON lines on its stdout."""
+"""One benchmark child process: a script run with the running interpreter, spoken to by lines on
+its stdin and answering JSON lines on its stdout (:func:`emit`)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ import asyncio
 import json
 import sys
 
-__all__ = ["Child"]
+__all__ = ["Child", "emit"]
+
+
+def emit(**fields: object) -> None:
+    """In the child: one JSON line of ``fields`` on stdout, for the parent to read."""
+    print(json.dumps(fields), flush=True)
 
 
 class Child:

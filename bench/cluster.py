@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -94,6 +95,13 @@ class Cluster:
         self.hosts: list[Host] = []
         self.host_of: dict[str, Host] = {}
 
+    @classmethod
+    def scheduled(cls, args: argparse.Namespace) -> Cluster:
+        """``--agents`` over ``--processes``, the detector taking snapshots every ``--interval``
+        seconds (``--deadline``, at most ``--max-concurrent`` at once, ``--seed``)."""
+        options = {"deadline": args.deadline, "max_concurrent": args.max_concurrent, "seed": args.seed}
+        return cls(args.agents, args.processes, interval=args.interval, **options)
+
     async def __aenter__(self) -> Cluster:
         try:
             await self._start()
@@ -164,9 +172,3 @@ class Cluster:
         await asyncio.gather(*(finish(host) for host in running))
         await self.detector.stop()
         self.folder.cleanup()
-
-
-def percentile(values: list[float], fraction: float) -> float:
-    """The value below which ``fraction`` of ``values`` fall (nearest rank)."""
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(fraction * len(ordered) + 0.5) - 1))]

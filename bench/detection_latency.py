@@ -40,8 +40,6 @@ import argparse
 import asyncio
 import contextlib
 import itertools
-import json
-import logging
 import random
 import re
 import statistics
@@ -51,7 +49,8 @@ import urllib.request
 from collections.abc import Callable
 
 import grpc
-from cluster import Cluster, percentile, random_links, ring_links
+from cluster import Cluster, random_links, ring_links
+from report import json_line, median_or_none, percentile, quiet_teardown
 from rich.console import Console
 from rich.table import Table
 
@@ -290,14 +289,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
     poller: MetricPoller | None = None
     published: Published | None = None
     try:
-        async with Cluster(
-            args.agents,
-            args.processes,
-            interval=args.interval,
-            deadline=args.deadline,
-            max_concurrent=args.max_concurrent,
-            seed=args.seed,
-        ) as cluster:
+        async with Cluster.scheduled(args) as cluster:
             detector = cluster.detector
             if args.topology == "ring":
                 links = ring_links(cluster.ids)
@@ -325,7 +317,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 trials.append(await one_trial(trial, cluster, watcher, poller, published, rng, args))
                 trial += 1
                 if args.verbose:
-                    print(json.dumps(trials[-1]), flush=True)
+                    json_line(trials[-1])
             elapsed = time.monotonic() - started
             after = counts(cluster)
             last_id = published.last_id
@@ -335,9 +327,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             poller.stop()
             await published.stop()
             await cluster.all_hosts("quiet", "quiet")
-            # Teardown: as hosts leave, the snapshots in flight abort and their late parts are
-            # rejected. That is expected and not part of the measurement: keep it off the output.
-            logging.getLogger("stablewatch").setLevel(logging.ERROR)
+            quiet_teardown()
     finally:
         if poller is not None:
             poller.stop()
@@ -493,8 +483,7 @@ async def main() -> None:
     console.print(table)
 
     def median_of(key: str) -> float | None:
-        values = [t[key] for t in trials if t[key] is not None]
-        return round(statistics.median(values), 3) if values else None
+        return median_or_none([t[key] for t in trials if t[key] is not None])
 
     breakdown = {key: median_of(key) for key in ("snapshot_start_ms", "snapshot_ms", "stream_ms")}
     if None not in breakdown.values():
@@ -526,59 +515,56 @@ async def main() -> None:
             f"samples during the trials, IQR {rtt['p25']}-{rtt['p75']})"
         )
     print("target: watch p50 <= 100 ms")
-    print(
-        json.dumps(
-            {
-                "agents": args.agents,
-                "processes": args.processes,
-                "trials": len(trials),
-                "snapshots_per_s": round(asked_rate, 3),
-                "observed_snapshots_per_s": round(observed_rate, 3),
-                "snapshots_per_s_achieved": round(observed_rate, 3),
-                "aborted_per_s": round(aborted_rate, 3),
-                "sustained": observed_rate >= 0.95 * asked_rate,
-                "seconds": round(outcome["elapsed"], 3),
-                "start_gap_p50_ms": gaps["p50"],
-                "start_gap_p25_ms": gaps["p25"],
-                "start_gap_p75_ms": gaps["p75"],
-                "start_gap_max_ms": gaps["max"],
-                "loop_lag_p50_ms": lags["p50"],
-                "loop_lag_p99_ms": lags["p99"],
-                "p50_ms": w["p50"],
-                "p25_ms": w["p25"],
-                "p75_ms": w["p75"],
-                "min_ms": w["min"],
-                "p90_ms": w["p90"],
-                "p99_ms": w["p99"],
-                "max_ms": w["max"],
-                "metric_p50_ms": m["p50"],
-                "metric_p90_ms": m["p90"],
-                "metric_p99_ms": m["p99"],
-                "metric_max_ms": m["max"],
-                "missed_watch": missed_watch,
-                "missed_metric": missed_metric,
-                "evidence_mismatches": mismatched,
-                "snapshots_completed": int(outcome["completed"]),
-                "snapshots_aborted": int(outcome["aborted"]),
-                "rejected_parts": int(outcome["rejected_parts"]),
-                "schedule_wait_p50_ms": breakdown["snapshot_start_ms"],
-                "snapshot_p50_ms": breakdown["snapshot_ms"],
-                "stream_p50_ms": breakdown["stream_ms"],
-                "rtt_p50_ms": rtt["p50"],
-                "rtt_p25_ms": rtt["p25"],
-                "rtt_p75_ms": rtt["p75"],
-                "floor_p50_ms": floor,
-                "ring_sizes": [args.ring_min, args.ring_max],
-                "rate_per_agent": args.rate,
-                "topology": args.topology,
-                "degree": args.degree if args.topology == "random" else 1,
-                "metric_poll_ms": args.poll * 1000,
-                "seed": args.seed,
-                "target_p50_ms": 100,
-                "target_met": w["p50"] is not None and w["p50"] <= 100 and missed_watch == 0,
-            }
-        ),
-        flush=True,
+    json_line(
+        {
+            "agents": args.agents,
+            "processes": args.processes,
+            "trials": len(trials),
+            "snapshots_per_s": round(asked_rate, 3),
+            "observed_snapshots_per_s": round(observed_rate, 3),
+            "snapshots_per_s_achieved": round(observed_rate, 3),
+            "aborted_per_s": round(aborted_rate, 3),
+            "sustained": observed_rate >= 0.95 * asked_rate,
+            "seconds": round(outcome["elapsed"], 3),
+            "start_gap_p50_ms": gaps["p50"],
+            "start_gap_p25_ms": gaps["p25"],
+            "start_gap_p75_ms": gaps["p75"],
+            "start_gap_max_ms": gaps["max"],
+            "loop_lag_p50_ms": lags["p50"],
+            "loop_lag_p99_ms": lags["p99"],
+            "p50_ms": w["p50"],
+            "p25_ms": w["p25"],
+            "p75_ms": w["p75"],
+            "min_ms": w["min"],
+            "p90_ms": w["p90"],
+            "p99_ms": w["p99"],
+            "max_ms": w["max"],
+            "metric_p50_ms": m["p50"],
+            "metric_p90_ms": m["p90"],
+            "metric_p99_ms": m["p99"],
+            "metric_max_ms": m["max"],
+            "missed_watch": missed_watch,
+            "missed_metric": missed_metric,
+            "evidence_mismatches": mismatched,
+            "snapshots_completed": int(outcome["completed"]),
+            "snapshots_aborted": int(outcome["aborted"]),
+            "rejected_parts": int(outcome["rejected_parts"]),
+            "schedule_wait_p50_ms": breakdown["snapshot_start_ms"],
+            "snapshot_p50_ms": breakdown["snapshot_ms"],
+            "stream_p50_ms": breakdown["stream_ms"],
+            "rtt_p50_ms": rtt["p50"],
+            "rtt_p25_ms": rtt["p25"],
+            "rtt_p75_ms": rtt["p75"],
+            "floor_p50_ms": floor,
+            "ring_sizes": [args.ring_min, args.ring_max],
+            "rate_per_agent": args.rate,
+            "topology": args.topology,
+            "degree": args.degree if args.topology == "random" else 1,
+            "metric_poll_ms": args.poll * 1000,
+            "seed": args.seed,
+            "target_p50_ms": 100,
+            "target_met": w["p50"] is not None and w["p50"] <= 100 and missed_watch == 0,
+        }
     )
 
 

@@ -29,7 +29,6 @@ import argparse
 import asyncio
 import collections
 import itertools
-import json
 import random
 import signal
 import sys
@@ -46,11 +45,12 @@ sys.path.insert(0, str(TESTS))  # the test suite's process and proxy helpers: on
 from detector_harness import Running  # noqa: E402
 from google.protobuf.message import DecodeError  # noqa: E402
 from nodes import Node, connect_all, wait_quiet  # noqa: E402
+from report import json_line  # noqa: E402
 from tcp_proxy import TcpProxy  # noqa: E402
 
 from stablewatch.agents.core import RemoteProtocolError, SnapshotCore  # noqa: E402
 from stablewatch.agents.frames import FrameError, decode  # noqa: E402
-from stablewatch.detector.service.assembly import Assembler, PartRejected  # noqa: E402
+from stablewatch.detector.assembly import Assembler, PartRejected  # noqa: E402
 from stablewatch.detector.service.coordinator import Coordinator, Member  # noqa: E402
 from stablewatch.detector.service.detector import DetectorConfig  # noqa: E402
 from stablewatch.detector.service.query import outcome_name  # noqa: E402
@@ -502,7 +502,7 @@ def main() -> None:
         print(f"  {outcome:<40}{count:>10}")
     for crash in tally.crashes:
         print(crash, file=sys.stderr)
-    print(json.dumps(results))
+    json_line(results)
 
 
 if __name__ == "__main__":

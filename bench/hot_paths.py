@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import statistics
 import time
 from collections.abc import Callable
 
+from report import interleaved, json_line, medians_and_spreads, spread_row
 from rich.console import Console
 from rich.table import Table
 
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 from stablewatch.agents.core import RecordState, ReportPart, SnapshotCore
 from stablewatch.agents.frames import decode, encode
-from stablewatch.detector.service.assembly import _add_recorded
+from stablewatch.detector.assembly import _add_recorded
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 
 PAYLOAD = b"x" * 64
@@ -168,23 +167,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     results = asyncio.run(send_cases(args.seconds, args.rounds))
-    cases = sync_cases()
-    results.update({name: [] for name in cases})
-    for _ in range(args.rounds):
-        for name, case in cases.items():
-            results[name].append(per_item(case, args.seconds))
+    results |= interleaved(sync_cases(), args.rounds, lambda _, case: per_item(case, args.seconds))
+    nanoseconds = {name: [value * 1e9 for value in values] for name, values in results.items()}
 
     table = Table(title=f"hot paths, ns per message: {args.rounds} interleaved rounds of {args.seconds:g} s per case")
     for column in ("case", "median", "lowest", "highest"):
         table.add_column(column, justify="right" if column != "case" else "left")
-    summary: dict[str, object] = {"seconds": args.seconds, "rounds": args.rounds}
-    for name, values in results.items():
-        median = statistics.median(values) * 1e9
-        table.add_row(name, f"{median:,.0f}", f"{min(values) * 1e9:,.0f}", f"{max(values) * 1e9:,.0f}")
-        summary[f"{name}_ns"] = round(median, 1)
-        summary[f"{name}_spread"] = [round(min(values) * 1e9, 1), round(max(values) * 1e9, 1)]
+    for name, values in nanoseconds.items():
+        table.add_row(name, *spread_row(values, ",.0f"))
     Console().print(table)
-    print(json.dumps(summary), flush=True)
+    json_line({"seconds": args.seconds, "rounds": args.rounds, **medians_and_spreads(nanoseconds, "ns", 1)})
 
 
 if __name__ == "__main__":

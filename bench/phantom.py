@@ -34,104 +34,73 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import json
-import logging
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 
 import networkx as nx
 from cluster import Cluster, ring_links
+from report import json_line, quiet_teardown
 from rich.console import Console
-from rich.table import Table
-from side_by_side import watch_side_by_side
+from side_by_side import (
+    Observed,
+    Round,
+    comparison_table,
+    cycle_in,
+    measured_rounds,
+    naive_row,
+    poll_rounds,
+    print_problems,
+    round_p50_ms,
+    stablewatch_row,
+    watch_side_by_side,
+    watch_snapshots,
+)
 
 from stablewatch.detector.evaluation import evaluate, wait_for_dot
-from stablewatch.v1 import query_pb2
+from stablewatch.v1 import GlobalSnapshot
 
 TOKEN = b"token"
 
 
 @dataclass
-class Stablewatch:
-    """What the detector's snapshots showed."""
+class Stablewatch(Observed):
+    """What the detector's snapshots showed, and where each cut found the token."""
 
-    completed: int = 0
-    aborted: int = 0
-    abort_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
-    phantoms: list[int] = field(default_factory=list)  # ids of snapshots that reported deadlock
     token_in_flight_all_waiting: int = 0  # cuts that only the in-flight rule keeps from a cycle
     token_held: int = 0
     bad_token_count: list[tuple[int, int]] = field(default_factory=list)  # (snapshot id, tokens)
-    durations: list[float] = field(default_factory=list)
-    ignored_before_ring: int = 0
+
+    def check_token(self, snapshot: GlobalSnapshot, members: set[str]) -> None:
+        """Agents of ``members`` not waiting plus tokens recorded in flight: exactly one in a consistent cut."""
+        free = sum(1 for p in snapshot.processes if p.process_id in members and not p.state.waits)
+        in_flight = sum(1 for c in snapshot.channels for m in c.messages if m.payload == TOKEN)
+        if free + in_flight != 1:
+            self.bad_token_count.append((snapshot.snapshot_id, free + in_flight))
+        elif in_flight:
+            self.token_in_flight_all_waiting += 1
+        else:
+            self.token_held += 1
 
 
 @dataclass
-class Round:
-    """One naive poll round: every host's waits, asked one host after another."""
+class TokenRound(Round):
+    """A poll round of the ring's hosts."""
 
-    started: float
-    finished: float
     passes: int  # the sum of the hosts' token-pass counts, each as read in this round
-    cycle: list[tuple[str, str]] | None
 
 
-async def observe_stablewatch(
-    cluster: Cluster, ring: list[str], ring_started_ns: int, seen: Stablewatch, done: asyncio.Event, target: int
-) -> None:
-    """Consume the detector's results (in this process) and check every snapshot taken since the ring runs."""
-    detector = cluster.detector
-    members = set(ring)
-    async for event in detector.watch():
-        summary = event.results.snapshot
-        if summary.started_at.ToNanoseconds() < ring_started_ns:
-            seen.ignored_before_ring += 1
-            continue
-        if summary.outcome != query_pb2.SNAPSHOT_OUTCOME_COMPLETED:
-            seen.aborted += 1
-            seen.abort_reasons[summary.abort_reason.split(",")[0][:80]] += 1
-            continue
-        seen.completed += 1
-        seen.durations.append((summary.finished_at.ToNanoseconds() - summary.started_at.ToNanoseconds()) / 1e9)
-        deadlock = next(r for r in event.results.results if r.name == "deadlock")
-        if deadlock.holds:
-            seen.phantoms.append(summary.snapshot_id)
-        snapshot = detector.store.snapshot(summary.snapshot_id)
-        if snapshot is not None:
-            free = sum(1 for p in snapshot.processes if p.process_id in members and not p.state.waits)
-            in_flight = sum(1 for c in snapshot.channels for m in c.messages if m.payload == TOKEN)
-            if free + in_flight != 1:
-                seen.bad_token_count.append((summary.snapshot_id, free + in_flight))
-            elif in_flight:
-                seen.token_in_flight_all_waiting += 1
-            else:
-                seen.token_held += 1
-        if seen.completed >= target:
-            done.set()
-
-
-async def poll_naively(cluster: Cluster, rounds: list[Round], stop: asyncio.Event, extra: int) -> None:
-    """Poll every host's waits in turn until ``stop``, then ``extra`` more rounds (to prove phantoms)."""
-    while not stop.is_set() or extra > 0:
-        if stop.is_set():
-            extra -= 1
-            await asyncio.sleep(0.02)  # give the token time to move between the proving rounds
-        graph = nx.DiGraph()
-        passes = 0
-        started = time.monotonic()
-        for host in cluster.hosts:
-            reply = await host.ask("waits", "waits")
-            passes += reply["passes"]
-            graph.add_edges_from((waiter, target) for waiter, targets in reply["waits"].items() for target in targets)
-        finished = time.monotonic()
-        try:
-            cycle = [(u, v) for u, v, *_ in nx.find_cycle(graph)]
-        except nx.NetworkXNoCycle:
-            cycle = None
-        rounds.append(Round(started, finished, passes, cycle))
+async def poll_round(cluster: Cluster) -> TokenRound:
+    """Every host's waits, asked one host after another; a cycle in their union (networkx) if any."""
+    graph = nx.DiGraph()
+    passes = 0
+    started = time.monotonic()
+    for host in cluster.hosts:
+        reply = await host.ask("waits", "waits")
+        passes += reply["passes"]
+        graph.add_edges_from((waiter, target) for waiter, targets in reply["waits"].items() for target in targets)
+    finished = time.monotonic()
+    return TokenRound(started, finished, cycle_in(graph), passes)
 
 
 def explain_snapshot(cluster: Cluster, snapshot_id: int, why: str) -> str:
@@ -165,15 +134,8 @@ def explain_snapshot(cluster: Cluster, snapshot_id: int, why: str) -> str:
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     seen = Stablewatch()
-    rounds: list[Round] = []
-    async with Cluster(
-        args.agents,
-        args.processes,
-        interval=args.interval,
-        deadline=args.deadline,
-        max_concurrent=args.max_concurrent,
-        seed=args.seed,
-    ) as cluster:
+    rounds: list[TokenRound] = []
+    async with Cluster.scheduled(args) as cluster:
         processes = len(cluster.hosts)
         # Agent i lives in process i % processes, so consecutive agents round the ring are in
         # different processes (unless agents % processes == 1, where the last and first share one).
@@ -185,23 +147,26 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         for host in [*(h for h in cluster.hosts if h is not first), first]:
             await host.ask("ring", "ring", order=ring, hold=args.hold)
         started, started_ns = time.monotonic(), time.time_ns()
-        # Until enough snapshots, the time limit, or either observer failing.
+        members = set(ring)
+
+        def check(snapshot: GlobalSnapshot) -> None:
+            seen.check_token(snapshot, members)
+
+        # Until enough snapshots, the time limit, or either observer failing. The poller's last
+        # rounds are 20 ms apart: time for the token to move between the proving rounds.
         finished, ended = await watch_side_by_side(
-            lambda done: observe_stablewatch(cluster, ring, started_ns, seen, done, args.snapshots),
-            lambda stop: poll_naively(cluster, rounds, stop, extra=2),
+            lambda done: watch_snapshots(cluster.detector, seen, done, args.snapshots, check, since_ns=started_ns),
+            lambda stop: poll_rounds(lambda: poll_round(cluster), rounds, stop, extra=2, pause=0.02),
             args.max_seconds,
         )
         elapsed = ended - started
-        for snapshot_id in seen.phantoms[: args.explain]:
+        for snapshot_id in seen.deadlocks[: args.explain]:
             print(explain_snapshot(cluster, snapshot_id, "stablewatch reported deadlock"), flush=True)
         for snapshot_id, tokens in seen.bad_token_count[: args.explain]:
             why = f"{tokens} tokens (agents not waiting + tokens in flight), not 1"
             print(explain_snapshot(cluster, snapshot_id, why), flush=True)
-        # Teardown: as hosts leave, the snapshots in flight abort and their late parts are
-        # rejected. That is expected and not part of the measurement: keep it off the output.
-        logging.getLogger("stablewatch").setLevel(logging.ERROR)
-    measured = [r for r in rounds if r.finished <= started + elapsed]
-    naive_phantoms = [i for i, r in enumerate(measured) if r.cycle is not None]
+        quiet_teardown()
+    measured, naive_phantoms = measured_rounds(rounds, started + elapsed)
     # A deadlock is stable. Round i+1 read every host after round i had finished; if the sum of the
     # pass counts grew after that (counts only grow), the token moved after round i: no deadlock then.
     proven = [i for i in naive_phantoms if i + 1 < len(rounds) and rounds[-1].passes > rounds[i + 1].passes]
@@ -237,54 +202,35 @@ async def main() -> None:
 
     outcome = await run(args)
     seen: Stablewatch = outcome["seen"]
-    rounds: list[Round] = outcome["rounds"]
+    rounds: list[TokenRound] = outcome["rounds"]
     elapsed = outcome["elapsed"]
-    phantoms = len(seen.phantoms)
+    phantoms = len(seen.deadlocks)
     naive_phantoms = len(outcome["naive_phantoms"])
     proven = len(outcome["naive_proven"])
-    skews = [(r.finished - r.started) * 1000 for r in rounds]
-    durations = [d * 1000 for d in seen.durations]
 
-    table = Table(
-        title=(
-            f"phantom deadlocks: token ring of {args.agents} agents over {outcome['processes']} processes, "
-            f"hold {args.hold * 1000:g} ms, {outcome['passes'] / elapsed:.0f} token passes/s "
-            f"({outcome['passes']} in {elapsed:.1f} s)"
-        )
+    table = comparison_table(
+        f"phantom deadlocks: token ring of {args.agents} agents over {outcome['processes']} processes, "
+        f"hold {args.hold * 1000:g} ms, {outcome['passes'] / elapsed:.0f} token passes/s "
+        f"({outcome['passes']} in {elapsed:.1f} s)",
+        "phantom rate",
     )
-    for column in ("detector", "observations", "deadlocks reported", "phantom rate", "notes"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        f"stablewatch (snapshots every {args.interval:g} s)",
-        f"{seen.completed} snapshots",
-        str(phantoms),
-        f"{phantoms / max(1, seen.completed):.2%}",
-        f"{seen.aborted} aborted; p50 {statistics.median(durations) if durations else 0:.1f} ms each; "
-        f"token in flight with all waiting in {seen.token_in_flight_all_waiting}, held in {seen.token_held}",
-    )
-    table.add_row(
-        "naive (each host's waits in turn)",
-        f"{len(rounds)} poll rounds",
-        str(naive_phantoms),
-        f"{naive_phantoms / max(1, len(rounds)):.2%}",
-        f"{proven} proven phantoms (the token moved on after); "
-        f"round p50 {statistics.median(skews) if skews else 0:.1f} ms",
-    )
+    cuts = f"token in flight with all waiting in {seen.token_in_flight_all_waiting}, held in {seen.token_held}"
+    table.add_row(*stablewatch_row(seen, args.interval, cuts))
+    proofs = f"{proven} proven phantoms (the token moved on after)"
+    table.add_row(*naive_row("naive (each host's waits in turn)", rounds, naive_phantoms, proofs))
     console = Console(width=200)
     console.print(table)
-    if seen.abort_reasons:
-        console.print("aborted snapshots: " + "; ".join(f"{n} x {r}" for r, n in seen.abort_reasons.most_common(5)))
-    if seen.bad_token_count:
-        console.print(f"[red]{len(seen.bad_token_count)} snapshots did not hold exactly one token[/red]")
-    if phantoms:
-        console.print(f"[red]BUG: stablewatch reported deadlock in snapshots {seen.phantoms[:20]}[/red]")
-    if not outcome["finished"]:
-        console.print(
-            f"[red]stopped early (time limit or the watch stream ended) after {elapsed:.1f} s "
-            f"with {seen.completed} of {args.snapshots} snapshots[/red]"
-        )
-    if not outcome["passes_moving_at_end"]:
-        console.print("[red]the token was not moving any more at the end[/red]")
+    wrong = [f"{len(seen.bad_token_count)} snapshots did not hold exactly one token"] if seen.bad_token_count else []
+    print_problems(
+        console,
+        seen,
+        wrong,
+        finished=outcome["finished"],
+        elapsed=elapsed,
+        target=args.snapshots,
+        moving=outcome["passes_moving_at_end"],
+        not_moving="the token was not moving any more at the end",
+    )
     print("target: stablewatch 0 phantoms over >= 1000 snapshots while the naive poller reports some")
     target_met = (
         outcome["finished"]
@@ -294,35 +240,32 @@ async def main() -> None:
         and not seen.bad_token_count
         and outcome["passes_moving_at_end"]
     )
-    print(
-        json.dumps(
-            {
-                "agents": args.agents,
-                "processes": outcome["processes"],
-                "snapshots": seen.completed,
-                "stablewatch_phantoms": phantoms,
-                "stablewatch_phantom_ids": seen.phantoms[:20],
-                "aborted": seen.aborted,
-                "snapshot_p50_ms": round(statistics.median(durations), 3) if durations else None,
-                "cuts_token_in_flight_all_waiting": seen.token_in_flight_all_waiting,
-                "cuts_token_held": seen.token_held,
-                "cuts_token_count_wrong": len(seen.bad_token_count),
-                "naive_polls": len(rounds),
-                "naive_phantoms": naive_phantoms,
-                "naive_phantoms_proven": proven,
-                "naive_round_p50_ms": round(statistics.median(skews), 3) if skews else None,
-                "passes": outcome["passes"],
-                "passes_per_s": round(outcome["passes"] / elapsed, 1),
-                "token_moving_at_end": outcome["passes_moving_at_end"],
-                "run_seconds": round(elapsed, 2),
-                "interval": args.interval,
-                "hold": args.hold,
-                "seed": args.seed,
-                "finished": outcome["finished"],
-                "target_met": target_met,
-            }
-        ),
-        flush=True,
+    json_line(
+        {
+            "agents": args.agents,
+            "processes": outcome["processes"],
+            "snapshots": seen.completed,
+            "stablewatch_phantoms": phantoms,
+            "stablewatch_phantom_ids": seen.deadlocks[:20],
+            "aborted": seen.aborted,
+            "snapshot_p50_ms": seen.p50_ms(),
+            "cuts_token_in_flight_all_waiting": seen.token_in_flight_all_waiting,
+            "cuts_token_held": seen.token_held,
+            "cuts_token_count_wrong": len(seen.bad_token_count),
+            "naive_polls": len(rounds),
+            "naive_phantoms": naive_phantoms,
+            "naive_phantoms_proven": proven,
+            "naive_round_p50_ms": round_p50_ms(rounds),
+            "passes": outcome["passes"],
+            "passes_per_s": round(outcome["passes"] / elapsed, 1),
+            "token_moving_at_end": outcome["passes_moving_at_end"],
+            "run_seconds": round(elapsed, 2),
+            "interval": args.interval,
+            "hold": args.hold,
+            "seed": args.seed,
+            "finished": outcome["finished"],
+            "target_met": target_met,
+        }
     )
     if phantoms or seen.bad_token_count:
         sys.exit(1)

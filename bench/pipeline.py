@@ -34,7 +34,6 @@ the default 1g cannot hold the big snapshot's million-node graph.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import random
@@ -42,7 +41,6 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -51,6 +49,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
+from report import json_line, timed
 from rich.console import Console
 from rich.table import Table
 
@@ -221,13 +220,6 @@ def spark_output(folder: Path) -> pa.Table:
 # -- measuring ----------------------------------------------------------------------------------------------
 
 
-def timed(func: Callable[[], Any]) -> tuple[float, Any]:
-    gc.collect()
-    start = time.perf_counter()
-    result = func()
-    return time.perf_counter() - start, result
-
-
 def describe(seconds: list[float]) -> dict[str, float]:
     return {"best": min(seconds), "median": statistics.median(seconds), "spread": max(seconds) - min(seconds)}
 
@@ -347,7 +339,7 @@ def main() -> None:
             "spark_within_1x_of_local_at_large": spark_large <= local_large,
         },
     }
-    print(json.dumps(result), flush=True)
+    json_line(result)
 
 
 def measure_big(spark: Any, args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any]:

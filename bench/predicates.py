@@ -16,13 +16,13 @@ ratio <= 1.5.
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
 
 import networkx as nx
+from report import json_line, timed
 from rich.console import Console
 from rich.table import Table
 
@@ -50,16 +50,14 @@ def build_graph(nodes: int, edges: int, chain: int, seed: int, acyclic: bool = F
     return G
 
 
-def timed(func: Callable[[], object], repeat: int) -> tuple[list[float], object]:
+def repeated(func: Callable[[], object], repeat: int) -> tuple[list[float], object]:
     """Run `func` `repeat` times; return the wall-clock seconds of each run and the last result."""
     seconds = []
     result: object = None
     for _ in range(repeat):
-        result = None
-        gc.collect()
-        start = time.perf_counter()
-        result = func()
-        seconds.append(time.perf_counter() - start)
+        result = None  # the last run's result is freed before the next run
+        elapsed, result = timed(func)
+        seconds.append(elapsed)
     return seconds, result
 
 
@@ -81,22 +79,19 @@ def main() -> None:
         shapes[shape] = measure(args, shape == "acyclic", table, shape)
     console.print(table)
     worst = max(shapes.values(), key=lambda measured: measured["ratio"])
-    print(
-        json.dumps(
-            {
-                "nodes": worst["nodes"],
-                "edges": worst["edges"],
-                "chain": args.chain,
-                "seed": args.seed,
-                "repeat": args.repeat,
-                "deadlock_seconds": worst["deadlock_seconds"],
-                "scc_seconds": worst["scc_seconds"],
-                "ratio": worst["ratio"],
-                "worst_graph": worst["graph"],
-                "graphs": shapes,
-            }
-        ),
-        flush=True,
+    json_line(
+        {
+            "nodes": worst["nodes"],
+            "edges": worst["edges"],
+            "chain": args.chain,
+            "seed": args.seed,
+            "repeat": args.repeat,
+            "deadlock_seconds": worst["deadlock_seconds"],
+            "scc_seconds": worst["scc_seconds"],
+            "ratio": worst["ratio"],
+            "worst_graph": worst["graph"],
+            "graphs": shapes,
+        }
     )
 
 
@@ -118,8 +113,8 @@ def measure(args: argparse.Namespace, acyclic: bool, table: Table, shape: str) -
     def scc() -> int:
         return sum(1 for _ in nx.strongly_connected_components(G))
 
-    deadlock_runs, (dead_count, cycle_length) = timed(deadlock, args.repeat)
-    scc_runs, components = timed(scc, args.repeat)
+    deadlock_runs, (dead_count, cycle_length) = repeated(deadlock, args.repeat)
+    scc_runs, components = repeated(scc, args.repeat)
     deadlock_seconds, scc_seconds = min(deadlock_runs), min(scc_runs)
     ratio = deadlock_seconds / scc_seconds
 

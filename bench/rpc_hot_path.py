@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextvars
 import cProfile
-import json
 import pstats
 import statistics
 import time
@@ -43,11 +42,12 @@ from typing import Any, NamedTuple
 
 import grpc
 from grpc import _interceptor
+from report import interleaved, json_line, medians_and_spreads, spread_row
 from rich.console import Console
 from rich.table import Table
 from rpc_overhead import StampOnlyMethod, StampOnlyServerInterceptor
 
-from stablewatch.agents.rpc_agent import RpcAgent
+from stablewatch.agents.rpc.agent import RpcAgent
 
 METHOD = "/bench.Echo/Call"
 PAYLOAD = b"x" * 64
@@ -225,32 +225,31 @@ def main() -> None:
         profiler.runcall(per_call, methods[args.profile], args.seconds)
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
         return
-    results: dict[str, list[float]] = {name: [] for name in methods}
     calls = dict.fromkeys(methods, 0)
-    for _ in range(args.rounds):
-        for name, method in methods.items():
-            seconds, made = per_call(method, args.seconds)
-            results[name].append(seconds * 1e6)
-            calls[name] += made
+
+    def microseconds_per_call(name: str, method: Callable[[bytes], Any]) -> float:
+        seconds, made = per_call(method, args.seconds)
+        calls[name] += made
+        return seconds * 1e6
+
+    results = interleaved(methods, args.rounds, microseconds_per_call)
 
     table = Table(title=f"one unary call's Python, µs: {args.rounds} interleaved rounds of {args.seconds:g} s per case")
     for column in ("case", "median", "lowest", "highest", "added to loopback"):
         table.add_column(column, justify="left" if column == "case" else "right")
     summary: dict[str, object] = {"seconds": args.seconds, "rounds": args.rounds}
+    summary |= medians_and_spreads(results, "us", 2)
     floor = statistics.median(results["loopback"])
     for name, values in results.items():
-        median = statistics.median(values)
-        added = "" if name == "loopback" else f"{median - floor:.2f}"
-        table.add_row(name, f"{median:.2f}", f"{min(values):.2f}", f"{max(values):.2f}", added)
-        summary[f"{name}_us"] = round(median, 2)
-        summary[f"{name}_spread"] = [round(min(values), 2), round(max(values), 2)]
+        added = statistics.median(values) - floor
+        table.add_row(name, *spread_row(values, ".2f"), "" if name == "loopback" else f"{added:.2f}")
         summary[f"{name}_calls"] = calls[name]
         if name != "loopback":
-            summary[f"{name}_added_us"] = round(median - floor, 2)
+            summary[f"{name}_added_us"] = round(added, 2)
         if name in clients:  # the agent was really on the path: it stamped every request
             summary[f"{name}_stamped_requests"] = stamped_requests(clients[name])
     Console().print(table)
-    print(json.dumps(summary), flush=True)
+    json_line(summary)
 
 
 if __name__ == "__main__":

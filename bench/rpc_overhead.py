@@ -65,7 +65,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
-import contextlib
 import json
 import os
 import statistics
@@ -77,12 +76,12 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from child import Child
+from child import Child, emit
+from coordinator import attached, served_coordinator, stop_snapshots, take_snapshots
+from report import json_line, rounds_row, rounds_table, spread
 
-from stablewatch.agents.rpc_agent import RpcAgent
-from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
-from stablewatch.detector.service.scheduler import Scheduler
-from stablewatch.v1 import control_pb2_grpc
+from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.detector.service.coordinator import Coordinator
 
 ECHO = "/bench.Echo/Call"
 PAYLOAD = b"x" * 64
@@ -159,20 +158,18 @@ class StampOnlyMethod:
 SNAPSHOTS_PER_S = 10.0
 
 
-def emit(**fields: object) -> None:
-    print(json.dumps(fields), flush=True)
-
-
 PROBED = {
     "agent": ("arrive", "handler_started", "respond", "call_out", "call_returned"),
     "interceptors": ("_end_sync", "_details_with", "stamp_of", "current_task_name"),
-    "channel": ("stamp_of", "current_task_name"),
+    "channel": ("with_stamp", "take_in_end", "current_task_name"),
 }
 
 
 def install_probe(role: str) -> None:
     """Wrap the agent's and the interceptors' steps to add up their thread CPU time; print it at exit."""
-    from stablewatch.agents import rpc_agent, rpc_channel, rpc_interceptors
+    from stablewatch.agents.rpc import agent as rpc_agent
+    from stablewatch.agents.rpc import channel as rpc_channel
+    from stablewatch.agents.rpc import interceptors as rpc_interceptors
 
     cost: dict[str, int] = {}
     calls: dict[str, int] = {}
@@ -354,33 +351,17 @@ class Phase:
         return self.client_cpu_us + self.server_cpu_us
 
 
-async def take_snapshots(coordinator: Coordinator, completed: list[float]) -> None:
-    """Snapshots on the detector's own schedule (10/s, at most 2 at once) until cancelled."""
-
-    async def take() -> None:
-        with contextlib.suppress(SnapshotAborted):
-            await coordinator.snapshot(5.0)
-            completed.append(time.monotonic())
-
-    scheduler = Scheduler(take, interval=1 / SNAPSHOTS_PER_S, seed=1)
-    scheduler.start()
-    try:
-        await asyncio.Event().wait()
-    finally:
-        await scheduler.stop()
-
-
 async def run_phase(client: Child, case: str, args: argparse.Namespace, coordinator: Coordinator) -> Phase:
     completed: list[float] = []
-    snapshots = asyncio.ensure_future(take_snapshots(coordinator, completed)) if case.endswith("snapshots") else None
+    snapshots = None
+    if case.endswith("snapshots"):
+        snapshots = asyncio.ensure_future(take_snapshots(coordinator, completed, SNAPSHOTS_PER_S))
     try:
         client.send(channel=CHANNEL[case], warmup=args.warmup, seconds=args.seconds)
         result = await client.read(timeout=args.warmup + args.seconds + 120)
     finally:
         if snapshots is not None:
-            snapshots.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await snapshots
+            await stop_snapshots(snapshots)
     start, end = result["window"]
     taken = sum(start <= t <= end for t in completed)
     calls = result["calls"] or 1
@@ -389,11 +370,12 @@ async def run_phase(client: Child, case: str, args: argparse.Namespace, coordina
 
 
 async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
-    coordinator = Coordinator(heartbeat_interval=1.0)
-    detector_server = grpc.aio.server()
-    control_pb2_grpc.add_ControlServicer_to_server(coordinator, detector_server)
-    detector = f"127.0.0.1:{detector_server.add_insecure_port('127.0.0.1:0')}"
-    await detector_server.start()
+    async with served_coordinator() as (coordinator, detector):
+        return await measure_rounds(args, coordinator, detector)
+
+
+async def measure_rounds(args: argparse.Namespace, coordinator: Coordinator, detector: str) -> list[dict[str, Phase]]:
+    """Start the server and client processes, attached to ``detector``, and run every round."""
     server = client = None
     rounds: list[dict[str, Phase]] = []
     try:
@@ -414,11 +396,7 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
             *probe,
         )
         await client.read()  # ready: both channels connected
-        deadline = time.monotonic() + 30
-        while set(coordinator.members) != {"server", "client"}:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"agents did not attach to the detector: {sorted(coordinator.members)}")
-            await asyncio.sleep(0.01)
+        await attached(coordinator, {"server", "client"})
         cases = tuple(case for case in CASES if case in args.cases)
         for number in range(args.rounds):
             order = cases[number % len(cases) :] + cases[: number % len(cases)]  # rotate against drift
@@ -433,12 +411,7 @@ async def orchestrate(args: argparse.Namespace) -> list[dict[str, Phase]]:
         deadline = time.monotonic() + 5
         while coordinator.members and time.monotonic() < deadline:  # the control streams end first
             await asyncio.sleep(0.01)
-        await detector_server.stop(0)
     return rounds
-
-
-def spread(values: list[float], digits: int = 4) -> list[float]:
-    return [round(min(values), digits), round(max(values), digits)]
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str, object]:
@@ -478,31 +451,31 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
         result[f"{key}_server_cpu_us"] = round(median(per_round(lambda r, c=case: r[c].server_cpu_us)), 1)
     result |= {
         "noop_overhead_p50": round(median(floor), 4),
-        "noop_overhead_p50_spread": spread(floor),
+        "noop_overhead_p50_spread": spread(floor, 4),
         "overhead_p50": round(median(overhead), 4),
-        "overhead_p50_spread": spread(overhead),
+        "overhead_p50_spread": spread(overhead, 4),
         "overhead_p50_with_snapshots": round(median(overhead_snap), 4),
-        "overhead_p50_with_snapshots_spread": spread(overhead_snap),
+        "overhead_p50_with_snapshots_spread": spread(overhead_snap, 4),
         "noop_cpu_overhead": round(median(cpu_floor), 4),
-        "noop_cpu_overhead_spread": spread(cpu_floor),
+        "noop_cpu_overhead_spread": spread(cpu_floor, 4),
         "stamp_only_overhead_p50": round(median(stamp_floor), 4),
-        "stamp_only_overhead_p50_spread": spread(stamp_floor),
+        "stamp_only_overhead_p50_spread": spread(stamp_floor, 4),
         "stamp_only_cpu_overhead": round(median(stamp_cpu_floor), 4),
-        "stamp_only_cpu_overhead_spread": spread(stamp_cpu_floor),
+        "stamp_only_cpu_overhead_spread": spread(stamp_cpu_floor, 4),
         "stamp_only_throughput_ratio": round(median(stamp_ratio), 4),
-        "stamp_only_throughput_ratio_spread": spread(stamp_ratio),
+        "stamp_only_throughput_ratio_spread": spread(stamp_ratio, 4),
         "client_interceptor_overhead_p50": round(median(interceptor_overhead), 4),
-        "client_interceptor_overhead_p50_spread": spread(interceptor_overhead),
+        "client_interceptor_overhead_p50_spread": spread(interceptor_overhead, 4),
         "client_interceptor_throughput_ratio": round(median(interceptor_ratio), 4),
-        "client_interceptor_throughput_ratio_spread": spread(interceptor_ratio),
+        "client_interceptor_throughput_ratio_spread": spread(interceptor_ratio, 4),
         "cpu_overhead": round(median(cpu_overhead), 4),
-        "cpu_overhead_spread": spread(cpu_overhead),
+        "cpu_overhead_spread": spread(cpu_overhead, 4),
         "cpu_overhead_with_snapshots": round(median(cpu_overhead_snap), 4),
-        "cpu_overhead_with_snapshots_spread": spread(cpu_overhead_snap),
+        "cpu_overhead_with_snapshots_spread": spread(cpu_overhead_snap, 4),
         "throughput_ratio": round(median(ratio), 4),
-        "throughput_ratio_spread": spread(ratio),
+        "throughput_ratio_spread": spread(ratio, 4),
         "throughput_ratio_with_snapshots": round(median(ratio_snap), 4),
-        "throughput_ratio_with_snapshots_spread": spread(ratio_snap),
+        "throughput_ratio_with_snapshots_spread": spread(ratio_snap, 4),
         "snapshots_completed": snapshots,
         "snapshots_per_s": round(snapshots / snapshot_seconds, 2),
         "targets": {
@@ -517,26 +490,18 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict[str
 
 def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result: dict[str, object]) -> None:
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(
-        title=f"unary calls, 64-byte echo, {args.concurrency} client threads, {args.workers} server workers: "
-        f"{args.rounds} interleaved rounds of {args.seconds:g} s per case after {args.warmup:g} s of warm-up"
+    table = rounds_table(
+        f"unary calls, 64-byte echo, {args.concurrency} client threads, {args.workers} server workers: "
+        f"{args.rounds} interleaved rounds of {args.seconds:g} s per case after {args.warmup:g} s of warm-up",
+        len(rounds),
     )
-    table.add_column("case")
-    table.add_column("median", justify="right")
-    for number in range(len(rounds)):
-        table.add_column(f"round {number + 1}", justify="right")
-    table.add_column("target", justify="right")
     for case in CASES:
-        values = [r[case].p50_us for r in rounds]
-        table.add_row(f"{case} p50 µs", f"{statistics.median(values):.0f}", *(f"{v:.0f}" for v in values), "")
+        rounds_row(table, f"{case} p50 µs", [r[case].p50_us for r in rounds], ".0f")
     for case in CASES:
-        values = [r[case].per_s for r in rounds]
-        table.add_row(f"{case} calls/s", f"{statistics.median(values):,.0f}", *(f"{v:,.0f}" for v in values), "")
+        rounds_row(table, f"{case} calls/s", [r[case].per_s for r in rounds], ",.0f")
     for case in CASES:
-        values = [r[case].cpu_us for r in rounds]
-        table.add_row(f"{case} CPU µs/call", f"{statistics.median(values):.0f}", *(f"{v:.0f}" for v in values), "")
+        rounds_row(table, f"{case} CPU µs/call", [r[case].cpu_us for r in rounds], ".0f")
     for label, case, target in (
         ("p50 overhead, no-op interceptors", "no-op interceptors", ""),
         ("p50 overhead, stamp-only", "stamp-only", ""),
@@ -544,8 +509,7 @@ def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result
         ("p50 overhead", "instrumented", "<= 0.05"),
         ("p50 overhead, snapshots", "instrumented+snapshots", "<= 0.05"),
     ):
-        values = [r[case].p50_us / r["plain"].p50_us - 1 for r in rounds]
-        table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), target)
+        rounds_row(table, label, [r[case].p50_us / r["plain"].p50_us - 1 for r in rounds], ".3f", target)
     for label, case in (
         ("CPU overhead, no-op interceptors", "no-op interceptors"),
         ("CPU overhead, stamp-only", "stamp-only"),
@@ -553,18 +517,16 @@ def print_table(args: argparse.Namespace, rounds: list[dict[str, Phase]], result
         ("CPU overhead", "instrumented"),
         ("CPU overhead, snapshots", "instrumented+snapshots"),
     ):
-        values = [r[case].cpu_us / r["plain"].cpu_us - 1 for r in rounds]
-        table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), "")
+        rounds_row(table, label, [r[case].cpu_us / r["plain"].cpu_us - 1 for r in rounds], ".3f")
     for label, case, target in (
         ("throughput ratio, stamp-only", "stamp-only", ""),
         ("throughput ratio, client interceptor", "client interceptor", ""),
         ("throughput ratio", "instrumented", ">= 0.95"),
         ("throughput ratio, snapshots", "instrumented+snapshots", ">= 0.95"),
     ):
-        values = [r[case].per_s / r["plain"].per_s for r in rounds]
-        table.add_row(label, f"{statistics.median(values):.3f}", *(f"{v:.3f}" for v in values), target)
+        rounds_row(table, label, [r[case].per_s / r["plain"].per_s for r in rounds], ".3f", target)
     rates = [r["instrumented+snapshots"].snapshots / r["instrumented+snapshots"].seconds for r in rounds]
-    table.add_row("snapshots/s completed", f"{result['snapshots_per_s']:.1f}", *(f"{v:.1f}" for v in rates), "10 asked")
+    rounds_row(table, "snapshots/s completed", rates, ".1f", "10 asked", result["snapshots_per_s"])
     Console(width=200).print(table)
 
 
@@ -600,7 +562,7 @@ def main() -> None:
         return  # a profiling run: no ratios without every case
     result = report(args, rounds)
     print_table(args, rounds, result)
-    print(json.dumps(result), flush=True)
+    json_line(result)
 
 
 if __name__ == "__main__":

@@ -39,51 +39,59 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import collections
-import json
-import logging
-import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import networkx as nx
+from report import json_line, quiet_teardown
 from rich.console import Console
-from rich.table import Table
-from side_by_side import watch_side_by_side
+from side_by_side import (
+    Observed,
+    Round,
+    comparison_table,
+    cycle_in,
+    measured_rounds,
+    naive_row,
+    poll_rounds,
+    print_problems,
+    round_p50_ms,
+    stablewatch_row,
+    watch_side_by_side,
+    watch_snapshots,
+)
 
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.examples.shop import ROLES, WORKLOADS, read_status
 from stablewatch.examples.shop_processes import ShopProcesses
-from stablewatch.v1 import GlobalSnapshot, WaitModel, query_pb2
+from stablewatch.v1 import GlobalSnapshot, WaitModel
 
 
 @dataclass
-class Stablewatch:
-    """What the detector's snapshots showed."""
+class Stablewatch(Observed):
+    """What the detector's snapshots showed, and the waits each cut held."""
 
-    completed: int = 0
-    aborted: int = 0
-    abort_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
-    deadlocks: list[int] = field(default_factory=list)  # ids of snapshots that reported deadlock
-    durations: list[float] = field(default_factory=list)
     with_calls: int = 0  # cuts with at least one call out
     with_queued: int = 0  # cuts with at least one request queued for a worker
     with_service_cycle: int = 0  # cuts whose waits, process to process, form a cycle
 
+    def count_waits(self, snapshot: GlobalSnapshot) -> None:
+        """Count the cut's calls out, requests queued, and whether its waits form a cycle process to process."""
+        waits = [w for p in snapshot.processes for w in p.state.waits]
+        self.with_calls += any(w.model != WaitModel.WAIT_MODEL_OR for w in waits)
+        self.with_queued += any(w.model == WaitModel.WAIT_MODEL_OR for w in waits)
+        self.with_service_cycle += service_cycle(snapshot)
+
 
 @dataclass
-class Round:
-    """One naive poll round: every process's books, asked one process after another."""
+class ShopRound(Round):
+    """A poll round of the shop's processes."""
 
-    started: float
-    finished: float
     placed: int
     outstanding: dict[str, set[int]]  # process -> ids of its calls out
-    cycle: list[tuple[str, str]] | None
     cycle_calls: list[tuple[str, set[int]]] | None  # per edge of the cycle: (caller, the calls behind it)
 
 
@@ -95,50 +103,21 @@ def service_cycle(snapshot: GlobalSnapshot) -> bool:
             graph.add_edges_from(
                 (process.process_id, t.process) for t in wait.targets if t.process != process.process_id
             )
-    try:
-        nx.find_cycle(graph)
-    except nx.NetworkXNoCycle:
-        return False
-    return True
+    return cycle_in(graph) is not None
 
 
-async def observe_stablewatch(detector: Detector, seen: Stablewatch, done: asyncio.Event, target: int) -> None:
-    async for event in detector.watch():
-        summary = event.results.snapshot
-        if summary.outcome != query_pb2.SNAPSHOT_OUTCOME_COMPLETED:
-            seen.aborted += 1
-            seen.abort_reasons[summary.abort_reason.split(",")[0][:80]] += 1
-            continue
-        seen.completed += 1
-        seen.durations.append((summary.finished_at.ToNanoseconds() - summary.started_at.ToNanoseconds()) / 1e9)
-        deadlock = next(r for r in event.results.results if r.name == "deadlock")
-        if deadlock.holds:
-            seen.deadlocks.append(summary.snapshot_id)
-        snapshot = detector.store.snapshot(summary.snapshot_id)
-        if snapshot is not None:
-            waits = [w for p in snapshot.processes for w in p.state.waits]
-            seen.with_calls += any(w.model != WaitModel.WAIT_MODEL_OR for w in waits)
-            seen.with_queued += any(w.model == WaitModel.WAIT_MODEL_OR for w in waits)
-            seen.with_service_cycle += service_cycle(snapshot)
-        if seen.completed >= target:
-            done.set()
-
-
-async def poll_naively(admins: dict[str, str], rounds: list[Round], stop: asyncio.Event, extra: int) -> None:
+async def poll_naively(admins: dict[str, str], rounds: list[ShopRound], stop: asyncio.Event, extra: int) -> None:
     """Read every process's books in turn until ``stop``, then ``extra`` more rounds (to prove phantoms)."""
     channels = {role: grpc.insecure_channel(address) for role, address in admins.items()}
     try:
-        while not stop.is_set() or extra > 0:
-            if stop.is_set():
-                extra -= 1
-                await asyncio.sleep(0.05)  # give the calls time to end between the proving rounds
-            rounds.append(await asyncio.to_thread(poll_round, channels))
+        # The last rounds are 50 ms apart: time for the calls to end between the proving rounds.
+        await poll_rounds(lambda: asyncio.to_thread(poll_round, channels), rounds, stop, extra, pause=0.05)
     finally:
         for channel in channels.values():
             channel.close()
 
 
-def poll_round(channels: dict[str, grpc.Channel]) -> Round:
+def poll_round(channels: dict[str, grpc.Channel]) -> ShopRound:
     """One round: each process's calls out, asked one after another; a cycle among them if any."""
     graph = nx.DiGraph()
     outstanding: dict[str, set[int]] = {}
@@ -155,15 +134,12 @@ def poll_round(channels: dict[str, grpc.Channel]) -> Round:
         if role == "client":
             placed = status["counts"].get("/shop.Orders/Place", 0)
     finished = time.monotonic()
-    try:
-        cycle = [(u, v) for u, v, *_ in nx.find_cycle(graph)]
-        calls = [(u, set(graph.edges[u, v]["calls"])) for u, v in cycle]
-    except nx.NetworkXNoCycle:
-        cycle, calls = None, None
-    return Round(started, finished, placed, outstanding, cycle, calls)
+    cycle = cycle_in(graph)
+    calls = None if cycle is None else [(u, set(graph.edges[u, v]["calls"])) for u, v in cycle]
+    return ShopRound(started, finished, cycle, placed, outstanding, calls)
 
 
-def proven_phantom(found: Round, last: Round) -> bool:
+def proven_phantom(found: ShopRound, last: ShopRound) -> bool:
     """Some edge of `found`'s cycle has none of its calls still out at `last`: no lasting wait, no deadlock."""
     assert found.cycle_calls is not None
     return any(not (calls & last.outstanding[caller]) for caller, calls in found.cycle_calls)
@@ -171,7 +147,7 @@ def proven_phantom(found: Round, last: Round) -> bool:
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
     seen = Stablewatch()
-    rounds: list[Round] = []
+    rounds: list[ShopRound] = []
     with tempfile.TemporaryDirectory(prefix="stablewatch-rpc-phantom-") as folder:
         config = DetectorConfig(
             data_dir=Path(folder) / "data",
@@ -196,19 +172,17 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
                 "/shop.Orders/Place", 0
             )
             finished, ended = await watch_side_by_side(
-                lambda done: observe_stablewatch(detector, seen, done, args.snapshots),
+                lambda done: watch_snapshots(detector, seen, done, args.snapshots, seen.count_waits),
                 lambda stop: poll_naively(admins, rounds, stop, extra=3),
                 args.max_seconds,
             )
             elapsed = ended - started
             shop.check_running()
         finally:
-            # Teardown: snapshots in flight abort as the shop stops; not part of the measurement.
-            logging.getLogger("stablewatch").setLevel(logging.ERROR)
+            quiet_teardown()  # snapshots in flight abort as the shop stops
             await asyncio.to_thread(shop.stop)
             await detector.stop()
-    measured = [r for r in rounds if r.finished <= started + elapsed]
-    naive_deadlocks = [i for i, r in enumerate(measured) if r.cycle is not None]
+    measured, naive_deadlocks = measured_rounds(rounds, started + elapsed)
     proven = [i for i in naive_deadlocks if proven_phantom(rounds[i], rounds[-1])]
     placed = (measured[-1].placed if measured else 0) - placed_before
     return {
@@ -235,88 +209,69 @@ async def main() -> None:
 
     outcome = await run(args)
     seen: Stablewatch = outcome["seen"]
-    rounds: list[Round] = outcome["rounds"]
+    rounds: list[ShopRound] = outcome["rounds"]
     elapsed = outcome["elapsed"]
     deadlocks = len(seen.deadlocks)
     naive_deadlocks = len(outcome["naive_deadlocks"])
     proven = len(outcome["naive_proven"])
-    skews = [(r.finished - r.started) * 1000 for r in rounds]
-    durations = [d * 1000 for d in seen.durations]
     workload = WORKLOADS["churn"]
 
-    table = Table(
-        title=(
-            f"phantom deadlocks among gRPC services: the shop's churn workload (pools {workload.workers}, "
-            f"{workload.concurrency} orders at once), {outcome['placed'] / elapsed:.0f} orders/s "
-            f"({outcome['placed']} in {elapsed:.1f} s)"
-        )
+    table = comparison_table(
+        f"phantom deadlocks among gRPC services: the shop's churn workload (pools {workload.workers}, "
+        f"{workload.concurrency} orders at once), {outcome['placed'] / elapsed:.0f} orders/s "
+        f"({outcome['placed']} in {elapsed:.1f} s)",
+        "rate",
     )
-    for column in ("detector", "observations", "deadlocks reported", "rate", "notes"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        f"stablewatch (snapshots every {args.interval:g} s)",
-        f"{seen.completed} snapshots",
-        str(deadlocks),
-        f"{deadlocks / max(1, seen.completed):.2%}",
-        f"{seen.aborted} aborted; p50 {statistics.median(durations) if durations else 0:.1f} ms each; "
+    cuts = (
         f"cuts with calls out {seen.with_calls}, with requests queued {seen.with_queued}, "
-        f"with a cycle process to process {seen.with_service_cycle}",
+        f"with a cycle process to process {seen.with_service_cycle}"
     )
-    table.add_row(
-        "naive (each process's calls out in turn)",
-        f"{len(rounds)} poll rounds",
-        str(naive_deadlocks),
-        f"{naive_deadlocks / max(1, len(rounds)):.2%}",
-        f"{proven} proven phantoms (calls on the cycle ended after); "
-        f"round p50 {statistics.median(skews) if skews else 0:.1f} ms",
-    )
+    table.add_row(*stablewatch_row(seen, args.interval, cuts))
+    proofs = f"{proven} proven phantoms (calls on the cycle ended after)"
+    table.add_row(*naive_row("naive (each process's calls out in turn)", rounds, naive_deadlocks, proofs))
     console = Console(width=200)
     console.print(table)
-    if seen.abort_reasons:
-        console.print("aborted snapshots: " + "; ".join(f"{n} x {r}" for r, n in seen.abort_reasons.most_common(5)))
-    if deadlocks:
-        console.print(f"[red]BUG: stablewatch reported deadlock in snapshots {seen.deadlocks[:20]}[/red]")
-    if not outcome["finished"]:
-        console.print(
-            f"[red]stopped early (time limit or the watch stream ended) after {elapsed:.1f} s "
-            f"with {seen.completed} of {args.snapshots} snapshots[/red]"
-        )
-    if not outcome["moving_at_end"]:
-        console.print("[red]the shop was not completing orders any more at the end[/red]")
+    print_problems(
+        console,
+        seen,
+        (),
+        finished=outcome["finished"],
+        elapsed=elapsed,
+        target=args.snapshots,
+        moving=outcome["moving_at_end"],
+        not_moving="the shop was not completing orders any more at the end",
+    )
     print("target: stablewatch 0 deadlocks over >= 1000 snapshots while the naive poller reports some")
-    print(
-        json.dumps(
-            {
-                "snapshots": seen.completed,
-                "stablewatch_deadlocks": deadlocks,
-                "stablewatch_deadlock_ids": seen.deadlocks[:20],
-                "aborted": seen.aborted,
-                "snapshot_p50_ms": round(statistics.median(durations), 3) if durations else None,
-                "snapshots_per_s": round(seen.completed / elapsed, 2),
-                "cuts_with_calls_out": seen.with_calls,
-                "cuts_with_requests_queued": seen.with_queued,
-                "cuts_with_process_cycle": seen.with_service_cycle,
-                "naive_polls": len(rounds),
-                "naive_deadlocks": naive_deadlocks,
-                "naive_deadlocks_proven": proven,
-                "naive_round_p50_ms": round(statistics.median(skews), 3) if skews else None,
-                "places": outcome["placed"],
-                "places_per_s": round(outcome["placed"] / elapsed, 1),
-                "moving_at_end": outcome["moving_at_end"],
-                "seconds": round(elapsed, 2),
-                "interval": args.interval,
-                "seed": args.seed,
-                "finished": outcome["finished"],
-                "target_met": bool(
-                    outcome["finished"]
-                    and seen.completed >= 1000
-                    and deadlocks == 0
-                    and naive_deadlocks > 0
-                    and outcome["moving_at_end"]
-                ),
-            }
-        ),
-        flush=True,
+    json_line(
+        {
+            "snapshots": seen.completed,
+            "stablewatch_deadlocks": deadlocks,
+            "stablewatch_deadlock_ids": seen.deadlocks[:20],
+            "aborted": seen.aborted,
+            "snapshot_p50_ms": seen.p50_ms(),
+            "snapshots_per_s": round(seen.completed / elapsed, 2),
+            "cuts_with_calls_out": seen.with_calls,
+            "cuts_with_requests_queued": seen.with_queued,
+            "cuts_with_process_cycle": seen.with_service_cycle,
+            "naive_polls": len(rounds),
+            "naive_deadlocks": naive_deadlocks,
+            "naive_deadlocks_proven": proven,
+            "naive_round_p50_ms": round_p50_ms(rounds),
+            "places": outcome["placed"],
+            "places_per_s": round(outcome["placed"] / elapsed, 1),
+            "moving_at_end": outcome["moving_at_end"],
+            "seconds": round(elapsed, 2),
+            "interval": args.interval,
+            "seed": args.seed,
+            "finished": outcome["finished"],
+            "target_met": bool(
+                outcome["finished"]
+                and seen.completed >= 1000
+                and deadlocks == 0
+                and naive_deadlocks > 0
+                and outcome["moving_at_end"]
+            ),
+        }
     )
     if deadlocks:
         sys.exit(1)

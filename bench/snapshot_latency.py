@@ -42,13 +42,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import math
 import statistics
 import sys
 import time
 
-from cluster import Cluster, percentile, random_links, ring_links
+from cluster import Cluster, random_links, ring_links
+from report import json_line, percentile
 from rich.console import Console
 from rich.table import Table
 
@@ -224,7 +224,7 @@ async def main() -> None:
     randoms = [c for c in cases if c["topology"] == "random"]
     headline = next((c for c in randoms if c["agents"] == 64), randoms[-1])
     scale = [{key: case[key] for key in SCALE_KEYS} for case in randoms]
-    print(json.dumps({**headline, "cases": cases, "scale": scale}), flush=True)
+    json_line({**headline, "cases": cases, "scale": scale})
 
 
 if __name__ == "__main__":

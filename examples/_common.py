@@ -30,6 +30,7 @@ from stablewatch.agents import Agent, ChannelSettings, TlsConfig
 __all__ = [
     "PeerDirectory",
     "Service",
+    "configure_logging",
     "id_list",
     "run_service",
     "send_now",
@@ -151,11 +152,12 @@ class PeerDirectory:
             await asyncio.sleep(_POLL)
 
 
-def _configure_logging(args: argparse.Namespace) -> None:
+def configure_logging(level: str, process: str) -> None:
+    """Log to stderr from ``level`` (a name, e.g. ``info``) up, each line naming ``process``."""
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=level.upper(),
         stream=sys.stderr,
-        format=f"%(asctime)s.%(msecs)03d {args.id} %(levelname)s %(message)s",
+        format=f"%(asctime)s.%(msecs)03d {process} %(levelname)s %(message)s",
         datefmt="%H:%M:%S",
     )
     # gRPC's and the agent's own chatter stays out of the examples' concise log.
@@ -211,5 +213,5 @@ def run_service(args: argparse.Namespace, factory: ServiceFactory) -> int:
     initial state are in place when the first message or snapshot arrives); its ``run()`` is
     then awaited. Status 0 after a signal or the duration, 1 when ``run()`` failed.
     """
-    _configure_logging(args)
+    configure_logging(args.log_level, args.id)
     return asyncio.run(_serve(args, factory))

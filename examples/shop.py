@@ -2,7 +2,7 @@
 
 What it demonstrates: RPC mode. The services are plain synchronous ``grpc.server`` processes with
 bounded worker pools and generic byte handlers (no generated stubs); stablewatch sees them only
-through the interceptors of an :class:`~stablewatch.agents.rpc_agent.RpcAgent`, two lines in
+through the interceptors of an :class:`~stablewatch.agents.rpc.agent.RpcAgent`, two lines in
 :func:`_instrument`; each process's stablewatch id is its service's name. Without ``--detector``
 they run the same, without stablewatch.
 
@@ -63,8 +63,8 @@ from typing import Any
 
 import grpc
 
-from stablewatch.agents.rpc_agent import RpcAgent
-from stablewatch.examples._common import PeerDirectory
+from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.examples._common import PeerDirectory, configure_logging
 
 __all__ = [
     "CHARGE",
@@ -422,13 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.confirm_rate is None:
         args.confirm_rate = WORKLOADS[args.workload].confirm_rate
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        stream=sys.stderr,
-        format=f"%(asctime)s.%(msecs)03d {args.service} %(levelname)s %(message)s",
-        datefmt="%H:%M:%S",
-    )
-    logging.getLogger("stablewatch.agents").setLevel(logging.WARNING)
+    configure_logging(args.log_level, args.service)
     return serve(args)
 
 

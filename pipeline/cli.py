@@ -174,16 +174,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(args: argparse.Namespace, message: str) -> None:
     print(f"stablewatch: {message}", file=sys.stderr)
     if args.json:
-        _print_json({"error": message})
+        print(json.dumps({"error": message}, default=str), flush=True)
 
 
 def _first_line(error: BaseException) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
-
-
-def _print_json(obj: dict[str, Any]) -> None:
-    print(json.dumps(obj, default=str), flush=True)
 
 
 def _evaluation_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,41 +196,40 @@ def _evaluation_options(args: argparse.Namespace) -> dict[str, Any]:
 def _evaluate(args: argparse.Namespace, console: Console) -> int:
     from pyspark.sql import functions as F
 
+    from stablewatch.detector.evaluation import Verdict
     from stablewatch.pipeline.evaluate import evaluate_archive, write_evaluations
     from stablewatch.pipeline.session import get_session
     from stablewatch.pipeline.summary import evaluate_report
     from stablewatch.pipeline.tables import open_archive
+    from stablewatch.pipeline.verdict import verdict
 
     spark = get_session("stablewatch-evaluate")
     archive = open_archive(spark, args.archive, args.from_day, args.to_day)
     evaluated = evaluate_archive(archive, **_evaluation_options(args), first_id=args.from_id, last_id=args.to_id)
     out = args.out / "evaluations"
     write_evaluations(evaluated.evaluations, out, archive)
-    error = F.coalesce(F.col("error"), F.lit("")) != ""
     verdicts = (
         spark.read.parquet(str(out))
+        .withColumn("verdict", verdict())
         .groupBy("name")
         .agg(
             F.min("position").alias("position"),
-            F.count(F.when(F.col("holds"), 1)).alias("true"),
-            F.count(F.when(~F.col("holds") & ~F.col("unknown") & ~error, 1)).alias("false"),
-            F.count(F.when(F.col("unknown") | error, 1)).alias("unknown"),
+            *(F.count(F.when(F.col("verdict") == word.value, 1)).alias(word.value) for word in Verdict),
         )
         .orderBy("position", "name")
         .drop("position")
         .toArrow()
     )
     if args.json:
-        _print_json(
-            {
-                "snapshots": evaluated.snapshots,
-                "aborted": evaluated.aborted,
-                "large": evaluated.large,
-                "rounds": evaluated.rounds,
-                "out": str(out),
-                "predicates": verdicts.to_pylist(),
-            }
-        )
+        report = {
+            "snapshots": evaluated.snapshots,
+            "aborted": evaluated.aborted,
+            "large": evaluated.large,
+            "rounds": evaluated.rounds,
+            "out": str(out),
+            "predicates": verdicts.to_pylist(),
+        }
+        print(json.dumps(report, default=str), flush=True)
     else:
         console.print(
             evaluate_report(
@@ -259,16 +254,15 @@ def _history(args: argparse.Namespace, console: Console) -> int:
         last_day=args.to_day,
     )
     if args.json:
-        _print_json(
-            {
-                "evaluated": history.evaluated,
-                "aborted": history.aborted,
-                "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
-                "termination_episodes": history.tables["termination_episodes"].num_rows,
-                "tables": [str(path) for path in history.files],
-                "chart": None if history.chart is None else str(history.chart),
-            }
-        )
+        report = {
+            "evaluated": history.evaluated,
+            "aborted": history.aborted,
+            "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
+            "termination_episodes": history.tables["termination_episodes"].num_rows,
+            "tables": [str(path) for path in history.files],
+            "chart": None if history.chart is None else str(history.chart),
+        }
+        print(json.dumps(report, default=str), flush=True)
     return 0
 
 
@@ -286,7 +280,8 @@ def _follow(args: argparse.Namespace, console: Console) -> int:
         max_files=args.max_files,
     )
     if args.json:
-        _print_json({"batches": followed.batches, "snapshots": followed.snapshots, "out": str(args.out)})
+        report = {"batches": followed.batches, "snapshots": followed.snapshots, "out": str(args.out)}
+        print(json.dumps(report, default=str), flush=True)
     return 0
 
 

@@ -6,8 +6,11 @@ the serialized ``GlobalSnapshot``. Those are evaluated in parallel across snapsh
 detector itself calls: the same predicate on the same snapshot gives the same result, by
 construction. A completed snapshot without a blob (too large) is rebuilt from its rows: its
 wait-for graph is built and reduced on DataFrames (:mod:`.reduce`), the shared algorithm
-finishes what remains, and the other built-in predicates run on the snapshot rebuilt without its
-waits (they do not read them; the processes its waits name are kept for the cut's coverage).
+(``find_deadlock``) finishes what remains, and the detector's own
+:func:`~stablewatch.detector.evaluation.built_in_results` (what ``evaluate`` runs once it has the
+graph) turns that evidence, the whole graph's counts and the snapshot rebuilt without its waits
+into the results (they do not read the waits; the processes the waits name are kept for the cut's
+coverage).
 
 Conservation needs the expected totals the detector would have had: the configured ones, and
 for every other counter the baseline set by the first closed snapshot that saw it, in the order
@@ -35,16 +38,10 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from stablewatch.detector.archive.schema import TABLES, snapshot_from_rows
-from stablewatch.detector.evaluation import UserPredicate, coverage, evaluate, load_predicate
+from stablewatch.detector.evaluation import UserPredicate, built_in_results, evaluate, load_predicate, new_baselines
 from stablewatch.detector.evaluation.plugins import entry_point_predicates
-from stablewatch.detector.evaluation.predicates import (
-    conservation,
-    counter_holdings,
-    deadlock_result,
-    termination,
-    unknown,
-)
-from stablewatch.detector.evaluation.waitfor import Deadlock, WaitFor, evidence_proto, find_deadlock
+from stablewatch.detector.evaluation.predicates import conservation
+from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts, WaitFor, find_deadlock
 from stablewatch.pipeline.reduce import (
     DEFAULT_FINISH_EDGES,
     DEFAULT_MAX_ROUNDS,
@@ -58,7 +55,7 @@ from stablewatch.pipeline.reduce import (
     wait_for_frames,
 )
 from stablewatch.pipeline.tables import Archive
-from stablewatch.v1 import CutCoverage, GlobalSnapshot, PredicateResult
+from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult
 
 __all__ = [
     "EVALUATIONS",
@@ -111,14 +108,9 @@ def order_key(finished_at: datetime | None, snapshot_id: int) -> tuple[int, int]
 
 
 def _baseline_candidates(snapshot: GlobalSnapshot, configured: Mapping[str, int]) -> list[tuple[str, int]]:
-    """The counters that `snapshot` would set a baseline for if none was set before, with their totals."""
-    if not coverage(snapshot).closed:
-        return []
-    return [
-        (counter, sum(h.amount for h in holdings))
-        for counter, holdings in counter_holdings(snapshot).items()
-        if counter not in configured
-    ]
+    """The counters that `snapshot` would set a baseline for if none was set before, with their totals:
+    conservation's own rule, as the detector applies it with only the `configured` totals."""
+    return list(new_baselines(Evaluation(results=conservation(snapshot, configured))).items())
 
 
 def _candidate_batches(batches: Iterator[pa.RecordBatch], configured: Mapping[str, int]) -> Iterator[pa.RecordBatch]:
@@ -224,15 +216,17 @@ def evaluate_blobs(snapshots: DataFrame, totals: Totals, predicates: Sequence[st
 # -- snapshots too large for one worker ---------------------------------------------------------------------
 
 
+_NO_WAITS = WaitCounts(0, 0, 0)  # a snapshot without waits has no row in graph_counts
+
+
 @dataclass
 class _Large:
-    """A snapshot archived without its blob: its head, the snapshot rebuilt without waits, its reduced graph."""
+    """A snapshot archived without its blob: its head, the snapshot rebuilt without waits, its graph's deadlock."""
 
     head: dict[str, Any]
     light: bytes  # the serialized GlobalSnapshot without waits (see _light_snapshot)
-    counts: tuple[int, int, int] = (0, 0, 0)  # waiters, counted edges, discounted pairs
-    deadlock: Deadlock | None = None
-    graph: WaitFor | None = None
+    counts: WaitCounts = _NO_WAITS  # of the whole wait-for graph, which only the DataFrames hold
+    deadlock: Deadlock | None = None  # find_deadlock on what the reduction left
 
 
 def _group_rows(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
@@ -354,7 +348,7 @@ def _reduce_large_graphs(
     frames = wait_for_frames(*tables)
     frames = WaitForFrames(frames.waiters.localCheckpoint(), frames.edges.localCheckpoint())
     for row in graph_counts(frames).collect():
-        large[row["snapshot_id"]].counts = (row["waiters"], row["edges"], row["discounted"])
+        large[row["snapshot_id"]].counts = WaitCounts(row["waiters"], row["edges"], row["discounted"])
     rounds = 0
     if max_rounds and sum(item.counts[1] for item in large.values()) > finish_edges:
         nodes, edges = numbered_edges(frames)
@@ -365,43 +359,18 @@ def _reduce_large_graphs(
     table = rows.toArrow()
     graphs = remaining_graphs(table)
     for sid, item in large.items():
-        item.graph = WaitFor(sid, graphs.get(sid) or nx.DiGraph(), ())
-        item.deadlock = find_deadlock(item.graph)
+        # The remaining graph holds every deadlocked node and the edges among them, all the evidence reads.
+        item.deadlock = find_deadlock(WaitFor(sid, graphs.get(sid) or nx.DiGraph(), ()))
     return rounds, table.num_rows
 
 
-def _plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
-
-
-def _deadlock_of_large(item: _Large, cut: CutCoverage) -> PredicateResult:
-    """The ``deadlock`` result of a large snapshot, as ``deadlock_result`` gives it for the whole graph.
-
-    With a deadlock, the evidence is all there is and the remaining graph holds it. Without one,
-    the summary counts the whole graph's waiters and edges, which only the DataFrames know.
-    """
-    assert item.graph is not None and item.deadlock is not None
-    if item.deadlock.deadlocked:
-        return deadlock_result(item.graph, item.deadlock, cut)
-    waiters, edges, discounted = item.counts
-    result = PredicateResult(name="deadlock", holds=False)
-    result.deadlock.CopyFrom(evidence_proto(item.deadlock))
-    counts = (
-        f"{_plural(waiters, 'waiter')}, {_plural(edges, 'wait edge')}, {discounted} discounted by messages in flight"
-    )
-    if not cut.closed:
-        return unknown(result, cut, f"no deadlock among the processes in the cut ({counts})")
-    result.summary = f"no deadlock: {counts}"
-    return result
-
-
 def _evaluate_large(item: _Large, totals: Totals, plugin_names: Sequence[str]) -> list[PredicateResult]:
-    """Every result of a large snapshot, in ``evaluate``'s order; user predicates are not run on it."""
-    light = GlobalSnapshot.FromString(item.light)
+    """Every result of a large snapshot, in ``evaluate``'s order, by the detector's ``built_in_results``
+    from the reduced graph's evidence and the whole graph's counts; user predicates are not run on it."""
+    assert item.deadlock is not None
     head = item.head
-    cut = coverage(light)
-    results = [_deadlock_of_large(item, cut), termination(light, cut)]
-    results += conservation(light, totals.before((head["finished_us"], head["snapshot_id"])), cut)
+    expected = totals.before((head["finished_us"], head["snapshot_id"]))
+    results = built_in_results(GlobalSnapshot.FromString(item.light), item.deadlock, item.counts, expected)
     reason = "snapshot archived without its blob (too large for one worker): user predicates need the whole snapshot"
     results += [
         PredicateResult(name=name, holds=False, unknown=True, summary=f"not evaluated: {reason}", error=reason)

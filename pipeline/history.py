@@ -33,12 +33,14 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 from rich.console import Console
 
+from stablewatch.detector.evaluation import Verdict
 from stablewatch.pipeline.chart import draw_history
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, write_evaluations
 from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.summary import history_report
 from stablewatch.pipeline.tables import Archive, open_archive
+from stablewatch.pipeline.verdict import verdict
 
 __all__ = [
     "History",
@@ -68,11 +70,6 @@ def _seconds(later: Column | str, earlier: Column | str) -> Column:
     return (F.unix_micros(later) - F.unix_micros(earlier)) / 1e6
 
 
-def _verdict() -> Column:
-    error = F.coalesce(F.col("error"), F.lit("")) != ""
-    return F.when(F.col("unknown") | error, "unknown").when(F.col("holds"), "true").otherwise("false")
-
-
 def runs(evaluations: DataFrame, name: str) -> DataFrame:
     """The decided snapshots of predicate `name`, in start order, numbered by run of equal verdicts.
 
@@ -81,7 +78,7 @@ def runs(evaluations: DataFrame, name: str) -> DataFrame:
     before and after. One partition (one row per snapshot): O(n log n).
     """
     order = Window.partitionBy("name").orderBy("started_at", "snapshot_id")
-    decided = evaluations.filter((F.col("name") == name) & (_verdict() != "unknown"))
+    decided = evaluations.filter((F.col("name") == name) & (verdict() != Verdict.UNKNOWN.value))
     changed = F.lag("holds").over(order).isNull() | (F.lag("holds").over(order) != F.col("holds"))
     return decided.select(
         "name",
@@ -199,7 +196,7 @@ def conservation_drift(evaluations: DataFrame) -> DataFrame:
         "snapshot_id",
         "started_at",
         F.col("e.counter").alias("counter"),
-        _verdict().alias("verdict"),
+        verdict().alias("verdict"),
         *(F.coalesce(F.col(f"e.{n}").cast("long"), F.lit(0)).alias(n) for n in ("expected", "observed", "drift")),
         F.coalesce("e.baseline", F.lit(False)).alias("baseline"),
     ).orderBy("started_at", "snapshot_id", "counter")
@@ -207,16 +204,18 @@ def conservation_drift(evaluations: DataFrame) -> DataFrame:
 
 def conservation_summary(drift: DataFrame) -> DataFrame:
     """Per counter, from :func:`conservation_drift`: how often it held, was violated or unknown; the worst drift."""
-    violated = F.col("verdict") == "false"
-    last_decided = F.when(F.col("verdict") != "unknown", F.struct("started_at", "snapshot_id"))  # max_by skips nulls
+    word = F.col("verdict")
+    violated = word == Verdict.FALSE.value
+    decided = word != Verdict.UNKNOWN.value
+    last_decided = F.when(decided, F.struct("started_at", "snapshot_id"))  # max_by skips nulls
     return (
         drift.groupBy("counter")
         .agg(
             F.count(F.lit(1)).alias("snapshots"),
-            F.count(F.when(F.col("verdict") == "true", 1)).alias("held"),
+            F.count(F.when(word == Verdict.TRUE.value, 1)).alias("held"),
             F.count(F.when(violated, 1)).alias("violated"),
-            F.count(F.when(F.col("verdict") == "unknown", 1)).alias("unknown"),
-            F.max(F.when(F.col("verdict") != "unknown", F.abs("drift"))).alias("max_abs_drift"),
+            F.count(F.when(word == Verdict.UNKNOWN.value, 1)).alias("unknown"),
+            F.max(F.when(decided, F.abs("drift"))).alias("max_abs_drift"),
             F.min(F.when(violated, F.col("started_at"))).alias("first_violation_at"),
             F.max_by("drift", last_decided).alias("last_drift"),
             F.max_by("expected", last_decided).alias("expected"),
@@ -261,7 +260,7 @@ def timeline(evaluations: DataFrame, snapshots: DataFrame, channels: DataFrame) 
     Columns: ``snapshot_id, started_at, deadlock, deadlocked_processes, messages_in_flight,
     recorded_bytes, busiest_channel_messages``.
     """
-    deadlock = evaluations.filter(F.col("name") == "deadlock").select("snapshot_id", _verdict().alias("deadlock"))
+    deadlock = evaluations.filter(F.col("name") == "deadlock").select("snapshot_id", verdict().alias("deadlock"))
     processes = (
         deadlocked_nodes(evaluations)
         .groupBy("snapshot_id")

@@ -2,23 +2,42 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import pyarrow as pa
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.evaluation.text import plural
 
-if TYPE_CHECKING:  # only for the annotation: history imports this module
-    from stablewatch.pipeline.history import History
-
-__all__ = ["evaluate_report", "history_report"]
+__all__ = ["ReportedHistory", "evaluate_report", "history_report"]
 
 _ROWS = 10  # rows shown per table; the Parquet tables have them all
+
+
+class ReportedHistory(Protocol):
+    """What :func:`history_report` reads of a history job's outcome
+    (:class:`~stablewatch.pipeline.history.History` is the one; this module does not import it)."""
+
+    @property
+    def tables(self) -> Mapping[str, pa.Table]: ...
+
+    @property
+    def out(self) -> Path: ...
+
+    @property
+    def chart(self) -> Path | None: ...
+
+    @property
+    def first_at(self) -> datetime | None: ...
+
+    @property
+    def last_at(self) -> datetime | None: ...
 
 
 def _when(moment: datetime | None) -> str:
@@ -63,21 +82,21 @@ def _table(title: str, columns: Sequence[str], rows: list[list[Any]], total: int
 def evaluate_report(verdicts: pa.Table, evaluated: int, aborted: int, large: int, rounds: int, out: str) -> Group:
     """The ``evaluate`` summary: how many snapshots, and each predicate's true/false/unknown counts.
 
-    `verdicts` has columns ``name, true, false, unknown`` (one row per predicate).
+    `verdicts` has columns ``name`` and one per :class:`Verdict` word (one row per predicate).
     """
     line = f"evaluated {evaluated} snapshots ({aborted} aborted, not evaluated)"
     if large:
         line += f"; {large} too large for one worker, reduced on DataFrames in {rounds} rounds"
     table = _table(
         "predicates",
-        ["predicate", "true", "false", "unknown"],
-        [[r["name"], r["true"], r["false"], r["unknown"]] for r in verdicts.to_pylist()],
+        ["predicate", *Verdict],
+        [[r["name"], *(r[word] for word in Verdict)] for r in verdicts.to_pylist()],
         verdicts.num_rows,
     )
     return Group(Text(line), table, Text(f"results: {out}", style="dim"))
 
 
-def history_report(history: History) -> Group:
+def history_report(history: ReportedHistory) -> Group:
     """The ``history`` summary: the headline, then deadlock episodes, recurring processes, termination,
     conservation, snapshot outcomes and the busiest channels; a table with no rows is one line instead."""
     t = history.tables

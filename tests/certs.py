@@ -24,7 +24,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from stablewatch.agents.tls import TlsConfig, channel_credentials, process_uri
+from stablewatch.agents.certificates import TlsConfig, channel_credentials
+from stablewatch.agents.peer_identity import process_uri
 
 __all__ = ["NODE_PROCESSES", "credentials", "issue", "make_certs", "tls_config"]
 

@@ -1,7 +1,9 @@
-"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector, a local Spark."""
+"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector, a local Spark;
+and a free port."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,13 +13,20 @@ from certs import issue, make_certs
 from detector_harness import Running
 from detector_stub import StubDetector
 
-from stablewatch.agents.tls import process_uri
+from stablewatch.agents.peer_identity import process_uri
 from stablewatch.detector.service.auth import role_uri
 from stablewatch.detector.service.detector import DetectorConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT.parent / "shared" / "conformance" / "cos418"
 DELAY_TAPE = CONFORMANCE / "go-rand-intn5-seed8053172852482175524.txt"
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on (the operating system's pick), for a server that starts later."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 @pytest.fixture

@@ -5,11 +5,13 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Coroutine
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
 
 from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.limits import Limits
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart, control_pb2, control_pb2_grpc
 
 T = TypeVar("T")
@@ -45,6 +47,44 @@ class Running:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+def limited_detector(
+    data_dir: Path, pki: dict[str, Path] | None = None, limits: Limits | None = None, **config: Any
+) -> Running:
+    """A detector with these ``limits`` (no metrics port, no scheduler) on 127.0.0.1, unless
+    ``config`` (other DetectorConfig fields) says otherwise: mutual TLS with the certificates of
+    ``pki``, else plaintext."""
+    if pki is not None:
+        tls = {"tls_cert": pki["server_cert"], "tls_key": pki["server_key"], "tls_client_ca": pki["ca_cert"]}
+        config = tls | config
+    options: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_port": None, "interval": None} | config
+    return Running(DetectorConfig(data_dir=data_dir, limits=limits or Limits(), **options))
+
+
+def register(
+    address: str,
+    creds: grpc.ChannelCredentials | None,
+    process_id: str,
+    agent_address: str = "x:1",
+    timeout: float = 60,
+) -> tuple[grpc.StatusCode, str]:
+    """Open a control stream and register; the reply's kind, or the status code and details that ended it.
+
+    The blocking client, because it reports the status the detector sent: when the detector
+    refuses a stream before reading it, a grpc.aio client's write races that status and may
+    report INTERNAL ("Internal error from Core") instead.
+    """
+    channel = grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
+    with channel:
+        message = AgentMessage(register=control_pb2.Register(process_id=process_id, address=agent_address))
+        replies = control_pb2_grpc.ControlStub(channel).Attach(iter([message]), timeout=timeout)
+        try:
+            return grpc.StatusCode.OK, next(replies).WhichOneof("kind")
+        except grpc.RpcError as error:
+            return error.code(), error.details() or ""
+        finally:
+            replies.cancel()
 
 
 class RawAgent:

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 import grpc
 
-from stablewatch.detector.service.assembly import PartRejected
+from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
 from stablewatch.v1 import GlobalSnapshot, control_pb2_grpc
 

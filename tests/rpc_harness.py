@@ -13,7 +13,7 @@ import grpc
 from detector_harness import Running
 
 from polling import poll
-from stablewatch.agents.rpc_agent import RpcAgent
+from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SnapshotResults
 

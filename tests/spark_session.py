@@ -1,4 +1,5 @@
-"""The one local Spark session that the pipeline's tests share: ``local[2]``, few shuffle partitions, no UI."""
+"""What the pipeline's tests share to run Spark: one local session (``local[2]``, few shuffle
+partitions, no UI), and the end of Spark processes started in a process group of their own."""
 
 from __future__ import annotations
 
@@ -29,3 +30,12 @@ def local_spark() -> Iterator[SparkSession]:
         yield spark
     finally:
         spark.stop()
+
+
+def group_gone(pgid: int) -> bool:
+    """Whether no process of group ``pgid`` is left (a JVM and the workers it started)."""
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return True
+    return False

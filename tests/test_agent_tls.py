@@ -20,7 +20,7 @@ from tcp_proxy import TcpProxy
 
 from polling import async_poll
 from stablewatch.agents import Agent, ChannelSettings, TlsConfig
-from stablewatch.agents.tls import channel_credentials
+from stablewatch.agents.certificates import channel_credentials
 
 T = TypeVar("T")
 

@@ -20,13 +20,14 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from command_line import DetectorProcess
 from detector_harness import RawAgent, Running
 from google.protobuf.struct_pb2 import Struct
 from nodes import Node, connect_all
-from test_cli import DetectorProcess
-from test_store import evaluation, global_snapshot, predicate_results
+from samples import evaluation, global_snapshot, predicate_results
 
 from polling import async_poll, poll
+from stablewatch.cli.main import main
 from stablewatch.detector.archive.export import export
 from stablewatch.detector.archive.files import batch_name, ensure_archive, parquet_files, read_table
 from stablewatch.detector.archive.reader import check, read_snapshots
@@ -40,7 +41,6 @@ from stablewatch.detector.archive.schema import (
     table_schema,
 )
 from stablewatch.detector.archive.writer import ArchiveWriter, load, write_finished
-from stablewatch.detector.cli.main import main
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.store import Store, StoreError

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from stablewatch.detector.service.assembly import (
+from stablewatch.detector.assembly import (
     REJECTION_REASONS,
     Aborted,
     Assembler,

@@ -13,19 +13,17 @@ import asyncio
 import itertools
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from detector_stub import SnapshotAborted, StubDetector
 from nodes import Node, connect_all, wait_quiet
 from tcp_proxy import TcpProxy
 
-from polling import async_poll, poll
+from polling import async_poll, poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, MessageTooLarge
 from stablewatch.v1 import GlobalSnapshot
-
-T = TypeVar("T")
 
 TOKENS = 100
 RECONNECTS = "stablewatch_agent_reconnects_total"
@@ -82,9 +80,16 @@ def assert_clean(stats: list[dict[str, Any]], total: int | None = None) -> None:
         assert sum(s["tokens"] for s in stats) == total
 
 
-def run(coroutine: Coroutine[Any, Any, T], timeout: float = 30.0) -> T:
-    """Run an in-process scenario with a bound on its duration."""
-    return asyncio.run(asyncio.wait_for(coroutine, timeout))
+def delivered_to_b(a: Node, b: Node, c: Node) -> dict[str, int]:
+    """Once A and C have sent their transfers and everything arrived: nothing was lost or repeated,
+    the tokens add up, and B received exactly what each sent it; what each sent to B."""
+    for node in (a, c):
+        node.wait_seen("transferred")
+    stats = wait_quiet([a, b, c])
+    assert_clean(stats, 3 * TOKENS)
+    sent_to_b = {"A": stats[0]["sent"]["B"], "C": stats[2]["sent"]["B"]}
+    assert stats[1]["received"] == sent_to_b
+    return sent_to_b
 
 
 # -- fixtures -----------------------------------------------------------------------------------
@@ -138,13 +143,7 @@ def test_stream_breaks_mid_transfer_lose_and_duplicate_nothing(start_nodes, prox
 
     break_repeatedly(proxy, 20, lambda: total_received(b))
     received_after_breaks = total_received(b)
-    for node in (a, c):
-        node.wait_seen("transferred")
-    stats = wait_quiet([a, b, c])
-
-    assert_clean(stats, 3 * TOKENS)
-    sent_to_b = {"A": stats[0]["sent"]["B"], "C": stats[2]["sent"]["B"]}
-    assert stats[1]["received"] == sent_to_b
+    sent_to_b = delivered_to_b(a, b, c)
     assert received_after_breaks < sum(sent_to_b.values()), "the transfer ended before the last break"
     assert proxy.breaks >= 20
     samples = {"reconnects": (RECONNECTS, {"peer": "B"}), "retransmitted": (RETRANSMITTED, {"peer": "B"})}
@@ -260,13 +259,7 @@ def test_receiver_server_restart_mid_transfer(start_nodes, proxies, delay: float
     if delay:
         b.command("slow", seconds=0)
         b.expect("slow")
-    for node in (a, c):
-        node.wait_seen("transferred")
-    stats = wait_quiet([a, b, c])
-
-    assert_clean(stats, 3 * TOKENS)
-    sent_to_b = {"A": stats[0]["sent"]["B"], "C": stats[2]["sent"]["B"]}
-    assert stats[1]["received"] == sent_to_b
+    sent_to_b = delivered_to_b(a, b, c)
     assert received_after_restarts < sum(sent_to_b.values()), "the transfer ended before the last restart"
     samples = {"reconnects": (RECONNECTS, {"peer": "B"})}
     assert sum(node.metrics(samples)["reconnects"] or 0 for node in (a, c)) >= 3

@@ -10,26 +10,25 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import os
-import queue
 import shutil
 import signal
 import socket
 import subprocess
-import sys
-import threading
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from command_line import STABLEWATCH, DetectorProcess, LineReader, stablewatch
 from nodes import Node, connect_all, wait_quiet
 from rich.console import Console
 
+from conftest import free_port
 from polling import poll
-from stablewatch.detector.cli.client import DetectorClient
-from stablewatch.detector.cli.main import main
-from stablewatch.detector.cli.render import WatchView
+from stablewatch.cli.client import DetectorClient
+from stablewatch.cli.main import main
+from stablewatch.cli.render import WatchView
 from stablewatch.detector.evaluation import evaluate, wait_for_dot
 from stablewatch.v1 import (
     WAIT_MODEL_OR,
@@ -52,8 +51,6 @@ from stablewatch.v1.query_pb2 import (
 
 pytestmark = pytest.mark.timeout(60)
 
-_SCRIPT = Path(sys.executable).with_name("stablewatch")
-STABLEWATCH = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "stablewatch.detector.cli.main"]
 TOKENS = 100
 METRICS = (
     "stablewatch_predicate_value",
@@ -73,67 +70,11 @@ METRICS = (
 )
 
 
-def stablewatch(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*STABLEWATCH, *args], capture_output=True, text=True, timeout=timeout)
-
-
 def one_json(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     """The command's only stdout line, as JSON."""
     lines = result.stdout.splitlines()
     assert len(lines) == 1, (result.stdout, result.stderr)
     return json.loads(lines[0])
-
-
-class LineReader:
-    """Lines of a pipe, read on a thread, so that waiting for one can time out."""
-
-    def __init__(self, pipe: Any) -> None:
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
-
-    def _read(self, pipe: Any) -> None:
-        for line in pipe:
-            self.seen.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def next(self, timeout: float = 15, fail: Callable[[], str] = lambda: "") -> str:
-        """The next line; `fail` says why when the stream ended instead (e.g. the process's stderr)."""
-        line = self.lines.get(timeout=timeout)
-        assert line is not None, f"the stream ended: {fail()}"
-        return line
-
-
-class DetectorProcess:
-    """``stablewatch detector --json`` with a free gRPC port and a free /metrics port."""
-
-    def __init__(self, data_dir: Path, *args: str) -> None:
-        command = [*STABLEWATCH, "detector", "--json", "--listen", "127.0.0.1:0", "--metrics-port", "0"]
-        self.process = subprocess.Popen(
-            [*command, "--data-dir", str(data_dir), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.stdout = LineReader(self.process.stdout)
-        self.stderr = LineReader(self.process.stderr)  # drained, so logging never blocks on a full pipe
-        try:
-            ready = json.loads(self.stdout.next(timeout=30))
-        except BaseException:
-            self.stop()
-            raise
-        assert ready["event"] == "ready", ready
-        self.address: str = ready["address"]
-        self.metrics: str = ready["metrics"]
-
-    def stop(self, signum: int = signal.SIGTERM) -> int:
-        """Signal the detector and return its exit status (SIGKILL if it does not stop in 15 s)."""
-        if self.process.poll() is None:
-            self.process.send_signal(signum)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        return self.process.returncode
 
 
 def quiet(results: SnapshotResults) -> bool:
@@ -332,14 +273,8 @@ def test_aborted_snapshot_exits_3(system: System) -> None:
         poll(lambda: client.trigger_snapshot(5).snapshot.outcome == SNAPSHOT_OUTCOME_COMPLETED, "a snapshot")
 
 
-def closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_unreachable_detector_exits_1() -> None:
-    address = f"127.0.0.1:{closed_port()}"
+    address = f"127.0.0.1:{free_port()}"
     for command in ("status", "snapshot", "watch", "graph"):
         result = stablewatch(command, "--detector", address)
         assert result.returncode == 1, (command, result.stderr)
@@ -519,7 +454,7 @@ def test_watch_view_highlights_changes() -> None:
     console = Console(record=True, width=100, color_system=None)
     console.print(view.render())
     text = console.export_text()
-    assert "snapshot #3: deadlock became yes" in text
+    assert "snapshot #3: deadlock became true" in text
     assert "predicates (3 events)" in text
     assert "#3" in text and "#1" in text
 

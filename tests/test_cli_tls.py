@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from command_line import DetectorProcess, stablewatch
 from nodes import Node, connect_all
-from test_cli import DetectorProcess, stablewatch
 
 from polling import poll
-from stablewatch.detector.cli.main import main
+from stablewatch.cli.main import main
 
 pytestmark = pytest.mark.timeout(120)
 

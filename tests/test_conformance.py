@@ -17,7 +17,7 @@ from conformance.reference import Replay, replay
 
 from conftest import DELAY_TAPE, ROOT
 from stablewatch.agents.core import DEFAULT_MAX_RECORDINGS
-from stablewatch.detector.cli.main import main
+from stablewatch.cli.main import main
 from stablewatch.detector.sim.cos418 import (
     Send,
     SnapshotEvent,

@@ -3,141 +3,21 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
-from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest
+from fake_detector import Agent, FakeDetector, serve, session, start
 
-from polling import async_poll
+from conftest import free_port
+from polling import async_poll, run
 from stablewatch.agents import control
-from stablewatch.agents.control import ControlClient
-from stablewatch.v1 import AgentMessage, DetectorMessage, InboundChannelState, LocalSnapshotPart
-from stablewatch.v1.control_pb2 import AbortSnapshot, Ping, Refused, Registered, SnapshotsEnded, StartSnapshot
-from stablewatch.v1.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
-
-TEST_TIMEOUT = 20.0
+from stablewatch.v1 import DetectorMessage, InboundChannelState, LocalSnapshotPart
+from stablewatch.v1.control_pb2 import AbortSnapshot, Ping, SnapshotsEnded, StartSnapshot
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def run(test: Callable[[], Awaitable[None]]) -> None:
-    """Run an async test body on a fresh event loop, under a hard timeout."""
-
-    async def body() -> None:
-        await asyncio.wait_for(test(), TEST_TIMEOUT)
-
-    asyncio.run(body())
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on, for a detector that starts later."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class FakeDetector(ControlServicer):
-    """Records every stream's messages and sends what the test tells it to on the latest stream."""
-
-    def __init__(
-        self, refuse: int = 0, heartbeat_interval_ms: int = 0, epoch: int = 0, answer: asyncio.Event | None = None
-    ) -> None:
-        self.refuse = refuse
-        self.answer = answer  # when given, Registered is sent only once it is set
-        self.heartbeat_interval_ms = heartbeat_interval_ms
-        self.epoch = epoch
-        self.registrations: list[AgentMessage] = []
-        self.received: list[AgentMessage] = []  # everything after Register, over all streams
-        self._outbox: asyncio.Queue[DetectorMessage] | None = None
-
-    async def Attach(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
-        first = await context.read()
-        self.registrations.append(first)
-        if self.refuse > 0:
-            self.refuse -= 1
-            await context.write(DetectorMessage(refused=Refused(reason="attached elsewhere")))
-            return
-        outbox: asyncio.Queue[DetectorMessage] = asyncio.Queue()
-        self._outbox = outbox
-        if self.answer is not None:
-            await self.answer.wait()
-        registered = Registered(
-            detector_id="fake", heartbeat_interval_ms=self.heartbeat_interval_ms, detector_epoch=self.epoch
-        )
-        await context.write(DetectorMessage(registered=registered))
-
-        async def write() -> None:
-            while True:
-                await context.write(await outbox.get())
-
-        writer = asyncio.create_task(write())
-        try:
-            while (message := await context.read()) is not grpc.aio.EOF:
-                self.received.append(message)
-        finally:
-            writer.cancel()
-
-    def send(self, message: DetectorMessage) -> None:
-        """Send ``message`` on the latest accepted stream."""
-        assert self._outbox is not None, "no agent attached"
-        self._outbox.put_nowait(message)
-
-    def of_kind(self, kind: str) -> list[Any]:
-        """The received messages of one kind ("part", "heartbeat", ...), unwrapped, in order."""
-        return [getattr(m, kind) for m in self.received if m.WhichOneof("kind") == kind]
-
-
-async def serve(detector: FakeDetector, port: int = 0) -> tuple[grpc.aio.Server, int]:
-    """Start ``detector`` on 127.0.0.1 (``port`` 0: one the OS picks); return the server and its port."""
-    server = grpc.aio.server()
-    add_ControlServicer_to_server(detector, server)
-    bound = server.add_insecure_port(f"127.0.0.1:{port}")
-    await server.start()
-    return server, bound
-
-
-class Agent:
-    """What the service would do with the callbacks: remember what was started and finished."""
-
-    def __init__(self) -> None:
-        self.started: list[int] = []
-        self.finished: list[int] = []
-        self.events: list[tuple[str, str]] = []
-        self.lifetimes: list[float | None] = []
-        self.calls: list[tuple[str, int]] = []  # starts, finishes and epochs, in the order they ran
-
-    async def on_start(self, snapshot_id: int, lifetime: float | None) -> None:
-        self.started.append(snapshot_id)
-        self.lifetimes.append(lifetime)
-        self.calls.append(("start", snapshot_id))
-
-    def on_finish(self, snapshot_id: int) -> None:
-        self.finished.append(snapshot_id)
-        self.calls.append(("finish", snapshot_id))
-
-    def on_epoch(self, epoch: int) -> None:
-        self.calls.append(("epoch", epoch))
-
-    def on_event(self, kind: str, detail: str) -> None:
-        self.events.append((kind, detail))
-
-    def client(self, port: int, **kwargs: Any) -> ControlClient:
-        options: dict[str, Any] = {"backoff_initial": 0.01, "backoff_max": 0.1, "heartbeat_interval": 60.0}
-        options.update(kwargs)
-        return ControlClient(
-            "p1",
-            "127.0.0.1:7001",
-            f"127.0.0.1:{port}",
-            on_start=options.pop("on_start", self.on_start),
-            on_finish=self.on_finish,
-            on_epoch=self.on_epoch,
-            on_event=self.on_event,
-            **options,
-        )
 
 
 def part(snapshot_id: int, index: int) -> LocalSnapshotPart:
@@ -148,22 +28,14 @@ def part(snapshot_id: int, index: int) -> LocalSnapshotPart:
     return LocalSnapshotPart(snapshot_id=snapshot_id, process_id="p1", inbound=[InboundChannelState(src=f"q{index}")])
 
 
-def start(k: int) -> DetectorMessage:
-    """The detector's StartSnapshot ``k``."""
-    return DetectorMessage(start=StartSnapshot(snapshot_id=k))
-
-
 # -- tests ----------------------------------------------------------------------------------------
 
 
 def test_registers_with_its_fields_and_sends_heartbeats_at_the_detectors_interval() -> None:
     async def body() -> None:
         detector = FakeDetector(heartbeat_interval_ms=10)
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port, incarnation=3, agent_version="1.2.3")
-        await client.start()
-        try:
+        async with session(detector, agent, incarnation=3, agent_version="1.2.3") as client:
             assert await client.wait_connected(10)
             assert client.connected
             assert agent.events[-1] == ("connected", "fake")
@@ -173,32 +45,22 @@ def test_registers_with_its_fields_and_sends_heartbeats_at_the_detectors_interva
             await async_poll(lambda: len(detector.of_kind("heartbeat")) >= 3)
             sequences = [h.sequence for h in detector.of_kind("heartbeat")]
             assert sequences == sorted(sequences) and len(set(sequences)) == len(sequences)
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_heartbeats_at_its_own_interval_when_the_detector_sets_none() -> None:
     async def body() -> None:
         detector = FakeDetector(heartbeat_interval_ms=0)
-        server, port = await serve(detector)
-        client = Agent().client(port, heartbeat_interval=0.01)
-        await client.start()
-        try:
+        async with session(detector, Agent(), heartbeat_interval=0.01):
             await async_poll(lambda: len(detector.of_kind("heartbeat")) >= 3)
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_order() -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
         release = asyncio.Event()
 
@@ -209,9 +71,7 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
             for i in range(3):
                 assert client.report_part(part(snapshot_id, i))
 
-        client = agent.client(port, on_start=on_start)
-        await client.start()
-        try:
+        async with session(detector, agent, on_start=on_start) as client:
             assert await client.wait_connected(10)
             for k in (1, 2, 3):
                 detector.send(start(k))
@@ -228,11 +88,8 @@ def test_starts_run_in_order_pings_are_answered_meanwhile_and_parts_arrive_in_or
             await async_poll(lambda: len(detector.of_kind("failure")) == 1)
             failure = detector.of_kind("failure")[0]
             assert (failure.snapshot_id, failure.process_id, failure.reason) == (3, "p1", "too big")
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_a_start_that_finds_nothing_waiting_is_offered_to_on_start_now_where_it_is_read() -> None:
@@ -241,7 +98,6 @@ def test_a_start_that_finds_nothing_waiting_is_offered_to_on_start_now_where_it_
 
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
         release = asyncio.Event()
         declining = {3}
@@ -257,9 +113,7 @@ def test_a_start_that_finds_nothing_waiting_is_offered_to_on_start_now_where_it_
             if snapshot_id == 3:
                 await release.wait()
 
-        client = agent.client(port, on_start=on_start, on_start_now=on_start_now)
-        await client.start()
-        try:
+        async with session(detector, agent, on_start=on_start, on_start_now=on_start_now) as client:
             assert await client.wait_connected(10)
             detector.send(start(1))
             detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=2, ended=[1])))
@@ -272,22 +126,16 @@ def test_a_start_that_finds_nothing_waiting_is_offered_to_on_start_now_where_it_
             release.set()
             await async_poll(lambda: len(agent.calls) == 6, "the queued callbacks")
             assert agent.calls[3:] == [("start", 3), ("finish", 2), ("start", 4)]
-        finally:
-            await client.stop()
-            await server.stop(None)
         assert sorted(agent.finished) == [1, 2, 3, 4]  # 3 and 4 were open at stop
 
-    run(body)
+    run(body())
 
 
 def test_abort_and_ended_call_on_finish_after_the_start() -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port)
-        await client.start()
-        try:
+        async with session(detector, agent) as client:
             assert await client.wait_connected(10)
             detector.send(start(5))
             detector.send(start(6))
@@ -297,12 +145,9 @@ def test_abort_and_ended_call_on_finish_after_the_start() -> None:
             detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=11, ended=[10])))
             await async_poll(lambda: agent.finished == [5, 6, 9, 10])
             await async_poll(lambda: agent.started == [5, 6, 11])
-        finally:
-            await client.stop()
-            await server.stop(None)
         assert agent.finished == [5, 6, 9, 10, 11]  # 11 was open at stop
 
-    run(body)
+    run(body())
 
 
 def test_detector_down_at_start_then_up_later() -> None:
@@ -331,7 +176,7 @@ def test_detector_down_at_start_then_up_later() -> None:
         finally:
             await client.stop()
 
-    run(body)
+    run(body())
 
 
 def test_lost_stream_finishes_open_snapshots_and_reconnects_to_a_new_detector() -> None:
@@ -367,26 +212,20 @@ def test_lost_stream_finishes_open_snapshots_and_reconnects_to_a_new_detector() 
             await server.stop(None)
         assert agent.finished == [8, 7, 9]  # stop forgets the snapshot still open
 
-    run(body)
+    run(body())
 
 
 def test_refused_registration_is_retried() -> None:
     async def body() -> None:
         detector = FakeDetector(refuse=2)
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port)
-        await client.start()
-        try:
+        async with session(detector, agent) as client:
             assert await client.wait_connected(10)
             assert len(detector.registrations) == 3
             refusals = [event for event in agent.events if event[0] == "refused"]
             assert refusals == [("refused", "attached elsewhere")] * 2
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 class AbortingDetector(FakeDetector):
@@ -407,30 +246,21 @@ def test_a_registration_refused_with_a_status_is_reported_as_refused(code: grpc.
 
     async def body() -> None:
         detector = AbortingDetector(code)
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port)
-        await client.start()
-        try:
+        async with session(detector, agent):
             await async_poll(lambda: any(kind == "refused" for kind, _ in agent.events), "a refusal")
             refused = [detail for kind, detail in agent.events if kind == "refused"]
             assert "control character" in refused[0]
             assert not any(kind == "unreachable" for kind, _ in agent.events)
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_full_queue_drops_without_blocking() -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port, max_queued=10)
-        await client.start()
-        try:
+        async with session(detector, agent, max_queued=10) as client:
             assert await client.wait_connected(10)
             # No await in between, so the writer cannot drain the queue.
             results = [client.report_part(part(1, i)) for i in range(15)]
@@ -440,18 +270,14 @@ def test_full_queue_drops_without_blocking() -> None:
             channels = lambda: [c.src for p in detector.of_kind("part") for c in p.inbound]  # noqa: E731
             await async_poll(lambda: len(channels()) == 10)
             assert channels() == [f"q{i}" for i in range(10)]  # the first ten, in order (merged)
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 @pytest.mark.parametrize("right_away", [False, True], ids=["on_start", "on_start_now"])
 def test_failing_callback_reports_a_failure_and_the_client_carries_on(right_away: bool) -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
 
         async def on_start(snapshot_id: int, lifetime: float | None) -> None:
@@ -466,9 +292,7 @@ def test_failing_callback_reports_a_failure_and_the_client_carries_on(right_away
             return True
 
         extra = {"on_start_now": on_start_now} if right_away else {}
-        client = agent.client(port, on_start=on_start, **extra)
-        await client.start()
-        try:
+        async with session(detector, agent, on_start=on_start, **extra) as client:
             assert await client.wait_connected(10)
             detector.send(start(1))
             detector.send(start(2))
@@ -477,11 +301,8 @@ def test_failing_callback_reports_a_failure_and_the_client_carries_on(right_away
             assert detector.of_kind("failure")[0].snapshot_id == 1
             assert "boom" in detector.of_kind("failure")[0].reason
             assert client.connected
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 @pytest.mark.parametrize("detector_up", [True, False])
@@ -519,7 +340,7 @@ def test_stop_leaves_no_tasks_behind(detector_up: bool) -> None:
                 await server.stop(None)
         await async_poll(lambda: asyncio.all_tasks() == baseline)
 
-    run(body)
+    run(body())
 
 
 def runs_code_of(task: asyncio.Task[Any], module: ModuleType) -> bool:
@@ -531,21 +352,15 @@ def runs_code_of(task: asyncio.Task[Any], module: ModuleType) -> bool:
 def test_a_starts_deadline_reaches_on_start_in_seconds() -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port)
-        await client.start()
-        try:
+        async with session(detector, agent) as client:
             assert await client.wait_connected(10)
             detector.send(DetectorMessage(start=StartSnapshot(snapshot_id=1, deadline_ms=2500)))
             detector.send(start(2))  # no deadline: the agent's own default applies
             await async_poll(lambda: agent.started == [1, 2])
             assert agent.lifetimes == [2.5, None]
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_a_part_reported_while_the_registration_is_answered_reaches_the_detector() -> None:
@@ -555,10 +370,7 @@ def test_a_part_reported_while_the_registration_is_answered_reaches_the_detector
     async def body() -> None:
         answer = asyncio.Event()
         detector = FakeDetector(answer=answer)
-        server, port = await serve(detector)
-        client = Agent().client(port)
-        await client.start()
-        try:
+        async with session(detector, Agent()) as client:
             await async_poll(lambda: detector.registrations, "the registration")
             assert not client.connected
             assert client.report_part(part(7, 0))
@@ -567,11 +379,8 @@ def test_a_part_reported_while_the_registration_is_answered_reaches_the_detector
             assert client.connected
             assert [p.snapshot_id for p in detector.of_kind("part")] == [7]
             assert client.dropped == 0
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_a_new_detector_epoch_is_reported_before_any_start_of_the_new_stream() -> None:
@@ -615,4 +424,4 @@ def test_a_new_detector_epoch_is_reported_before_any_start_of_the_new_stream() -
             await client.stop()
             await server.stop(None)
 
-    run(body)
+    run(body())

@@ -6,6 +6,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 
 import pytest
+from core_actions import only_part, parts
 
 from stablewatch.agents.core import (
     LOCAL_ID_BASE,
@@ -23,7 +24,7 @@ from stablewatch.agents.core import (
     SnapshotFailed,
     apply_recording,
 )
-from stablewatch.detector.service.assembly import Assembler, Completed, recorded_messages
+from stablewatch.detector.assembly import Assembler, Completed, recorded_messages
 from stablewatch.v1 import AckPosition, GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
 
 TOKENS = "tokens"
@@ -45,18 +46,6 @@ def token(payload: bytes, tokens: int = 1) -> AppMessage:
 def record(core: SnapshotCore, actions: Sequence[Action], state: LocalState | None = None) -> list[Action]:
     """Carry out the RecordState in ``actions`` with ``state`` (an empty one by default)."""
     return apply_recording(core, actions, lambda _snapshot_id: state or LocalState())
-
-
-def parts(actions: Sequence[Action]) -> list[LocalSnapshotPart]:
-    """The local snapshot parts among ``actions``, in order."""
-    return [action.part for action in actions if isinstance(action, ReportPart)]
-
-
-def only_part(actions: Sequence[Action]) -> LocalSnapshotPart:
-    """The one part among ``actions``."""
-    found = parts(actions)
-    assert len(found) == 1, f"expected one part, got {actions}"
-    return found[0]
 
 
 def markers(actions: Sequence[Action]) -> list[tuple[str, int]]:

@@ -5,6 +5,8 @@ DESIGN.md, "A cut covers the whole system, or it proves less".
 
 from __future__ import annotations
 
+from samples import proc
+
 from stablewatch.detector.evaluation import coverage, evaluate, new_baselines, verdict
 from stablewatch.detector.evaluation.cut import describe_missing
 from stablewatch.v1 import (
@@ -12,17 +14,8 @@ from stablewatch.v1 import (
     ChannelSnapshot,
     Evaluation,
     GlobalSnapshot,
-    LocalState,
-    ProcessSnapshot,
     RecordedMessage,
-    Wait,
-    WaitNode,
 )
-
-
-def proc(pid: str, *waits_on: str, active: bool = False, model: int = 0, **counters: int) -> ProcessSnapshot:
-    waits = [Wait(targets=[WaitNode(process=t) for t in waits_on], model=model)] if waits_on else []
-    return ProcessSnapshot(process_id=pid, state=LocalState(active=active, waits=waits, counters=counters))
 
 
 def verdicts(evaluation: Evaluation) -> dict[str, str]:

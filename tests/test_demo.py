@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stablewatch.detector.cli.demo import write_graph
+from stablewatch.cli.live_demo import write_graph
 from stablewatch.detector.evaluation import evaluate
 from stablewatch.v1 import GlobalSnapshot, LocalState, ProcessSnapshot, Wait, WaitNode
 

@@ -28,9 +28,9 @@ import pytest
 from cryptography import x509
 from detector_harness import Running
 
+from stablewatch.agents.certificates import channel_credentials
 from stablewatch.agents.metrics import AgentMetrics
-from stablewatch.agents.tls import channel_credentials
-from stablewatch.detector.cli.client import DetectorClient, DetectorError
+from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.metrics import DetectorMetrics
 from stablewatch.v1 import AgentMessage, control_pb2, control_pb2_grpc

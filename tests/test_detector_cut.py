@@ -17,8 +17,8 @@ import pytest
 from detector_harness import RawAgent, Running
 
 from polling import poll
-from stablewatch.detector.cli.client import DetectorClient, DetectorError
-from stablewatch.detector.cli.main import main
+from stablewatch.cli.client import DetectorClient, DetectorError
+from stablewatch.cli.main import main
 from stablewatch.detector.evaluation import verdict
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
@@ -231,7 +231,7 @@ def test_status_names_the_expected_members_that_are_missing(
     ("argument", "parsed"), [("A,B,A", (("A", "B"), 0)), ("5", ((), 5)), (" W1 , W2 ", (("W1", "W2"), 0))]
 )
 def test_members_option(argument: str, parsed: tuple[tuple[str, ...], int]) -> None:
-    from stablewatch.detector.cli.main import _members
+    from stablewatch.cli.arguments import members as _members
 
     assert _members(argument) == parsed
 

@@ -20,12 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import credentials, tls_config
-from detector_harness import Running
+from detector_harness import Running, register
 
 from polling import async_poll, poll
 from stablewatch.agents import Agent
-from stablewatch.agents.tls import channel_credentials, process_uri
-from stablewatch.detector.cli.client import DetectorClient, DetectorError
+from stablewatch.agents.certificates import channel_credentials
+from stablewatch.agents.peer_identity import process_uri
+from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.auth import METHOD_PERMISSIONS
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.limits import Limits
@@ -88,25 +89,6 @@ def query_code(running: Running, creds: grpc.ChannelCredentials | None, method: 
         except grpc.RpcError as error:
             return error.code()
         return grpc.StatusCode.OK
-
-
-def register(address: str, creds: grpc.ChannelCredentials | None, process_id: str) -> tuple[grpc.StatusCode, str]:
-    """Open a control stream, register as `process_id`; the reply's kind, or the status that ended it.
-
-    The blocking client, because it reports the status the detector sent: when the detector refuses
-    a stream before reading it, a grpc.aio client's write races that status and may report
-    INTERNAL ("Internal error from Core") instead.
-    """
-    channel = grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
-    with channel:
-        register = AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1"))
-        replies = control_pb2_grpc.ControlStub(channel).Attach(iter([register]), timeout=TIMEOUT)
-        try:
-            return grpc.StatusCode.OK, next(replies).WhichOneof("kind")
-        except grpc.RpcError as error:
-            return error.code(), error.details() or ""
-        finally:
-            replies.cancel()
 
 
 # -- the happy path ---------------------------------------------------------------------------------------

@@ -37,12 +37,11 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import credentials, tls_config
-from detector_harness import Running
+from detector_harness import Running, limited_detector, register
 
 from polling import async_poll
 from stablewatch.agents import Agent, LocalStateKeeper
-from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected
-from stablewatch.detector.service.detector import DetectorConfig
+from stablewatch.detector.assembly import Assembler, Completed, PartRejected
 from stablewatch.detector.service.limits import (
     MAX_ADDRESS_BYTES,
     MAX_ID_BYTES,
@@ -81,39 +80,7 @@ KB = 1024
 
 def start(data_dir: Path, pki: dict[str, Path] | None = None, **limits: object) -> Running:
     """A detector on 127.0.0.1 with these limits: mutual TLS with the certificates of `pki`, else plaintext."""
-    tls = {} if pki is None else {"tls_cert": pki["server_cert"], "tls_key": pki["server_key"]}
-    config = DetectorConfig(
-        data_dir=data_dir,
-        listen="127.0.0.1:0",
-        metrics_port=None,
-        interval=None,
-        heartbeat_timeout=60,
-        tls_client_ca=None if pki is None else pki["ca_cert"],
-        limits=Limits(**limits),  # type: ignore[arg-type]
-        **tls,  # type: ignore[arg-type]
-    )
-    return Running(config)
-
-
-def register(
-    address: str, creds: grpc.ChannelCredentials | None, process_id: str, agent_address: str = "x:1"
-) -> tuple[grpc.StatusCode, str]:
-    """Open a control stream and register; the reply's kind, or the status code and details that ended it.
-
-    The blocking client, because it reports the status the detector sent: when the detector
-    refuses a stream before reading it, a grpc.aio client's write races that status and may
-    report INTERNAL instead.
-    """
-    channel = grpc.insecure_channel(address) if creds is None else grpc.secure_channel(address, creds)
-    with channel:
-        message = AgentMessage(register=control_pb2.Register(process_id=process_id, address=agent_address))
-        replies = control_pb2_grpc.ControlStub(channel).Attach(iter([message]), timeout=60)
-        try:
-            return grpc.StatusCode.OK, next(replies).WhichOneof("kind")
-        except grpc.RpcError as error:
-            return error.code(), error.details() or ""
-        finally:
-            replies.cancel()
+    return limited_detector(data_dir, pki, Limits(**limits), heartbeat_timeout=60)  # type: ignore[arg-type]
 
 
 # -- the helpers --------------------------------------------------------------------------------------------

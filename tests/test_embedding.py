@@ -19,7 +19,7 @@ from detector_harness import Running
 
 from polling import poll
 from stablewatch.agents import Agent
-from stablewatch.detector.cli.client import DetectorClient
+from stablewatch.cli.client import DetectorClient
 from stablewatch.detector.service.coordinator import Member
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.v1 import DetectorMessage, LocalSnapshotPart

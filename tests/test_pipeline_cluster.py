@@ -13,7 +13,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -25,8 +24,9 @@ import pyspark
 import pytest
 from pyspark.sql import SparkSession
 from snapshot_gen import random_archive, write_archive
+from spark_session import group_gone
 
-from conftest import ROOT
+from conftest import ROOT, free_port
 from polling import poll
 from stablewatch.pipeline.evaluate import evaluate_archive, write_evaluations
 from stablewatch.pipeline.tables import open_archive
@@ -37,12 +37,6 @@ SPARK_BIN = Path(pyspark.__file__).parent / "bin"
 STARTUP = 240.0  # JVMs on a busy two-core machine: an upper bound, not an expectation
 # Both routes, and DataFrame rounds on the executors: snapshots with more than 3 wait edges are reduced.
 FLAGS = ["--reduce-above", "3", "--max-rounds", "2", "--finish-edges", "0"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def master_state(ui_port: int) -> dict | None:
@@ -88,15 +82,7 @@ def cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.wait(timeout=60)
-        poll(lambda: all(_group_gone(p.pid) for p in started), "the master, worker and executors to exit", timeout=60)
-
-
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
+        poll(lambda: all(group_gone(p.pid) for p in started), "the master, worker and executors to exit", timeout=60)
 
 
 def sorted_rows(folder: Path) -> list[dict]:

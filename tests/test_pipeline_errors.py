@@ -113,7 +113,7 @@ def test_a_bad_file_in_another_table_is_named_too(
 
 def test_the_stablewatch_command_hands_pipeline_to_it(tmp_path: Path) -> None:
     """Through the console script's hook, and no Spark is started for a folder that is not an archive."""
-    command = [sys.executable, "-m", "stablewatch.detector.cli.main", "pipeline", "history"]
+    command = [sys.executable, "-m", "stablewatch.cli.main", "pipeline", "history"]
     done = subprocess.run(
         [*command, "--archive", str(tmp_path), "--out", str(tmp_path / "out"), "--json"],
         capture_output=True,
@@ -126,7 +126,7 @@ def test_the_stablewatch_command_hands_pipeline_to_it(tmp_path: Path) -> None:
 
 
 def test_without_pyspark_it_says_how_to_install_it(tmp_path: Path) -> None:
-    hide = "import sys; sys.modules['pyspark'] = None; from stablewatch.detector.cli.main import main; "
+    hide = "import sys; sys.modules['pyspark'] = None; from stablewatch.cli.main import main; "
     done = subprocess.run(
         [
             sys.executable,

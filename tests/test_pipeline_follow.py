@@ -19,6 +19,7 @@ import pyarrow.dataset as ds
 import pytest
 from pyspark.sql import SparkSession
 from snapshot_gen import Archived, detector_evaluations, random_archive, write_archive
+from spark_session import group_gone
 
 from polling import poll
 from stablewatch.pipeline.follow import follow
@@ -72,14 +73,6 @@ def process_groups() -> Iterator[list[subprocess.Popen[str]]]:
         process.wait(timeout=60)
 
 
-def _group_gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
 def _uncommitted(out: Path) -> bool:
     """A micro-batch has written output but Spark has not committed it: the moment to kill."""
     offsets = out / "_checkpoint" / "offsets"
@@ -99,7 +92,7 @@ def test_killed_in_the_middle_of_a_batch_it_resumes_without_duplicates_or_gaps(
     items = random_archive(seed=6, count=90, aborted_every=29, max_millis=50_000)
     archive, out = tmp_path / "archive", tmp_path / "out"
     write_archive(archive, items[:60], batch_size=10)
-    command = [sys.executable, "-m", "stablewatch.detector.cli.main", "pipeline", "follow"]
+    command = [sys.executable, "-m", "stablewatch.cli.main", "pipeline", "follow"]
     command += ["--archive", str(archive), "--out", str(out)]
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
     running = subprocess.Popen(
@@ -114,7 +107,7 @@ def test_killed_in_the_middle_of_a_batch_it_resumes_without_duplicates_or_gaps(
     poll(lambda: _uncommitted(out), "a micro-batch written but not committed", timeout=STARTUP, interval=0.002)
     os.killpg(running.pid, signal.SIGKILL)
     running.wait(timeout=60)
-    poll(lambda: _group_gone(running.pid), "the killed follow's JVM and workers to exit", timeout=60)
+    poll(lambda: group_gone(running.pid), "the killed follow's JVM and workers to exit", timeout=60)
     killed = [entry.name for entry in (out / "_checkpoint" / "offsets").iterdir() if entry.name.isdigit()]
     assert any(not (out / "_checkpoint" / "commits" / name).exists() for name in killed)
 

@@ -2,7 +2,10 @@
 
 from collections.abc import Mapping
 
-from stablewatch.detector.evaluation import evaluate, new_baselines
+import pytest
+from samples import proc
+
+from stablewatch.detector.evaluation import built_in_results, evaluate, new_baselines
 from stablewatch.detector.evaluation.plugins import UserPredicate
 from stablewatch.detector.evaluation.predicates import (
     conservation,
@@ -10,20 +13,13 @@ from stablewatch.detector.evaluation.predicates import (
     deadlock,
     termination,
 )
+from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, wait_counts
 from stablewatch.v1 import (
     ChannelSnapshot,
     GlobalSnapshot,
-    LocalState,
     ProcessSnapshot,
     RecordedMessage,
-    Wait,
-    WaitNode,
 )
-
-
-def proc(pid: str, *waits_on: str, active: bool = False, **counters: int) -> ProcessSnapshot:
-    waits = [Wait(targets=[WaitNode(process=t) for t in waits_on])] if waits_on else []
-    return ProcessSnapshot(process_id=pid, state=LocalState(active=active, waits=waits, counters=counters))
 
 
 def msg(no_wake: bool = False, **counters: int) -> RecordedMessage:
@@ -207,3 +203,25 @@ def test_evaluation_order_and_plugins() -> None:
     assert not results[4].holds and results[4].unknown
     assert results[4].error == "RuntimeError: boom"
     assert results[5].holds
+
+
+@pytest.mark.parametrize(
+    "whole",
+    [
+        snapshot(proc("P1", "P2"), proc("P2", "P1", tokens=3), proc("P3", "P1")),  # a deadlock
+        snapshot(proc("P1", "P2"), proc("P2", "P1"), channels=(chan("P2", "P1", msg(tokens=1)),)),  # discounted
+        snapshot(proc("P1", "P9"), proc("P2", "P1", active=True)),  # an open cut: P9 only named by a wait
+    ],
+    ids=["deadlock", "discounted", "open"],
+)
+def test_built_in_results_from_the_graphs_pieces_are_evaluates(whole: GlobalSnapshot) -> None:
+    """What the pipeline does for a snapshot too large for one worker: the graph's evidence and size,
+    and the snapshot without its waits (the processes they name kept), give evaluate's results."""
+    wf = build_wait_for(whole)
+    light = GlobalSnapshot()
+    light.CopyFrom(whole)
+    for process in light.processes:
+        del process.state.waits[:]
+    light.outside_peers.extend(sorted({t.process for p in whole.processes for w in p.state.waits for t in w.targets}))
+    results = built_in_results(light, find_deadlock(wf), wait_counts(wf), {"tokens": 3})
+    assert results == list(evaluate(whole, {"tokens": 3}).results)

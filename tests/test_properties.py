@@ -32,7 +32,7 @@ from stablewatch.agents.core import (
     SnapshotCore,
     SnapshotFailed,
 )
-from stablewatch.detector.service.assembly import Assembler, Completed
+from stablewatch.detector.assembly import Assembler, Completed
 from stablewatch.v1 import GlobalSnapshot, LocalState
 
 TOKENS = "tokens"

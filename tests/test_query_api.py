@@ -1,7 +1,7 @@
 """The detector's query API end to end: a real Detector, real in-process agents, a real gRPC client.
 
 The detector and its agents run on one event loop in a background thread; the tests call the
-API synchronously, through :class:`stablewatch.detector.cli.client.DetectorClient` and raw stubs.
+API synchronously, through :class:`stablewatch.cli.client.DetectorClient` and raw stubs.
 Agents A and B each wait on the other (a deadlock) and A has sent B one message, so snapshots
 have two processes, one channel, a deadlock cycle and a wait-for graph worth looking at.
 """
@@ -22,7 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from polling import poll
 from stablewatch.agents import Agent
-from stablewatch.detector.cli.client import DetectorClient, DetectorError
+from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.v1 import AgentMessage, control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED, WatchEvent

@@ -24,13 +24,12 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import credentials, issue, tls_config
-from detector_harness import Running
+from detector_harness import Running, limited_detector
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from polling import async_poll
 from stablewatch.agents import Agent
 from stablewatch.detector.service.auth import peer_identity, role_uri
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.health_check import MAX_SERVICE_NAME_BYTES
 from stablewatch.detector.service.limits import REFUSAL_REASONS, Limits
 from stablewatch.detector.service.query import MAX_PAGE_TOKEN_LENGTH
@@ -53,17 +52,8 @@ def run(coroutine) -> None:  # type: ignore[no-untyped-def]
 
 def start(data_dir: Path, pki: dict[str, Path] | None = None, **limits: object) -> Running:
     """A detector with these limits: with `pki`, mutual TLS on 127.0.0.1; without, plaintext on localhost."""
-    tls = {} if pki is None else {"tls_cert": pki["server_cert"], "tls_key": pki["server_key"]}
-    config = DetectorConfig(
-        data_dir=data_dir,
-        listen="localhost:0" if pki is None else "127.0.0.1:0",
-        metrics_port=None,
-        interval=None,
-        tls_client_ca=None if pki is None else pki["ca_cert"],
-        limits=Limits(**limits),  # type: ignore[arg-type]
-        **tls,  # type: ignore[arg-type]
-    )
-    return Running(config)
+    listen = "localhost:0" if pki is None else "127.0.0.1:0"
+    return limited_detector(data_dir, pki, Limits(**limits), listen=listen)  # type: ignore[arg-type]
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import pytest
 from rpc_harness import SERVICE, Service
 
 from polling import poll
-from stablewatch.agents.rpc_agent import BadStamp, RpcAgent
-from stablewatch.agents.rpc_interceptors import ClientInterceptor
+from stablewatch.agents.rpc.agent import BadStamp, RpcAgent
+from stablewatch.agents.rpc.interceptors import ClientInterceptor
 
 GOOD = "0.1.0.server"  # color 0, incarnation 1, session 0, from the channel's peer
 

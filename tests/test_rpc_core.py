@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
+from core_actions import only_part
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -26,8 +27,8 @@ from stablewatch.agents.core import (
     ReportPart,
     SnapshotFailed,
 )
-from stablewatch.agents.rpc_calls import request_entry, split_request
-from stablewatch.agents.rpc_core import (
+from stablewatch.agents.rpc.calls import request_entry, split_request
+from stablewatch.agents.rpc.core import (
     DEFAULT_MAX_SKEW,
     STAMP_KEY,
     Action,
@@ -85,16 +86,6 @@ def call(sender: ColorCore, receiver: ColorCore, payload: bytes = b"", **kwargs:
 def start(core: ColorCore, snapshot_id: int, *, now: float = 0.0, lifetime: float | None = None) -> list[Action]:
     """Start ``snapshot_id`` at ``core``, recording an empty state if it asks to."""
     return record(core, core.start_snapshot(snapshot_id, now=now, lifetime=lifetime))
-
-
-def parts(actions: Sequence[Action]) -> list[LocalSnapshotPart]:
-    return [action.part for action in actions if isinstance(action, ReportPart)]
-
-
-def only_part(actions: Sequence[Action]) -> LocalSnapshotPart:
-    found = parts(actions)
-    assert len(found) == 1, f"expected one part, got {actions}"
-    return found[0]
 
 
 def failures(actions: Sequence[Action]) -> dict[int, str]:

@@ -16,9 +16,9 @@ import pytest
 from detector_harness import Running
 from rpc_harness import SERVICE, Service, agent, call, channel_to, deadlock, gate_starts, snapshot, stamped, stored
 
-from polling import async_poll, poll
-from stablewatch.agents.rpc_agent import RpcAgent
-from stablewatch.agents.rpc_core import STAMP_KEY
+from polling import async_poll, poll, run
+from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.detector.service.query import outcome_name
 
 
@@ -283,7 +283,7 @@ def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running) -> No
             await server.stop(0)
 
     try:
-        asyncio.run(asyncio.wait_for(body(), 60))
+        run(body(), 60)
     finally:
         c_agent.stop()
         s_agent.stop()

@@ -18,7 +18,7 @@ from rpc_harness import Service, agent, call, channel_to, snapshot, stamped
 from tcp_proxy import TcpProxy
 
 from polling import poll
-from stablewatch.agents.rpc_agent import RpcAgent, StaleResponse
+from stablewatch.agents.rpc.agent import RpcAgent, StaleResponse
 from stablewatch.detector.service.query import outcome_name
 
 

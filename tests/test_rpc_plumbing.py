@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 
 from detector_harness import RawAgent, Running
-from test_control import Agent, FakeDetector, run, serve, start
+from fake_detector import Agent, FakeDetector, session, start
 
-from polling import async_poll, poll
+from polling import async_poll, poll, run
 from stablewatch.agents.control import ControlClient
 from stablewatch.v1 import DetectorMessage, LocalSnapshotPart, LocalState, OutboundCount
 from stablewatch.v1.control_pb2 import ChannelTarget, Ping, SnapshotsEnded
@@ -22,7 +22,6 @@ def target(k: int, src: str = "q", sent: int = 3) -> DetectorMessage:
 def test_rpc_mode_registers_and_channel_targets_run_in_order_with_starts_and_finishes() -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
         targets: list[ChannelTarget] = []
         release = asyncio.Event()
@@ -36,9 +35,9 @@ def test_rpc_mode_registers_and_channel_targets_run_in_order_with_starts_and_fin
             targets.append(channel_target)
             agent.calls.append(("target", channel_target.snapshot_id))
 
-        client = agent.client(port, on_start=on_start, rpc_mode=True, on_channel_target=on_channel_target)
-        await client.start()
-        try:
+        async with session(
+            detector, agent, on_start=on_start, rpc_mode=True, on_channel_target=on_channel_target
+        ) as client:
             assert await client.wait_connected(10)
             assert detector.registrations[0].register.rpc_mode
             done = DetectorMessage(ended=SnapshotsEnded(snapshot_ids=[1]))
@@ -52,32 +51,23 @@ def test_rpc_mode_registers_and_channel_targets_run_in_order_with_starts_and_fin
             assert agent.calls == [("start", 1), ("target", 1), ("finish", 1), ("start", 2), ("target", 2)]
             got = targets[0]
             assert (got.snapshot_id, got.src, got.sent, got.src_incarnation, got.session) == (1, "q", 3, 7, 2)
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_without_rpc_mode_the_registration_says_so_and_a_target_without_callback_is_ignored() -> None:
     async def body() -> None:
         detector = FakeDetector()
-        server, port = await serve(detector)
         agent = Agent()
-        client = agent.client(port)
-        await client.start()
-        try:
+        async with session(detector, agent) as client:
             assert await client.wait_connected(10)
             assert not detector.registrations[0].register.rpc_mode
             detector.send(target(1))
             detector.send(start(2))
             await async_poll(lambda: agent.started == [2])
             assert client.connected and not [e for e in agent.events if e[0] == "callback-error"]
-        finally:
-            await client.stop()
-            await server.stop(None)
 
-    run(body)
+    run(body())
 
 
 def test_the_coordinator_forwards_counts_to_rpc_mode_members_only(running: Running) -> None:

@@ -17,10 +17,10 @@ import grpc
 import pytest
 from grpc import _interceptor
 
-from stablewatch.agents.rpc_agent import RpcAgent
-from stablewatch.agents.rpc_calls import request_entry
-from stablewatch.agents.rpc_core import STAMP_KEY, Stamp
-from stablewatch.agents.rpc_interceptors import CURRENT_TASK
+from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.calls import request_entry
+from stablewatch.agents.rpc.core import STAMP_KEY, Stamp
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK
 
 METHOD = "/test.Svc/Echo"
 

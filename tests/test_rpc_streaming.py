@@ -20,8 +20,8 @@ import pytest
 from detector_harness import Running
 from rpc_harness import SERVICE, agent, deadlock, snapshot, stamped, stored
 
-from polling import async_poll, poll
-from stablewatch.agents.rpc_core import STAMP_KEY
+from polling import async_poll, poll, run
+from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SnapshotResults
@@ -245,7 +245,7 @@ def test_asyncio_streaming_calls_in_flight(running: Running) -> None:
             await server.stop(0)
 
     try:
-        asyncio.run(asyncio.wait_for(body(), 60))
+        run(body(), 60)
     finally:
         c_agent.stop()
         s_agent.stop()

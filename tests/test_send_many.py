@@ -12,7 +12,7 @@ import pytest
 
 from polling import async_poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, MessageTooLarge
-from stablewatch.detector.service.assembly import Assembler, Completed
+from stablewatch.detector.assembly import Assembler, Completed
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart
 
 SMALL_WINDOW = ChannelSettings(window_entries=64, max_frame_entries=16, inbox_entries=64)

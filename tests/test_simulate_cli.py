@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from stablewatch.detector.cli.main import main
+from stablewatch.cli.main import main
 from stablewatch.detector.sim.cos418 import parse_snap
 
 TOPOLOGY = "3\nA 5\nB 3\nC 2\nA B\nB C\nC A\n"

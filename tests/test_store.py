@@ -6,29 +6,10 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from google.protobuf.struct_pb2 import Struct
+from samples import evaluation, global_snapshot, predicate_results
 
 from stablewatch.detector.service.store import DB_FILENAME, RESTART_REASON, SCHEMA_VERSION, Store, StoreError
-from stablewatch.v1 import (
-    WAIT_MODEL_AND,
-    AckPosition,
-    ChannelRef,
-    ChannelSnapshot,
-    ConservationEvidence,
-    CounterHolding,
-    CutCoverage,
-    DeadlockEvidence,
-    Evaluation,
-    GlobalSnapshot,
-    LocalState,
-    PredicateResult,
-    ProcessSnapshot,
-    RecordedMessage,
-    TerminationEvidence,
-    Wait,
-    WaitForGraph,
-    WaitNode,
-)
+from stablewatch.v1 import PredicateResult
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_ABORTED,
     SNAPSHOT_OUTCOME_COMPLETED,
@@ -40,96 +21,6 @@ T0 = 1_700_000_000.25  # exactly representable, so timestamps compare exactly
 
 
 # -- helpers --------------------------------------------------------------------------------------
-
-
-def global_snapshot(snapshot_id: int) -> GlobalSnapshot:
-    """Two processes waiting on each other, one token in flight each way and a free-form attribute."""
-    attributes = Struct()
-    attributes.update({"role": "bank", "shards": [1, 2], "ok": True})
-    a = LocalState(
-        active=False,
-        waits=[Wait(targets=[WaitNode(process="b")], model=WAIT_MODEL_AND)],
-        counters={"tokens": 7},
-        attributes=attributes,
-    )
-    b = LocalState(waits=[Wait(task="t1", targets=[WaitNode(process="a")])], counters={"tokens": 3})
-    snapshot = GlobalSnapshot(
-        snapshot_id=snapshot_id,
-        processes=[ProcessSnapshot(process_id="a", state=a), ProcessSnapshot(process_id="b", state=b)],
-        channels=[
-            ChannelSnapshot(
-                src="a",
-                dst="b",
-                sent_before_marker=5,
-                received_before_recording=3,
-                messages=[
-                    RecordedMessage(payload=b"x", counters={"tokens": 1}, receive_index=4),
-                    RecordedMessage(payload=b"\x00\xff", no_wake=True, receive_index=6),
-                ],
-                # Incarnations use all 64 bits; the sender's position is unknown on b -> a.
-                receiver_acked=AckPosition(sender_incarnation=2**64 - 1, receiver_incarnation=2**63, next_seq=9),
-                sender_ack_seen=AckPosition(sender_incarnation=2**64 - 1, receiver_incarnation=2**63, next_seq=7),
-            ),
-            ChannelSnapshot(
-                src="b",
-                dst="a",
-                sent_before_marker=2,
-                received_before_recording=1,
-                messages=[
-                    RecordedMessage(payload=b"y", counters={"tokens": 2}),
-                ],
-                receiver_acked=AckPosition(sender_incarnation=5, receiver_incarnation=6, next_seq=0),
-            ),
-            ChannelSnapshot(src="a", dst="c"),
-        ],
-    )
-    snapshot.started_at.FromNanoseconds(1_700_000_000_123_456_789)
-    snapshot.completed_at.FromNanoseconds(1_700_000_001_000_000_001)
-    return snapshot
-
-
-def predicate_results(deadlock: bool = True) -> list[PredicateResult]:
-    """One result of each evidence kind, including a failed user predicate."""
-    details = Struct()
-    details.update({"worst": "a", "score": 0.5})
-    nodes = [WaitNode(process="a"), WaitNode(process="b", task="t1")]
-    return [
-        PredicateResult(
-            name="deadlock",
-            holds=deadlock,
-            summary="2 nodes deadlocked" if deadlock else "no deadlock",
-            deadlock=DeadlockEvidence(
-                deadlocked=nodes if deadlock else [],
-                cycle=nodes if deadlock else [],
-                empty_channels=[ChannelRef(src="b", dst="a")] if deadlock else [],
-            ),
-        ),
-        PredicateResult(
-            name="conservation(tokens)",
-            holds=False,
-            summary="drift -1",
-            conservation=ConservationEvidence(
-                counter="tokens",
-                expected=14,
-                observed=13,
-                drift=-1,
-                holdings=[
-                    CounterHolding(process="a", amount=7),
-                    CounterHolding(channel=ChannelRef(src="a", dst="b"), amount=1),
-                ],
-            ),
-        ),
-        PredicateResult(name="termination", holds=False, termination=TerminationEvidence(active_processes=["b"])),
-        PredicateResult(name="user.score", holds=True, details=details),
-        PredicateResult(name="user.broken", holds=False, error="ZeroDivisionError: division by zero"),
-    ]
-
-
-def evaluation(snapshot_id: int, results: list[PredicateResult]) -> Evaluation:
-    """An evaluation of `snapshot_id` with these results and a one-edge wait-for graph."""
-    graph = WaitForGraph(snapshot_id=snapshot_id, nodes=[WaitNode(process="a"), WaitNode(process="b")])
-    graph.edges.add(waiter=WaitNode(process="a"), target=WaitNode(process="b"))
-    return Evaluation(snapshot_id=snapshot_id, results=results, wait_for=graph, coverage=CutCoverage(closed=True))
 
 
 def completed(store: Store, when: float = T0, *, deadlock: bool = True) -> int:
@@ -461,6 +352,27 @@ def test_newer_schema_version_is_refused_and_left_untouched(tmp_path: Path) -> N
 
     db = sqlite3.connect(tmp_path / DB_FILENAME)
     try:  # the running row was not touched by the refused open
+        assert db.execute("SELECT outcome FROM snapshots").fetchall() == [("running",)]
+    finally:
+        db.close()
+
+
+def test_a_schema_version_no_stablewatch_wrote_is_refused_and_left_untouched(tmp_path: Path) -> None:
+    """An older version without an upgrade step (0) is not read as if it were current."""
+    with Store(tmp_path) as store:
+        store.begin(store.allocate_id(0), T0, members=1)
+    db = sqlite3.connect(tmp_path / DB_FILENAME)
+    with db:
+        db.execute("UPDATE meta SET value = 0 WHERE key = 'schema_version'")
+    db.close()
+
+    with pytest.raises(StoreError, match="schema version 0 is not one stablewatch wrote") as raised:
+        Store(tmp_path)
+    assert str(tmp_path / DB_FILENAME) in str(raised.value)
+
+    db = sqlite3.connect(tmp_path / DB_FILENAME)
+    try:  # the refused upgrade rolled back: same version, the running row untouched
+        assert db.execute("SELECT value FROM meta WHERE key = 'schema_version'").fetchall() == [(0,)]
         assert db.execute("SELECT outcome FROM snapshots").fetchall() == [("running",)]
     finally:
         db.close()

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from stablewatch.agents.tls import TlsConfig, channel_credentials, server_credentials
+from stablewatch.agents.certificates import TlsConfig, channel_credentials, server_credentials
 
 TIMEOUT = 10.0  # seconds, for every RPC and server stop
 METHOD = "/stablewatch.test.Echo/Echo"

@@ -26,14 +26,12 @@ refuses a newer version with :class:`ArchiveError`.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any
 
 import pyarrow as pa
 from google.protobuf import json_format
-from google.protobuf.struct_pb2 import Struct
 
 from stablewatch.v1 import (
     AckPosition,
@@ -509,15 +507,6 @@ def _state(states: dict[str, LocalState], pid: str, snapshot_id: int) -> LocalSt
     if state is None:
         raise ArchiveError(f"snapshot {snapshot_id}: a row names process {pid!r}, which has no process row")
     return state
-
-
-def attributes_dict(attributes_json: str) -> dict[str, Any]:
-    """A process row's attributes as a Python dict ({} when none were reported)."""
-    if not attributes_json:
-        return {}
-    struct = Struct()
-    json_format.Parse(attributes_json, struct)
-    return json.loads(json_format.MessageToJson(struct))
 
 
 def table_from_rows(name: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:

@@ -3,6 +3,8 @@
 The public API is small:
 
 * :func:`evaluate` — every predicate on one snapshot, as one :class:`~stablewatch.v1.Evaluation`;
+* :func:`built_in_results` — the built-in predicates from a wait-for graph's deadlock evidence and
+  size, for a caller that reduces the graph elsewhere (the pipeline's snapshots too large for one worker);
 * :func:`new_baselines` — the conservation totals an evaluation just set;
 * :class:`Verdict` (and :func:`verdict`) — a result as ``"true"``, ``"false"`` or ``"unknown"``;
 * :func:`coverage` — whether a cut is closed, and what it lacks;
@@ -15,13 +17,14 @@ The modules underneath are the algorithms: :mod:`.deadlock` (graph reduction), :
 
 from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.dot import wait_for_dot
-from stablewatch.detector.evaluation.evaluate import evaluate, new_baselines, result_named, verdict
+from stablewatch.detector.evaluation.evaluate import built_in_results, evaluate, new_baselines, result_named, verdict
 from stablewatch.detector.evaluation.plugins import UserPredicate, load_predicate
 from stablewatch.detector.evaluation.verdict import Verdict
 
 __all__ = [
     "UserPredicate",
     "Verdict",
+    "built_in_results",
     "coverage",
     "evaluate",
     "load_predicate",

@@ -60,21 +60,21 @@ def deadlocked_nodes(G: nx.DiGraph, model: str | None = "model", default: str = 
     >>> sorted(deadlocked_nodes(G))
     []
     """
-    succ = G._succ
-    pred = G._pred
-    counter = {n: len(nbrs) for n, nbrs in succ.items()}
+    # Public API only, in its cheapest forms: ``adjacency()`` and ``nodes(data=True)`` hand out
+    # the graph's own dicts, and ``predecessors`` is one iterator per released node (no view objects).
+    counter = {n: len(nbrs) for n, nbrs in G.adjacency()}
     if model is None:
         if default == OR:
             counter = {n: min(c, 1) for n, c in counter.items()}
     else:
-        for n, attrs in G._node.items():
+        for n, attrs in G.nodes(data=True):
             if counter[n] > 1 and attrs.get(model, default) == OR:
                 counter[n] = 1
 
     released = [n for n, c in counter.items() if c == 0]
-    pop, push = released.pop, released.append
+    pop, push, predecessors = released.pop, released.append, G.predecessors
     while released:
-        for p in pred[pop()]:
+        for p in predecessors(pop()):
             c = counter[p] - 1
             counter[p] = c
             if c == 0:  # exactly once per node: an OR node goes negative after its first release
@@ -126,7 +126,7 @@ def deadlock_cycle(G: nx.DiGraph, deadlocked: Set[Hashable]) -> list[Hashable]:
     """
     if not deadlocked:
         return []
-    succ = G._succ
+    succ = G.succ
     node = next((n for n in G if n in deadlocked), None)
     position: dict[Hashable, int] = {}
     path: list[Hashable] = []

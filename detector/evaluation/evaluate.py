@@ -18,10 +18,17 @@ from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.plugins import UserPredicate
 from stablewatch.detector.evaluation.predicates import conservation, deadlock_result, termination
 from stablewatch.detector.evaluation.verdict import Verdict
-from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, to_proto
-from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult
+from stablewatch.detector.evaluation.waitfor import (
+    Deadlock,
+    WaitCounts,
+    build_wait_for,
+    find_deadlock,
+    to_proto,
+    wait_counts,
+)
+from stablewatch.v1 import CutCoverage, Evaluation, GlobalSnapshot, PredicateResult
 
-__all__ = ["evaluate", "new_baselines", "result_named", "verdict"]
+__all__ = ["built_in_results", "evaluate", "new_baselines", "result_named", "verdict"]
 
 
 def evaluate(
@@ -42,8 +49,7 @@ def evaluate(
     cut = coverage(snapshot)
     wait_for = build_wait_for(snapshot)
     found = find_deadlock(wait_for)
-    results = [deadlock_result(wait_for, found, cut), termination(snapshot, cut)]
-    results += conservation(snapshot, expected_totals or {}, cut)
+    results = built_in_results(snapshot, found, wait_counts(wait_for), expected_totals or {}, cut)
     results += [predicate(snapshot) for predicate in plugins]
     return Evaluation(
         snapshot_id=snapshot.snapshot_id,
@@ -51,6 +57,28 @@ def evaluate(
         wait_for=to_proto(wait_for, found),
         coverage=cut,
     )
+
+
+def built_in_results(
+    snapshot: GlobalSnapshot,
+    found: Deadlock,
+    counts: WaitCounts,
+    expected_totals: Mapping[str, int],
+    cut: CutCoverage | None = None,
+) -> list[PredicateResult]:
+    """The built-in results of `snapshot`, in :func:`evaluate`'s order, given its wait-for graph's
+    deadlock evidence `found` (``find_deadlock``) and size `counts` (``wait_counts``).
+
+    :func:`evaluate` is this plus the wait-for graph and the plugins. A caller that builds and
+    reduces the wait-for graph elsewhere (the pipeline, for a snapshot too large for one worker)
+    finishes with this same function, so the answer is the same by construction. `snapshot`'s
+    waits are not read here, only through `cut` (default ``coverage(snapshot)``): a snapshot
+    without its waits gives the same results when `cut` is the whole snapshot's.
+    """
+    cut = coverage(snapshot) if cut is None else cut
+    results = [deadlock_result(found, counts, cut), termination(snapshot, cut)]
+    results += conservation(snapshot, expected_totals, cut)
+    return results
 
 
 def new_baselines(evaluation: Evaluation) -> dict[str, int]:

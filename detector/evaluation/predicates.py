@@ -22,11 +22,12 @@ from stablewatch.detector.evaluation.cut import coverage, describe_missing
 from stablewatch.detector.evaluation.text import SHOWN, names, plural
 from stablewatch.detector.evaluation.waitfor import (
     Deadlock,
-    WaitFor,
+    WaitCounts,
     build_wait_for,
     evidence_proto,
     find_deadlock,
     label,
+    wait_counts,
     waking_channels,
 )
 from stablewatch.v1 import (
@@ -57,8 +58,13 @@ def unknown(result: PredicateResult, cut: CutCoverage, finding: str) -> Predicat
     return result
 
 
-def deadlock_result(wf: WaitFor, found: Deadlock, cut: CutCoverage) -> PredicateResult:
-    """Wrap `found` (from ``find_deadlock(wf)``) as the ``deadlock`` result for a cut of coverage `cut`."""
+def deadlock_result(found: Deadlock, counts: WaitCounts, cut: CutCoverage) -> PredicateResult:
+    """Wrap `found` (``find_deadlock`` of a wait-for graph of size `counts`) as the ``deadlock`` result
+    for a cut of coverage `cut`.
+
+    Only the evidence and the counts are read, not the graph: a caller that built and reduced the
+    graph elsewhere (the pipeline, for a snapshot too large for one worker) gets the same result.
+    """
     result = PredicateResult(name="deadlock", holds=bool(found.deadlocked))
     result.deadlock.CopyFrom(evidence_proto(found))
     if found.deadlocked:
@@ -70,15 +76,13 @@ def deadlock_result(wf: WaitFor, found: Deadlock, cut: CutCoverage) -> Predicate
         if found.knot:
             result.summary += f"; knot of {plural(len(found.knot), 'node')}"
         return result
-    G = wf.graph
-    waiters = sum(1 for _, m in G.nodes(data="model") if m is not None)
-    counts = (
-        f"{plural(waiters, 'waiter')}, {plural(G.number_of_edges(), 'wait edge')}, "
-        f"{len(wf.discounted)} discounted by messages in flight"
+    size = (
+        f"{plural(counts.waiters, 'waiter')}, {plural(counts.edges, 'wait edge')}, "
+        f"{counts.discounted} discounted by messages in flight"
     )
     if not cut.closed:
-        return unknown(result, cut, f"no deadlock among the processes in the cut ({counts})")
-    result.summary = f"no deadlock: {counts}"
+        return unknown(result, cut, f"no deadlock among the processes in the cut ({size})")
+    result.summary = f"no deadlock: {size}"
     return result
 
 
@@ -90,7 +94,7 @@ def deadlock(snapshot: GlobalSnapshot) -> PredicateResult:
     along the cycle. O(V + E) in the size of the wait-for graph (plus sorting the evidence).
     """
     wf = build_wait_for(snapshot)
-    return deadlock_result(wf, find_deadlock(wf), coverage(snapshot))
+    return deadlock_result(find_deadlock(wf), wait_counts(wf), coverage(snapshot))
 
 
 def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> PredicateResult:

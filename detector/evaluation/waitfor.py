@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import networkx as nx
 
@@ -67,6 +68,7 @@ __all__ = [
     "Channel",
     "Deadlock",
     "Node",
+    "WaitCounts",
     "WaitFor",
     "acks_in_transit",
     "build_wait_for",
@@ -74,6 +76,7 @@ __all__ = [
     "find_deadlock",
     "label",
     "to_proto",
+    "wait_counts",
     "waking_channels",
 ]
 
@@ -91,6 +94,14 @@ class WaitFor:
     snapshot_id: int
     graph: nx.DiGraph
     discounted: tuple[tuple[Node, Node], ...]
+
+
+class WaitCounts(NamedTuple):
+    """The size of a wait-for graph, as a result without a deadlock reports it."""
+
+    waiters: int  # nodes with a model
+    edges: int  # counted edges
+    discounted: int  # (waiter, target) pairs set aside by the in-flight and acknowledgement rules
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,13 +250,20 @@ def find_deadlock(wf: WaitFor) -> Deadlock:
     first = cycle.index(min(cycle))
     cycle = cycle[first:] + cycle[:first]
     knot: list[Node] = []
-    if any(G._node[n].get("model") == OR for n in dead):
+    if any(G.nodes[n].get("model") == OR for n in dead):
         knot = sorted(deadlock_knot(G, dead))
     channels: dict[Channel, None] = {}
     for waiter, target in zip(cycle, cycle[1:] + cycle[:1], strict=True):
         if waiter[0] != target[0] and not G.edges[waiter, target].get("flow_control"):
             channels[(target[0], waiter[0])] = None
     return Deadlock(sorted(dead), cycle, knot, list(channels), count_deadlocks(G, dead))
+
+
+def wait_counts(wf: WaitFor) -> WaitCounts:
+    """Count `wf`'s waiters, counted edges and discounted pairs. O(V)."""
+    G = wf.graph
+    waiters = sum(1 for _, model in G.nodes(data="model") if model is not None)
+    return WaitCounts(waiters, G.number_of_edges(), len(wf.discounted))
 
 
 def label(node: Node | WaitNode) -> str:
@@ -275,7 +293,7 @@ def to_proto(wf: WaitFor, deadlock: Deadlock | None = None) -> WaitForGraph:
     Each edge carries its waiter's model. `deadlock` defaults to ``find_deadlock(wf)``.
     """
     deadlock = find_deadlock(wf) if deadlock is None else deadlock
-    nodes = wf.graph._node
+    nodes = wf.graph.nodes
     model = {AND: WAIT_MODEL_AND, OR: WAIT_MODEL_OR}
 
     def edge(waiter: Node, target: Node, discounted: bool, flow_control: bool = False) -> WaitEdge:

@@ -1,1 +1,1 @@
-"""The running detector: control streams, assembly, scheduling, the store, the query API and metrics."""
+"""The running detector: control streams, scheduling, the store, the query API, metrics and the wiring."""

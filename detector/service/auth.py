@@ -4,7 +4,7 @@ With mutual TLS (the detector is given a client CA), every connection shows a ce
 by that CA, and the certificate's URI subject alternative names say what its holder may do:
 
 * ``stablewatch://process/<id>`` — attach as agent ``<id>`` on the control stream (the id is
-  percent-encoded; :func:`stablewatch.agents.tls.process_uri`). Parts are then accepted only for
+  percent-encoded; :func:`stablewatch.agents.peer_identity.process_uri`). Parts are then accepted only for
   that process, on its own stream. A certificate that names no process cannot open a control
   stream at all: it is refused before the stream takes one of the detector's slots.
 * ``stablewatch://role/reader`` — read: latest results, snapshots, wait-for graphs, members, the
@@ -31,7 +31,7 @@ from urllib.parse import unquote
 
 import grpc
 
-from stablewatch.agents.tls import PROCESS_URI_PREFIX, peer_process_ids, peer_uris, process_uri
+from stablewatch.agents.peer_identity import PROCESS_URI_PREFIX, peer_process_ids, peer_uris, process_uri
 from stablewatch.detector.service.limits import quoted_prefix
 
 __all__ = [

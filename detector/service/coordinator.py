@@ -48,7 +48,7 @@ from typing import NoReturn
 
 import grpc
 
-from stablewatch.detector.service.assembly import Assembler, Completed, PartRejected, recorded_count
+from stablewatch.detector.assembly import Assembler, Completed, PartRejected, recorded_count
 from stablewatch.detector.service.auth import Authorizer, Denied, peer_identity
 from stablewatch.detector.service.limits import (
     MAX_ADDRESS_BYTES,

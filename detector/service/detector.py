@@ -33,9 +33,9 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from stablewatch.agents.tls import server_credentials
+from stablewatch.agents.certificates import server_credentials
+from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
-from stablewatch.detector.service.assembly import PartRejected
 from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
 from stablewatch.detector.service.health_check import HealthService

@@ -4,9 +4,10 @@ Labels are bounded: predicate names (the built-ins, configured plugins and one p
 counter), counter names, abort kinds, rejection reasons and refusal reasons. Snapshot and process ids are never
 label values: the latest snapshot id is a gauge value, not a label.
 
-A predicate is true, false or unknown. ``stablewatch_predicate_value`` is 1 only when it is true;
-``stablewatch_predicate_unknown`` is 1 when the latest cut could not decide it, so an alert on
-``value == 1`` never fires on unknown, and one on a false value must also ask ``unknown == 0``.
+A predicate is true, false or unknown, by the one rule of
+:class:`~stablewatch.detector.evaluation.Verdict`. ``stablewatch_predicate_value`` is 1 only when it
+is true; ``stablewatch_predicate_unknown`` is 1 when the latest cut could not decide it, so an alert
+on ``value == 1`` never fires on unknown, and one on a false value must also ask ``unknown == 0``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ import contextlib
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from stablewatch.detector.service.assembly import REJECTION_REASONS
+from stablewatch.detector.assembly import REJECTION_REASONS
+from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.service.coordinator import ABORT_KINDS
 from stablewatch.detector.service.limits import REFUSAL_REASONS
 from stablewatch.v1 import Evaluation, GlobalSnapshot
@@ -106,14 +108,14 @@ class DetectorMetrics:
         self.in_flight_messages.set(len(messages))
         self.recorded_bytes.set(sum(len(m.payload) for m in messages))
         for result in evaluation.results:
-            unknown = result.unknown or bool(result.error)
-            self.predicate_value.labels(result.name).set(1 if result.holds and not unknown else 0)
-            self.predicate_unknown.labels(result.name).set(1 if unknown else 0)
+            verdict = Verdict.of(result)
+            self.predicate_value.labels(result.name).set(1 if verdict is Verdict.TRUE else 0)
+            self.predicate_unknown.labels(result.name).set(1 if verdict is Verdict.UNKNOWN else 0)
             if result.name == "deadlock":
                 self.deadlocked_nodes.set(len(result.deadlock.deadlocked))
                 self.deadlock_cycles.set(result.deadlock.separate_deadlocks)
             kind = result.WhichOneof("evidence")
-            if kind == "conservation" and unknown:
+            if kind == "conservation" and verdict is Verdict.UNKNOWN:
                 # No number is better than a stale one: a drift alert must not fire on an open cut.
                 for gauge in (self.counter_total, self.conservation_drift):
                     with contextlib.suppress(KeyError):

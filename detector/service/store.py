@@ -28,7 +28,8 @@ Theory of operation:
   that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted.
 
 The schema is versioned (``meta.schema_version``); a file written by a newer stablewatch is
-refused with :class:`StoreError` rather than misread, and an older one is upgraded in place.
+refused with :class:`StoreError` rather than misread, and an older one is upgraded in place
+(:mod:`.migration`).
 Durability: with ``synchronous=NORMAL`` a commit survives a crash of the process, though the last
 commits may be lost on power loss.
 """
@@ -48,8 +49,7 @@ from types import TracebackType
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from stablewatch.detector import lockfile
-from stablewatch.detector.evaluation.cut import coverage
-from stablewatch.detector.evaluation.waitfor import build_wait_for, to_proto
+from stablewatch.detector.service import migration
 from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult, WaitForGraph
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_ABORTED,
@@ -121,15 +121,6 @@ _OUTCOMES: dict[str, SnapshotOutcome] = {
 _SUMMARY_COLUMNS = (
     "id, outcome, abort_reason, started_at, finished_at, processes, channels, messages_in_flight, abort_kind"
 )
-# Upgrades from each older schema version to the next.
-_UPGRADE_FROM_1 = """
-ALTER TABLE snapshots ADD COLUMN abort_kind TEXT NOT NULL DEFAULT '';
-ALTER TABLE snapshots ADD COLUMN evaluation BLOB;
-ALTER TABLE snapshots ADD COLUMN archived INTEGER NOT NULL DEFAULT 0;
-CREATE INDEX snapshots_unarchived ON snapshots (archived, id);
-ALTER TABLE results ADD COLUMN unknown INTEGER NOT NULL DEFAULT 0;
-CREATE TABLE expected_totals (counter TEXT PRIMARY KEY, total INTEGER NOT NULL) WITHOUT ROWID
-"""
 
 
 class StoreError(Exception):
@@ -266,8 +257,11 @@ class Store:
                     "INSERT INTO meta (key, value) VALUES (?, ?)",
                     [("schema_version", SCHEMA_VERSION), ("last_id", 0), ("epoch", _new_epoch())],
                 )
-            elif version == 1:
-                self._upgrade_from_1()
+            elif version < SCHEMA_VERSION:
+                try:
+                    migration.upgrade(db, version, SCHEMA_VERSION, _new_epoch())
+                except ValueError as exc:
+                    raise StoreError(f"cannot upgrade the store {self.path}: {exc}") from None
             if self._lock_fd is not None:  # without the lock, RUNNING rows may be a live detector's
                 db.execute(
                     "UPDATE snapshots SET outcome = 'aborted', abort_reason = ?, abort_kind = 'restart', "
@@ -276,36 +270,6 @@ class Store:
                 )
         (epoch,) = db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
         self.epoch: int = int(epoch)
-
-    def _upgrade_from_1(self) -> None:
-        """Schema 1 -> 2: new columns, an epoch, and the stored evaluation of every completed snapshot."""
-        db = self._db
-        for statement in _UPGRADE_FROM_1.split(";"):
-            if statement.strip():
-                db.execute(statement)
-        db.execute("INSERT INTO meta (key, value) VALUES ('epoch', ?)", (_new_epoch(),))
-        db.execute("UPDATE meta SET value = ? WHERE key = 'schema_version'", (SCHEMA_VERSION,))
-        # Baselines were read from the newest results; now they have a table of their own.
-        latest = db.execute(
-            "SELECT result FROM results WHERE snapshot_id = (SELECT max(snapshot_id) FROM results)"
-        ).fetchall()
-        for (blob,) in latest:
-            result = PredicateResult.FromString(blob)
-            if result.WhichOneof("evidence") == "conservation":
-                db.execute(
-                    "INSERT OR IGNORE INTO expected_totals (counter, total) VALUES (?, ?)",
-                    (result.conservation.counter, result.conservation.expected),
-                )
-        rows = db.execute("SELECT id, snapshot FROM snapshots WHERE outcome = 'completed'").fetchall()
-        for snapshot_id, blob in rows:
-            snapshot = GlobalSnapshot.FromString(blob)
-            evaluation = Evaluation(
-                snapshot_id=snapshot_id, wait_for=to_proto(build_wait_for(snapshot)), coverage=coverage(snapshot)
-            )
-            db.execute(
-                "UPDATE snapshots SET evaluation = ? WHERE id = ?",
-                (evaluation.SerializeToString(deterministic=True), snapshot_id),
-            )
 
     def _schema_version(self) -> int | None:
         """The file's schema version; None for an empty file; StoreError for a file that is not ours."""

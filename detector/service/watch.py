@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Sequence
 
+from stablewatch.detector.evaluation.verdict import Verdict
 from stablewatch.v1 import PredicateResult
 from stablewatch.v1.query_pb2 import PredicateChange, SnapshotResults, WatchEvent
 
@@ -24,9 +25,9 @@ class WatchHub:
 
     def __init__(self, last: SnapshotResults | None = None) -> None:
         self._watchers: dict[asyncio.Queue[WatchEvent | None], str] = {}  # queue -> its identity
-        self._last: dict[str, tuple[bool, bool]] = {}  # name -> (holds, unknown)
+        self._last: dict[str, Verdict] = {}  # name -> its last verdict
         if last is not None:
-            self._last = {r.name: (r.holds, r.unknown) for r in last.results}
+            self._last = {r.name: Verdict.of(r) for r in last.results}
 
     @property
     def watchers(self) -> int:
@@ -41,16 +42,16 @@ class WatchHub:
         """The predicates whose value `results` change, and remember the new values."""
         changes = []
         for result in results:
-            value = (result.holds, result.unknown)
+            value = Verdict.of(result)  # a failed user predicate is unknown, not false
             previous = self._last.get(result.name)
             if previous != value:
                 changes.append(
                     PredicateChange(
                         name=result.name,
-                        holds=result.holds,
-                        unknown=result.unknown,
-                        previous_holds=bool(previous and previous[0]),
-                        previous_unknown=bool(previous and previous[1]),
+                        holds=value is Verdict.TRUE,
+                        unknown=value is Verdict.UNKNOWN,
+                        previous_holds=previous is Verdict.TRUE,
+                        previous_unknown=previous is Verdict.UNKNOWN,
                         first=previous is None,
                     )
                 )
@@ -73,9 +74,7 @@ class WatchHub:
         The stream counts for `identity` (:meth:`watchers_of`) from its first step to its end."""
         queue: asyncio.Queue[WatchEvent | None] = asyncio.Queue(QUEUE_LIMIT)
         if current is not None:
-            values = [
-                PredicateChange(name=r.name, holds=r.holds, unknown=r.unknown, first=True) for r in current.results
-            ]
+            values = [_first(r.name, Verdict.of(r)) for r in current.results]
             queue.put_nowait(WatchEvent(results=current, changes=values, snapshot_id=current.snapshot.snapshot_id))
         self._watchers[queue] = identity
         try:
@@ -95,3 +94,8 @@ def _end(queue: asyncio.Queue[WatchEvent | None]) -> None:
     while not queue.empty():
         queue.get_nowait()
     queue.put_nowait(None)
+
+
+def _first(name: str, value: Verdict) -> PredicateChange:
+    """A predicate's present value, as a watcher's first event gives it."""
+    return PredicateChange(name=name, holds=value is Verdict.TRUE, unknown=value is Verdict.UNKNOWN, first=True)

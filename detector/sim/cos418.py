@@ -118,27 +118,36 @@ def _integer(path: Path, line: int, word: str, what: str, minimum: int) -> int:
     return value
 
 
+def _headed(path: Path, what: str, minimum: int, empty: str) -> tuple[int, list[tuple[int, list[str]]]]:
+    """A file that starts with one integer, ``what`` (at least ``minimum``): it, and the lines after it.
+
+    ``empty`` is the error for a file without lines.
+    """
+    lines = list(_lines(path))
+    if not lines:
+        raise TraceError(path, 0, empty)
+    first_line, words = lines[0]
+    if len(words) != 1:
+        raise TraceError(path, first_line, f"expected {what}, got {' '.join(words)!r}")
+    return _integer(path, first_line, words[0], what, minimum), lines[1:]
+
+
 def parse_topology(path: str | Path) -> Topology:
     """Parse a .top file: N, then N lines ``ID tokens``, then links ``SRC DST``."""
     path = Path(path)
-    lines = list(_lines(path))
-    if not lines:
-        raise TraceError(path, 0, "empty topology: expected the number of processes on the first line")
-    first_line, words = lines[0]
-    if len(words) != 1:
-        raise TraceError(path, first_line, f"expected the number of processes, got {' '.join(words)!r}")
-    count = _integer(path, first_line, words[0], "the number of processes", 1)
-    if len(lines) < 1 + count:
-        raise TraceError(path, 0, f"declares {count} processes but lists {len(lines) - 1}")
+    empty = "empty topology: expected the number of processes on the first line"
+    count, lines = _headed(path, "the number of processes", 1, empty)
+    if len(lines) < count:
+        raise TraceError(path, 0, f"declares {count} processes but lists {len(lines)}")
     balances: dict[str, int] = {}
-    for number, words in lines[1 : 1 + count]:
+    for number, words in lines[:count]:
         if len(words) != 2:
             raise TraceError(path, number, f"expected 'ID tokens', got {' '.join(words)!r}")
         if words[0] in balances:
             raise TraceError(path, number, f"process {words[0]} is listed twice")
         balances[words[0]] = _integer(path, number, words[1], "the initial balance", 0)
     links: dict[str, set[str]] = {process: set() for process in balances}
-    for number, words in lines[1 + count :]:
+    for number, words in lines[count:]:
         if len(words) != 2:
             raise TraceError(path, number, f"expected a link 'SRC DST', got {' '.join(words)!r}")
         src, dst = words
@@ -194,14 +203,9 @@ def parse_delays(path: str | Path) -> list[int]:
 def parse_snap(path: str | Path) -> SnapFile:
     """Parse a .snap file: the id, ``ID tokens`` lines, then ``SRC DST token(N)`` lines."""
     path = Path(path)
-    lines = list(_lines(path))
-    if not lines:
-        raise TraceError(path, 0, "empty snapshot file")
-    first_line, words = lines[0]
-    if len(words) != 1:
-        raise TraceError(path, first_line, f"expected the snapshot id, got {' '.join(words)!r}")
-    snap = SnapFile(_integer(path, first_line, words[0], "the snapshot id", 0), {})
-    for number, words in lines[1:]:
+    snapshot_id, lines = _headed(path, "the snapshot id", 0, "empty snapshot file")
+    snap = SnapFile(snapshot_id, {})
+    for number, words in lines:
         if len(words) == 2 and not snap.messages:
             if words[0] in snap.balances:
                 raise TraceError(path, number, f"process {words[0]} is listed twice")

@@ -2,7 +2,7 @@
 
 Each process runs a :class:`~stablewatch.agents.core.SnapshotCore`; the simulator plays the
 network (per-link FIFO queues with delivery times) and the detector (an
-:class:`~stablewatch.detector.service.assembly.Assembler` over every process). Its timing follows the COS
+:class:`~stablewatch.detector.assembly.Assembler` over every process). Its timing follows the COS
 418 rules exactly (see ``shared/conformance/cos418/README.md``):
 
 * a message sent at time ``t`` is due at ``t + 1 + d``, ``d`` the next value of the delay source;
@@ -37,7 +37,7 @@ from stablewatch.agents.core import (
     SnapshotCore,
     SnapshotFailed,
 )
-from stablewatch.detector.service.assembly import Aborted, Assembler, Completed, PartRejected
+from stablewatch.detector.assembly import Aborted, Assembler, Completed, PartRejected
 from stablewatch.detector.sim.cos418 import TOKENS, Send, SnapshotEvent, Tick, Topology, TraceError, TraceEvent
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 

@@ -1,7 +1,11 @@
 """stablewatch: detect stable properties (deadlock, termination, lost tokens) in running systems.
 
-Subpackages: ``stablewatch.v1`` (the wire contract), ``stablewatch.agents`` (the embeddable agent)
-and ``stablewatch.detector`` (the central detector).
+Subpackages: ``stablewatch.v1`` (the wire contract), ``stablewatch.agents`` (the embeddable agent),
+``stablewatch.detector`` (the central detector), ``stablewatch.pipeline`` (the Spark jobs over the
+archive) and ``stablewatch.cli`` (the ``stablewatch`` command).
 """
 
-__version__ = "0.1.0"
+from importlib.metadata import version
+
+#: The installed distribution's version: pyproject.toml is the one place it is written.
+__version__ = version("stablewatch")

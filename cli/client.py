@@ -4,7 +4,7 @@ Every unary call has a deadline (``timeout`` seconds, 5 by default), so an unrea
 detector is reported within it rather than waited on forever. gRPC failures become
 :class:`DetectorError`, whose message says what went wrong in words a user can act on.
 
-With ``credentials`` (:func:`stablewatch.agents.tls.channel_credentials`) the client speaks TLS,
+With ``credentials`` (:func:`stablewatch.agents.certificates.channel_credentials`) the client speaks TLS,
 showing a client certificate when they hold one; a detector with mutual TLS then decides what the
 certificate's role allows (SECURITY.md).
 """

@@ -16,7 +16,7 @@ all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C), stops
 started, and removes its temporary data; what it leaves is in the output folder: the wait-for
 graph of the deadlock (DOT, and PNG when Graphviz is installed) and the Parquet archive of every
 finished snapshot, one per system (``archive/<system>``, replaced on every run), which the
-pipeline's jobs read.
+pipeline's jobs read. The ``demo`` command (:mod:`.demo`) runs it and prints what it found.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,8 +38,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.detector.cli.render import calls_text, verdict_text, verdict_word
-from stablewatch.detector.evaluation import wait_for_dot
+from stablewatch.cli.render import verdict_text
+from stablewatch.detector.evaluation import Verdict, wait_for_dot
 from stablewatch.detector.evaluation.plugins import load_predicate
 from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.detector import Detector, DetectorConfig
@@ -47,10 +47,10 @@ from stablewatch.detector.service.query import outcome_name
 from stablewatch.examples.shop import PLACE
 from stablewatch.examples.shop import ROLES as SHOP
 from stablewatch.examples.shop_processes import ShopProcesses
-from stablewatch.v1 import PredicateResult, WaitForGraph
+from stablewatch.v1 import WaitForGraph
 from stablewatch.v1.query_pb2 import SnapshotResults
 
-__all__ = ["DemoReport", "run_demo"]
+__all__ = ["DemoReport", "calls_text", "run_demo", "write_graph"]
 
 BANK = ["A", "B", "C"]
 SEATS = ["P0", "P1", "P2", "P3", "P4"]
@@ -84,13 +84,14 @@ class _System:
         self.completed += 1
         self.latest = results
         for result in results.results:
-            if result.holds and not result.unknown and not result.error:
+            verdict = Verdict.of(result)
+            if verdict is Verdict.TRUE:
                 self.first_seen.setdefault(result.name, elapsed)
-            if self.shop is not None and result.name == "deadlock" and result.holds and not self.calls:
+            if self.shop is not None and result.name == "deadlock" and verdict is Verdict.TRUE and not self.calls:
                 calls = [call_of(node.process, node.task) for node in result.deadlock.cycle]
                 start = next((i for i, call in enumerate(calls) if call["method"] == PLACE), 0)
                 self.calls = calls[start:] + calls[:start]  # told from the order's side: Place first
-            if result.name.startswith("conservation(") and not result.holds and not result.unknown:
+            if result.name.startswith("conservation(") and verdict is Verdict.FALSE:
                 self.conservation_broken = True
 
 
@@ -226,6 +227,11 @@ async def _follow(system: _System, started: float) -> None:
             system.stopped_at = time.monotonic() - started
 
 
+def calls_text(calls: Sequence[dict[str, str]]) -> str:
+    """A cycle of calls (each a service, a method and a call) on one line, closing back to the first."""
+    return " -> ".join(f"{c['service']} {c['method']}#{c['call']}" for c in [*calls, *calls[:1]])
+
+
 def call_of(service: str, task: str) -> dict[str, str]:
     """A node of the shop's cycle as service, method and call (the task is ``{method}#{caller}:{seq}``)."""
     method, _, call = task.partition("#")
@@ -271,7 +277,7 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
         members = f"{len(system.detector.coordinator.members)}/{len(system.ids)}"
         cells = Text()
         for result in system.latest.results if system.latest else []:
-            cells.append_text(_verdict(result))
+            cells.append_text(verdict_text(result, named=True))
             cells.append("  ")
         where = system.detector.address
         table.add_row(system.name, members, str(system.completed), str(system.aborted), cells, where)
@@ -285,10 +291,6 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
         if system.stopped_at is not None:
             lines.append(Text(f"    the shop's processes stopped at {system.stopped_at:.1f} s", style="dim"))
     return Group(*lines)
-
-
-def _verdict(result: PredicateResult) -> Text:
-    return verdict_text(result, f"{result.name}={verdict_word(result)}")
 
 
 def _terminate(processes: list[subprocess.Popen[bytes]]) -> None:

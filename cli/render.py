@@ -1,4 +1,4 @@
-"""Human output: predicate results, snapshots and the detector's answers as rich tables, JSON and DOT."""
+"""Human output: predicate results (true, false, unknown), snapshots and the detector's answers, as rich tables."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from google.protobuf.json_format import MessageToDict
 from google.protobuf.message import Message
@@ -16,6 +15,7 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.evaluation.text import plural
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
@@ -27,12 +27,8 @@ from stablewatch.v1.query_pb2 import (
     WatchEvent,
 )
 
-if TYPE_CHECKING:
-    from stablewatch.detector.cli.demo import DemoReport
-
 __all__ = [
     "WatchView",
-    "demo_summary",
     "format_time",
     "is_alarming",
     "members_table",
@@ -42,47 +38,34 @@ __all__ = [
     "snapshot_report",
     "summary_line",
     "verdict_text",
-    "verdict_word",
 ]
 
 
 def is_alarming(result: PredicateResult) -> bool:
     """Whether a result is bad news: a deadlock, a broken conservation, a failing user predicate.
 
-    An unknown value is never alarming: the cut could not decide it.
+    An unknown value is never alarming: the cut could not decide it. A user predicate that failed
+    (unknown, with its error) is, since someone has to look at it.
     """
     if result.error:
         return True
-    if result.unknown:
-        return False
+    verdict = Verdict.of(result)
     if result.name == "deadlock":
-        return result.holds
-    return result.name.startswith("conservation(") and not result.holds
+        return verdict is Verdict.TRUE
+    return result.name.startswith("conservation(") and verdict is Verdict.FALSE
 
 
-def verdict_word(result: PredicateResult) -> str:
-    """``yes``, ``no``, ``unknown`` or ``error``: how a result's value is shown to people."""
-    if result.error:
-        return "error"
-    if result.unknown:
-        return "unknown"
-    return "yes" if result.holds else "no"
-
-
-def verdict_text(result: PredicateResult, text: str | None = None) -> Text:
-    """`text` (default: the verdict word) styled by the value: red for bad news, yellow for unknown."""
-    word = verdict_word(result)
+def verdict_text(result: PredicateResult, *, named: bool = False) -> Text:
+    """The result's :class:`Verdict` (``true``, ``false``, ``unknown``), as ``name=verdict`` when `named`,
+    styled by the value: red for bad news, yellow for unknown, green otherwise."""
+    verdict = Verdict.of(result)
     if is_alarming(result):
         style = "red bold"
-    elif word in ("unknown", "error"):
+    elif verdict is Verdict.UNKNOWN:
         style = "yellow"
     else:
         style = "green"
-    return Text(word if text is None else text, style=style)
-
-
-def _verdict(result: PredicateResult) -> Text:
-    return verdict_text(result)
+    return Text(f"{result.name}={verdict}" if named else str(verdict), style=style)
 
 
 def _holdings(snapshot: GlobalSnapshot) -> str:
@@ -111,7 +94,7 @@ def snapshot_report(entries: Sequence[tuple[GlobalSnapshot, Sequence[PredicateRe
     for snapshot, results in entries:
         by_name = {result.name: result for result in results}
         in_flight = sum(len(channel.messages) for channel in snapshot.channels)
-        cells = [_verdict(by_name[name]) if name in by_name else Text("") for name in names]
+        cells = [verdict_text(by_name[name]) if name in by_name else Text("") for name in names]
         table.add_row(str(snapshot.snapshot_id), _holdings(snapshot), str(in_flight), *cells)
         for result in results:
             style = "red" if is_alarming(result) else "dim"
@@ -174,7 +157,7 @@ def predicate_table(results: Sequence[PredicateResult], title: str | None = None
     table.add_column("value")
     table.add_column("summary", overflow="fold")
     for result in results:
-        table.add_row(result.name, _verdict(result), result.error or result.summary)
+        table.add_row(result.name, verdict_text(result), result.error or result.summary)
     return table
 
 
@@ -189,7 +172,7 @@ def results_report(results: SnapshotResults) -> Group:
 def members_table(members: Sequence[Member], now: float | None = None) -> Table:
     """The attached agents: process id, address, when attached, how long since the last heartbeat."""
     now = time.time() if now is None else now
-    table = Table(title=f"{len(members)} agent{'' if len(members) == 1 else 's'} attached", title_justify="left")
+    table = Table(title=f"{plural(len(members), 'agent')} attached", title_justify="left")
     table.add_column("process")
     table.add_column("address")
     table.add_column("attached")
@@ -230,10 +213,7 @@ class WatchView:
                 row.holds, row.unknown = result.holds, result.unknown
                 row.summary, row.error = result.summary, result.error
         else:
-            changed = ", ".join(
-                f"{c.name} became {verdict_word(PredicateResult(holds=c.holds, unknown=c.unknown))}"
-                for c in event.changes
-            )
+            changed = ", ".join(f"{c.name} became {Verdict.of_fields(c.holds, c.unknown, None)}" for c in event.changes)
             self.last = Text(f"snapshot #{event.snapshot_id}: {changed or 'no change'}")
         for change in event.changes:
             row = self.rows.setdefault(change.name, WatchRow(change.holds))
@@ -250,7 +230,7 @@ class WatchView:
         for name, row in self.rows.items():
             fresh = row.changed_at == self.events
             result = PredicateResult(name=name, holds=row.holds, unknown=row.unknown, error=row.error)
-            verdict = _verdict(result)
+            verdict = verdict_text(result)
             if fresh:
                 verdict.stylize("reverse")
             table.add_row(
@@ -261,46 +241,3 @@ class WatchView:
                 style="on grey15" if fresh else None,
             )
         return Group(self.last, table)
-
-
-def calls_text(calls: Sequence[dict[str, str]]) -> str:
-    """A cycle of calls (each a service, a method and a call) on one line, closing back to the first."""
-    return " -> ".join(f"{c['service']} {c['method']}#{c['call']}" for c in [*calls, *calls[:1]])
-
-
-def demo_summary(report: DemoReport) -> Group:
-    """What the live demo found: the deadlock with its evidence, termination, the bank's totals."""
-    lines: list[Text] = []
-    if report.deadlock_detected:
-        cycle = " -> ".join([*report.deadlock_cycle, report.deadlock_cycle[0]]) if report.deadlock_cycle else "?"
-        lines.append(Text(f"deadlock among the philosophers: cycle {cycle}", style="red bold"))
-        lines.append(Text("  every channel along the cycle was empty: no message in flight could wake anyone"))
-        if report.graph_dot:
-            drawn = f" and {report.graph_png}" if report.graph_png else " (install Graphviz for a PNG)"
-            lines.append(Text(f"  wait-for graph: {report.graph_dot}{drawn}"))
-    else:
-        lines.append(Text("no deadlock was reported among the philosophers in time", style="yellow"))
-    if report.shop_deadlock_detected:
-        cycle = calls_text(report.shop_deadlock_calls)
-        lines.append(Text(f"deadlock among the shop's gRPC services (RPC mode): {cycle}", style="red bold"))
-        lines.append(Text("  each call waits on the next; the queued ones on every busy worker of their pool"))
-    else:
-        lines.append(Text("no deadlock was reported among the shop's gRPC services in time", style="yellow"))
-    job = report.systems.get("job", {}).get("first_seen_seconds", {})
-    if report.termination_detected:
-        lines.append(
-            Text(f"the job terminated: detected {job.get('termination', 0):.1f} s into the demo", style="green")
-        )
-    else:
-        lines.append(Text("the job's termination was not detected in time", style="yellow"))
-    totals = ", ".join(f"{name} = {total}" for name, total in sorted(report.bank_totals.items())) or "none"
-    verdict = "conserved in every snapshot" if report.conservation_ok else "NOT conserved"
-    lines.append(Text(f"bank totals: {totals} ({verdict})", style="green" if report.conservation_ok else "red"))
-    lines.append(Text(f"{plural(report.snapshots_completed, 'snapshot')} completed in {report.seconds:.1f} s"))
-    lines.append(
-        Text(f"results in {report.out_dir}" + (f"; data kept in {report.data_dir}" if report.data_dir else ""))
-    )
-    if report.archives:
-        archive = Path(next(iter(report.archives.values()))).parent
-        lines.append(Text(f"every finished snapshot archived as Parquet in {archive}/<system>"))
-    return Group(*lines)

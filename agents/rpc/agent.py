@@ -1,16 +1,16 @@
 """The RPC-mode agent: ordinary gRPC services take part in snapshots through interceptors.
 
 A service creates one :class:`RpcAgent`, starts it, and installs its interceptors on its existing
-server and channels (see :mod:`stablewatch.agents.rpc_interceptors`; a sync channel is best
+server and channels (see :mod:`stablewatch.agents.rpc.interceptors`; a sync channel is best
 wrapped by :meth:`RpcAgent.instrument_channel`, which does the client interceptor's work more
-cheaply, :mod:`stablewatch.agents.rpc_channel`)::
+cheaply, :mod:`stablewatch.agents.rpc.channel`)::
 
     agent = RpcAgent("orders", detector="127.0.0.1:50051").start()
     server = grpc.server(pool, interceptors=[agent.server_interceptor(workers=8)])
     channel = agent.instrument_channel(grpc.insecure_channel(addr), "payments")
 
 The protocol (Lai–Yang coloring, DESIGN.md "RPC mode") lives in the pure
-:class:`~stablewatch.agents.rpc_core.ColorCore`; this module owns one core behind one
+:class:`~stablewatch.agents.rpc.core.ColorCore`; this module owns one core behind one
 ``threading.Lock`` and carries out its actions: it captures the local state (``agent.state`` plus the
 wait edges of the calls in progress) inside the same lock as the event that asked for it, reports
 parts and failures on the control stream (a :class:`~stablewatch.agents.control.ControlClient` in RPC
@@ -64,9 +64,10 @@ import grpc
 import prometheus_client
 
 from stablewatch import __version__
+from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
-from stablewatch.agents.rpc_calls import (
+from stablewatch.agents.rpc.calls import (
     BadStamp,
     IncomingCall,
     OutgoingCall,
@@ -76,17 +77,16 @@ from stablewatch.agents.rpc_calls import (
     request_entry,
     split_request,
 )
-from stablewatch.agents.rpc_channel import InstrumentedChannel
-from stablewatch.agents.rpc_core import STAMP_KEY, ColorCore, StaleStamp, Stamp
-from stablewatch.agents.rpc_interceptors import (
+from stablewatch.agents.rpc.channel import InstrumentedChannel
+from stablewatch.agents.rpc.core import STAMP_KEY, ColorCore, StaleStamp, Stamp
+from stablewatch.agents.rpc.interceptors import (
     AioServerInterceptor,
     ClientInterceptor,
     ServerInterceptor,
     aio_client_interceptors,
 )
-from stablewatch.agents.rpc_metrics import RpcAgentMetrics
+from stablewatch.agents.rpc.metrics import RpcAgentMetrics
 from stablewatch.agents.state import LocalStateKeeper
-from stablewatch.agents.tls import TlsConfig
 from stablewatch.v1 import WAIT_MODEL_AND, LocalSnapshotPart, LocalState, RecordedMessage
 from stablewatch.v1.control_pb2 import ChannelTarget
 
@@ -254,7 +254,7 @@ class RpcAgent:
         self, channel: grpc.Channel, peer: str | None = None, *, target: str | None = None
     ) -> InstrumentedChannel:
         """``channel`` (sync) with its calls taking part in snapshots: the client interceptor's work,
-        without gRPC's per-call interceptor machinery (see :mod:`stablewatch.agents.rpc_channel`).
+        without gRPC's per-call interceptor machinery (see :mod:`stablewatch.agents.rpc.channel`).
 
         ``peer`` and ``target`` as for :meth:`client_interceptor`. The fastest way for a sync client.
         """

@@ -1,21 +1,24 @@
 """What the RPC-mode agent and its interceptors share about one call: its records, the worker pool
-of a sync server as the interceptor sees it, the errors a refused response raises, and the
-metadata a request carries. No behaviour of the agent lives here, so the interceptors need not
-import the agent (which creates them)."""
+of a sync server as the interceptor sees it, the errors a refused response raises, the metadata a
+request carries, and :class:`CallEvents`, what the interceptors and the instrumented channel tell
+the agent. No behaviour of the agent lives here, so they need not import the agent (which creates
+them)."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
-from stablewatch.agents.rpc_core import STAMP_KEY, Stamp
+from stablewatch.agents.rpc.core import STAMP_KEY, Stamp
 from stablewatch.v1 import WAIT_MODEL_OR, Wait
 
 __all__ = [
     "BadStamp",
+    "CallEvents",
     "IncomingCall",
     "OutgoingCall",
     "RefusedResponse",
@@ -141,3 +144,23 @@ class WorkerPool:
         targets = [{"process": process_id, "task": name} for name in self.running]
         for name in self.queued:
             yield Wait(task=name, targets=targets, model=WAIT_MODEL_OR)
+
+
+class CallEvents(Protocol):
+    """What the interceptors and the instrumented channel report to the agent, one call per gRPC
+    event (:class:`~stablewatch.agents.rpc.agent.RpcAgent` documents each and is the one implementation)."""
+
+    def call_out(
+        self, peer: str, method: str, caller_task: str, instrumented: bool, waits: bool = True
+    ) -> OutgoingCall: ...
+
+    def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
+        """Raises a :class:`RefusedResponse` when the response is not handed to the caller."""
+
+    def arrive(
+        self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None
+    ) -> IncomingCall: ...
+
+    def handler_started(self, call: IncomingCall) -> None: ...
+
+    def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None: ...

@@ -2,7 +2,7 @@
 
 ``agent.instrument_channel(channel, peer)`` returns a :class:`grpc.Channel` that stubs use as they
 use any channel. It does what the client interceptor does (see
-:mod:`stablewatch.agents.rpc_interceptors`: the request's stamp in its initial metadata, the
+:mod:`stablewatch.agents.rpc.interceptors`: the request's stamp in its initial metadata, the
 response's stamp taken in before the caller sees the response, the caller waiting on the callee's
 task while the call is out) with the same agent calls, so the protocol is the same.
 
@@ -18,21 +18,18 @@ they behave exactly as with ``grpc.intercept_channel``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
-from stablewatch.agents.rpc_calls import RefusedResponse
-from stablewatch.agents.rpc_interceptors import (
+from stablewatch.agents.rpc.calls import CallEvents, RefusedResponse
+from stablewatch.agents.rpc.interceptors import (
     ClientInterceptor,
     current_task_name,
     method_name,
     take_in_end,
     with_stamp,
 )
-
-if TYPE_CHECKING:
-    from stablewatch.agents.rpc_agent import RpcAgent
 
 __all__ = ["InstrumentedChannel"]
 
@@ -41,7 +38,7 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
     """One method of an instrumented channel: blocking calls on the fast path, futures through the interceptor."""
 
     def __init__(
-        self, agent: RpcAgent, peer: str, instrumented: bool, method: str, plain: Any, intercepted: Any
+        self, agent: CallEvents, peer: str, instrumented: bool, method: str, plain: Any, intercepted: Any
     ) -> None:
         self._agent, self._peer, self._instrumented, self._method = agent, peer, instrumented, method
         self._plain, self._intercepted = plain, intercepted
@@ -123,7 +120,7 @@ class InstrumentedChannel(grpc.Channel):
     Closing it closes the channel it wraps.
     """
 
-    def __init__(self, channel: grpc.Channel, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+    def __init__(self, channel: grpc.Channel, agent: CallEvents, peer: str, instrumented: bool) -> None:
         if isinstance(channel, grpc.aio.Channel):
             raise TypeError(
                 "instrument_channel takes a sync channel; an asyncio one takes agent.aio_client_interceptors"

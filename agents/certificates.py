@@ -1,22 +1,14 @@
-"""gRPC TLS credentials from PEM files, for the agent's channels and its control stream.
+"""gRPC TLS credentials from PEM files, for the agents' channels and control stream and for the detector.
 
 An agent is both a server (peers open their channel streams to it) and a client (it dials its
 peers and the detector), so one :class:`TlsConfig` (this process's certificate and key, and the CA
 it trusts) gives credentials for both sides. With a CA the server requires client certificates
 (mutual TLS) unless ``mutual=False``, so only processes holding a certificate from that CA can
-feed its channels.
+feed its channels. The detector and the CLI build theirs from the same functions.
 
 Files are read when credentials are built, so a rotated certificate is picked up by the next
-server or channel. A missing, unreadable or non-PEM file raises an error naming the file.
-
-**Identity.** A certificate names the processes its holder may speak as with URI subject
-alternative names of the form ``stablewatch://process/<id>`` (the id percent-encoded, see
-:func:`process_uri`); a certificate may name several (a host that runs several processes). When a
-peer shows a verified client certificate (mutual TLS), :func:`peer_process_ids` gives those ids,
-and both the detector (on ``Register``) and an agent (on a channel's hello, through
-:func:`check_channel_peer`) refuse a process id the certificate does not name. Without client
-certificates there is no identity to check: anyone who can connect may claim any id, so run
-mutual TLS wherever the network is not trusted (SECURITY.md).
+server or channel. A missing, unreadable or non-PEM file raises an error naming the file. Which
+process a verified certificate may speak as is :mod:`stablewatch.agents.peer_identity`'s job.
 """
 
 from __future__ import annotations
@@ -24,30 +16,18 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import quote, unquote
 
 import grpc
 
-from stablewatch.agents.frames import FrameError
-from stablewatch.v1 import ChannelHello
-
 __all__ = [
-    "PROCESS_URI_PREFIX",
     "TlsConfig",
     "channel_credentials",
-    "check_channel_peer",
-    "peer_process_ids",
-    "peer_uris",
-    "process_uri",
     "read_pem",
     "server_credentials",
     "server_name_options",
 ]
 
 StrPath = str | os.PathLike[str]
-
-#: A URI SAN starting with this names a process: ``stablewatch://process/<percent-encoded id>``.
-PROCESS_URI_PREFIX = "stablewatch://process/"
 
 
 def server_credentials(
@@ -107,47 +87,6 @@ class TlsConfig:
     def channel_options(self) -> list[tuple[str, str]]:
         """Channel options that go with :meth:`channel_credentials`."""
         return server_name_options(self.server_name)
-
-
-def process_uri(process_id: str) -> str:
-    """The URI SAN that names ``process_id`` in a certificate: ``stablewatch://process/<id>``.
-
-    Every character but letters, digits and ``_.-~`` is percent-encoded (``a b`` becomes ``a%20b``).
-    """
-    return PROCESS_URI_PREFIX + quote(process_id, safe="")
-
-
-def peer_uris(context: grpc.aio.ServicerContext) -> tuple[str, ...] | None:
-    """The URI SANs of the client certificate the peer of this call showed, or None without one.
-
-    Our server credentials either require and verify client certificates (mutual TLS) or do not
-    ask for them, so a certificate seen here was verified against the configured client CA.
-    """
-    auth = context.auth_context()
-    if not auth.get("x509_pem_cert"):
-        return None  # plaintext, or TLS without client certificates: no identity at all
-    return tuple(uri.decode(errors="replace") for uri in auth.get("peer_uri", ()))
-
-
-def peer_process_ids(context: grpc.aio.ServicerContext) -> frozenset[str] | None:
-    """The process ids the peer's certificate names (possibly none), or None without a certificate."""
-    uris = peer_uris(context)
-    if uris is None:
-        return None
-    prefix = len(PROCESS_URI_PREFIX)
-    return frozenset(unquote(uri[prefix:]) for uri in uris if uri.startswith(PROCESS_URI_PREFIX) and uri[prefix:])
-
-
-def check_channel_peer(context: grpc.aio.ServicerContext, hello: ChannelHello) -> None:
-    """Refuse a channel whose hello names a sender the peer's certificate does not name.
-
-    Raises :class:`FrameError` ``spoofed`` (the peer's fault). Without a client certificate there
-    is nothing to check against, and the channel is accepted.
-    """
-    allowed = peer_process_ids(context)
-    if allowed is not None and hello.src not in allowed:
-        named = ", ".join(sorted(allowed)) or f"no process (no {PROCESS_URI_PREFIX}<id> URI SAN)"
-        raise FrameError("spoofed", f"the peer claims to be {hello.src!r} but its certificate names {named}")
 
 
 def read_pem(path: StrPath, what: str) -> bytes:

@@ -1,7 +1,8 @@
 """gRPC interceptors of the RPC-mode agent, for the sync and the asyncio APIs, server and client side.
 
-They are thin: each translates a gRPC event into one call of :class:`~stablewatch.agents.rpc_agent.RpcAgent`
-(which holds the lock, the core and the wait edges) and carries stamps in metadata.
+They are thin: each translates a gRPC event into one call of the agent, as
+:class:`~stablewatch.agents.rpc.calls.CallEvents` names them (:class:`~stablewatch.agents.rpc.agent.RpcAgent`
+holds the lock, the core and the wait edges, and creates the interceptors), and carries stamps in metadata.
 
 What travels (gRPC has metadata per call, not per message):
 
@@ -20,8 +21,8 @@ What travels (gRPC has metadata per call, not per message):
   name.
 * Client side, the end of the call is taken in before the caller sees it: the unary response (or the
   error) before ``result()``/``await`` returns it, the end of a response stream before the iterator
-  stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc_agent.BadStamp` (an
-  ``RpcError``, ``INTERNAL``), a stale one :class:`~stablewatch.agents.rpc_agent.StaleResponse`
+  stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc.calls.BadStamp` (an
+  ``RpcError``, ``INTERNAL``), a stale one :class:`~stablewatch.agents.rpc.calls.StaleResponse`
   (``ABORTED``: the server ran the call, its response is not delivered); an error without our server's
   stamp restarts the pair's counts (the request or the response may or may not have arrived).
 
@@ -44,15 +45,19 @@ import functools
 import inspect
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import grpc
 
-from stablewatch.agents.rpc_calls import IncomingCall, OutgoingCall, RefusedResponse, WorkerPool, stamp_entry
-from stablewatch.agents.rpc_core import STAMP_KEY
-
-if TYPE_CHECKING:
-    from stablewatch.agents.rpc_agent import RpcAgent
+from stablewatch.agents.rpc.calls import (
+    CallEvents,
+    IncomingCall,
+    OutgoingCall,
+    RefusedResponse,
+    WorkerPool,
+    stamp_entry,
+)
+from stablewatch.agents.rpc.core import STAMP_KEY
 
 __all__ = ["CURRENT_TASK", "AioServerInterceptor", "ClientInterceptor", "ServerInterceptor", "aio_client_interceptors"]
 
@@ -84,7 +89,7 @@ def method_name(method: str | bytes) -> str:
     return method.decode() if isinstance(method, bytes) else method
 
 
-def take_in_end(agent: RpcAgent, call: OutgoingCall, ended: Any) -> None:
+def take_in_end(agent: CallEvents, call: OutgoingCall, ended: Any) -> None:
     """Take in the end of the sync ``call`` from the finished gRPC call ``ended``: the server's stamp,
     or, without one, its status (which matters only then). Raises a :class:`RefusedResponse` when
     the response is refused."""
@@ -95,7 +100,7 @@ def take_in_end(agent: RpcAgent, call: OutgoingCall, ended: Any) -> None:
 # -- server side ----------------------------------------------------------------------------------
 
 
-def _end_sync(agent: RpcAgent, call: IncomingCall, context: grpc.ServicerContext) -> None:
+def _end_sync(agent: CallEvents, call: IncomingCall, context: grpc.ServicerContext) -> None:
     stamp = agent.respond(call, "" if call.instrumented else context.peer(), context.is_active())
     if stamp is not None:
         trailing = context.trailing_metadata()
@@ -113,7 +118,7 @@ def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
     return call
 
 
-def _unary_sync(agent: RpcAgent, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
+def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
     def run(request: Any, context: grpc.ServicerContext) -> Any:
         call = _served(served)
         agent.handler_started(call)
@@ -127,7 +132,9 @@ def _unary_sync(agent: RpcAgent, served: contextvars.ContextVar[IncomingCall], b
     return run
 
 
-def _streaming_sync(agent: RpcAgent, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
+def _streaming_sync(
+    agent: CallEvents, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]
+) -> Any:
     def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         call = _served(served)
         agent.handler_started(call)
@@ -190,7 +197,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
     once per method, not per call.
     """
 
-    def __init__(self, agent: RpcAgent, pool: WorkerPool | None) -> None:
+    def __init__(self, agent: CallEvents, pool: WorkerPool | None) -> None:
         self._agent = agent
         self._pool = pool
         # One variable per interceptor: two of them in one server must not read each other's calls.
@@ -222,7 +229,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
 class _StampingContext:
     """An aio servicer context whose ``abort`` carries the response's stamp (aio sends the status at once)."""
 
-    def __init__(self, agent: RpcAgent, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
+    def __init__(self, agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
         self._agent, self._call, self._context = agent, call, context
 
     def __getattr__(self, name: str) -> Any:
@@ -234,7 +241,7 @@ class _StampingContext:
         await self._context.abort(code, details, metadata)
 
 
-def _end_aio(agent: RpcAgent, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
+def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
     active = not context.done() and not context.cancelled()
     stamp = agent.respond(call, "" if call.instrumented else context.peer(), active)
     if stamp is not None:
@@ -248,7 +255,7 @@ async def _call_behavior(behavior: Callable[..., Any], request: Any, context: An
     return await asyncio.to_thread(behavior, request, context)
 
 
-def _unary_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+def _unary_aio(agent: CallEvents, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         agent.handler_started(call)
         CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
@@ -262,7 +269,7 @@ def _unary_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall
     return run
 
 
-def _streaming_aio(agent: RpcAgent, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+def _streaming_aio(agent: CallEvents, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
@@ -292,7 +299,7 @@ def _streaming_aio(agent: RpcAgent, behavior: Callable[..., Any], call: Incoming
 class AioServerInterceptor(grpc.aio.ServerInterceptor):
     """The asyncio server's interceptor (``agent.aio_server_interceptor()``)."""
 
-    def __init__(self, agent: RpcAgent) -> None:
+    def __init__(self, agent: CallEvents) -> None:
         self._agent = agent
 
     async def intercept_service(
@@ -352,7 +359,7 @@ class _Settled:
     """Takes in the end of one sync call exactly once, from whichever comes first: the caller or
     the call's done callback (a call the caller abandons still ends its wait)."""
 
-    def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
+    def __init__(self, agent: CallEvents, call: OutgoingCall, outcome: Any) -> None:
         self._agent, self._call, self._outcome = agent, call, outcome
         self._lock = threading.Lock()
         self._error: RefusedResponse | None = None
@@ -376,7 +383,7 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
 
     caller_waits = True  # the caller is reported waiting on the callee while the call is out
 
-    def __init__(self, agent: RpcAgent, call: OutgoingCall, outcome: Any) -> None:
+    def __init__(self, agent: CallEvents, call: OutgoingCall, outcome: Any) -> None:
         self._outcome = outcome
         self._settled = _Settled(agent, call, outcome)
 
@@ -479,7 +486,7 @@ class ClientInterceptor(
 ):
     """The sync client's interceptor (``agent.client_interceptor(peer)``), for every kind of call."""
 
-    def __init__(self, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+    def __init__(self, agent: CallEvents, peer: str, instrumented: bool) -> None:
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
 
     def _invoke(self, continuation: Callable[..., Any], details: Any, request: Any, kind: type[_UnaryOutcome]) -> Any:
@@ -519,7 +526,7 @@ class ClientInterceptor(
 
 
 class _AioClient:
-    def __init__(self, agent: RpcAgent, peer: str, instrumented: bool) -> None:
+    def __init__(self, agent: CallEvents, peer: str, instrumented: bool) -> None:
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
 
     async def _unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
@@ -635,7 +642,7 @@ class _AioStreamStream(_AioClient, grpc.aio.StreamStreamClientInterceptor):
         return await self._streaming(continuation, client_call_details, request_iterator)
 
 
-def aio_client_interceptors(agent: RpcAgent, peer: str, instrumented: bool) -> list[Any]:
+def aio_client_interceptors(agent: CallEvents, peer: str, instrumented: bool) -> list[Any]:
     """One asyncio client interceptor per kind of call (grpc.aio takes each for one kind only)."""
     return [
         cls(agent, peer, instrumented) for cls in (_AioUnaryUnary, _AioStreamUnary, _AioUnaryStream, _AioStreamStream)

@@ -1,0 +1,27 @@
+"""RPC mode: ordinary gRPC services take part in snapshots through interceptors (DESIGN.md "RPC mode").
+
+A service creates one :class:`RpcAgent` and installs its interceptors on its server and channels.
+The protocol, Lai–Yang coloring, lives in the pure :class:`ColorCore` (:mod:`.core`); the agent
+(:mod:`.agent`) carries out its actions, and the interceptors (:mod:`.interceptors`) and the
+instrumented channel (:mod:`.channel`) report each call to it through :class:`~.calls.CallEvents`.
+"""
+
+from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.calls import BadStamp, RefusedResponse, StaleResponse
+from stablewatch.agents.rpc.channel import InstrumentedChannel
+from stablewatch.agents.rpc.core import STAMP_KEY, ColorCore, Stamp
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK
+from stablewatch.agents.rpc.metrics import RpcAgentMetrics
+
+__all__ = [
+    "CURRENT_TASK",
+    "STAMP_KEY",
+    "BadStamp",
+    "ColorCore",
+    "InstrumentedChannel",
+    "RefusedResponse",
+    "RpcAgent",
+    "RpcAgentMetrics",
+    "StaleResponse",
+    "Stamp",
+]

@@ -1,0 +1,61 @@
+"""``stablewatch watch``: follow predicate values live, as a table or one JSON object per event."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from rich.console import Console
+from rich.live import Live
+
+from stablewatch.cli import arguments
+from stablewatch.cli.client import DetectorClient
+from stablewatch.cli.query import CommandError, connection_options, run_query, timeout_option
+from stablewatch.cli.render import WatchView, proto_dict
+from stablewatch.detector.service.query import outcome_name
+from stablewatch.v1.query_pb2 import WatchEvent
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(commands: argparse._SubParsersAction) -> None:
+    watch = commands.add_parser(
+        "watch", parents=[connection_options(), timeout_option()], help="follow predicate values live"
+    )
+    watch.add_argument("--changes-only", action="store_true", help="only snapshots that change a predicate's value")
+    watch.add_argument("--count", type=arguments.positive_int, metavar="N", help="stop after N events")
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    return run_query(_watch, args, console)  # Ctrl-C ends it with exit status 0
+
+
+def _watch(client: DetectorClient, args: argparse.Namespace, console: Console) -> int:
+    client.members()  # fails within --timeout when the detector is not there; the stream has no deadline
+    view = WatchView()
+    events = client.watch(args.changes_only)
+    live = None if args.json else Live(view.render(), console=console, auto_refresh=False)
+    try:
+        if live is not None:
+            live.start(refresh=True)
+        for seen, event in enumerate(events, 1):
+            if live is None:
+                print(json.dumps(_watch_json(event)), flush=True)
+            else:
+                view.update(event)
+                live.update(view.render(), refresh=True)
+            if seen == args.count:
+                return 0
+    finally:
+        events.close()
+        if live is not None:
+            live.stop()
+            if not console.is_terminal:  # rich leaves the last line open when output is not a terminal
+                console.line()
+    raise CommandError(f"the detector at {client.address} ended the stream (it is shutting down)")
+
+
+def _watch_json(event: WatchEvent) -> dict[str, Any]:
+    outcome = outcome_name(event.results.snapshot.outcome) if event.HasField("results") else None
+    return {"outcome": outcome, **proto_dict(event)}
