@@ -3,7 +3,7 @@ detector restarts, and peers send garbage.
 
 Four phases, each against real code:
 
-* ``resets`` — three token-bank agents (tests/token_node.py, each its own OS process) move tokens
+* ``resets`` — three token-bank agents (stablewatch.testing.token_node, each its own OS process) move tokens
   through TCP proxies that break every connection over and over, while a detector (in this
   process) takes snapshots. Every message carries a per-channel sequence number: at the end each
   receiver reports gaps (``lost``) and repeats (``duplicated``); the tokens must add up too.
@@ -39,22 +39,19 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
-TESTS = Path(__file__).resolve().parent.parent / "tests"
-sys.path.insert(0, str(TESTS))  # the test suite's process and proxy helpers: one helper for one job
+from google.protobuf.message import DecodeError
+from report import json_line
 
-from detector_harness import Running  # noqa: E402
-from google.protobuf.message import DecodeError  # noqa: E402
-from nodes import Node, connect_all, wait_quiet  # noqa: E402
-from report import json_line  # noqa: E402
-from tcp_proxy import TcpProxy  # noqa: E402
-
-from stablewatch.agents.core import RemoteProtocolError, SnapshotCore  # noqa: E402
-from stablewatch.agents.frames import FrameError, decode  # noqa: E402
-from stablewatch.detector.assembly import Assembler, PartRejected  # noqa: E402
-from stablewatch.detector.service.coordinator import Coordinator, Member  # noqa: E402
-from stablewatch.detector.service.detector import DetectorConfig  # noqa: E402
-from stablewatch.detector.service.query import outcome_name  # noqa: E402
-from stablewatch.v1 import (  # noqa: E402
+from stablewatch.agents.core import RemoteProtocolError, SnapshotCore
+from stablewatch.agents.frames import FrameError, decode
+from stablewatch.detector.assembly import Assembler, PartRejected
+from stablewatch.detector.service.coordinator import Coordinator, Member
+from stablewatch.detector.service.detector import DetectorConfig
+from stablewatch.detector.service.query import outcome_name
+from stablewatch.testing.detector import Running
+from stablewatch.testing.tcp_proxy import TcpProxy
+from stablewatch.testing.token_nodes import Node, connect_all, wait_quiet
+from stablewatch.v1 import (
     AgentMessage,
     ChannelFrame,
     EntryExtras,
@@ -65,7 +62,7 @@ from stablewatch.v1 import (  # noqa: E402
     OutboundCount,
     RecordedMessage,
 )
-from stablewatch.v1.control_pb2 import Heartbeat, Pong, Register, SnapshotFailure  # noqa: E402
+from stablewatch.v1.control_pb2 import Heartbeat, Pong, Register, SnapshotFailure
 
 TOKENS = 1000
 

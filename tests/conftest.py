@@ -1,5 +1,5 @@
 """Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector, a local Spark;
-and a free port."""
+and helpers: a free port, a detector with limits."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 from certs import issue, make_certs
-from detector_harness import Running
 from detector_stub import StubDetector
 
 from stablewatch.agents.peer_identity import process_uri
 from stablewatch.detector.service.auth import role_uri
 from stablewatch.detector.service.detector import DetectorConfig
+from stablewatch.detector.service.limits import Limits
+from stablewatch.testing.detector import Running
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFORMANCE = ROOT.parent / "shared" / "conformance" / "cos418"
@@ -89,3 +90,16 @@ def running(tmp_path: Path) -> Iterator[Running]:
     service = Running(config)
     yield service
     service.stop()
+
+
+def limited_detector(
+    data_dir: Path, pki: dict[str, Path] | None = None, limits: Limits | None = None, **config: Any
+) -> Running:
+    """A detector with these ``limits`` (no metrics port, no scheduler) on 127.0.0.1, unless
+    ``config`` (other DetectorConfig fields) says otherwise: mutual TLS with the certificates of
+    ``pki`` (the fixture's), else plaintext."""
+    if pki is not None:
+        tls = {"tls_cert": pki["server_cert"], "tls_key": pki["server_key"], "tls_client_ca": pki["ca_cert"]}
+        config = tls | config
+    options: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_port": None, "interval": None} | config
+    return Running(DetectorConfig(data_dir=data_dir, limits=limits or Limits(), **options))

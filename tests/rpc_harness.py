@@ -10,10 +10,10 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from detector_harness import Running
 
 from polling import poll
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SnapshotResults
 

@@ -15,12 +15,12 @@ from typing import TypeVar
 
 import grpc
 import pytest
-from nodes import Node, connect_all, wait_quiet
-from tcp_proxy import TcpProxy
 
 from polling import async_poll
 from stablewatch.agents import Agent, ChannelSettings, TlsConfig
 from stablewatch.agents.certificates import channel_credentials
+from stablewatch.testing.tcp_proxy import TcpProxy
+from stablewatch.testing.token_nodes import Node, connect_all, wait_quiet
 
 T = TypeVar("T")
 

@@ -6,8 +6,8 @@ from collections.abc import Iterator
 
 import pytest
 from detector_stub import StubDetector
-from nodes import Node, connect_all, wait_quiet
 
+from stablewatch.testing.token_nodes import Node, connect_all, wait_quiet
 from stablewatch.v1 import GlobalSnapshot
 
 TOKENS = 100

@@ -21,9 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from command_line import DetectorProcess
-from detector_harness import RawAgent, Running
+from control_streams import RawAgent
 from google.protobuf.struct_pb2 import Struct
-from nodes import Node, connect_all
 from samples import evaluation, global_snapshot, predicate_results
 
 from polling import async_poll, poll
@@ -44,6 +43,8 @@ from stablewatch.detector.archive.writer import ArchiveWriter, load, write_finis
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.store import Store, StoreError
+from stablewatch.testing.detector import Running
+from stablewatch.testing.token_nodes import Node, connect_all
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState, PredicateResult
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_RUNNING
 

@@ -1,6 +1,6 @@
 """Channel faults with real gRPC on 127.0.0.1: broken streams, server and process restarts, backpressure.
 
-Token-bank services (tests/token_node.py) run as OS processes; a TCP proxy (tests/tcp_proxy.py)
+Token-bank services (stablewatch.testing.token_node) run as OS processes; a TCP proxy (TcpProxy)
 between a sender and its receiver breaks the gRPC connections on demand. Every payload carries a
 per-channel sequence number and the receiving node records an error for every gap, duplicate or
 reordering, so "exactly once, in order" is checked message by message. A few tests use in-process
@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 from detector_stub import SnapshotAborted, StubDetector
-from nodes import Node, connect_all, wait_quiet
-from tcp_proxy import TcpProxy
 
 from polling import async_poll, poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, MessageTooLarge
+from stablewatch.testing.tcp_proxy import TcpProxy
+from stablewatch.testing.token_nodes import Node, connect_all, wait_quiet
 from stablewatch.v1 import GlobalSnapshot
 
 TOKENS = 100

@@ -1,7 +1,7 @@
 """The ``stablewatch`` commands as a user runs them: a detector process, agent processes, the CLI.
 
 ``stablewatch detector --json`` runs as a subprocess (its first stdout line gives the ports), two
-token-bank services (tests/token_node.py) attach to it, and ``status``, ``snapshot``, ``watch``
+token-bank services (stablewatch.testing.token_node) attach to it, and ``status``, ``snapshot``, ``watch``
 and ``graph`` run as subprocesses against it. Flag checking runs in-process (argparse exits 2).
 """
 
@@ -21,7 +21,6 @@ from typing import Any
 
 import pytest
 from command_line import STABLEWATCH, DetectorProcess, LineReader, stablewatch
-from nodes import Node, connect_all, wait_quiet
 from rich.console import Console
 
 from conftest import free_port
@@ -30,6 +29,7 @@ from stablewatch.cli.client import DetectorClient
 from stablewatch.cli.main import main
 from stablewatch.cli.render import WatchView
 from stablewatch.detector.evaluation import evaluate, wait_for_dot
+from stablewatch.testing.token_nodes import Node, connect_all, wait_quiet
 from stablewatch.v1 import (
     WAIT_MODEL_OR,
     ChannelSnapshot,

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 from command_line import DetectorProcess, stablewatch
-from nodes import Node, connect_all
 
 from polling import poll
 from stablewatch.cli.main import main
+from stablewatch.testing.token_nodes import Node, connect_all
 
 pytestmark = pytest.mark.timeout(120)
 

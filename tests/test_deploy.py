@@ -26,13 +26,13 @@ from typing import Any
 import grpc
 import pytest
 from cryptography import x509
-from detector_harness import Running
 
 from stablewatch.agents.certificates import channel_credentials
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.metrics import DetectorMetrics
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import AgentMessage, control_pb2, control_pb2_grpc
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read deploy/ (it belongs in the dev extra)")

@@ -1,6 +1,6 @@
 """The detector end to end on partial cuts: expected members, unknown results, aborts for every stray recording.
 
-Agents here are hand-driven control streams (:class:`detector_harness.RawAgent`), so that each
+Agents here are hand-driven control streams (:class:`control_streams.RawAgent`), so that each
 test says exactly which parts the detector gets.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from detector_harness import RawAgent, Running
+from control_streams import RawAgent
 
 from polling import poll
 from stablewatch.cli.client import DetectorClient, DetectorError
@@ -22,6 +22,7 @@ from stablewatch.cli.main import main
 from stablewatch.detector.evaluation import verdict
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import LocalSnapshotPart, LocalState, OutboundCount
 from stablewatch.v1.query_pb2 import SnapshotResults
 

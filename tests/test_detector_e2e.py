@@ -8,12 +8,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from detector_harness import RawAgent, Running
-from nodes import Node, connect_all
+from control_streams import RawAgent
 
 from polling import poll
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.testing.detector import Running
+from stablewatch.testing.token_nodes import Node, connect_all
 from stablewatch.v1 import AgentMessage, LocalSnapshotPart, LocalState
 from stablewatch.v1.control_pb2 import Heartbeat
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import credentials, tls_config
-from detector_harness import Running, register
+from control_streams import register
 
 from polling import async_poll, poll
 from stablewatch.agents import Agent
@@ -30,6 +30,7 @@ from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.auth import METHOD_PERMISSIONS
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.limits import Limits
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import (
     AgentMessage,
     LocalSnapshotPart,

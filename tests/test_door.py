@@ -37,8 +37,9 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import credentials, tls_config
-from detector_harness import Running, limited_detector, register
+from control_streams import register
 
+from conftest import limited_detector
 from polling import async_poll
 from stablewatch.agents import Agent, LocalStateKeeper
 from stablewatch.detector.assembly import Assembler, Completed, PartRejected
@@ -52,6 +53,7 @@ from stablewatch.detector.service.limits import (
     quoted_prefix,
     too_long,
 )
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import (
     AgentMessage,
     InboundChannelState,

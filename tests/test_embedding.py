@@ -15,13 +15,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from detector_harness import Running
 
 from polling import poll
 from stablewatch.agents import Agent
 from stablewatch.cli.client import DetectorClient
 from stablewatch.detector.service.coordinator import Member
 from stablewatch.detector.service.detector import DetectorConfig
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import DetectorMessage, LocalSnapshotPart
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_COMPLETED, SnapshotResults
 

@@ -4,7 +4,8 @@ Every ``import`` of a ``stablewatch`` module is read (those under ``TYPE_CHECKIN
 functions too) from the folders that pyproject.toml maps onto the package. The floors, from the
 ground up: the package's root (its version) and the wire contract, the agents, the detector, the
 pipeline, the CLI on top; the examples stand apart (the agents are all they use, and only the CLI
-uses them).
+uses them), and so does the test harness, ``stablewatch.testing`` (it runs agents and detectors,
+and only the tests and the benches use it).
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ MAY_IMPORT: dict[str, set[str]] = {
         "stablewatch.pipeline",
     },
     "stablewatch.examples": {"stablewatch", "stablewatch.v1", "stablewatch.agents", "stablewatch.examples"},
+    # The test harness beside the floors: it runs the agents and the detector; only tests and benches use it.
+    "stablewatch.testing": {
+        "stablewatch",
+        "stablewatch.v1",
+        "stablewatch.agents",
+        "stablewatch.detector",
+        "stablewatch.testing",
+    },
 }
 
 

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from detector_harness import Running
 
 from polling import async_poll, poll
 from stablewatch.detector.service.detector import DetectorConfig, exposure_warnings
 from stablewatch.detector.service.limits import Limits, TokenBucket, parse_rate
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import (
     AgentMessage,
     InboundChannelState,

@@ -24,15 +24,16 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import credentials, issue, tls_config
-from detector_harness import Running, limited_detector
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from conftest import limited_detector
 from polling import async_poll
 from stablewatch.agents import Agent
 from stablewatch.detector.service.auth import peer_identity, role_uri
 from stablewatch.detector.service.health_check import MAX_SERVICE_NAME_BYTES
 from stablewatch.detector.service.limits import REFUSAL_REASONS, Limits
 from stablewatch.detector.service.query import MAX_PAGE_TOKEN_LENGTH
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import AgentMessage, DetectorMessage, control_pb2, query_pb2, query_pb2_grpc
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_COMPLETED, WatchEvent
 

@@ -13,13 +13,13 @@ from typing import Any
 
 import grpc
 import pytest
-from detector_harness import Running
 from rpc_harness import SERVICE, Service, agent, call, channel_to, deadlock, gate_starts, snapshot, stamped, stored
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.testing.detector import Running
 
 
 def test_in_flight_response_and_request_are_in_the_channel_states(running: Running) -> None:

@@ -13,13 +13,13 @@ from concurrent import futures
 
 import grpc
 import pytest
-from detector_harness import Running
 from rpc_harness import Service, agent, call, channel_to, snapshot, stamped
-from tcp_proxy import TcpProxy
 
 from polling import poll
 from stablewatch.agents.rpc.agent import RpcAgent, StaleResponse
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.testing.detector import Running
+from stablewatch.testing.tcp_proxy import TcpProxy
 
 
 def sample(agent: RpcAgent, name: str, **labels: str) -> float:

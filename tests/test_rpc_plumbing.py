@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
-from detector_harness import RawAgent, Running
+from control_streams import RawAgent
 from fake_detector import Agent, FakeDetector, session, start
 
 from polling import async_poll, poll, run
 from stablewatch.agents.control import ControlClient
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import DetectorMessage, LocalSnapshotPart, LocalState, OutboundCount
 from stablewatch.v1.control_pb2 import ChannelTarget, Ping, SnapshotsEnded
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 import pytest
-from detector_harness import Running
 from rpc_harness import SERVICE, agent, deadlock, snapshot, stamped, stored
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.detector.service.query import outcome_name
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SnapshotResults
 

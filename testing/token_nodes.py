@@ -1,4 +1,14 @@
-"""Run token-bank services (tests/token_node.py) as OS processes and talk to them."""
+"""Run token-bank services (:mod:`stablewatch.testing.token_node`) as OS processes and talk to them.
+
+    nodes = [Node(pid, "--tokens", "100", "--detector", detector_address) for pid in "ABC"]
+    connect_all(nodes)                                  # every node learns every other's address
+    nodes[0].command("transfer", count=500, seed=1)     # random transfers to random peers
+    nodes[0].expect("transferred")
+    stats = wait_quiet(nodes)                           # once every message sent has been received
+
+Waiting (``expect`` and what is built on it) polls with a deadline, then raises TimeoutError naming
+the node and what it waited for.
+"""
 
 from __future__ import annotations
 
@@ -9,19 +19,25 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-NODE_SCRIPT = Path(__file__).with_name("token_node.py")
+__all__ = ["Node", "connect_all", "wait_quiet"]
+
+# Run as ``python -P -m``: the installed module, whatever the working directory holds (-P keeps it off sys.path).
+NODE_MODULE = "stablewatch.testing.token_node"
 
 
 class Node:
-    """One token_node process: JSON commands in on stdin, JSON events out on stdout."""
+    """One token_node process: JSON commands in on stdin, JSON events out on stdout.
+
+    ``args`` are the process's command-line options after ``--id`` (see the token_node module).
+    Starting returns once the node is ready; its channels' address is then ``address``.
+    """
 
     def __init__(self, process_id: str, *args: str) -> None:
         self.process_id = process_id
         self.process = subprocess.Popen(
-            [sys.executable, str(NODE_SCRIPT), "--id", process_id, *args],
+            [sys.executable, "-P", "-m", NODE_MODULE, "--id", process_id, *args],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -40,6 +56,7 @@ class Node:
             self._events.put(message)
 
     def command(self, cmd: str, **fields: object) -> None:
+        """Send one command (``{"cmd": cmd, **fields}``); its reply is an event to ``expect``."""
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
         self.process.stdin.flush()
@@ -59,6 +76,7 @@ class Node:
                 return message
 
     def stats(self) -> dict[str, Any]:
+        """The node's counts: messages ``sent`` and ``received`` per peer, ``tokens``, ``errors``, ..."""
         self.command("stats")
         return self.expect("stats")
 
@@ -82,6 +100,7 @@ class Node:
         self.process.wait(timeout=10)
 
     def stop(self) -> None:
+        """End the process politely (the ``exit`` command: the agent stops), killing it if it lingers."""
         if self.process.poll() is None:
             try:
                 self.command("exit")

@@ -84,6 +84,7 @@ class TcpProxy:
 
     @property
     def address(self) -> str:
+        """Where the proxy listens: give this to the client instead of the target."""
         return f"127.0.0.1:{self.port}"
 
     @property

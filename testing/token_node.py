@@ -1,6 +1,6 @@
-"""A token-bank service embedding the agent, run as its own OS process by the end-to-end tests.
+"""A token-bank service embedding the agent, run as its own OS process (by :class:`.token_nodes.Node`).
 
-    python tests/token_node.py --id A --tokens 100 [--detector HOST:PORT] [--tls-dir DIR]
+    python -m stablewatch.testing.token_node --id A --tokens 100 [--detector HOST:PORT] [--tls-dir DIR]
 
 It prints one JSON line per event on stdout and takes one JSON command per line on stdin:
 ``{"cmd": "peers", "peers": {"B": "127.0.0.1:1234"}}``, ``{"cmd": "transfer", "count": 500,
@@ -33,10 +33,18 @@ from stablewatch.agents import Agent, AppMessage, ChannelSettings, TlsConfig
 
 
 def emit(**event: object) -> None:
+    """Print one event as a JSON line on stdout, flushed (the parent reads it at once)."""
     print(json.dumps(event), flush=True)
 
 
 class TokenNode:
+    """The service: an agent that sends tokens (its ``tokens`` counter) to its peers in numbered
+    messages, checks the numbers of those it receives, and runs the commands from stdin.
+
+    With ``--tls-dir``, the folder holds ``node.pem`` and ``node.key`` (one certificate for both
+    sides of every channel, naming localhost) and ``ca.pem``.
+    """
+
     def __init__(self, args: argparse.Namespace) -> None:
         tls = None
         if args.tls_dir:
@@ -151,7 +159,8 @@ class TokenNode:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    """Parse the command line and run the node until the ``exit`` command or the end of stdin."""
+    parser = argparse.ArgumentParser(prog="python -m stablewatch.testing.token_node")
     parser.add_argument("--id", required=True)
     parser.add_argument("--tokens", type=int, default=100)
     parser.add_argument("--detector")

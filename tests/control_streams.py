@@ -1,65 +1,14 @@
-"""A real detector on its own event-loop thread, and hand-driven control streams, for end-to-end tests."""
+"""Hand-driven control streams against a detector, for tests of its side of the protocol: one
+registration, or an agent that sends whatever a test wants."""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Coroutine
-from pathlib import Path
-from typing import Any, TypeVar
 
 import grpc
 
-from stablewatch.detector.service.detector import Detector, DetectorConfig
-from stablewatch.detector.service.limits import Limits
+from stablewatch.testing.detector import Running
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart, control_pb2, control_pb2_grpc
-
-T = TypeVar("T")
-
-
-class Running:
-    """A Detector on its own event-loop thread."""
-
-    def __init__(self, config: DetectorConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.detector = Detector(config)
-        self.call(self.detector.start())
-
-    def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
-
-    def on_loop(self, function: Callable[[], T]) -> T:
-        """Run ``function`` on the detector's thread (the store belongs to it)."""
-
-        async def run() -> T:
-            return function()
-
-        return self.call(run())
-
-    def metric(self, name: str, **labels: str) -> float:
-        value = self.detector.metrics.registry.get_sample_value(name, labels)
-        return 0.0 if value is None else value
-
-    def stop(self) -> None:
-        self.call(self.detector.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
-
-
-def limited_detector(
-    data_dir: Path, pki: dict[str, Path] | None = None, limits: Limits | None = None, **config: Any
-) -> Running:
-    """A detector with these ``limits`` (no metrics port, no scheduler) on 127.0.0.1, unless
-    ``config`` (other DetectorConfig fields) says otherwise: mutual TLS with the certificates of
-    ``pki``, else plaintext."""
-    if pki is not None:
-        tls = {"tls_cert": pki["server_cert"], "tls_key": pki["server_key"], "tls_client_ca": pki["ca_cert"]}
-        config = tls | config
-    options: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_port": None, "interval": None} | config
-    return Running(DetectorConfig(data_dir=data_dir, limits=limits or Limits(), **options))
 
 
 def register(
