@@ -2,7 +2,7 @@
 
 Issue 23, findings 1 and 3, tried the way an attacker would:
 
-* **Strings.** Every string an agent sends has a maximum (``limits.MAX_ID_BYTES`` and the rest),
+* **Strings.** Every string an agent sends has a maximum (``stablewatch.v1.bounds.MAX_ID_BYTES`` and the rest),
   checked before anything is logged, stored or echoed, and a refusal quotes at most a prefix of it.
   A Register with a 1 MB or 8 MB process id, four at once, over mutual TLS: the refusal, each log
   line and the detector's memory stay small, with the code the docs give (PERMISSION_DENIED for a
@@ -43,16 +43,7 @@ from conftest import limited_detector
 from polling import async_poll
 from stablewatch.agents import Agent, LocalStateKeeper
 from stablewatch.detector.assembly import Assembler, Completed, PartRejected
-from stablewatch.detector.service.limits import (
-    MAX_ADDRESS_BYTES,
-    MAX_ID_BYTES,
-    MAX_NAME_BYTES,
-    MAX_TASK_BYTES,
-    MAX_TEXT_BYTES,
-    Limits,
-    quoted_prefix,
-    too_long,
-)
+from stablewatch.detector.service.limits import Limits
 from stablewatch.testing.detector import Running
 from stablewatch.v1 import (
     AgentMessage,
@@ -67,6 +58,15 @@ from stablewatch.v1 import (
     control_pb2_grpc,
     query_pb2,
     query_pb2_grpc,
+)
+from stablewatch.v1.bounds import (
+    MAX_ADDRESS_BYTES,
+    MAX_ID_BYTES,
+    MAX_NAME_BYTES,
+    MAX_TASK_BYTES,
+    MAX_TEXT_BYTES,
+    quoted_prefix,
+    too_long,
 )
 from stablewatch.v1.channel_pb2 import EntryExtras
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED

@@ -32,7 +32,7 @@ from urllib.parse import unquote
 import grpc
 
 from stablewatch.agents.peer_identity import PROCESS_URI_PREFIX, peer_process_ids, peer_uris, process_uri
-from stablewatch.detector.service.limits import quoted_prefix
+from stablewatch.v1.bounds import quoted_prefix
 
 __all__ = [
     "METHOD_PERMISSIONS",

@@ -50,15 +50,7 @@ import grpc
 
 from stablewatch.detector.assembly import Assembler, Completed, PartRejected, recorded_count
 from stablewatch.detector.service.auth import Authorizer, Denied, peer_identity
-from stablewatch.detector.service.limits import (
-    MAX_ADDRESS_BYTES,
-    MAX_ID_BYTES,
-    MAX_NAME_BYTES,
-    Limits,
-    has_control_character,
-    quoted_prefix,
-    too_long,
-)
+from stablewatch.detector.service.limits import Limits
 from stablewatch.v1 import (
     AgentMessage,
     DetectorMessage,
@@ -67,7 +59,15 @@ from stablewatch.v1 import (
     control_pb2,
     control_pb2_grpc,
 )
-from stablewatch.v1.bounds import process_id_problem
+from stablewatch.v1.bounds import (
+    MAX_ADDRESS_BYTES,
+    MAX_ID_BYTES,
+    MAX_NAME_BYTES,
+    has_control_character,
+    process_id_problem,
+    quoted_prefix,
+    too_long,
+)
 
 __all__ = ["ABORT_KINDS", "ENDED_NOTICE_DELAY", "Coordinator", "Member", "NoAgents", "SnapshotAborted"]
 

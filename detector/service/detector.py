@@ -39,7 +39,7 @@ from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselin
 from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
 from stablewatch.detector.service.health_check import HealthService
-from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket, quoted_prefix
+from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket
 from stablewatch.detector.service.malformed import MalformedInterceptor
 from stablewatch.detector.service.metrics import DetectorMetrics
 from stablewatch.detector.service.metrics_http import serve_metrics
@@ -48,6 +48,7 @@ from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.detector.service.store import Store
 from stablewatch.detector.service.watch import WatchHub
 from stablewatch.v1 import Evaluation, GlobalSnapshot, control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
+from stablewatch.v1.bounds import quoted_prefix
 from stablewatch.v1.query_pb2 import SnapshotResults, SnapshotSummary, WatchEvent
 
 if TYPE_CHECKING:

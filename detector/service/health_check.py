@@ -15,7 +15,7 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2
 
-from stablewatch.detector.service.limits import quoted_prefix, too_long
+from stablewatch.v1.bounds import quoted_prefix, too_long
 
 __all__ = ["MAX_SERVICE_NAME_BYTES", "HealthService"]
 

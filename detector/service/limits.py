@@ -8,8 +8,8 @@ snapshots clients may trigger. Each breach is refused with a reason from :data:`
 (or, for a part, a rejection reason of the assembler) and counted in a metric; the values come
 from :class:`Limits`, part of the detector's configuration. The strings an agent sends (process
 ids, tasks, names, addresses) have maxima of their own, fixed by the wire contract
-(:mod:`stablewatch.v1.bounds`, re-exported here), and a refusal quotes at most a short prefix of any of them
-(:func:`quoted_prefix`).
+(:mod:`stablewatch.v1.bounds`), and a refusal quotes at most a short prefix of any of them
+(:func:`stablewatch.v1.bounds.quoted_prefix`).
 """
 
 from __future__ import annotations
@@ -18,31 +18,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from stablewatch.v1.bounds import (
-    MAX_ADDRESS_BYTES,
-    MAX_ID_BYTES,
-    MAX_NAME_BYTES,
-    MAX_TASK_BYTES,
-    MAX_TEXT_BYTES,
-    has_control_character,
-    quoted_prefix,
-    too_long,
-)
-
 __all__ = [
-    "MAX_ADDRESS_BYTES",
-    "MAX_ID_BYTES",
-    "MAX_NAME_BYTES",
-    "MAX_TASK_BYTES",
-    "MAX_TEXT_BYTES",
     "REFUSAL_REASONS",
     "LimitExceeded",
     "Limits",
     "TokenBucket",
-    "has_control_character",
     "parse_rate",
-    "quoted_prefix",
-    "too_long",
 ]
 
 #: Why the detector refused a stream or a call (bounded: safe as a metric label).

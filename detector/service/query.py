@@ -21,16 +21,10 @@ import grpc
 
 from stablewatch.detector.service.auth import peer_identity
 from stablewatch.detector.service.coordinator import NoAgents
-from stablewatch.detector.service.limits import (
-    MAX_ID_BYTES,
-    LimitExceeded,
-    Limits,
-    has_control_character,
-    quoted_prefix,
-    too_long,
-)
+from stablewatch.detector.service.limits import LimitExceeded, Limits
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
+from stablewatch.v1.bounds import MAX_ID_BYTES, has_control_character, quoted_prefix, too_long
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
 
 __all__ = ["MAX_PAGE_TOKEN_LENGTH", "QueryBackend", "QueryService", "outcome_name", "parse_page_token"]
