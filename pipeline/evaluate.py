@@ -216,7 +216,7 @@ def evaluate_blobs(snapshots: DataFrame, totals: Totals, predicates: Sequence[st
 # -- snapshots too large for one worker ---------------------------------------------------------------------
 
 
-_NO_WAITS = WaitCounts(0, 0, 0)  # a snapshot without waits has no row in graph_counts
+_NO_WAITS = WaitCounts(0, 0, 0, 0)  # a snapshot without waits has no row in graph_counts
 
 
 @dataclass
@@ -344,11 +344,14 @@ def _reduce_large_graphs(
     archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int
 ) -> tuple[int, int]:
     heads = [item.head for item in large.values()]
-    tables = (_rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages", "channels"))
-    frames = wait_for_frames(*tables)
+    processes, *tables = (
+        _rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages", "channels")
+    )
+    frames = wait_for_frames(processes, *tables)
     frames = WaitForFrames(frames.waiters.localCheckpoint(), frames.edges.localCheckpoint())
-    for row in graph_counts(frames).collect():
-        large[row["snapshot_id"]].counts = WaitCounts(row["waiters"], row["edges"], row["discounted"])
+    for row in graph_counts(frames, processes).collect():
+        counts = WaitCounts(row["waiters"], row["edges"], row["discounted"], row["outside"])
+        large[row["snapshot_id"]].counts = counts
     rounds = 0
     if max_rounds and sum(item.counts[1] for item in large.values()) > finish_edges:
         nodes, edges = numbered_edges(frames)

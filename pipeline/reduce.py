@@ -262,13 +262,22 @@ def wait_for_frames(
     return WaitForFrames(waiters, edges)
 
 
-def graph_counts(frames: WaitForFrames) -> DataFrame:
-    """Per snapshot: ``waiters``, counted ``edges`` and ``discounted`` pairs (what the no-deadlock summary counts)."""
+def graph_counts(frames: WaitForFrames, processes: DataFrame) -> DataFrame:
+    """Per snapshot: ``waiters``, counted ``edges``, ``discounted`` pairs and the counted edges to
+    processes outside the cut, ``outside`` (what ``wait_counts`` counts); `processes` is the archive's table."""
     waiters = frames.waiters.groupBy(_ID).agg(F.count(F.lit(1)).alias("waiters"))
     edges = frames.edges.groupBy(_ID).agg(
         F.count(F.when(F.col("counted"), 1)).alias("edges"), F.count(F.when(~F.col("counted"), 1)).alias("discounted")
     )
-    return waiters.join(edges, _ID, "left").fillna(0, ["edges", "discounted"])
+    members = processes.select(_ID, F.col("process_id").alias("target_process"))
+    outside = (
+        frames.edges.filter("counted")
+        .join(members, [_ID, "target_process"], "left_anti")
+        .groupBy(_ID)
+        .agg(F.count(F.lit(1)).alias("outside"))
+    )
+    counts = waiters.join(edges, _ID, "left").join(outside, _ID, "left")
+    return counts.fillna(0, ["edges", "discounted", "outside"])
 
 
 def numbered_edges(frames: WaitForFrames) -> tuple[DataFrame, DataFrame]:

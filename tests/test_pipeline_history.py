@@ -3,7 +3,7 @@
 A scripted archive of 25 snapshots a minute apart, processes P0..P4 holding 20 tokens each:
 
 * 5-8: P0 and P1 wait on each other (deadlock episode 1); 9 is aborted, so it ends by 10;
-* 13: an open cut without a deadlock: unknown, skipped by episodes;
+* 13: an open cut, P0 waiting on the missing P9, without a deadlock: unknown, skipped by episodes;
 * 14-17: P2's task t0 and P3 wait on each other, P2 passive (episode 2, begun after 12);
   15 is missing 5 tokens;
 * 21-23: every process passive, nothing in flight: terminated, until 24;
@@ -50,6 +50,8 @@ def scripted_snapshot(sid: int) -> GlobalSnapshot:
         if sid in CYCLES and pid in CYCLES[sid]:
             other = CYCLES[sid][1 - CYCLES[sid].index(pid)]
             state.waits.append(Wait(targets=[WaitNode(process=other)]))
+        if sid == 13 and pid == "P0":  # a wait on a process outside the cut: no deadlock is unknown
+            state.waits.append(Wait(targets=[WaitNode(process="P9")]))
         if 14 <= sid <= 17 and pid == "P2":
             state.waits.append(Wait(task="t0", targets=[WaitNode(process="P3")]))
         if 14 <= sid <= 17 and pid == "P3":

@@ -211,8 +211,9 @@ def test_evaluation_order_and_plugins() -> None:
         snapshot(proc("P1", "P2"), proc("P2", "P1", tokens=3), proc("P3", "P1")),  # a deadlock
         snapshot(proc("P1", "P2"), proc("P2", "P1"), channels=(chan("P2", "P1", msg(tokens=1)),)),  # discounted
         snapshot(proc("P1", "P9"), proc("P2", "P1", active=True)),  # an open cut: P9 only named by a wait
+        GlobalSnapshot(snapshot_id=1, processes=[proc("P1", "P2"), proc("P2", active=True)], outside_peers=["c"]),
     ],
-    ids=["deadlock", "discounted", "open"],
+    ids=["deadlock", "discounted", "open", "open-decided"],
 )
 def test_built_in_results_from_the_graphs_pieces_are_evaluates(whole: GlobalSnapshot) -> None:
     """What the pipeline does for a snapshot too large for one worker: the graph's evidence and size,

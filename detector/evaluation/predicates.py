@@ -5,8 +5,9 @@ evidence. All of them are stable properties: one that holds in a consistent cut 
 What a cut may claim depends on whether it is closed (:mod:`.cut`):
 
 * ``deadlock`` — true when some wait can never be released (see :mod:`.waitfor`); a deadlock
-  among members is real whatever the others do. False only on a closed cut: on an open one the
-  absence of a deadlock proves nothing about the processes it lacks, so it is unknown.
+  among members is real whatever the others do. False on a closed cut without one, and on an
+  open cut when, besides, no counted wait leads to a process outside it (a caller outside that
+  only calls in cannot be part of a cycle); otherwise unknown.
 * ``termination`` — true when every process is passive and no waking message is in flight; an
   active member or a waking message makes it false on any cut; otherwise unknown on an open cut.
 * ``conservation(<counter>)`` — true when the units held by processes plus those in flight equal
@@ -81,7 +82,21 @@ def deadlock_result(found: Deadlock, counts: WaitCounts, cut: CutCoverage) -> Pr
         f"{counts.discounted} discounted by messages in flight"
     )
     if not cut.closed:
-        return unknown(result, cut, f"no deadlock among the processes in the cut ({size})")
+        # Why "no counted edge into an outside process" makes false sound on an open cut. Every
+        # waiter is a member node and every outside node is free here, so with no such edge no
+        # member node reaches an outside one. Closing the cut adds the outside processes' nodes,
+        # their edges, and channels from them: their edges start outside (into the cut, or among
+        # themselves), and their messages can only satisfy a member's wait on them (the in-flight
+        # rule: a message on q -> p wakes only p's waits on q), of which there is none counted.
+        # So each member's counted edges stay what they are (an OR waiter released stays released),
+        # all on members, and the reduction that released every member here releases them there.
+        # An edge into an outside process is different: that process may wait on the waiter (a
+        # cycle, or a knot for an OR waiter, which the free outside node now hides). Unknown then.
+        if counts.outside:
+            edges = plural(counts.outside, "wait edge")
+            return unknown(result, cut, f"no deadlock among the processes in the cut ({size}; {edges} to outside it)")
+        result.summary = f"no deadlock among the processes in the cut, none waits outside it: {size}"
+        return result
     result.summary = f"no deadlock: {size}"
     return result
 

@@ -94,6 +94,9 @@ class WaitFor:
     snapshot_id: int
     graph: nx.DiGraph
     discounted: tuple[tuple[Node, Node], ...]
+    # The processes in the snapshot; a node of any other process is outside the cut. Empty (every
+    # target outside) is the safe default: an open cut then never says "no deadlock".
+    members: frozenset[str] = frozenset()
 
 
 class WaitCounts(NamedTuple):
@@ -102,6 +105,7 @@ class WaitCounts(NamedTuple):
     waiters: int  # nodes with a model
     edges: int  # counted edges
     discounted: int  # (waiter, target) pairs set aside by the in-flight and acknowledgement rules
+    outside: int  # counted edges whose target is a process outside the cut
 
 
 @dataclass(frozen=True, slots=True)
@@ -232,7 +236,8 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
             else:
                 discounted[(waiter, target)] = None
                 graph.add_node(target)
-    return WaitFor(snapshot.snapshot_id, graph, tuple(discounted))
+    members = frozenset(p.process_id for p in snapshot.processes)
+    return WaitFor(snapshot.snapshot_id, graph, tuple(discounted), members)
 
 
 def find_deadlock(wf: WaitFor) -> Deadlock:
@@ -260,10 +265,12 @@ def find_deadlock(wf: WaitFor) -> Deadlock:
 
 
 def wait_counts(wf: WaitFor) -> WaitCounts:
-    """Count `wf`'s waiters, counted edges and discounted pairs. O(V)."""
+    """Count `wf`'s waiters, counted edges, discounted pairs and counted edges into processes
+    outside the cut (not in ``wf.members``). O(V + E)."""
     G = wf.graph
     waiters = sum(1 for _, model in G.nodes(data="model") if model is not None)
-    return WaitCounts(waiters, G.number_of_edges(), len(wf.discounted))
+    outside = sum(1 for _, target in G.edges if target[0] not in wf.members)
+    return WaitCounts(waiters, G.number_of_edges(), len(wf.discounted), outside)
 
 
 def label(node: Node | WaitNode) -> str:
