@@ -35,8 +35,8 @@ from stablewatch.v1.bounds import (
     MAX_NAME_BYTES,
     MAX_TASK_BYTES,
     MAX_TEXT_BYTES,
-    has_control_character,
     quoted_prefix,
+    text_problem,
     too_long,
 )
 
@@ -239,12 +239,9 @@ def _check_name(name: object) -> None:
 
 def _check_text(text: str, what: str, limit: int) -> None:
     """Refuse what the detector would reject: ``text`` over ``limit`` bytes, or with a control character."""
-    if len(text) * 4 <= limit and text.isprintable():  # the usual short name, told in two C calls
-        return
-    if too_long(text, limit):
-        raise ValueError(f"{what} {quoted_prefix(text)} is longer than {limit} bytes, the most the detector takes")
-    if has_control_character(text):
-        raise ValueError(f"{what} {quoted_prefix(text)} holds a control character")
+    problem = text_problem(text, limit)
+    if problem is not None:
+        raise ValueError(f"{what} {quoted_prefix(text)} {problem}, which the detector refuses")
 
 
 def _check_int(value: object, what: str) -> int:

@@ -57,6 +57,7 @@ from stablewatch.v1.bounds import (
     MAX_TEXT_BYTES,
     has_control_character,
     quoted_prefix,
+    text_problem,
     too_long,
 )
 
@@ -505,16 +506,12 @@ class _Where:
 
 
 def _text_problem(text: str, limit: int) -> tuple[str, str] | None:
-    """What is wrong with an id or a name of at most ``limit`` bytes, as (rejection reason, what is
-    wrong): ``name_too_long`` when it is longer, ``malformed`` when it holds a control character.
-    None for the usual short printable one, told in two C calls."""
-    if len(text) * 4 <= limit and text.isprintable():
+    """What is wrong with an id or a name of at most ``limit`` bytes (:func:`text_problem`), as
+    (rejection reason, what is wrong): ``name_too_long`` when it is longer, else ``malformed``."""
+    problem = text_problem(text, limit)
+    if problem is None:
         return None
-    if too_long(text, limit):
-        return "name_too_long", f"is longer than {limit} bytes"
-    if has_control_character(text):
-        return "malformed", "holds a control character"
-    return None
+    return ("name_too_long" if too_long(text, limit) else "malformed"), problem
 
 
 def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None:

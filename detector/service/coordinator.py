@@ -63,9 +63,9 @@ from stablewatch.v1.bounds import (
     MAX_ADDRESS_BYTES,
     MAX_ID_BYTES,
     MAX_NAME_BYTES,
-    has_control_character,
     process_id_problem,
     quoted_prefix,
+    text_problem,
     too_long,
 )
 
@@ -560,11 +560,8 @@ def _register_problem(register: control_pb2.Register) -> str | None:
     if problem is not None:
         return f"the Register's {problem}"
     address = register.address
-    if too_long(address, MAX_ADDRESS_BYTES) or has_control_character(address):
-        return (
-            f"the address {quoted_prefix(address)} is longer than {MAX_ADDRESS_BYTES} bytes or holds a control "
-            "character"
-        )
+    if (problem := text_problem(address, MAX_ADDRESS_BYTES)) is not None:
+        return f"the address {quoted_prefix(address)} {problem}"
     if too_long(register.agent_version, MAX_NAME_BYTES):
         return f"the agent version {quoted_prefix(register.agent_version)} is longer than {MAX_NAME_BYTES} bytes"
     return None

@@ -24,7 +24,7 @@ from stablewatch.detector.service.coordinator import NoAgents
 from stablewatch.detector.service.limits import LimitExceeded, Limits
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
-from stablewatch.v1.bounds import MAX_ID_BYTES, has_control_character, quoted_prefix, too_long
+from stablewatch.v1.bounds import MAX_ID_BYTES, process_id_problem, quoted_prefix
 from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
 
 __all__ = ["MAX_PAGE_TOKEN_LENGTH", "QueryBackend", "QueryService", "outcome_name", "parse_page_token"]
@@ -123,7 +123,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
             await self._bad_request(context, f"expected_members names {count} processes, above the limit of {limit}")
         for index, name in enumerate(request.expected_members):
             # The same rules as a Register's process id: any other name could never attach.
-            if not name or too_long(name, MAX_ID_BYTES) or has_control_character(name):
+            if process_id_problem(name) is not None:
                 await self._bad_request(
                     context,
                     f"expected_members[{index}] must be a process id of 1 to {MAX_ID_BYTES} bytes without control "

@@ -20,6 +20,7 @@ __all__ = [
     "has_control_character",
     "process_id_problem",
     "quoted_prefix",
+    "text_problem",
     "too_long",
 ]
 
@@ -54,13 +55,23 @@ def quoted_prefix(text: str, limit: int = 64) -> str:
     return f"{text[:limit]!r}... ({len(text)} characters)"
 
 
+def text_problem(text: str, limit: int) -> str | None:
+    """What makes `text`, an id or a name of at most `limit` bytes, one the detector refuses: it
+    ``"is longer than N bytes"`` or ``"holds a control character"``; None when it is fine. The
+    usual short printable name is told in two C calls."""
+    if len(text) * 4 <= limit and text.isprintable():
+        return None
+    if too_long(text, limit):
+        return f"is longer than {limit} bytes"
+    if has_control_character(text):
+        return "holds a control character"
+    return None
+
+
 def process_id_problem(process_id: str) -> str | None:
     """What makes `process_id` one the detector refuses (empty, over :data:`MAX_ID_BYTES`, a control
     character), or None when it is fine."""
     if not process_id:
         return "process id is empty"
-    if too_long(process_id, MAX_ID_BYTES):
-        return f"process id {quoted_prefix(process_id)} is longer than {MAX_ID_BYTES} bytes"
-    if has_control_character(process_id):
-        return f"process id {quoted_prefix(process_id)} holds a control character"
-    return None
+    problem = text_problem(process_id, MAX_ID_BYTES)
+    return None if problem is None else f"process id {quoted_prefix(process_id)} {problem}"
