@@ -532,17 +532,15 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
     attributes = state.attributes if state.HasField("attributes") else None
     if attributes is not None:
         names.extend(attributes.fields)
-    every = [*ids, *tasks, *names]
-    # MAX_ID_BYTES and MAX_NAME_BYTES are the smallest maxima: no string a quarter as long is over one.
-    if every and (max(map(len, every)) * 4 > MAX_ID_BYTES or not "".join(every).isprintable()):
-        for what, strings, limit in (
+    found = _first_problem(
+        (
             ("process id", ids, MAX_ID_BYTES),
             ("task", tasks, MAX_TASK_BYTES),
             ("counter or attribute name", names, MAX_NAME_BYTES),
-        ):
-            for text in strings:
-                if (problem := _text_problem(text, limit)) is not None:
-                    return what, text, problem
+        )
+    )
+    if found is not None:
+        return found
     # Below MAX_TEXT_BYTES in all, the attributes hold no string over it.
     if attributes is not None and attributes.ByteSize() > MAX_TEXT_BYTES:
         text = _long_text(attributes)
@@ -569,12 +567,24 @@ def _message_problem(
             names.extend(counters)
     for extra in extras:
         names.extend(extra.counters)
-    every = [*tasks, *names]
-    if every and (max(map(len, every)) * 4 > MAX_NAME_BYTES or not "".join(every).isprintable()):
-        for what, strings, limit in (("task", tasks, MAX_TASK_BYTES), ("counter name", names, MAX_NAME_BYTES)):
-            for text in strings:
-                if (problem := _text_problem(text, limit)) is not None:
-                    return what, text, problem
+    return _first_problem((("task", tasks, MAX_TASK_BYTES), ("counter name", names, MAX_NAME_BYTES)))
+
+
+def _first_problem(
+    groups: tuple[tuple[str, list[str], int], ...],
+) -> tuple[str, str, tuple[str, str]] | None:
+    """The first unacceptable string of `groups` (what they are, the strings, their maximum), as
+    (what it is, the string, the problem). All are looked at at once (two C calls), and one by one
+    only when one may be long or is not printable: no string a quarter as long as the smallest
+    maximum is over one."""
+    every = [text for _, strings, _ in groups for text in strings]
+    smallest = min(limit for _, _, limit in groups)
+    if not every or (max(map(len, every)) * 4 <= smallest and "".join(every).isprintable()):
+        return None
+    for what, strings, limit in groups:
+        for text in strings:
+            if (problem := _text_problem(text, limit)) is not None:
+                return what, text, problem
     return None
 
 
