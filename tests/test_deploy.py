@@ -12,7 +12,6 @@ must work with the real detector: each identity can do what it is for, and no mo
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import shutil
@@ -25,6 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
+from control_streams import register as register_stream
 from cryptography import x509
 
 from stablewatch.agents.certificates import channel_credentials
@@ -33,7 +33,6 @@ from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.metrics import DetectorMetrics
 from stablewatch.testing.detector import Running
-from stablewatch.v1 import AgentMessage, control_pb2, control_pb2_grpc
 
 yaml = pytest.importorskip("yaml", reason="PyYAML is needed to read deploy/ (it belongs in the dev extra)")
 
@@ -546,22 +545,16 @@ def test_made_certificates_work_with_the_detector(made: Path, tmp_path: Path) ->
         creds = channel_credentials(made / "ca.pem", made / f"{name}.pem", made / f"{name}-key.pem")
         return DetectorClient(running.detector.address, timeout=10, credentials=creds)
 
-    async def register(name: str, process_id: str) -> str:
+    def register(name: str, process_id: str) -> str:
+        # The blocking client: a grpc.aio one may see INTERNAL for a stream refused before it is read.
         creds = channel_credentials(made / "ca.pem", made / f"{name}.pem", made / f"{name}-key.pem")
-        async with grpc.aio.secure_channel(running.detector.address, creds) as channel:
-            call = control_pb2_grpc.ControlStub(channel).Attach()
-            try:
-                await call.write(AgentMessage(register=control_pb2.Register(process_id=process_id, address="x:1")))
-                return (await asyncio.wait_for(call.read(), 10)).WhichOneof("kind")
-            except grpc.aio.AioRpcError as error:
-                return error.code().name
-            finally:
-                call.cancel()
+        code, reply = register_stream(running.detector.address, creds, process_id, timeout=10)
+        return reply if code == grpc.StatusCode.OK else code.name
 
     try:
-        assert asyncio.run(register("agent-orders-1", "orders-1")) == "registered"
-        assert asyncio.run(register("agent-orders-1", "pay.ments")) == "PERMISSION_DENIED"
-        assert asyncio.run(register("operator", "orders-1")) == "PERMISSION_DENIED"
+        assert register("agent-orders-1", "orders-1") == "registered"
+        assert register("agent-orders-1", "pay.ments") == "PERMISSION_DENIED"
+        assert register("operator", "orders-1") == "PERMISSION_DENIED"
         with client("reader") as reader:
             reader.members()
             with pytest.raises(DetectorError) as caught:
