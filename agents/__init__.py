@@ -7,12 +7,13 @@ live in pure state machines: :mod:`stablewatch.agents.core` (markers) and
 """
 
 from stablewatch.agents.agent import Agent, MessageHandler, MessageTooLarge
+from stablewatch.agents.breaking import DeadlockVictim
 from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.core import AppMessage
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings
 from stablewatch.agents.rpc import RpcAgent
-from stablewatch.agents.state import LocalStateKeeper
+from stablewatch.agents.state import LocalStateKeeper, WaitHandle
 from stablewatch.agents.threaded import ThreadedAgent
 
 __all__ = [
@@ -20,10 +21,12 @@ __all__ = [
     "AgentMetrics",
     "AppMessage",
     "ChannelSettings",
+    "DeadlockVictim",
     "LocalStateKeeper",
     "MessageHandler",
     "MessageTooLarge",
     "RpcAgent",
     "ThreadedAgent",
     "TlsConfig",
+    "WaitHandle",
 ]

@@ -44,13 +44,14 @@ The contract with the service
   A handler that raises is logged, and delivery goes on with the next message.
 * **Flow-control waits.** While a send waits for window space and the receiver has said its queue
   is full (it holds the window), the recorded state carries a ``Wait`` with ``flow_control=True``
-  on the destination process, removed the moment the window has space. Its waiter is the process
-  itself when the send is inside a message handler (the process then takes no message until the
-  handler returns), else the asyncio task that sends (named by its task name). Handlers blocked
-  sending to each other with full windows and full receive queues are a deadlock: the detector
-  reports it, with its cycle. With the state go the channels' acknowledgement positions (the
-  highest acknowledgement each inbound channel sent, each outbound channel received), so that the
-  detector can tell an acknowledgement in transit that will give a blocked send space.
+  (one per blocked send) on the destination process, removed the moment the window has space.
+  Its waiter is the process itself when the send is inside a message handler (the process then
+  takes no message until the handler returns), else the asyncio task that sends (named by its
+  task name). Handlers blocked sending to each other with full windows and full receive queues
+  are a deadlock: the detector reports it, with its cycle. With the state go the channels'
+  acknowledgement positions (the highest acknowledgement each inbound channel sent, each
+  outbound channel received), so that the detector can tell an acknowledgement in transit that
+  will give a blocked send space.
 * **Recordings end.** A recording ends when the detector finishes it, or at its deadline: the
   lifetime its ``StartSnapshot`` gives, or ``recording_lifetime`` for one begun by a marker (or a
   local one), checked every ``expire_interval`` seconds and reported as a failure. At most
@@ -60,6 +61,17 @@ The contract with the service
   outbound counts and every inbound channel as it stands, which is all the detector needs for a
   channel that had nothing in flight. Only a channel whose in-flight messages arrive later sends
   one more part, when its marker comes.
+* **Breaking a proven deadlock.** Every wait the state reports (an application wait of
+  :attr:`Agent.state`, a send blocked on a full window) has an instance id and the time it began.
+  A detector that proves a deadlock (with ``--resolve``, or for an operator) may send a
+  ``BreakWait`` naming one of them; the agent breaks it at most once, only while it still waits,
+  and reports what it did. A blocked :meth:`Agent.send` raises
+  :class:`~stablewatch.agents.breaking.DeadlockVictim` and its message is not sent; an application
+  wait entered with ``state.waiting(...)`` in an asyncio task raises it where the task awaits; a
+  thread learns of it through the wait's :class:`~stablewatch.agents.state.WaitHandle`. Either way
+  the waiter may retry after a back-off. A wait lasting longer than ``hint_after`` seconds is
+  hinted to the detector, once, which then takes a snapshot at once rather than at its next
+  scheduled one.
 * The agent never blocks the service on the detector: while it is unreachable, no snapshot runs.
 """
 
@@ -71,14 +83,16 @@ import inspect
 import itertools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import grpc
 import prometheus_client
 
 from stablewatch import __version__
+from stablewatch.agents import breaking
 from stablewatch.agents.blocked import BlockedSends
+from stablewatch.agents.breaking import BreakDispatcher, Broken, HintWatch, OpenWait, WaitSource
 from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import (
@@ -101,6 +115,7 @@ from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings, OutboundChannel
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.v1 import LocalSnapshotPart, LocalState, channel_pb2_grpc
+from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN, BreakWait, WaitHint
 
 __all__ = ["Agent", "MessageHandler", "MessageTooLarge"]
 
@@ -118,8 +133,30 @@ class MessageTooLarge(ValueError):
     """A message is larger than the agent's ``max_message_bytes``."""
 
 
+class _Counted:
+    """A wait source whose breaks are counted in the agent's metrics, by kind."""
+
+    def __init__(self, source: WaitSource, kind: str, metrics: AgentMetrics) -> None:
+        self._source = source
+        self._kind = kind
+        self._metrics = metrics
+
+    def break_wait(self, order: BreakWait) -> Broken | None:
+        done = self._source.break_wait(order)
+        if done is not None and done.outcome == BREAK_OUTCOME_BROKEN:
+            self._metrics.broke(self._kind)
+        return done
+
+    def open_waits(self) -> Iterable[OpenWait]:
+        return self._source.open_waits()
+
+
 class Agent:
-    """One process's agent: see the module docstring for what it promises the service."""
+    """One process's agent: see the module docstring for what it promises the service.
+
+    ``hint_after``: a wait lasting this many seconds is hinted to the detector, once, so that it
+    takes a snapshot at once (None: no hints).
+    """
 
     def __init__(
         self,
@@ -143,10 +180,19 @@ class Agent:
         channel_settings: ChannelSettings | None = None,
         heartbeat_interval: float = 1.0,
         incarnation: int | None = None,
+        hint_after: float | None = breaking.DEFAULT_HINT_AFTER,
     ) -> None:
         self.process_id = process_id
         self.state = LocalStateKeeper()
         self.metrics = AgentMetrics(metrics_registry)
+        self._blocked = BlockedSends()
+        #: Breaks a detector's ``BreakWait`` (the control stream's ``on_break``): the waits of
+        #: ``agent.state`` and the blocked sends.
+        self.breaks = BreakDispatcher(
+            [_Counted(self.state, "application", self.metrics), _Counted(self._blocked, "send", self.metrics)]
+        )
+        self._hint_watch = HintWatch(hint_after) if hint_after is not None else None
+        self._hints: asyncio.Task[None] | None = None
         self._metrics_port = metrics_port
         self._metrics_bind = metrics_address
         self._metrics_server: Any = None
@@ -183,7 +229,6 @@ class Agent:
         self._lock: asyncio.Lock | None = None
         self._inbox = Inbox(self._settings.inbox_entries, self._settings.inbox_bytes)
         self._delivery: asyncio.Task[None] | None = None
-        self._blocked = BlockedSends()
         self._server: grpc.aio.Server | None = None
         self._inbound: InboundChannels | None = None
         self._control: ControlClient | None = None
@@ -230,11 +275,19 @@ class Agent:
                 agent_version=__version__,
                 heartbeat_interval=self._heartbeat_interval,
                 on_event=self._control_event,
+                on_break=self.breaks.handle,
             )
             await self._control.start()
+            if self._hint_watch is not None:
+                hints = breaking.hint_forever(self.breaks, self._hint_watch, self._send_hint)
+                self._hints = loop.create_task(hints, name=f"hints-{self.process_id}")
 
     async def stop(self) -> None:
         """Close the control stream, every channel and the server."""
+        if self._hints is not None:
+            self._hints.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._hints
         if self._control is not None:
             await self._control.stop()
         for task in (self._expiry, self._delivery):
@@ -307,7 +360,9 @@ class Agent:
 
         ``counters`` are units in transit (taken from this process's counters); ``wakes=False``
         marks a message that wakes no one (a heartbeat). While it waits, the process may record
-        (see the module docstring: *Recording is atomic*, *Flow-control waits*).
+        (see the module docstring: *Recording is atomic*, *Flow-control waits*). Raises
+        :class:`~stablewatch.agents.breaking.DeadlockVictim`, the message not sent (its counters
+        still this process's), when stablewatch breaks the wait to end a proven deadlock.
         """
         channel = self._outbound.get(dest) or self._open(dest)
         # The hot path of every message: a plain one with room in the window is counted and queued
@@ -332,7 +387,9 @@ class Agent:
 
         As much of the batch as the window takes goes at once; the rest waits for space, and the
         process may record between two such pieces (never within one). A payload that is not
-        bytes or is too large raises before any message of the batch is sent.
+        bytes or is too large raises before any message of the batch is sent. A broken wait for
+        space raises :class:`~stablewatch.agents.breaking.DeadlockVictim`: the pieces before it
+        were sent, the rest not.
         """
         for payload in payloads:
             if type(payload) is not bytes:
@@ -384,7 +441,9 @@ class Agent:
     # -- internals: sending --------------------------------------------------------------------
 
     async def _wait_for_space(self, channel: OutboundChannel) -> None:
-        """Wait for window space, counted as a flow-control wait, letting recordings happen meanwhile."""
+        """Wait for window space, counted as a flow-control wait, letting recordings happen meanwhile.
+
+        Raises DeadlockVictim when the wait is broken (see :mod:`stablewatch.agents.blocked`)."""
         task = asyncio.current_task()
         in_handler = task is not None and task is self._delivery
         lock = self._lock
@@ -624,6 +683,12 @@ class Agent:
 
     def _receiver_restarted(self, dest: str, in_transit: int) -> None:
         self._carry_out(self._core.reset_outbound(dest, in_transit))
+
+    def _send_hint(self, hint: WaitHint) -> bool:
+        if self._control is not None and self._control.send_hint(hint):
+            self.metrics.hinted()
+            return True
+        return False
 
     def _control_event(self, event: str, detail: str) -> None:
         self.metrics.control_connected(event == "connected")

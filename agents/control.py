@@ -53,7 +53,17 @@ from typing import Any, Literal, NamedTuple, NoReturn
 import grpc
 
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
-from stablewatch.v1.control_pb2 import ChannelTarget, Heartbeat, Pong, Register, SnapshotFailure
+from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_GONE,
+    BreakReport,
+    BreakWait,
+    ChannelTarget,
+    Heartbeat,
+    Pong,
+    Register,
+    SnapshotFailure,
+    WaitHint,
+)
 from stablewatch.v1.control_pb2_grpc import ControlStub
 
 __all__ = ["EVENTS", "ControlClient"]
@@ -104,7 +114,8 @@ class ControlClient:
     detector's epoch changed between two registrations. ``on_event(kind, detail)`` reports
     connection changes (see :data:`EVENTS`). With ``rpc_mode`` the registration asks the detector
     for a ``ChannelTarget`` per count another member reports towards this process, and
-    ``on_channel_target(target)`` is called with each.
+    ``on_channel_target(target)`` is called with each. ``on_break(order)`` breaks the wait a
+    ``BreakWait`` names and returns the report sent back (see :mod:`stablewatch.agents.breaking`).
     All methods must be called on the event loop that runs the client.
     """
 
@@ -129,6 +140,7 @@ class ControlClient:
         on_event: Callable[[str, str], None] | None = None,
         rpc_mode: bool = False,
         on_channel_target: Callable[[ChannelTarget], None] | None = None,
+        on_break: Callable[[BreakWait], BreakReport] | None = None,
     ) -> None:
         self.process_id = process_id
         self._register = Register(
@@ -152,6 +164,7 @@ class ControlClient:
         self._on_finish = on_finish
         self._on_epoch = on_epoch
         self._on_channel_target = on_channel_target
+        self._on_break = on_break
         self._on_event = on_event
         self._heartbeat_interval = heartbeat_interval
         self._backoff_initial = backoff_initial
@@ -228,6 +241,10 @@ class ControlClient:
         if self._outbox is None:  # spare the copy into an AgentMessage
             return False
         return self._send(AgentMessage(part=part), "part")
+
+    def send_hint(self, hint: WaitHint) -> bool:
+        """Tell the detector a wait has lasted past the hint threshold; False when dropped."""
+        return self._send(AgentMessage(hint=hint), "hint")
 
     def report_failure(self, snapshot_id: int, reason: str) -> bool:
         """Tell the detector this process cannot take part in ``snapshot_id``; False when dropped."""
@@ -362,6 +379,9 @@ class ControlClient:
                 self._jobs.put_nowait(_Job("target", target.snapshot_id, self._generation, target=target))
             elif kind == "ping":
                 self._send(AgentMessage(pong=Pong(nonce=message.ping.nonce)), "pong")
+            elif kind == "break_wait":
+                # At once, not in the jobs' order: a break does not depend on any snapshot's state.
+                self._send(AgentMessage(break_report=self._break(message.break_wait)), "break_report")
             elif kind == "refused":
                 return f"refused: {message.refused.reason}"
             # Anything else (a repeated Registered, a kind newer than this agent) is ignored.
@@ -454,6 +474,18 @@ class ControlClient:
         except Exception as exc:
             _log.exception("on_finish(%d) failed", snapshot_id)
             self._event("callback-error", _describe(exc))
+
+    def _break(self, order: BreakWait) -> BreakReport:
+        if self._on_break is not None:
+            try:
+                return self._on_break(order)
+            except Exception as exc:
+                _log.exception("on_break(%d) failed", order.instance)
+                self._event("callback-error", _describe(exc))
+                detail = f"the agent failed to break it: {_describe(exc)}"
+        else:
+            detail = "this agent does not break waits"
+        return BreakReport(break_id=order.break_id, instance=order.instance, outcome=BREAK_OUTCOME_GONE, detail=detail)
 
     def _channel_target(self, target: ChannelTarget) -> None:
         if self._on_channel_target is None:

@@ -1,10 +1,12 @@
-"""Prometheus metrics of one agent: traffic per peer, markers, snapshots, windows, rejections.
+"""Prometheus metrics of one agent: traffic per peer, markers, snapshots, windows, rejections,
+broken waits and long-wait hints.
 
 Every metric is named ``stablewatch_agent_*`` and registered into the registry it is given (the
 service's own) or a new private one; the global default registry is used only when passed
 explicitly (``registry=prometheus_client.REGISTRY``). The only label is ``peer`` (bounded by the
-number of peers) or, for rejected frames, ``reason`` (bounded by :data:`REJECT_REASONS`); the
-process id is a target label added by Prometheus, not a metric label.
+number of peers), for rejected frames ``reason`` (bounded by :data:`REJECT_REASONS`), or for
+broken waits ``kind`` (:data:`BREAK_KINDS`); the process id is a target label added by Prometheus,
+not a metric label.
 
 The transport calls one method per frame or batch. Each peer's labelled children are looked up
 once and cached, so the hot path is a dict lookup and an ``inc``.
@@ -20,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 
 from stablewatch.agents.frames import FRAME_ERRORS
 
-__all__ = ["REJECT_REASONS", "AgentMetrics"]
+__all__ = ["BREAK_KINDS", "REJECT_REASONS", "AgentMetrics"]
 
 PREFIX = "stablewatch_agent"
 
@@ -28,6 +30,10 @@ REJECT_REASONS: tuple[str, ...] = (*FRAME_ERRORS, "other")
 """The values of the ``reason`` label of ``stablewatch_agent_rejected_frames_total``: the
 transport's frame errors and ``other``, which counts any unknown reason so that the label set
 stays bounded."""
+
+BREAK_KINDS: tuple[str, ...] = ("application", "send")
+"""The values of the ``kind`` label of ``stablewatch_agent_breaks_total``: an ``application`` wait
+(``agent.state``) or a ``send`` blocked on a full window."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +81,9 @@ class AgentMetrics:
         rejected = counter("rejected_frames", "Channel frames rejected, by reason", "reason")
         self._rejected = {reason: rejected.labels(reason) for reason in REJECT_REASONS}
         self._control_connected = gauge("control_connected", "1 while the control stream to the detector is up, else 0")
+        breaks = counter("breaks", "Waits broken to end a proven deadlock, by kind (application, send)", "kind")
+        self._breaks = {kind: breaks.labels(kind) for kind in BREAK_KINDS}
+        self._wait_hints = counter("wait_hints", "Waits that lasted past the hint threshold, hinted to the detector")
         # In the order of _PeerChildren's fields.
         self._per_peer: tuple[Counter | Gauge, ...] = (
             self._messages_sent,
@@ -164,6 +173,14 @@ class AgentMetrics:
     def control_connected(self, connected: bool) -> None:
         """The control stream to the detector went up (True) or down (False)."""
         self._control_connected.set(1 if connected else 0)
+
+    def broke(self, kind: str) -> None:
+        """A wait of `kind` (:data:`BREAK_KINDS`) was broken for a detector's ``BreakWait``."""
+        self._breaks[kind].inc()
+
+    def hinted(self) -> None:
+        """A wait that lasted past the hint threshold was hinted to the detector."""
+        self._wait_hints.inc()
 
     # -- exposition -------------------------------------------------------------------------------
 

@@ -7,6 +7,15 @@ when the protocol core asks it to record, and :meth:`LocalStateKeeper.apply_tran
 leave with a message or arrive with one. One lock guards everything, so a snapshot is always a
 state the process really was in: never half of an update.
 
+Every wait has an instance id never reused in the process and the wall-clock time it began
+(:mod:`stablewatch.agents.breaking`); a snapshot carries one ``Wait`` per registered wait with
+both (the detector merges the waits of one task). The keeper is a
+:class:`~stablewatch.agents.breaking.WaitSource`: a detector that proves a deadlock may break one
+of its waits, at most once. The waiter learns of it through the wait's :class:`WaitHandle` (an
+event and callbacks, for threads) and, when the wait was entered with :meth:`~LocalStateKeeper.waiting`
+inside an asyncio task, by :class:`~stablewatch.agents.breaking.DeadlockVictim` raised where
+that task awaits.
+
 A new keeper is **active**: a process that never said it is idle must not look idle, or the
 detector could report termination while it is still working. A service that wants termination
 detection calls ``set_active(False)`` when it runs out of work.
@@ -20,15 +29,19 @@ string inside an attribute's value at most 64 KiB.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import copy
-import itertools
+import logging
 import math
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
+from stablewatch.agents import breaking
+from stablewatch.agents.breaking import Broken, DeadlockVictim, OpenWait
 from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalState, Wait, WaitNode
 from stablewatch.v1.bounds import (
     MAX_ID_BYTES,
@@ -39,8 +52,11 @@ from stablewatch.v1.bounds import (
     text_problem,
     too_long,
 )
+from stablewatch.v1.control_pb2 import BREAK_OUTCOME_ALREADY_BROKEN, BREAK_OUTCOME_BROKEN, BreakWait
 
-__all__ = ["LocalStateKeeper", "Target", "Targets"]
+__all__ = ["LocalStateKeeper", "Target", "Targets", "TaskInterrupt", "WaitHandle"]
+
+_log = logging.getLogger(__name__)
 
 Target: TypeAlias = str | tuple[str, str] | WaitNode
 """A wait target: a process id, a ``(process, task)`` pair, or a :class:`WaitNode`."""
@@ -53,11 +69,165 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 @dataclass(frozen=True, slots=True)
 class _Wait:
-    """One registered wait: immutable, so a snapshot can share it without copying."""
+    """What one registered wait waits on: immutable, so a snapshot can read it outside the lock."""
 
     task: str
     targets: tuple[tuple[str, str], ...]
     model: int
+
+
+class TaskInterrupt:
+    """Interrupts the asyncio task a wait began in, at most once, from any thread.
+
+    A cancel scope, as ``asyncio.timeout`` is one: :meth:`interrupt` cancels the task where it
+    awaits, and :meth:`leave`, called by the task as it leaves the wait, says whether the
+    ``CancelledError`` it leaves with is the one this scope caused (``Task.uncancel`` bookkeeping),
+    so that the wait turns exactly that one into :class:`DeadlockVictim` and an outer cancellation
+    still propagates. Shared by the application waits here and the blocked sends
+    (:mod:`stablewatch.agents.blocked`).
+    """
+
+    __slots__ = ("_cancelled", "_cancelling", "_loop", "_open", "_task")
+
+    def __init__(self, task: asyncio.Task[object], loop: asyncio.AbstractEventLoop) -> None:
+        self._task = task
+        self._loop = loop
+        self._cancelling = task.cancelling()
+        self._cancelled = False
+        self._open = True  # read and written only on the task's loop
+
+    @classmethod
+    def here(cls) -> TaskInterrupt | None:
+        """The scope of the asyncio task running now, or None outside of one (a plain thread)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return None
+        task = asyncio.current_task(loop)
+        return None if task is None else cls(task, loop)
+
+    @property
+    def task_name(self) -> str:
+        return self._task.get_name()
+
+    def interrupt(self) -> None:
+        """Cancel the task if it is still inside the scope: at once on its loop's thread (the task
+        is then suspended at an await, which raises), else as soon as that loop runs a callback."""
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self._cancel()
+        else:
+            with contextlib.suppress(RuntimeError):  # its loop is closed: the task is gone
+                self._loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        # On the task's loop: the scope left meanwhile means the wait ended first; nothing to do.
+        if self._open and not self._cancelled:
+            self._cancelled = True
+            self._task.cancel()
+
+    def leave(self, error: BaseException | None) -> bool:
+        """Close the scope (in the task, once); True when ``error`` is the cancellation it caused."""
+        self._open = False
+        if not self._cancelled:
+            return False
+        return self._task.uncancel() <= self._cancelling and isinstance(error, asyncio.CancelledError)
+
+
+class WaitHandle:
+    """One wait registered with a :class:`LocalStateKeeper`, as :meth:`~LocalStateKeeper.waiting`
+    yields it: its instance, and whether stablewatch broke it to end a proven deadlock.
+
+    A thread cannot be interrupted, so a thread that waits learns of a break here: wait on
+    :attr:`broken` beside what it waits for, call :meth:`check` when it wakes, or register a
+    callback with :meth:`on_break` that wakes it (sets its condition, cancels its future). An
+    asyncio task that entered the wait with ``waiting()`` gets :class:`DeadlockVictim` raised where
+    it awaits as well. A broken wait stays in the snapshots until it is removed: only the waiter
+    knows when it has stopped waiting.
+
+    ``instance`` is the wait's id, never reused in the process (``Wait.instance``); ``began_at_us``
+    when it began, in wall-clock microseconds since the epoch (``Wait.began_at_us``).
+
+    >>> state = LocalStateKeeper()
+    >>> with state.waiting("B") as wait:
+    ...     wait.broken.is_set(), wait.victim
+    (False, None)
+    """
+
+    __slots__ = ("_callbacks", "_event", "_interrupt", "_lock", "_victim", "began_at_us", "instance", "wait")
+
+    def __init__(self, wait: _Wait, lock: threading.Lock, interrupt: TaskInterrupt | None) -> None:
+        self.instance = breaking.new_instance()
+        self.began_at_us = breaking.now_us()
+        self.wait = wait
+        self._lock = lock  # the keeper's: a break and a registration of a callback do not interleave
+        self._interrupt = interrupt
+        self._victim: DeadlockVictim | None = None
+        self._callbacks: list[Callable[[DeadlockVictim], object]] = []
+        self._event: threading.Event | None = None  # made on demand: most waits are never asked
+
+    @property
+    def task(self) -> str:
+        """The waiting task ("" for the process)."""
+        return self.wait.task
+
+    @property
+    def broken(self) -> threading.Event:
+        """Set when stablewatch breaks this wait (wait on it beside what the thread waits for)."""
+        with self._lock:
+            if self._event is None:
+                self._event = threading.Event()
+                if self._victim is not None:
+                    self._event.set()
+            return self._event
+
+    @property
+    def victim(self) -> DeadlockVictim | None:
+        """The error that breaking this wait raised or raises, or None while it is not broken."""
+        return self._victim
+
+    def check(self) -> None:
+        """Raise :class:`DeadlockVictim` if stablewatch broke this wait; else do nothing."""
+        victim = self._victim
+        if victim is not None:
+            raise victim
+
+    def on_break(self, callback: Callable[[DeadlockVictim], object]) -> None:
+        """Call ``callback(victim)`` once when this wait is broken, on the thread that breaks it
+        (the agent's), so it must be quick and must not block; at once if it is broken already.
+        An exception it raises is logged and changes nothing else."""
+        with self._lock:
+            victim = self._victim
+            if victim is None:
+                self._callbacks.append(callback)
+                return
+        _call_back(callback, victim, self.instance)
+
+    def _break(self, order: BreakWait) -> tuple[DeadlockVictim, threading.Event | None, list[Callable[..., object]]]:
+        """Mark it broken (under the keeper's lock); what to tell the waiter outside of it."""
+        victim = self._victim = DeadlockVictim.of(order)
+        callbacks, self._callbacks = self._callbacks, []
+        return victim, self._event, callbacks
+
+    def __repr__(self) -> str:
+        state = "broken" if self._victim is not None else "waiting"
+        return f"<WaitHandle {self.instance} of task {self.task!r} on {_describe(self.wait)}: {state}>"
+
+
+def _call_back(callback: Callable[[DeadlockVictim], object], victim: DeadlockVictim, instance: int) -> None:
+    try:
+        callback(victim)
+    except Exception:
+        _log.exception("an on_break callback of wait %d failed", instance)
+
+
+def _describe(wait: _Wait) -> str:
+    """The targets as a person reads them: ``B and C:worker``."""
+    joiner = " or " if wait.model == WAIT_MODEL_OR else " and "
+    return joiner.join(f"{p}:{t}" if t else p for p, t in wait.targets)
 
 
 class LocalStateKeeper:
@@ -66,9 +236,9 @@ class LocalStateKeeper:
     >>> state = LocalStateKeeper()
     >>> state.add("tokens", 5)
     5
-    >>> with state.waiting(["B", ("C", "worker")], model="or", task="main"):
-    ...     [w.task for w in state.snapshot().waits]
-    ['main']
+    >>> with state.waiting(["B", ("C", "worker")], model="or", task="main") as wait:
+    ...     [(w.task, w.instance == wait.instance) for w in state.snapshot().waits]
+    [('main', True)]
     >>> len(state.snapshot().waits)
     0
     """
@@ -78,8 +248,7 @@ class LocalStateKeeper:
         self._active = _check_bool(active)
         self._counters: dict[str, int] = {}
         self._attributes: dict[str, object] = {}
-        self._waits: dict[int, _Wait] = {}
-        self._tokens = itertools.count(1)
+        self._waits: dict[int, WaitHandle] = {}  # by instance, in the order they began
 
     # -- activity ---------------------------------------------------------------------------------
 
@@ -173,14 +342,11 @@ class LocalStateKeeper:
     def add_wait(self, targets: Targets, *, model: Literal["and", "or"] = "and", task: str = "") -> int:
         """Record that the process (`task` empty) or its task `task` is blocked on `targets`.
 
-        `model` ``"and"`` needs every target to release the waiter, ``"or"`` any one. Returns a
-        token for :meth:`remove_wait`. Waits of one task coexist and are merged in a snapshot.
+        `model` ``"and"`` needs every target to release the waiter, ``"or"`` any one. Returns the
+        wait's instance id, the token for :meth:`remove_wait` (and :meth:`handle`). Waits of one
+        task coexist: each is reported on its own, and the detector merges them.
         """
-        wait = _make_wait(targets, model, task)
-        with self._lock:
-            token = next(self._tokens)
-            self._waits[token] = wait
-        return token
+        return self._add(_make_wait(targets, model, task), None).instance
 
     def remove_wait(self, token: int) -> None:
         """Remove the wait that :meth:`add_wait` registered under `token`."""
@@ -188,33 +354,105 @@ class LocalStateKeeper:
             if self._waits.pop(token, None) is None:
                 raise ValueError(f"no wait registered under token {token!r} (already removed?)")
 
+    def handle(self, token: int) -> WaitHandle:
+        """The :class:`WaitHandle` of the wait registered under `token` (to learn of a break)."""
+        with self._lock:
+            handle = self._waits.get(token)
+        if handle is None:
+            raise ValueError(f"no wait registered under token {token!r} (already removed?)")
+        return handle
+
     @contextmanager
-    def waiting(self, targets: Targets, *, model: Literal["and", "or"] = "and", task: str = "") -> Iterator[int]:
+    def waiting(self, targets: Targets, *, model: Literal["and", "or"] = "and", task: str = "") -> Iterator[WaitHandle]:
         """Hold a wait (see :meth:`add_wait`) while the ``with`` block runs; removed even on error.
 
-        Typical use wraps the blocking call: ``with state.waiting("B"): reply = stub.Call(req)``.
+        Typical use wraps the blocking call: ``with state.waiting("B") as wait: reply = await call()``.
+        Yields the wait's :class:`WaitHandle`. Entered in an asyncio task, the block is a cancel
+        scope: if stablewatch breaks the wait, the task is cancelled where it awaits and the
+        block raises :class:`DeadlockVictim` instead of the ``CancelledError`` (an outer
+        cancellation still propagates as itself). A block that completes before the break
+        reaches it completes normally. A thread learns of a break through the handle.
         """
-        token = self.add_wait(targets, model=model, task=task)
+        handle = self._add(_make_wait(targets, model, task), TaskInterrupt.here())
         try:
-            yield token
-        finally:
-            self.remove_wait(token)
+            yield handle
+        except BaseException as error:
+            victim = self._leave(handle, error)
+            if victim is not None:
+                raise victim from error
+            raise
+        else:
+            self._leave(handle, None)
+
+    def _add(self, wait: _Wait, interrupt: TaskInterrupt | None) -> WaitHandle:
+        handle = WaitHandle(wait, self._lock, interrupt)
+        with self._lock:
+            self._waits[handle.instance] = handle
+        return handle
+
+    def _leave(self, handle: WaitHandle, error: BaseException | None) -> DeadlockVictim | None:
+        """End a ``waiting()`` block; the error to raise instead when ``error`` is the cancellation
+        its break caused."""
+        with self._lock:
+            self._waits.pop(handle.instance, None)  # (None: the block removed it itself)
+        interrupt = handle._interrupt
+        if interrupt is not None and interrupt.leave(error):
+            return handle._victim  # set before the interrupt
+        return None
+
+    # -- breaking (a breaking.WaitSource) ---------------------------------------------------------
+
+    def break_wait(self, order: BreakWait) -> Broken | None:
+        """Break the wait ``order.instance`` if it is registered here: once (later breaks say it was
+        broken before), from any thread, at once. None when no such wait is registered.
+
+        The handle's event is set, its callbacks run (on this thread, outside the lock) and, for a
+        wait entered with :meth:`waiting` in an asyncio task, that task is cancelled where it
+        awaits and raises :class:`DeadlockVictim`.
+        """
+        with self._lock:
+            handle = self._waits.get(order.instance)
+            if handle is None:
+                return None
+            if handle._victim is not None:
+                return Broken(BREAK_OUTCOME_ALREADY_BROKEN, f"wait {order.instance} was broken before: nothing done")
+            victim, event, callbacks = handle._break(order)
+        interrupt = handle._interrupt
+        if interrupt is not None:
+            interrupt.interrupt()
+        if event is not None:
+            event.set()
+        for callback in callbacks:
+            _call_back(callback, victim, handle.instance)
+        who = f"task {handle.task!r}" if handle.task else "the process"
+        told = (
+            f"DeadlockVictim raised in asyncio task {interrupt.task_name!r}"
+            if interrupt is not None
+            else f"its handle set, {len(callbacks)} callback(s) called"
+        )
+        return Broken(BREAK_OUTCOME_BROKEN, f"application wait of {who} on {_describe(handle.wait)} broken: {told}")
+
+    def open_waits(self) -> list[OpenWait]:
+        """Every registered wait (for the long-wait hints)."""
+        with self._lock:
+            handles = list(self._waits.values())
+        return [OpenWait(h.instance, h.wait.task, h.began_at_us) for h in handles]
 
     # -- the recording ----------------------------------------------------------------------------
 
     def snapshot(self) -> LocalState:
         """An atomic copy of the whole state as a ``LocalState`` message.
 
-        Waits of the same task are merged into one ``Wait`` in order of registration: targets are
-        concatenated without repeats; the model stays if all agree, else it is AND (the rule the
-        detector applies too, see :mod:`stablewatch.detector.evaluation.waitfor`).
+        One ``Wait`` per registered wait, in the order they began, with its instance and the time it
+        began; the detector merges the waits of one task (see
+        :mod:`stablewatch.detector.evaluation.waitfor`). A broken wait is there until it is removed.
         """
         with self._lock:
             active = self._active
             counters = dict(self._counters)
             attributes = dict(self._attributes)  # values are never mutated in place
-            waits = list(self._waits.values())
-        state = LocalState(active=active, waits=_merge_waits(waits), counters=counters)
+            waits = list(self._waits.values())  # their fields read below are never changed
+        state = LocalState(active=active, waits=[_to_proto(h) for h in waits], counters=counters)
         if attributes:
             state.attributes.update(attributes)
         return state
@@ -286,19 +524,15 @@ def _make_wait(targets: Targets, model: str, task: str) -> _Wait:
     return _Wait(task, tuple(_target(t) for t in items), _MODELS[model])
 
 
-def _merge_waits(waits: list[_Wait]) -> list[Wait]:
-    merged: dict[str, tuple[int, dict[tuple[str, str], None]]] = {}
-    for wait in waits:
-        if wait.task in merged:
-            model, targets = merged[wait.task]
-            targets.update(dict.fromkeys(wait.targets))
-            merged[wait.task] = (model if model == wait.model else WAIT_MODEL_AND, targets)
-        else:
-            merged[wait.task] = (wait.model, dict.fromkeys(wait.targets))
-    return [
-        Wait(task=task, model=model, targets=[WaitNode(process=p, task=t) for p, t in targets])
-        for task, (model, targets) in merged.items()
-    ]
+def _to_proto(handle: WaitHandle) -> Wait:
+    wait = handle.wait
+    return Wait(
+        task=wait.task,
+        model=wait.model,
+        targets=[WaitNode(process=p, task=t) for p, t in wait.targets],
+        instance=handle.instance,
+        began_at_us=handle.began_at_us,
+    )
 
 
 def _json_copy(value: object, path: str) -> object:

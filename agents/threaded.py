@@ -4,6 +4,13 @@ Every call hops onto the agent's loop and waits for the result, so the guarantee
 :class:`~stablewatch.agents.agent.Agent` hold unchanged. The message handler runs on the agent's
 thread: keep it short, or hand the work to the service's own threads (and report that queued
 work in the local state).
+
+A service thread that waits declares it with ``with agent.state.waiting(...) as wait:`` and
+learns that stablewatch broke the wait to end a proven deadlock through the handle (a thread
+cannot be interrupted): wait on ``wait.broken`` beside what it waits for, or register
+``wait.on_break(callback)`` to wake itself, then ``wait.check()`` raises
+:class:`~stablewatch.agents.breaking.DeadlockVictim`. A broken blocked :meth:`ThreadedAgent.send`
+raises it directly, its message not sent.
 """
 
 from __future__ import annotations
@@ -23,7 +30,8 @@ T = TypeVar("T")
 
 
 class ThreadedAgent:
-    """Runs an :class:`Agent` (same arguments) on a background thread; its methods block."""
+    """Runs an :class:`Agent` (same arguments, ``hint_after`` among them) on a background thread;
+    its methods block."""
 
     def __init__(self, process_id: str, *, call_timeout: float = 30.0, **agent_options: Any) -> None:
         self.agent = Agent(process_id, **agent_options)
@@ -86,7 +94,10 @@ class ThreadedAgent:
         wakes: bool = True,
         timeout: float | None = None,
     ) -> None:
-        """Send, blocking while the channel's window is full (up to ``timeout`` seconds)."""
+        """Send, blocking while the channel's window is full (up to ``timeout`` seconds).
+
+        Raises :class:`~stablewatch.agents.breaking.DeadlockVictim`, the message not sent, when
+        stablewatch breaks the wait to end a proven deadlock."""
         self._call(self.agent.send(dest, payload, counters=counters, wakes=wakes), timeout)
 
     def start_snapshot(self, snapshot_id: int | None = None) -> int:

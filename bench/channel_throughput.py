@@ -54,6 +54,7 @@ from coordinator import attached, served_coordinator, stop_snapshots, take_snaps
 from report import json_line, rounds_row, rounds_table, spread
 
 from stablewatch.agents import Agent, AppMessage
+from stablewatch.agents.breaking import DEFAULT_HINT_AFTER
 from stablewatch.detector.service.coordinator import Coordinator
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
 
@@ -98,9 +99,14 @@ async def wait_for_go() -> None:
 # -- the four roles, each in its own process -------------------------------------------------------
 
 
+def hint_after(args: argparse.Namespace) -> float | None:
+    """The agents' long-wait hint threshold: the default, or none with ``--no-hints``."""
+    return None if args.no_hints else DEFAULT_HINT_AFTER
+
+
 async def agent_receiver(args: argparse.Namespace) -> None:
     counter = Counter()
-    agent = Agent("receiver", detector=args.detector, handler=counter)
+    agent = Agent("receiver", detector=args.detector, handler=counter, hint_after=hint_after(args))
     await agent.start()
     emit(address=agent.address)
     await receive_until_closed(counter)
@@ -108,7 +114,7 @@ async def agent_receiver(args: argparse.Namespace) -> None:
 
 
 async def agent_sender(args: argparse.Namespace) -> None:
-    agent = Agent("sender", peers={"receiver": args.peer}, detector=args.detector)
+    agent = Agent("sender", peers={"receiver": args.peer}, detector=args.detector, hint_after=hint_after(args))
     await agent.start()
     emit(ready=True)
     await wait_for_go()
@@ -207,6 +213,7 @@ async def run_pair(
     coordinator: Coordinator,
     detector: str,
     sender_options: tuple[str, ...] = (),
+    agent_options: tuple[str, ...] = (),
 ) -> dict[str, Measured]:
     """One sender/receiver pair of ``kind`` (raw or agent), measured in ``phases`` back to back.
 
@@ -214,8 +221,9 @@ async def run_pair(
     a settling second. The agent cases are phases of one pair (snapshots off, then on, or the
     other way round), so they differ only in the snapshots: not in the processes or where the
     operating system put them, which moves a 10-second figure by more than the overhead sought.
+    ``agent_options`` go to both processes of an agent pair (``--no-hints``: the agents' hints off).
     """
-    with_detector = [] if kind == "raw" else ["--detector", detector]
+    with_detector = [] if kind == "raw" else ["--detector", detector, *agent_options]
     receiver = await Child.start(__file__, f"{kind}-receiver", *with_detector)
     sender = None
     measured: dict[str, Measured] = {}
@@ -356,6 +364,7 @@ def main() -> None:
     parser.add_argument("--peer", help=argparse.SUPPRESS)
     parser.add_argument("--detector", help=argparse.SUPPRESS)
     parser.add_argument("--batch", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-hints", action="store_true", help=argparse.SUPPRESS)  # the agents' hints off
     args = parser.parse_args()
     asyncio.run(ROLES[args.role](args) if args.role else orchestrate(args))
 

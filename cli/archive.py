@@ -67,9 +67,10 @@ def _export(args: argparse.Namespace, console: Console) -> int:
         result = export(store, args.archive, args.batch)
     if args.json:
         print(json.dumps({"archive": str(args.archive), **dataclasses.asdict(result)}), flush=True)
-    elif result.exported:
+    elif result.exported or result.resolutions:
+        breaks = f"; {plural(result.resolutions, 'break')} of deadlocks" if result.resolutions else ""
         console.print(
-            f"exported {plural(result.exported, 'snapshot')} to {args.archive} in "
+            f"exported {plural(result.exported, 'snapshot')}{breaks} to {args.archive} in "
             f"{plural(result.batches, 'batch', 'batches')} ({plural(result.files, 'file')}); "
             f"{result.already} were there already",
             highlight=False,
@@ -99,5 +100,8 @@ def _check(args: argparse.Namespace, console: Console) -> int:
         soft_wrap=True,
     )
     for table, files in found.files.items():
-        console.print(f"  {table:<10} {found.rows[table]:>10} rows in {files} files", highlight=False, soft_wrap=True)
+        console.print(f"  {table:<11} {found.rows[table]:>10} rows in {files} files", highlight=False, soft_wrap=True)
+    if found.resolutions:
+        breaks = ", ".join(f"{count} {outcome}" for outcome, count in found.resolutions.items())
+        console.print(f"breaks of deadlocks: {breaks}", highlight=False, soft_wrap=True)
     return 0

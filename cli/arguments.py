@@ -28,6 +28,7 @@ __all__ = [
     "positive_int",
     "predicate",
     "rate",
+    "rate_limit",
     "rate_text",
 ]
 
@@ -151,8 +152,13 @@ def rate_text(rate: tuple[int, float] | None) -> str:
 
 def rate(text: str) -> tuple[int, float] | None:
     """``N/S``: at most N in S seconds; off or none: no limit."""
+    return None if text.lower() in _OFF else rate_limit(text)
+
+
+def rate_limit(text: str) -> tuple[int, float]:
+    """``N/S``: at most N in S seconds, for a rate that is always bounded (no off)."""
     if text.lower() in _OFF:
-        return None
+        raise argparse.ArgumentTypeError(f"expected N/S (this rate cannot be off), not {text!r}")
     try:
         return parse_rate(text)
     except ValueError as error:

@@ -19,7 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
-from stablewatch.v1.query_pb2 import SnapshotResults, WatchEvent
+from stablewatch.v1.query_pb2 import Resolution, SnapshotResults, WatchEvent
 
 __all__ = ["DEFAULT_ADDRESS", "DEFAULT_TIMEOUT", "DetectorClient", "DetectorError"]
 
@@ -29,6 +29,9 @@ DEFAULT_TIMEOUT = 5.0
 _TRIGGER_SLACK = 5.0
 # With no deadline given, the detector uses its own; the client then waits up to the API's maximum.
 _TRIGGER_MAX = 600.0
+# Pages of ListResolutions, at most: the detector's default page size (query.DEFAULT_PAGE_SIZE),
+# which its bounds admit.
+_PAGE_SIZE = 50
 
 Request = TypeVar("Request")
 Response = TypeVar("Response")
@@ -118,6 +121,29 @@ class DetectorClient:
         )
         wait = (_TRIGGER_MAX if deadline is None else deadline) + _TRIGGER_SLACK
         return self._call(self._stub.TriggerSnapshot, request, wait)
+
+    def resolve(self, snapshot_id: int) -> list[Resolution]:
+        """Break the deadlocks that completed snapshot ``snapshot_id`` proves, one wait each (operator
+        role under mutual TLS): the breaks sent. FAILED_PRECONDITION when there is nothing to break."""
+        response = self._call(self._stub.ResolveDeadlock, query_pb2.ResolveRequest(snapshot_id=snapshot_id))
+        return list(response.resolutions)
+
+    def list_resolutions(self, page_size: int = 0, page_token: str = "") -> query_pb2.ListResolutionsResponse:
+        """One page of the breaks of deadlocks, newest first."""
+        request = query_pb2.ListResolutionsRequest(page_size=page_size, page_token=page_token)
+        return self._call(self._stub.ListResolutions, request)
+
+    def resolutions(self, limit: int) -> list[Resolution]:
+        """The newest ``limit`` breaks of deadlocks (fewer if there are not so many), newest first."""
+        found: list[Resolution] = []
+        token = ""
+        while len(found) < limit:
+            page = self.list_resolutions(min(limit - len(found), _PAGE_SIZE), token)
+            found += page.resolutions
+            token = page.next_page_token
+            if not token:
+                break
+        return found[:limit]
 
     def watch(self, changes_only: bool = False) -> Iterator[WatchEvent]:
         """Every new result as the detector publishes it, until it ends the stream.

@@ -1,7 +1,8 @@
 """``stablewatch demo``: the live demo (:mod:`.live_demo`), what it found, then the pipeline's history job.
 
-Exit status 0 when the deadlock, the termination and the bank's conservation were all seen (and
-the history job ran, unless ``--no-history``), 1 otherwise.
+Exit status 0 when the philosophers' deadlock, the job's termination, the bank's conservation and
+a shop deadlock broken with orders completed after it were all seen (and the history job ran,
+unless ``--no-history``), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -20,17 +21,17 @@ from rich.console import Console, Group
 from rich.text import Text
 
 from stablewatch.cli import arguments
-from stablewatch.cli.live_demo import DemoReport, calls_text, run_demo
+from stablewatch.cli.live_demo import SHOP_POLICY, DemoReport, call_of, calls_text, run_demo
 from stablewatch.detector.evaluation.text import plural
 
-__all__ = ["add_parser", "demo_summary", "run"]
+__all__ = ["add_parser", "demo_summary", "run", "shop_breaks_lines"]
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo",
         help="live demo: a token bank, dining philosophers, a terminating job and a shop of gRPC services, "
-        "each watched by a detector",
+        "each watched by a detector (the shop's breaks the deadlocks it proves)",
     )
     demo.add_argument("--duration", type=arguments.positive, default=60.0, metavar="S",
                       help="stop after S seconds at most (60)")  # fmt: skip
@@ -65,6 +66,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         run_demo(args.duration, args.data_dir, args.out, console, live=not args.json, stay=args.stay, on_ready=ready)
     )
     found = report.deadlock_detected and report.termination_detected and report.conservation_ok
+    found = found and report.shop_breaks >= 1 and report.shop_orders_after_break > 0
     if not args.json:
         console.print()
         console.print(demo_summary(report))
@@ -103,6 +105,40 @@ def _history(archive: Path, out: Path, console: Console, quiet: bool) -> dict[st
     }
 
 
+def shop_breaks_lines(report: DemoReport) -> list[Text]:
+    """How the shop's detector broke its deadlock: the victim, the ABORTEDs, the time it took, the
+    orders that completed after it, and how many breaks there were by the end."""
+    victim = report.shop_victim
+    if victim is None:
+        return [Text(f"  its detector (--resolve {SHOP_POLICY}) broke no deadlock in time", style="yellow")]
+    call = call_of(str(victim["process"]), str(victim["task"]))
+    proven = f"snapshot #{report.shop_break_snapshot}"
+    lines = [Text(f"  broken by its detector (--resolve {SHOP_POLICY}), as {proven} proved it:", style="green bold")]
+    line = f"    victim: {call['service']} {call['method']}#{call['call']} (wait {victim['instance']})"
+    if report.shop_break_component:
+        line += f", the {SHOP_POLICY} of the deadlock's {len(report.shop_break_component)} waiting calls"
+    if report.shop_break_report_ms is not None:
+        line += f"; reported broken {report.shop_break_report_ms:g} ms after the break was sent"
+    lines.append(Text(line))
+    aborted = report.shop_victim_aborted
+    if aborted is not None:
+        lines.append(Text(f"    its caller, {aborted['service']}, saw ABORTED: {aborted['details']}"))
+    if report.shop_aborted_details is not None:
+        details = report.shop_aborted_details
+        lines.append(Text(f"    the client's Place saw ABORTED: {details} (placed again after a back-off)"))
+    if report.shop_recovery_ms is not None:
+        recovery = f"{report.shop_recovery_ms:g} ms (the services' own clocks)"
+        lines.append(Text(f"    from the last worker blocking to the ABORTED: {recovery}"))
+    if report.shop_orders_at_break is not None:
+        after = report.shop_orders_after_break
+        line = f"    orders completed: {report.shop_orders_at_break} by the break, {after} more since"
+        lines.append(Text(line, style="green" if after > 0 else "yellow"))
+    outcomes = ", ".join(f"{count} {word}" for word, count in sorted(report.shop_break_outcomes.items()))
+    breaks = plural(sum(report.shop_break_outcomes.values()), "break")
+    lines.append(Text(f"  the shop deadlocked again and again: {breaks} by the end ({outcomes})"))
+    return lines
+
+
 def demo_summary(report: DemoReport) -> Group:
     """What the live demo found: the deadlock with its evidence, termination, the bank's totals."""
     lines: list[Text] = []
@@ -119,6 +155,7 @@ def demo_summary(report: DemoReport) -> Group:
         cycle = calls_text(report.shop_deadlock_calls)
         lines.append(Text(f"deadlock among the shop's gRPC services (RPC mode): {cycle}", style="red bold"))
         lines.append(Text("  each call waits on the next; the queued ones on every busy worker of their pool"))
+        lines.extend(shop_breaks_lines(report))
     else:
         lines.append(Text("no deadlock was reported among the shop's gRPC services in time", style="yellow"))
     job = report.systems.get("job", {}).get("first_seen_seconds", {})

@@ -17,6 +17,7 @@ from rich.console import Console
 from stablewatch.cli import arguments
 from stablewatch.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED
 from stablewatch.detector.evaluation.plugins import entry_point_predicates
+from stablewatch.detector.evaluation.victims import POLICIES
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.limits import Limits
 from stablewatch.detector.service.store import StoreError
@@ -31,7 +32,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         "detector",
         help="run the detector: scheduled snapshots, predicates, the query API, /metrics",
         description="Run the detector until SIGINT or SIGTERM. Agents attach to --listen, and the "
-        "status, snapshot, watch and graph commands query it there.",
+        "status, snapshot, watch, graph, resolve and resolutions commands query it there.",
     )
     add = detector.add_argument
     add("--listen", type=arguments.address, default=config.listen, metavar="HOST:PORT",
@@ -72,6 +73,22 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="with --archive: or once the oldest has waited S seconds (%(default)s)")  # fmt: skip
     add("--json", action="store_true",
         help='print {"event": "ready", "address": ..., "metrics": ...} (the ports it bound) when serving')  # fmt: skip
+    resolve = detector.add_argument_group(
+        "breaking deadlocks", "end the deadlocks a snapshot proves by breaking one wait of each (DESIGN.md)"
+    )
+    add = resolve.add_argument
+    add("--resolve", choices=POLICIES, metavar="POLICY",
+        help="break every deadlock a snapshot proves: its victim's agent ends one wait of it (the caller "
+        "gets ABORTED or DeadlockVictim), chosen by POLICY: youngest (the wait that began last) or oldest. "
+        "Never on an unknown deadlock, never twice for one deadlock until a later snapshot still shows it. "
+        "Default: off (an operator may still break one with `stablewatch resolve`)")  # fmt: skip
+    add("--report-timeout", type=arguments.positive, default=config.report_timeout, metavar="S",
+        help="give up on a break whose agent has not reported within S seconds (%(default)s)")  # fmt: skip
+    add("--no-hints", dest="hints", action="store_false",
+        help="ignore the agents' long-wait hints (by default a hint starts a snapshot at once, so a "
+        "deadlock is found without waiting for the schedule)")  # fmt: skip
+    add("--hint-rate", type=arguments.rate_limit, default=arguments.rate_text(limits.hint_rate), metavar="N/S",
+        help="at most N snapshots for hints per S seconds, one at a time (%(default)s)")  # fmt: skip
     security = detector.add_argument_group(
         "security", "TLS, mutual TLS and the bounds against abuse (SECURITY.md tells what they protect)"
     )
@@ -118,8 +135,15 @@ def run(args: argparse.Namespace, console: Console) -> int:
         tls_key=args.tls_key,
         tls_client_ca=args.tls_client_ca,
         limits=dataclasses.replace(
-            Limits(), trigger_rate=args.trigger_rate, max_agents=args.max_agents, max_part_bytes=args.max_part_bytes
+            Limits(),
+            trigger_rate=args.trigger_rate,
+            max_agents=args.max_agents,
+            max_part_bytes=args.max_part_bytes,
+            hint_rate=args.hint_rate,
         ),
+        resolve=args.resolve,
+        report_timeout=args.report_timeout,
+        hints=args.hints,
     )
     detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
     try:

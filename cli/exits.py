@@ -1,8 +1,9 @@
 """The exit statuses of the ``stablewatch`` commands, one meaning each.
 
-0 success, 1 the detector is unreachable or refused (or a simulation differs from the expected
-snapshots), 2 bad flags or input (for ``archive``: a bad store, archive or file), 3 ``snapshot``
-was aborted (``simulate``: a snapshot failed), 130 interrupted.
+0 success, 1 the detector is unreachable or refused (``resolve``: nothing to break, or no victim
+reached; or a simulation differs from the expected snapshots), 2 bad flags or input (for
+``archive``: a bad store, archive or file), 3 ``snapshot`` was aborted (``simulate``: a snapshot
+failed), 130 interrupted.
 """
 
 from __future__ import annotations

@@ -6,56 +6,79 @@
 * a distributed job (three workers): termination is detected once, and only once, it is true;
 * a shop of ordinary gRPC services (orders, payments, inventory and a client, in RPC mode: only
   interceptors): its call cycle exhausts the worker pools at once; the deadlock is reported with
-  its cycle of calls (service, method, call), and the shop is stopped as soon as it is.
+  its cycle of calls (service, method, call), and its detector, which breaks the deadlocks it
+  proves (``resolve="youngest"``), refuses one call of the cycle with ``ABORTED``; the client
+  places that order again after a back-off, orders complete again, and the shop soon deadlocks
+  anew, to be broken again.
+
+For the shop's first break, :class:`ShopBreaks` reads the shop's own books
+(``/shop.Admin/Status``, the services' clocks): the victim's caller's ``ABORTED`` (naming the
+snapshot that proved the deadlock), the ``ABORTED`` the client's Place saw, the time from the last
+worker blocking (the latest start among the services' outgoing calls out at the moment of the
+victim's ``ABORTED``: every worker of the three services is in the deadlock, so those calls are
+its edges) to that ``ABORTED``, and the orders the client completed by then and since.
 
 Every service is its own OS process (``stablewatch.examples``), embedding the agent or, for the
 shop, its gRPC interceptors; the detectors run in this process, each with its own gRPC API,
 /metrics endpoint and SQLite store. As soon as
 they listen, their addresses are printed whole (a JSON line with ``--json``). The demo ends when
-all three outcomes are seen (or after ``duration`` seconds, or on Ctrl-C), stops every process it
-started, and removes its temporary data; what it leaves is in the output folder: the wait-for
-graph of the deadlock (DOT, and PNG when Graphviz is installed) and the Parquet archive of every
-finished snapshot, one per system (``archive/<system>``, replaced on every run), which the
-pipeline's jobs read. The ``demo`` command (:mod:`.demo`) runs it and prints what it found.
+all four outcomes are seen (the bank's conservation, the philosophers' deadlock, the job's
+termination, and a shop deadlock broken with orders completed after it), or after ``duration``
+seconds, or on Ctrl-C; it stops every process it started and removes its temporary data; what it
+leaves is in the output folder: the wait-for graph of the philosophers' deadlock (DOT, and PNG when
+Graphviz is installed) and the Parquet archive of every finished snapshot, one per system
+(``archive/<system>``, replaced on every run), which the pipeline's jobs read. The ``demo``
+command (:mod:`.demo`) runs it and prints what it found.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import grpc
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from stablewatch.cli.render import verdict_text
+from stablewatch.cli.render import resolution_line, verdict_text
 from stablewatch.detector.evaluation import Verdict, wait_for_dot
 from stablewatch.detector.evaluation.plugins import load_predicate
+from stablewatch.detector.evaluation.text import plural
 from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.examples.shop import PLACE
+from stablewatch.detector.service.resolutions import outcome_word
+from stablewatch.examples.shop import PLACE, SERVICES
 from stablewatch.examples.shop import ROLES as SHOP
 from stablewatch.examples.shop_processes import ShopProcesses
 from stablewatch.v1 import WaitForGraph
-from stablewatch.v1.query_pb2 import SnapshotResults
+from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
+from stablewatch.v1.query_pb2 import Resolution, SnapshotResults
 
-__all__ = ["DemoReport", "calls_text", "run_demo", "write_graph"]
+__all__ = ["DemoReport", "ShopBreaks", "call_of", "calls_text", "run_demo", "write_graph"]
 
 BANK = ["A", "B", "C"]
 SEATS = ["P0", "P1", "P2", "P3", "P4"]
 WORKERS = ["W1", "W2", "W3"]
 TOKENS_PER_BRANCH = 1000
+SHOP_POLICY = "youngest"  # the shop's detector breaks the deadlocks it proves (--resolve youngest)
+BOOKS_EVERY = 0.5  # seconds between reads of the shop's books once a deadlock was broken
+BREAK_LINES = 3  # the latest breaks the live view shows under the shop
+VICTIM_TEXT = "stablewatch broke"  # in the details of the ABORTED a victim's caller sees
+VICTIM_SNAPSHOT = re.compile(r"proven by snapshot (\d+)")
 
 
 @dataclass
@@ -75,7 +98,8 @@ class _System:
     conservation_broken: bool = False
     shop: ShopProcesses | None = None  # the shop's processes, started and stopped together
     calls: list[dict[str, str]] = field(default_factory=list)  # the shop's cycle of calls, once reported
-    stopped_at: float | None = None  # elapsed s when the shop was stopped (after its deadlock)
+    breaks: ShopBreaks | None = None  # the shop's: its detector's breaks and its books about the first
+    stopped_cleanly: bool = False  # the shop's processes all exited on SIGTERM at the end (none killed)
 
     def observe(self, results: SnapshotResults, elapsed: float) -> None:
         if outcome_name(results.snapshot.outcome) != "completed":
@@ -95,6 +119,135 @@ class _System:
                 self.conservation_broken = True
 
 
+@dataclass(frozen=True)
+class BookedCall:
+    """A finished outgoing call as a process of the shop booked it (wall-clock seconds)."""
+
+    role: str
+    method: str
+    began: float
+    ended: float
+    code: str
+    details: str
+
+
+@dataclass
+class ShopBreaks:
+    """The shop's deadlocks its detector broke, and what the shop's own books say about the first.
+
+    Sans-I/O: fed the detector's breaks as they are sent and answered (:meth:`seen`) and the
+    processes' ``/shop.Admin/Status`` JSON (:meth:`read`, any subset of the roles, as often as
+    wanted). The first break reported broken is the one explained: its victim wait, the ``ABORTED``
+    its caller saw (the first finished call of a service that names the break's snapshot), the
+    ``ABORTED`` the client's Place saw (the first one), the moment the last worker blocked before
+    the victim's ``ABORTED``, and the client's completed Places (code OK) up to that ``ABORTED``
+    and after it. The books keep only each process's latest 5000 finished calls, so each figure is
+    taken once, from the first read that shows it; the Places after the break only ever grow.
+    """
+
+    resolutions: dict[int, Resolution] = field(default_factory=dict)  # break id -> latest news of it
+    first: Resolution | None = None  # the first break reported broken
+    victim_aborted: BookedCall | None = None  # its caller's ABORTED, in a service's books
+    last_block: float | None = None  # wall clock: the latest start among the calls out at that ABORTED
+    client_aborted: BookedCall | None = None  # the first Place the client saw ABORTED
+    orders_at_break: int | None = None  # Places completed by the victim's ABORTED
+    orders_after: int = 0  # Places completed after it
+
+    def seen(self, resolution: Resolution) -> None:
+        """A break was sent or answered (``WatchEvent.resolution``)."""
+        self.resolutions[resolution.resolution_id] = resolution
+        if self.first is None and resolution.outcome == BREAK_OUTCOME_BROKEN:
+            self.first = resolution
+
+    @property
+    def broken(self) -> int:
+        """Breaks the victim's agent reported broken."""
+        return sum(r.outcome == BREAK_OUTCOME_BROKEN for r in self.resolutions.values())
+
+    def outcomes(self) -> dict[str, int]:
+        """Breaks by outcome word (broken, gone, pending, ...)."""
+        counts: dict[str, int] = {}
+        for resolution in self.resolutions.values():
+            word = outcome_word(resolution)
+            counts[word] = counts.get(word, 0) + 1
+        return counts
+
+    def latest(self, count: int) -> list[Resolution]:
+        """The ``count`` newest breaks, oldest first."""
+        return [self.resolutions[key] for key in sorted(self.resolutions)[-count:]]
+
+    @property
+    def wants_services(self) -> bool:
+        """Whether the services' books are still needed: a break is known but not yet its ``ABORTED``."""
+        return self.first is not None and self.victim_aborted is None
+
+    @property
+    def recovery_ms(self) -> float | None:
+        """From the last worker blocking to the victim's ``ABORTED``, in ms (the services' clocks)."""
+        if self.victim_aborted is None or self.last_block is None:
+            return None
+        return round((self.victim_aborted.ended - self.last_block) * 1e3, 1)
+
+    @property
+    def report_ms(self) -> float | None:
+        """From the detector sending the first break to the agent's report of it, in ms."""
+        first = self.first
+        if first is None or not first.HasField("reported_at") or not first.HasField("sent_at"):
+            return None
+        return round((first.reported_at.ToMicroseconds() - first.sent_at.ToMicroseconds()) / 1e3, 1)
+
+    def read(self, books: Mapping[str, Mapping[str, Any]]) -> None:
+        """Take in the books of the roles read (role -> its ``/shop.Admin/Status``)."""
+        if self.first is None:
+            return
+        if self.victim_aborted is None and all(role in books for role in SERVICES):
+            self._victim_aborted(books)
+        client = books.get("client")
+        if client is None:
+            return
+        places = [call for call in _finished("client", client) if call.method == PLACE]
+        if self.client_aborted is None:
+            aborted = [call for call in places if call.code == "ABORTED"]
+            self.client_aborted = min(aborted, key=lambda call: call.ended, default=None)
+        if self.victim_aborted is not None:
+            moment = self.victim_aborted.ended
+            completed = [call for call in places if call.code == "OK"]
+            if self.orders_at_break is None:
+                self.orders_at_break = sum(call.ended <= moment for call in completed)
+            self.orders_after = max(self.orders_after, sum(call.ended > moment for call in completed))
+
+    def _victim_aborted(self, books: Mapping[str, Mapping[str, Any]]) -> None:
+        assert self.first is not None
+        finished = [call for role in SERVICES for call in _finished(role, books[role])]
+        victim = min(
+            (call for call in finished if call.code == "ABORTED" and _names(call.details) == self.first.snapshot_id),
+            key=lambda call: call.ended,
+            default=None,
+        )
+        if victim is None:
+            return
+        # The services' calls out at that moment (finished since, or still out): the deadlock's edges.
+        moment = victim.ended
+        starts = [call.began for call in finished if call.began <= moment <= call.ended]
+        for role in SERVICES:
+            starts += [float(call["began"]) for call in books[role].get("outstanding", [])]
+        self.victim_aborted = victim
+        self.last_block = max((began for began in starts if began <= moment), default=None)
+
+
+def _names(details: str) -> int | None:
+    """The snapshot a victim's ``ABORTED`` names (stablewatch's message), None for any other error."""
+    named = VICTIM_SNAPSHOT.search(details)
+    return int(named[1]) if named and VICTIM_TEXT in details else None
+
+
+def _finished(role: str, status: Mapping[str, Any]) -> list[BookedCall]:
+    return [
+        BookedCall(role, call["method"], float(call["began"]), float(call["ended"]), call["code"], call["details"])
+        for call in status.get("finished", [])
+    ]
+
+
 @dataclass
 class DemoReport:
     """What the demo found, as printed by ``stablewatch demo --json``."""
@@ -111,10 +264,24 @@ class DemoReport:
     archives: dict[str, str]  # system -> its Parquet archive of finished snapshots
     shop_deadlock_detected: bool
     shop_deadlock_calls: list[dict[str, str]]  # the cycle of calls: service, method, call
-    shop_stopped: bool  # the shop's processes were stopped once the deadlock was reported
+    shop_stopped: bool  # the shop's processes all exited on SIGTERM at the end (none had to be killed)
     out_dir: str
     data_dir: str | None  # kept only when given; a temporary one is removed
     systems: dict[str, dict[str, object]]
+    # Breaking the shop's deadlocks (its detector runs with resolve=SHOP_POLICY):
+    shop_breaks: int = 0  # the shop's deadlocks broken (breaks its agents reported broken)
+    # every break sent, by outcome (broken, gone, pending, ...)
+    shop_break_outcomes: dict[str, int] = field(default_factory=dict)
+    shop_break_snapshot: int | None = None  # the snapshot that proved the first deadlock broken
+    shop_victim: dict[str, object] | None = None  # the first break's victim wait: process, task, instance
+    # the waiting calls of the deadlock it broke (service, method, call): its sink component
+    shop_break_component: list[dict[str, str]] = field(default_factory=list)
+    shop_victim_aborted: dict[str, str] | None = None  # the ABORTED its caller saw: service, method, details
+    shop_aborted_details: str | None = None  # the details of the first ABORTED the client's Place saw
+    shop_recovery_ms: float | None = None  # from the last worker blocking to the victim's ABORTED (shop's clocks)
+    shop_break_report_ms: float | None = None  # from the detector sending that break to the agent's report
+    shop_orders_at_break: int | None = None  # orders the client completed by the victim's ABORTED
+    shop_orders_after_break: int = 0  # orders the client completed after it
     history: dict[str, object] | None = None  # the pipeline's history job on the philosophers' archive
 
 
@@ -147,7 +314,7 @@ async def run_demo(
             "philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work, archives
         ),
         _system("job", "job", WORKERS, ["--workers", ",".join(WORKERS), "--tasks", "30"], work, archives),
-        _system("shop", "shop", list(SHOP), [], work, archives),
+        _system("shop", "shop", list(SHOP), [], work, archives, resolve=SHOP_POLICY),
     ]
     started = time.monotonic()
     stop = asyncio.Event()
@@ -164,8 +331,14 @@ async def run_demo(
         for system in systems:
             watchers.append(asyncio.ensure_future(_follow(system, started)))
             await _launch(system, work)
+            if system.breaks is not None:
+                watchers.append(asyncio.ensure_future(_read_books(system)))
         await _show(systems, started, duration, stop, console, live, stay)
-        report = _report(systems, time.monotonic() - started, out_dir, None if temporary else work)
+        seconds = time.monotonic() - started
+        for task in watchers:
+            task.cancel()
+        await _stop_shop(systems[-1])
+        report = _report(systems, seconds, out_dir, None if temporary else work)
     finally:
         for task in watchers:
             task.cancel()
@@ -183,7 +356,9 @@ async def run_demo(
     return report
 
 
-def _system(name: str, module: str, ids: list[str], options: list[str], work: Path, archives: Path) -> _System:
+def _system(
+    name: str, module: str, ids: list[str], options: list[str], work: Path, archives: Path, resolve: str | None = None
+) -> _System:
     config = DetectorConfig(
         data_dir=work / name / "data",
         listen="127.0.0.1:0",
@@ -197,9 +372,11 @@ def _system(name: str, module: str, ids: list[str], options: list[str], work: Pa
         expected_totals={"tokens": TOKENS_PER_BRANCH * len(ids)} if name == "bank" else {},
         archive=archives / name,
         archive_age=2.0,  # a short demo: small batches, written often
+        resolve=resolve,
     )
     plugins = [load_predicate("stablewatch.examples.job:all_tasks_done")] if name == "job" else []
-    return _System(name, module, ids, options, Detector(config, plugins=plugins))
+    breaks = None if resolve is None else ShopBreaks()
+    return _System(name, module, ids, options, Detector(config, plugins=plugins), breaks=breaks)
 
 
 async def _launch(system: _System, work: Path) -> None:
@@ -220,11 +397,47 @@ async def _launch(system: _System, work: Path) -> None:
 
 async def _follow(system: _System, started: float) -> None:
     async for event in system.detector.watch():
+        if event.HasField("resolution"):
+            if system.breaks is not None:
+                system.breaks.seen(event.resolution)
+            continue
         system.observe(event.results, time.monotonic() - started)
-        if system.shop is not None and system.calls and system.stopped_at is None:
-            # The shop's deadlock is reported: it will never move again, so stop its processes now.
-            await asyncio.to_thread(system.shop.stop)
-            system.stopped_at = time.monotonic() - started
+
+
+async def _read_books(system: _System) -> None:
+    """Once the shop's detector broke a deadlock, read the shop's books every ``BOOKS_EVERY`` s: the
+    services' until the first break's ``ABORTED`` is found in them, the client's all along."""
+    assert system.breaks is not None
+    while True:
+        await asyncio.sleep(BOOKS_EVERY)
+        if system.breaks.first is not None:
+            await _read_once(system)
+
+
+async def _read_once(system: _System) -> None:
+    shop, breaks = system.shop, system.breaks
+    assert shop is not None and breaks is not None
+    roles = [*SERVICES, "client"] if breaks.wants_services else ["client"]
+    try:
+        books = await asyncio.to_thread(lambda: {role: shop.status(role) for role in roles})
+    except grpc.RpcError:
+        return  # a process is busy or gone; the next read tells
+    breaks.read(books)
+
+
+async def _stop_shop(system: _System) -> None:
+    """Read the shop's books one last time, then stop its processes."""
+    if system.shop is None:
+        return
+    if system.breaks is not None:
+        # Every break the store holds, oldest first: the final word on each, even one whose
+        # watch event had not been read yet.
+        for resolution in reversed(system.detector.store.resolutions(100_000)):
+            system.breaks.seen(resolution)
+        if system.breaks.first is not None:
+            await _read_once(system)
+    codes = await asyncio.to_thread(system.shop.stop)
+    system.stopped_cleanly = bool(codes) and all(code is not None for code in codes.values())
 
 
 def calls_text(calls: Sequence[dict[str, str]]) -> str:
@@ -244,7 +457,9 @@ def _done(systems: list[_System]) -> bool:
         bank.completed >= 20
         and "deadlock" in philosophers.first_seen
         and "termination" in job.first_seen
-        and shop.stopped_at is not None
+        and shop.breaks is not None
+        and shop.breaks.broken >= 1
+        and shop.breaks.orders_after > 0
     )
 
 
@@ -288,9 +503,24 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
                 lines.append(Text(f"  {system.name}: {name} first reported at {at:.1f} s", style="bold"))
         if system.calls:
             lines.append(Text(f"    cycle of calls: {calls_text(system.calls)}"))
-        if system.stopped_at is not None:
-            lines.append(Text(f"    the shop's processes stopped at {system.stopped_at:.1f} s", style="dim"))
+        if system.breaks is not None and system.breaks.resolutions:
+            lines.extend(_breaks_lines(system.breaks))
     return Group(*lines)
+
+
+def _breaks_lines(breaks: ShopBreaks) -> list[Text]:
+    """Under the shop: how many breaks, the orders since the first, and the latest few breaks."""
+    total = len(breaks.resolutions)
+    others = ", ".join(f"{count} {word}" for word, count in sorted(breaks.outcomes().items()) if word != "broken")
+    head = f"    {plural(total, 'break')} ({SHOP_POLICY}): {breaks.broken} broken" + (f", {others}" if others else "")
+    if breaks.orders_at_break is not None:
+        head += f"; orders completed: {breaks.orders_at_break} by the first break, {breaks.orders_after} since"
+    lines = [Text(head, style="bold")]
+    for resolution in breaks.latest(BREAK_LINES):
+        line = Text("      ")
+        line.append_text(resolution_line(resolution))
+        lines.append(line)
+    return lines
 
 
 def _terminate(processes: list[subprocess.Popen[bytes]]) -> None:
@@ -347,7 +577,8 @@ def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | 
         archives={system.name: str(system.detector.config.archive) for system in systems},
         shop_deadlock_detected="deadlock" in shop.first_seen,
         shop_deadlock_calls=shop.calls,
-        shop_stopped=shop.stopped_at is not None,
+        shop_stopped=shop.stopped_cleanly,
+        **_shop_breaks_report(shop.breaks),
         out_dir=str(out_dir),
         data_dir=None if kept is None else str(kept),
         systems={
@@ -359,6 +590,29 @@ def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | 
             for system in systems
         },
     )
+
+
+def _shop_breaks_report(breaks: ShopBreaks | None) -> dict[str, Any]:
+    """The report's ``shop_*`` fields about breaking the shop's deadlocks."""
+    breaks = breaks or ShopBreaks()
+    first, victim, client = breaks.first, breaks.victim_aborted, breaks.client_aborted
+    return {
+        "shop_breaks": breaks.broken,
+        "shop_break_outcomes": breaks.outcomes(),
+        "shop_break_snapshot": None if first is None else first.snapshot_id,
+        "shop_victim": None
+        if first is None
+        else {"process": first.process_id, "task": first.task, "instance": first.instance},
+        "shop_break_component": [] if first is None else [call_of(n.process, n.task) for n in first.component],
+        "shop_victim_aborted": None
+        if victim is None
+        else {"service": victim.role, "method": victim.method, "details": victim.details},
+        "shop_aborted_details": None if client is None else client.details,
+        "shop_recovery_ms": breaks.recovery_ms,
+        "shop_break_report_ms": breaks.report_ms,
+        "shop_orders_at_break": breaks.orders_at_break,
+        "shop_orders_after_break": breaks.orders_after,
+    }
 
 
 def _first_deadlock(system: _System) -> int | None:

@@ -3,18 +3,21 @@
 * ``simulate``, ``demo``: play a COS 418 trace through the protocol core (no services needed), or
   run the live demo (:mod:`.simulate`, :mod:`.demo`).
 * ``detector``: run the detector service until SIGINT or SIGTERM (:mod:`.detector`).
-* ``status``, ``snapshot``, ``watch``, ``graph``: ask a running detector, through its query API
-  (:mod:`.query`, :mod:`.client`). Human output uses rich; ``--json`` prints one JSON object
-  (``watch``: one per line), errors included. ``health``: the detector's health check (for probes).
-  With ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS) they connect with TLS.
+* ``status``, ``snapshot``, ``watch``, ``graph``, ``resolve``, ``resolutions``: ask a running
+  detector, through its query API (:mod:`.query`, :mod:`.client`); ``resolve`` breaks the
+  deadlocks a snapshot proves, ``resolutions`` lists the breaks. Human output uses rich; ``--json``
+  prints one JSON object (``watch``: one per line), errors included. ``health``: the detector's
+  health check (for probes). With ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS)
+  they connect with TLS.
 * ``archive export``, ``archive check``: backfill a Parquet archive from a detector's store (beside
   the live detector, if one runs), and check every file of an archive (:mod:`.archive`).
 * ``pipeline``: the Spark jobs over the snapshot archive, handed to :mod:`stablewatch.pipeline.cli`
   (imported only then: PySpark is an optional extra).
 
-Exit statuses (:mod:`.exits`): 0 success, 1 the detector is unreachable or refused (or a simulation
-differs from the expected snapshots), 2 bad flags or input (for ``archive``: a bad store, archive or
-file), 3 ``snapshot`` was aborted (``simulate``: a snapshot failed).
+Exit statuses (:mod:`.exits`): 0 success, 1 the detector is unreachable or refused (``resolve``:
+nothing to break, or no victim reached; or a simulation differs from the expected snapshots), 2
+bad flags or input (for ``archive``: a bad store, archive or file), 3 ``snapshot`` was aborted
+(``simulate``: a snapshot failed).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ from stablewatch.cli import (
     graph,
     health,
     pipeline,
+    resolutions,
+    resolve,
     simulate,
     snapshot,
     status,
@@ -53,6 +58,8 @@ _COMMANDS = {
     "snapshot": snapshot,
     "watch": watch,
     "graph": graph,
+    "resolve": resolve,
+    "resolutions": resolutions,
     "archive": archive,
 }
 

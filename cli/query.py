@@ -1,8 +1,9 @@
 """What the commands that ask a running detector share: their flags, the connection, and errors.
 
-``status``, ``health``, ``snapshot``, ``watch`` and ``graph`` take ``--detector`` and ``--json``,
-connect with TLS given ``--tls-ca`` (and ``--tls-cert``/``--tls-key`` for mutual TLS), and exit 1
-with the message (also as JSON with ``--json``) when the detector is unreachable or refuses.
+``status``, ``health``, ``snapshot``, ``watch``, ``graph``, ``resolve`` and ``resolutions`` take
+``--detector`` and ``--json``, connect with TLS given ``--tls-ca`` (and ``--tls-cert``/``--tls-key``
+for mutual TLS), and exit 1 with the message (also as JSON with ``--json``) when the detector is
+unreachable or refuses.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ def connection_options() -> argparse.ArgumentParser:
                      help="the CA that signed the detector's certificate (PEM)")  # fmt: skip
     tls.add_argument("--tls-cert", type=arguments.pem("certificate"), metavar="FILE",
                      help="client certificate (PEM) with the role the command needs: stablewatch://role/reader, "
-                     "or stablewatch://role/operator for snapshot")  # fmt: skip
+                     "or stablewatch://role/operator for snapshot and resolve")  # fmt: skip
     tls.add_argument("--tls-key", type=arguments.pem("private key"), metavar="FILE", help="the key of --tls-cert (PEM)")
     tls.add_argument("--tls-server-name", metavar="NAME",
                      help="the name the detector's certificate must carry (default: the --detector host)")  # fmt: skip

@@ -17,11 +17,14 @@ from rich.text import Text
 
 from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.evaluation.text import plural
+from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.detector.service.query import outcome_name
-from stablewatch.v1 import GlobalSnapshot, PredicateResult
+from stablewatch.detector.service.resolutions import outcome_word
+from stablewatch.v1 import GlobalSnapshot, PredicateResult, WaitNode
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_COMPLETED,
     Member,
+    Resolution,
     SnapshotResults,
     SnapshotSummary,
     WatchEvent,
@@ -29,11 +32,16 @@ from stablewatch.v1.query_pb2 import (
 
 __all__ = [
     "WatchView",
+    "format_duration",
     "format_time",
     "is_alarming",
     "members_table",
     "predicate_table",
     "proto_dict",
+    "resolution_dict",
+    "resolution_line",
+    "resolutions_table",
+    "resolve_report",
     "results_report",
     "snapshot_report",
     "summary_line",
@@ -125,11 +133,16 @@ def format_time(timestamp: Timestamp) -> str:
     return moment.isoformat(sep=" ", timespec="milliseconds")
 
 
+def format_duration(seconds: float) -> str:
+    """``12.3 ms`` below a second, ``1.23 s`` from there."""
+    return f"{seconds * 1000:.1f} ms" if seconds < 1 else f"{seconds:.2f} s"
+
+
 def _duration(summary: SnapshotSummary) -> str:
     if not summary.HasField("finished_at") or not summary.HasField("started_at"):
         return ""
     seconds = (summary.finished_at.ToNanoseconds() - summary.started_at.ToNanoseconds()) / 1e9
-    return f" in {seconds * 1000:.1f} ms" if seconds < 1 else f" in {seconds:.2f} s"
+    return f" in {format_duration(seconds)}"
 
 
 def summary_line(summary: SnapshotSummary) -> Text:
@@ -183,6 +196,121 @@ def members_table(members: Sequence[Member], now: float | None = None) -> Table:
     return table
 
 
+# -- breaks of deadlocks (ResolveDeadlock, ListResolutions, Watch) ------------------------------------------
+
+#: How each outcome of a break looks: it worked, it was not needed, or nobody knows what became of it.
+_OUTCOME_STYLES = {
+    "broken": "green",
+    "gone": "yellow",
+    "already_broken": "yellow",
+    "unanswered": "red",
+    "not_attached": "red",
+    "pending": "cyan",
+}
+
+
+def resolution_dict(resolution: Resolution) -> dict[str, Any]:
+    """A break as the CLI prints it in JSON: the message's fields, with ``outcome`` as a word of
+    :func:`~stablewatch.detector.service.resolutions.outcome_word` (broken, gone, already_broken,
+    unanswered, not_attached, or pending while the agent's report may still come)."""
+    return {**proto_dict(resolution), "outcome": outcome_word(resolution)}
+
+
+def _victim(resolution: Resolution) -> str:
+    return label(WaitNode(process=resolution.process_id, task=resolution.task))
+
+
+def _outcome_text(resolution: Resolution) -> Text:
+    word = outcome_word(resolution)
+    return Text(word, style=_OUTCOME_STYLES.get(word, ""))
+
+
+def _report_time(resolution: Resolution) -> str:
+    """From the break's sending to its report (or to the detector giving up); empty while pending."""
+    if not resolution.HasField("reported_at") or not resolution.HasField("sent_at"):
+        return ""
+    seconds = (resolution.reported_at.ToNanoseconds() - resolution.sent_at.ToNanoseconds()) / 1e9
+    return format_duration(max(seconds, 0.0))
+
+
+def resolution_line(resolution: Resolution) -> Text:
+    """One line about a break: which wait, why, and what became of it.
+
+    ``break #4 of wait 17 of b/y (youngest, snapshot #12): broken after 3.2 ms``; a pending break
+    names the deadlock it is for, a finished one the agent's detail.
+    """
+    line = Text(
+        f"break #{resolution.resolution_id} of wait {resolution.instance} of {_victim(resolution)} "
+        f"({resolution.policy}, snapshot #{resolution.snapshot_id}): "
+    )
+    line.append_text(_outcome_text(resolution))
+    after = _report_time(resolution)
+    if after:
+        line.append(f" after {after}")
+    if resolution.detail:
+        line.append(f": {resolution.detail}", style="dim")
+    elif not resolution.HasField("reported_at"):
+        line.append(f"; deadlock {resolution.deadlock}", style="dim")
+    return line
+
+
+def resolutions_table(resolutions: Sequence[Resolution], title: str | None = None) -> Table:
+    """The breaks, one row each, in the order given (ListResolutions: newest first): the break, when
+    it was sent, the snapshot that proved the deadlock, the victim wait, the policy and who asked,
+    the outcome and how long the report took, and the deadlock with the agent's detail."""
+    table = Table(title=title, title_justify="left")
+    table.add_column("break", justify="right", no_wrap=True)
+    # Folded, not cut short, in a narrow terminal: ids and times are read whole.
+    table.add_column("sent", overflow="fold")
+    table.add_column("snapshot", justify="right", overflow="fold")
+    table.add_column("victim", overflow="fold")
+    table.add_column("policy, requested by", overflow="fold")
+    table.add_column("outcome, report", overflow="fold")
+    table.add_column("deadlock, detail", overflow="fold")
+    for resolution in resolutions:
+        evidence = Text(resolution.deadlock)
+        if resolution.detail:
+            evidence.append(f"\n{resolution.detail}", style="dim")
+        outcome = _outcome_text(resolution)
+        if after := _report_time(resolution):
+            outcome.append(f"\nafter {after}")
+        table.add_row(
+            f"#{resolution.resolution_id}",
+            format_time(resolution.sent_at),
+            f"#{resolution.snapshot_id}",
+            f"wait {resolution.instance} of {_victim(resolution)}",
+            Text(resolution.policy).append(f"\n{resolution.requested_by}", style="dim"),
+            outcome,
+            evidence,
+        )
+    return table
+
+
+def resolve_report(snapshot_id: int, resolutions: Sequence[Resolution]) -> Group:
+    """What ``stablewatch resolve`` did: per break sent, the victim wait and the deadlock it ends."""
+    sent = [r for r in resolutions if outcome_word(r) != "not_attached"]
+    parts: list[Any] = [
+        Text(f"snapshot #{snapshot_id}: sent {plural(len(sent), 'break')} for {plural(len(resolutions), 'deadlock')}")
+    ]
+    for resolution in resolutions:
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column(overflow="fold")
+        grid.add_row("victim", f"wait {resolution.instance} of {_victim(resolution)}")
+        grid.add_row("wait began", format_time(resolution.wait_began_at))
+        grid.add_row("deadlock", resolution.deadlock)
+        grid.add_row("policy", f"{resolution.policy} (requested by {resolution.requested_by})")
+        grid.add_row("outcome", _outcome_text(resolution) + Text(f": {resolution.detail}" if resolution.detail else ""))
+        parts += [Text(f"break #{resolution.resolution_id}", style="bold"), grid]
+    if sent:
+        report = "the victims' agents report what they did: see `stablewatch resolutions` or `stablewatch watch`"
+        parts.append(Text(report, style="dim"))
+    return Group(*parts)
+
+
+_BREAKS_SHOWN = 5  # the watch view's latest breaks
+
+
 @dataclass
 class WatchRow:
     """What the watch table knows of one predicate."""
@@ -202,10 +330,19 @@ class WatchView:
     rows: dict[str, WatchRow] = field(default_factory=dict)
     events: int = 0
     last: Text = field(default_factory=lambda: Text("waiting for the next snapshot…", style="dim"))
+    #: The latest breaks of deadlocks by id, oldest first (a break's report replaces its sending).
+    breaks: dict[int, Resolution] = field(default_factory=dict)
 
     def update(self, event: WatchEvent) -> None:
-        """Apply one watch event (full or changes only)."""
+        """Apply one watch event (full or changes only, or a break sent or answered)."""
         self.events += 1
+        if event.HasField("resolution"):
+            resolution = event.resolution
+            self.breaks.pop(resolution.resolution_id, None)
+            self.breaks[resolution.resolution_id] = resolution
+            while len(self.breaks) > _BREAKS_SHOWN:
+                del self.breaks[next(iter(self.breaks))]
+            return
         if event.HasField("results"):
             self.last = summary_line(event.results.snapshot)
             for result in event.results.results:
@@ -240,4 +377,7 @@ class WatchView:
                 row.error or row.summary,
                 style="on grey15" if fresh else None,
             )
-        return Group(self.last, table)
+        if not self.breaks:
+            return Group(self.last, table)
+        breaks = [resolution_line(resolution) for resolution in self.breaks.values()]
+        return Group(self.last, table, Text("breaks of deadlocks", style="bold"), *breaks)

@@ -1,4 +1,4 @@
-"""``stablewatch status``: the attached agents and the latest predicate values."""
+"""``stablewatch status``: the attached agents, the latest predicate values and the latest break of a deadlock."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import json
 
 import grpc
 from rich.console import Console
+from rich.text import Text
 
 from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.cli.query import connection_options, run_query, timeout_option
-from stablewatch.cli.render import members_table, proto_dict, results_report
-from stablewatch.v1.query_pb2 import SnapshotResults
+from stablewatch.cli.render import members_table, proto_dict, resolution_dict, resolution_line, results_report
+from stablewatch.v1.query_pb2 import Resolution, SnapshotResults
 
 __all__ = ["add_parser", "run"]
 
@@ -20,7 +21,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     commands.add_parser(
         "status",
         parents=[connection_options(), timeout_option()],
-        help="attached agents and the latest predicate values",
+        help="attached agents, the latest predicate values and the latest break of a deadlock",
     )
 
 
@@ -32,6 +33,7 @@ def _status(client: DetectorClient, args: argparse.Namespace, console: Console) 
     membership = client.membership()
     members = list(membership.members)
     latest = _latest_or_none(client)
+    latest_break = _latest_break(client)
     if args.json:
         report = {
             "detector": client.address,
@@ -39,6 +41,7 @@ def _status(client: DetectorClient, args: argparse.Namespace, console: Console) 
             "expected_missing": list(membership.expected_missing),
             "expected_count": membership.expected_count,
             "latest": None if latest is None else proto_dict(latest),
+            "latest_resolution": None if latest_break is None else resolution_dict(latest_break),
         }
         print(json.dumps(report), flush=True)
     else:
@@ -49,7 +52,20 @@ def _status(client: DetectorClient, args: argparse.Namespace, console: Console) 
         if membership.expected_count and len(members) < membership.expected_count:
             console.print(f"[yellow]{len(members)} of {membership.expected_count} expected processes are attached[/]")
         console.print(results_report(latest) if latest else "[dim]no snapshot has completed yet[/]")
+        if latest_break is not None:
+            console.print(Text("latest ") + resolution_line(latest_break))
     return 0
+
+
+def _latest_break(client: DetectorClient) -> Resolution | None:
+    """The newest break of a deadlock, if any (None too from a detector older than breaking)."""
+    try:
+        page = client.list_resolutions(page_size=1)
+    except DetectorError as error:
+        if error.code == grpc.StatusCode.UNIMPLEMENTED:
+            return None
+        raise
+    return page.resolutions[0] if page.resolutions else None
 
 
 def _latest_or_none(client: DetectorClient) -> SnapshotResults | None:

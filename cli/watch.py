@@ -1,4 +1,8 @@
-"""``stablewatch watch``: follow predicate values live, as a table or one JSON object per event."""
+"""``stablewatch watch``: follow predicate values live, as a table or one JSON object per event.
+
+Breaks of deadlocks come on the same stream (when sent, and when their agent answers), with or
+without ``--changes-only``: listed under the table, and as events of their own in JSON.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from rich.live import Live
 from stablewatch.cli import arguments
 from stablewatch.cli.client import DetectorClient
 from stablewatch.cli.query import CommandError, connection_options, run_query, timeout_option
-from stablewatch.cli.render import WatchView, proto_dict
+from stablewatch.cli.render import WatchView, proto_dict, resolution_dict
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.v1.query_pb2 import WatchEvent
 
@@ -21,9 +25,12 @@ __all__ = ["add_parser", "run"]
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
     watch = commands.add_parser(
-        "watch", parents=[connection_options(), timeout_option()], help="follow predicate values live"
+        "watch",
+        parents=[connection_options(), timeout_option()],
+        help="follow predicate values live, and the breaks of deadlocks",
     )
-    watch.add_argument("--changes-only", action="store_true", help="only snapshots that change a predicate's value")
+    watch.add_argument("--changes-only", action="store_true",
+                       help="only snapshots that change a predicate's value (and breaks of deadlocks)")  # fmt: skip
     watch.add_argument("--count", type=arguments.positive_int, metavar="N", help="stop after N events")
 
 
@@ -57,5 +64,10 @@ def _watch(client: DetectorClient, args: argparse.Namespace, console: Console) -
 
 
 def _watch_json(event: WatchEvent) -> dict[str, Any]:
+    """One event as JSON: ``outcome`` is the snapshot's (completed, aborted) when the event has
+    results; a break of a deadlock (``resolution``) has its outcome as a word (resolution_dict)."""
     outcome = outcome_name(event.results.snapshot.outcome) if event.HasField("results") else None
-    return {"outcome": outcome, **proto_dict(event)}
+    report = {"outcome": outcome, **proto_dict(event)}
+    if event.HasField("resolution"):
+        report["resolution"] = resolution_dict(event.resolution)
+    return report

@@ -47,6 +47,7 @@ serving, each process prints one JSON line on stdout:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import logging
@@ -111,52 +112,82 @@ WORKLOADS = {
 }
 
 
+FINISHED_KEPT = 5000  # the most recent finished calls each process keeps in its books
+
+
 class Outstanding:
     """The calls this process has out right now, and what finished: the application's own books.
 
-    Kept by the shop itself, apart from stablewatch, so that a naive poller can read them.
+    Kept by the shop itself, apart from stablewatch, so that a naive poller can read them, and so
+    that ``bench/resolution.py`` can tell from the services' own clocks when the last worker
+    blocked and when a victim's call came back ``ABORTED``.
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._next = 0
-        self._calls: dict[int, tuple[str, str, str, float]] = {}  # id -> (callee, method, thread, since)
+        # id -> (callee, method, thread, since (monotonic), began (wall clock))
+        self._calls: dict[int, tuple[str, str, str, float, float]] = {}
         self._busy = 0
         self.counts: dict[str, int] = {}  # method -> calls handled (services) or completed (client)
+        # (began, ended) on the wall clock, method, status code name, details: the latest finished calls
+        self.finished: collections.deque[tuple[float, float, str, str, str]] = collections.deque(maxlen=FINISHED_KEPT)
 
     @contextlib.contextmanager
     def call(self, method: str) -> Iterator[None]:
         """Book an outgoing call to `method` while the block runs."""
+        began = time.time()
         with self._lock:
             self._next += 1
             token = self._next
-            self._calls[token] = (CALLEE[method], method, threading.current_thread().name, time.monotonic())
+            self._calls[token] = (CALLEE[method], method, threading.current_thread().name, time.monotonic(), began)
+        code, details = "OK", ""
         try:
             yield
+        except grpc.RpcError as error:
+            code, details = error.code().name, str(error.details() or "")[:300]
+            raise
         finally:
+            ended = time.time()
             with self._lock:
                 del self._calls[token]
+                self.finished.append((began, ended, method, code, details))
 
     @contextlib.contextmanager
     def handling(self, method: str) -> Iterator[None]:
-        """Count a busy handler of `method` while the block runs, and the call once it returned."""
+        """Count a busy handler of `method` while the block runs, and the call once it returned
+        (not one that raised: an aborted order is not a completed one)."""
         with self._lock:
             self._busy += 1
         try:
             yield
-        finally:
+        except BaseException:
             with self._lock:
                 self._busy -= 1
-                self.counts[method] = self.counts.get(method, 0) + 1
+            raise
+        with self._lock:
+            self._busy -= 1
+            self.counts[method] = self.counts.get(method, 0) + 1
 
     def status(self) -> dict[str, object]:
         now = time.monotonic()
         with self._lock:
             calls = [
-                {"id": token, "to": callee, "method": method, "thread": thread, "age_ms": round((now - since) * 1e3, 3)}
-                for token, (callee, method, thread, since) in self._calls.items()
+                {
+                    "id": token,
+                    "to": callee,
+                    "method": method,
+                    "thread": thread,
+                    "age_ms": round((now - since) * 1e3, 3),
+                    "began": began,
+                }
+                for token, (callee, method, thread, since, began) in self._calls.items()
             ]
-            return {"outstanding": calls, "busy": self._busy, "counts": dict(self.counts)}
+            finished = [
+                {"began": began, "ended": ended, "method": method, "code": code, "details": details}
+                for began, ended, method, code, details in self.finished
+            ]
+            return {"outstanding": calls, "busy": self._busy, "counts": dict(self.counts), "finished": finished}
 
 
 class Peers:
@@ -238,7 +269,13 @@ class Shop:
                 try:
                     return body(request)
                 except grpc.RpcError as error:  # a call below failed (at shutdown: CANCELLED); say so, quietly
-                    context.abort(error.code(), f"{method}: a call it made ended in {error.code().name}")
+                    # Its details go along: a broken deadlock's ABORTED names the deadlock all the way up.
+                    cause = f": {error.details()}" if error.details() else ""
+                    context.abort(error.code(), f"{method}: a call it made ended in {error.code().name}{cause}")
+                except (ValueError, RuntimeError):  # a channel closed under it: the shop is stopping
+                    if not self.stopping.is_set():
+                        raise
+                    context.abort(grpc.StatusCode.UNAVAILABLE, f"{method}: the shop is stopping")
 
         return grpc.unary_unary_rpc_method_handler(handle)  # no (de)serializers: bytes in, bytes out
 
@@ -273,6 +310,11 @@ class Shop:
             self._call(CONFIRM, order)
         return b"reserved " + order
 
+    def rng_backoff(self) -> float:
+        """A retry's back-off: 10 to 50 ms, random so that retried orders do not move in step."""
+        with self.rng_lock:
+            return self.rng.uniform(0.010, 0.050)
+
     def run_client(self, concurrency: int) -> list[threading.Thread]:
         """Start `concurrency` threads that each place orders one after another until stopped."""
         threads = [
@@ -293,6 +335,12 @@ class Shop:
             except grpc.RpcError as error:
                 if self.stopping.is_set():
                     return
+                if error.code() == grpc.StatusCode.ABORTED:
+                    # stablewatch broke a proven deadlock and this order's call chain was its victim:
+                    # nothing of it ran to the end, so place it again after a short back-off.
+                    log.warning("Place of order-%d-%d aborted: %s", number, sequence, error.details())
+                    time.sleep(self.rng_backoff())
+                    continue
                 log.warning("Place failed: %s", error.code())
                 time.sleep(0.1)
 
@@ -310,16 +358,26 @@ def read_status(admin: str | grpc.Channel, timeout: float = 5.0) -> dict[str, An
 
 def _instrument(
     args: argparse.Namespace, workers: int
-) -> tuple[list[grpc.ServerInterceptor], Callable[[grpc.Channel, str], grpc.Channel], Callable[[], None]]:
+) -> tuple[
+    list[grpc.ServerInterceptor],
+    Callable[[grpc.Channel, str], grpc.Channel],
+    Callable[[], None],
+    futures.ThreadPoolExecutor,
+]:
     """This process's RPC-mode agent: its server interceptors, how a channel to a given service is
-    instrumented, and how to stop it. Without ``--detector`` there is no agent: plain gRPC.
+    instrumented, how to stop it, and the server's worker pool. Without ``--detector`` there is no
+    agent: plain gRPC.
     """
     if args.detector is None:
-        return [], lambda channel, service: channel, lambda: None
+        pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{args.service}-worker")
+        return [], lambda channel, service: channel, lambda: None, pool
     agent = RpcAgent(args.service, detector=args.detector).start()
-    # The two lines a service adds: an interceptor on its server, and each channel instrumented (naming its peer).
-    server_interceptors = [agent.server_interceptor(workers=workers)]
-    return server_interceptors, agent.instrument_channel, agent.stop
+    # The lines a service adds: its worker pool from the agent (so that a request queued in a
+    # deadlocked pool can be refused when stablewatch breaks it), an interceptor on its server, and
+    # each channel instrumented (naming its peer).
+    pool = agent.thread_pool(workers, thread_name_prefix=f"{args.service}-worker")
+    server_interceptors = [agent.server_interceptor(workers=pool)]
+    return server_interceptors, agent.instrument_channel, agent.stop, pool
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -329,7 +387,7 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     workload = WORKLOADS[args.workload]
     workers = args.workers or workload.workers.get(args.service, 1)
-    server_interceptors, instrument_channel, stop_agent = _instrument(args, workers)
+    server_interceptors, instrument_channel, stop_agent, pool = _instrument(args, workers)
     directory = PeerDirectory(args.peers_dir) if args.peers_dir else None
     peers = Peers(dict(args.peer), directory, instrument_channel)
     shop = Shop(args.service, args, peers)
@@ -342,7 +400,6 @@ def serve(args: argparse.Namespace) -> int:
     server = None
     address = None
     if args.service in SERVICES:
-        pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{args.service}-worker")
         server = grpc.server(pool, interceptors=server_interceptors)
         server.add_generic_rpc_handlers([shop.handlers()])
         address = _bind(server, args.listen)

@@ -7,8 +7,9 @@ default or any cluster through ``spark-submit``:
 * ``evaluate`` — every predicate for every snapshot, in parallel across snapshots, with the
   detector's own :func:`~stablewatch.detector.evaluation.evaluate`; a snapshot too large for one
   worker is first reduced on DataFrames (:mod:`.reduce`);
-* ``history`` — deadlock and termination episodes, recurring processes, conservation drift,
-  channel backlog and snapshot outcomes, as tables, a terminal summary and a chart;
+* ``history`` — deadlock and termination episodes, recurring processes, the deadlocks the
+  detector broke, conservation drift, channel backlog and snapshot outcomes, as tables, a
+  terminal summary and a chart;
 * ``follow`` — Structured Streaming over the archive folder, each new batch evaluated as it
   lands, resuming from its checkpoint.
 

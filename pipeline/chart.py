@@ -1,7 +1,9 @@
-"""The history chart: deadlocked processes and channel backlog over time, as one PNG (matplotlib, Agg)."""
+"""The history chart: deadlocked processes, the deadlocks broken, and channel backlog over time, as one
+PNG (matplotlib, Agg)."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 import matplotlib
@@ -18,12 +20,14 @@ from stablewatch.detector.evaluation.text import plural
 __all__ = ["draw_history"]
 
 
-def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path) -> Path:
+def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path, breaks: pa.Table | None = None) -> Path:
     """Draw `timeline` (from :func:`~stablewatch.pipeline.history.timeline`) to the PNG at `path`.
 
     Top: the number of deadlocked processes per snapshot, each deadlock episode shaded from its
-    first snapshot to its end (or its last snapshot while ongoing). Bottom: messages in flight
-    over all channels and on the busiest channel. Returns `path`.
+    first snapshot to its end (or its last snapshot while ongoing), and with `breaks` (from
+    :func:`~stablewatch.pipeline.history.breaks`) a dashed line where each deadlock was broken
+    (its agent's answer). Bottom: messages in flight over all channels and on the busiest
+    channel. Returns `path`.
     """
     times = timeline.column("started_at").to_pylist()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, constrained_layout=True)
@@ -36,9 +40,17 @@ def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path) ->
             strict=True,
         ):
             top.axvspan(began, ended or last, color="tab:red", alpha=0.12, linewidth=0)
+        broken = _broken_at(breaks)
+        for n, moment in enumerate(broken):
+            top.axvline(moment, color="black", linestyle="--", linewidth=1, label="deadlock broken" if n == 0 else None)
+        if broken:
+            top.legend(loc="upper left")
         top.set_ylabel("deadlocked processes")
-        episodes = plural(deadlock_episodes.num_rows, "deadlock episode")
-        top.set_title(f"stablewatch history: {plural(len(times), 'snapshot')}, {episodes}")
+        title = f"stablewatch history: {plural(len(times), 'snapshot')}, "
+        title += plural(deadlock_episodes.num_rows, "deadlock episode")
+        if broken:
+            title += f", {plural(len(broken), 'deadlock')} broken"
+        top.set_title(title)
         top.grid(alpha=0.3)
 
         bottom.plot(times, timeline.column("messages_in_flight").to_pylist(), label="all channels")
@@ -58,3 +70,11 @@ def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path) ->
     finally:
         plt.close(figure)
     return path
+
+
+def _broken_at(breaks: pa.Table | None) -> list[datetime]:
+    """When each wait reported broken was answered (the deadlock ending), in order."""
+    if breaks is None or not breaks.num_rows:
+        return []
+    rows = zip(breaks.column("outcome").to_pylist(), breaks.column("reported_at").to_pylist(), strict=True)
+    return sorted(at for outcome, at in rows if outcome == "broken" and at is not None)

@@ -14,6 +14,7 @@ import argparse
 import importlib.util
 import json
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -123,7 +124,9 @@ def parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--to-id", type=_count, metavar="ID", help="last snapshot id")
 
     history = jobs.add_parser(
-        "history", parents=[common, days], help="deadlock episodes, termination, drift, backlog, outcomes; a chart"
+        "history",
+        parents=[common, days],
+        help="deadlock episodes and the deadlocks broken, termination, drift, backlog, outcomes; a chart",
     )
     history.add_argument(
         "--evaluations",
@@ -254,11 +257,15 @@ def _history(args: argparse.Namespace, console: Console) -> int:
         last_day=args.to_day,
     )
     if args.json:
+        outcomes = Counter(history.tables["breaks"].column("outcome").to_pylist())
         report = {
             "evaluated": history.evaluated,
             "aborted": history.aborted,
             "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
             "termination_episodes": history.tables["termination_episodes"].num_rows,
+            "breaks": history.tables["breaks"].num_rows,
+            "deadlocks_broken": outcomes["broken"],
+            "break_outcomes": dict(sorted(outcomes.items())),
             "tables": [str(path) for path in history.files],
             "chart": None if history.chart is None else str(history.chart),
         }

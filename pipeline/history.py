@@ -14,6 +14,10 @@
 * :func:`channel_backlog` — percentiles of the messages and bytes in flight per channel, over
   time buckets and over the whole range; :func:`timeline` — one row per snapshot for the chart.
 * :func:`snapshot_outcomes` and :func:`abort_reasons` — how snapshots ended and how long they took.
+* :func:`breaks` and :func:`breaks_over_time` — the deadlocks the detector broke (the archive's
+  ``resolutions`` table, empty in an archive without one): each break's victim, outcome and
+  times, and per time bucket how many deadlocks were broken, the victims and what became of the
+  breaks; :func:`deadlock_episodes` counts the breaks of each episode.
 
 Every function is lazy; :func:`build_history` evaluates (or reads earlier evaluations), collects
 the tables (aggregates, small), writes them and draws the chart. :func:`run_history` is the job.
@@ -45,6 +49,8 @@ from stablewatch.pipeline.verdict import verdict
 __all__ = [
     "History",
     "abort_reasons",
+    "breaks",
+    "breaks_over_time",
     "build_history",
     "channel_backlog",
     "conservation_drift",
@@ -156,18 +162,30 @@ def deadlocked_nodes(evaluations: DataFrame) -> DataFrame:
     )
 
 
-def deadlock_episodes(evaluations: DataFrame) -> DataFrame:
+def deadlock_episodes(evaluations: DataFrame, resolutions: DataFrame | None = None) -> DataFrame:
     """:func:`episodes` of ``deadlock``, with the ``processes`` and ``tasks`` (``P/task``) involved and
-    ``max_deadlocked_nodes``, the most nodes deadlocked in one snapshot."""
-    nodes = deadlocked_nodes(evaluations).join(
-        runs(evaluations, "deadlock").select("snapshot_id", "run"), "snapshot_id"
-    )
+    ``max_deadlocked_nodes``, the most nodes deadlocked in one snapshot.
+
+    With the archive's `resolutions`, also ``breaks`` (the breaks of the episode's deadlocks: those
+    a snapshot of the episode proved) and ``broken`` (of them, the waits their agents broke), 0
+    for an episode without any.
+    """
+    held = runs(evaluations, "deadlock").select("snapshot_id", "run")
+    nodes = deadlocked_nodes(evaluations).join(held, "snapshot_id")
     involved = nodes.groupBy("run").agg(
         F.array_sort(F.collect_set("process")).alias("processes"),
         F.array_sort(F.collect_set(F.when(F.col("task") != "", F.col("label")))).alias("tasks"),
     )
     most = nodes.groupBy("run", "snapshot_id").count().groupBy("run").agg(F.max("count").alias("max_deadlocked_nodes"))
-    return episodes(evaluations, "deadlock").join(involved, "run", "left").join(most, "run", "left").orderBy("episode")
+    found = episodes(evaluations, "deadlock").join(involved, "run", "left").join(most, "run", "left")
+    if resolutions is not None:
+        counted = (
+            resolutions.join(held, "snapshot_id")
+            .groupBy("run")
+            .agg(F.count(F.lit(1)).alias("breaks"), F.count(F.when(F.col("outcome") == "broken", 1)).alias("broken"))
+        )
+        found = found.join(counted, "run", "left").fillna(0, ["breaks", "broken"])
+    return found.orderBy("episode")
 
 
 def recurring_processes(evaluations: DataFrame) -> DataFrame:
@@ -313,6 +331,84 @@ def abort_reasons(snapshots: DataFrame, top: int = 20) -> DataFrame:
     )
 
 
+def _label(process: Column | str, task: Column | str) -> Column:
+    """A wait-for node as text, as :func:`~stablewatch.detector.evaluation.waitfor.label` writes it:
+    ``P`` for the process itself, ``P/task`` for one of its tasks (``P /svc/Method#...`` for an RPC call)."""
+    task = F.coalesce(F.col(task) if isinstance(task, str) else task, F.lit(""))
+    process = F.col(process) if isinstance(process, str) else process
+    return (
+        F.when(task == "", process)
+        .when(task.startswith("/"), F.concat_ws(" ", process, task))
+        .otherwise(F.concat_ws("/", process, task))
+    )
+
+
+def breaks(resolutions: DataFrame, snapshots: DataFrame) -> DataFrame:
+    """Every archived break of a deadlock, in the order they were sent.
+
+    Columns: ``resolution_id, snapshot_id, sent_at, reported_at, victim`` (``P`` or ``P/task``),
+    ``instance, policy, requested_by, outcome`` (broken, gone, already_broken, unanswered,
+    pending), ``deadlock, component_size``, ``waited_seconds`` (how long the victim had waited
+    when the break was sent), ``answer_seconds`` (from sending to the agent's answer) and
+    ``recovery_seconds`` (for a broken wait, from the start of the snapshot that proved the
+    deadlock to the answer: as long as the deadlock can have lasted after it was seen, the
+    detector's ``stablewatch_resolution_seconds``; null when that snapshot is not in the range read).
+    """
+    proving = snapshots.select("snapshot_id", F.col("started_at").alias("proved_by_start"))
+    recovery = F.when(F.col("outcome") == "broken", _seconds("reported_at", "proved_by_start"))
+    return (
+        resolutions.join(proving, "snapshot_id", "left")
+        .select(
+            "resolution_id",
+            "snapshot_id",
+            "sent_at",
+            "reported_at",
+            _label("process_id", "task").alias("victim"),
+            "instance",
+            "policy",
+            "requested_by",
+            "outcome",
+            "deadlock",
+            F.size(F.coalesce("component", F.array())).alias("component_size"),
+            _seconds("sent_at", "wait_began_at").alias("waited_seconds"),
+            _seconds("reported_at", "sent_at").alias("answer_seconds"),
+            recovery.alias("recovery_seconds"),
+        )
+        .orderBy("sent_at", "resolution_id")
+    )
+
+
+#: The outcomes counted per bucket by :func:`breaks_over_time`, as its columns.
+BREAK_OUTCOME_COLUMNS = ("broken", "gone", "already_broken", "unanswered", "pending")
+
+
+def breaks_over_time(found: DataFrame, bucket_seconds: int) -> DataFrame:
+    """Per time bucket of `bucket_seconds` (by when the break was sent), from :func:`breaks`: how
+    many breaks, how many of each outcome (``broken`` is the number of deadlocks broken), the
+    proving snapshots, the victims (sorted), and percentiles of ``recovery_seconds``. With
+    `bucket_seconds` 0, one row over the whole range (``bucket_start`` null); none without breaks.
+
+    Columns: ``bucket_start, breaks, broken, gone, already_broken, unanswered, pending,
+    snapshots, victims, recovery_p50, recovery_p90, recovery_p99, recovery_max``.
+    """
+    if bucket_seconds:
+        start = F.floor(F.unix_seconds("sent_at") / bucket_seconds) * bucket_seconds
+        bucket = F.timestamp_seconds(start)
+    else:
+        bucket = F.lit(None).cast("timestamp")
+    return (
+        found.groupBy(bucket.alias("bucket_start"))
+        .agg(
+            F.count(F.lit(1)).alias("breaks"),
+            *(F.count(F.when(F.col("outcome") == word, 1)).alias(word) for word in BREAK_OUTCOME_COLUMNS),
+            F.countDistinct("snapshot_id").alias("snapshots"),
+            F.array_sort(F.collect_set("victim")).alias("victims"),
+            *_percentiles("recovery_seconds", "recovery"),
+        )
+        .orderBy("bucket_start")
+    )
+
+
 # -- the job ------------------------------------------------------------------------------------------------
 
 
@@ -336,9 +432,11 @@ def build_history(
     """Compute every history table from `evaluations` and `archive`; write them to ``out/history``; draw the chart."""
     snapshots = archive.table("snapshots").drop("snapshot")
     channels = archive.table("channels")
+    resolutions = archive.table("resolutions")  # empty in an archive without breaks
     drift = conservation_drift(evaluations)
+    found = breaks(resolutions, snapshots)
     frames = {
-        "deadlock_episodes": deadlock_episodes(evaluations),
+        "deadlock_episodes": deadlock_episodes(evaluations, resolutions),
         "recurring_processes": recurring_processes(evaluations),
         "termination_episodes": episodes(evaluations, "termination"),
         "conservation": drift,
@@ -348,6 +446,8 @@ def build_history(
         "timeline": timeline(evaluations, snapshots, channels),
         "snapshot_outcomes": snapshot_outcomes(snapshots),
         "abort_reasons": abort_reasons(snapshots),
+        "breaks": found,
+        "breaks_over_time": breaks_over_time(found, bucket_seconds),
     }
     with archive.reading():
         tables = {name: frame.toArrow() for name, frame in frames.items()}
@@ -363,7 +463,9 @@ def build_history(
     if len(times):
         history.first_at, history.last_at = times[0].as_py(), times[-1].as_py()
     if chart:
-        history.chart = draw_history(tables["timeline"], tables["deadlock_episodes"], out / "history.png")
+        history.chart = draw_history(
+            tables["timeline"], tables["deadlock_episodes"], out / "history.png", breaks=tables["breaks"]
+        )
     return history
 
 
@@ -393,7 +495,7 @@ def run_history(
     """
     spark = spark or get_session()
     opened = open_archive(spark, Path(archive), first_day, last_day)
-    for table in ("snapshots", "channels"):  # check every file it reads before any work
+    for table in ("snapshots", "channels", "resolutions"):  # check every file it reads before any work
         opened.files(table)
     out = Path(out)
     evaluated = aborted = 0

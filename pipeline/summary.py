@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -97,17 +98,21 @@ def evaluate_report(verdicts: pa.Table, evaluated: int, aborted: int, large: int
 
 
 def history_report(history: ReportedHistory) -> Group:
-    """The ``history`` summary: the headline, then deadlock episodes, recurring processes, termination,
-    conservation, snapshot outcomes and the busiest channels; a table with no rows is one line instead."""
+    """The ``history`` summary: the headline, then deadlock episodes, recurring processes, the deadlocks
+    broken (only when there were breaks), termination, conservation, snapshot outcomes and the
+    busiest channels; a table with no rows is one line instead."""
     t = history.tables
     deadlocks = t["deadlock_episodes"].to_pylist()
     ongoing = sum(1 for e in deadlocks if e["ongoing"])
     terminations = t["termination_episodes"].to_pylist()
+    breaks = t["breaks"].to_pylist() if "breaks" in t else []
+    broken = sum(1 for b in breaks if b["outcome"] == "broken")
     head = Text.assemble(
         (plural(t["timeline"].num_rows, "snapshot"), "bold"),
         f" from {_when(history.first_at)} to {_when(history.last_at)} UTC; ",
         (plural(len(deadlocks), "deadlock episode"), "bold red" if deadlocks else "bold green"),
         f" ({ongoing} ongoing)" if ongoing else "",
+        *([("; ", ""), (f"{plural(broken, 'deadlock')} broken", "bold"), (f" ({_of(breaks)})", "")] if breaks else []),
         _terminated(terminations),
     )
     parts: list[RenderableType] = [head]
@@ -115,7 +120,9 @@ def history_report(history: ReportedHistory) -> Group:
     if not deadlocks and not recurring:
         parts.append(Text("no deadlock episode"))
     else:
-        parts.extend(_deadlock_tables(deadlocks, recurring))
+        parts.extend(_deadlock_tables(deadlocks, recurring, with_breaks=bool(breaks)))
+    if breaks:
+        parts.extend(_break_tables(breaks, t["breaks_over_time"].to_pylist()))
     if not terminations:
         parts.append(Text("no termination episode"))
     else:
@@ -156,11 +163,21 @@ def history_report(history: ReportedHistory) -> Group:
     return Group(*parts)
 
 
-def _deadlock_tables(deadlocks: list[dict[str, Any]], recurring: list[dict[str, Any]]) -> list[Table]:
-    """The deadlock episodes and the processes most often deadlocked."""
+def _of(breaks: list[dict[str, Any]]) -> str:
+    """How the breaks ended, e.g. ``3 breaks: 2 broken, 1 gone``."""
+    outcomes = Counter(b["outcome"] for b in breaks)
+    counted = ", ".join(f"{n} {word.replace('_', ' ')}" for word, n in sorted(outcomes.items()))
+    return f"{plural(len(breaks), 'break')}: {counted}"
+
+
+def _deadlock_tables(
+    deadlocks: list[dict[str, Any]], recurring: list[dict[str, Any]], with_breaks: bool = False
+) -> list[Table]:
+    """The deadlock episodes (with their breaks when there were any) and the processes most often deadlocked."""
+    columns = ["#", "began (after → by)", "ended by", "lasted", "snapshots", "processes", "tasks"]
     episodes = _table(
         "deadlock episodes",
-        ["#", "began (after → by)", "ended by", "lasted", "snapshots", "processes", "tasks"],
+        columns + (["broken"] if with_breaks else []),
         [
             [
                 e["episode"],
@@ -170,6 +187,7 @@ def _deadlock_tables(deadlocks: list[dict[str, Any]], recurring: list[dict[str, 
                 f"{e['first_snapshot_id']}..{e['last_snapshot_id']} ({e['snapshots']})",
                 _names(e["processes"]),
                 _names(e["tasks"]),
+                *([f"{e.get('broken') or 0} of {e.get('breaks') or 0}"] if with_breaks else []),
             ]
             for e in deadlocks[:_ROWS]
         ],
@@ -185,6 +203,55 @@ def _deadlock_tables(deadlocks: list[dict[str, Any]], recurring: list[dict[str, 
         len(recurring),
     )
     return [episodes, processes]
+
+
+def _seconds(seconds: float | None) -> str:
+    """A short time, to the millisecond (a break's recovery is often well under a second)."""
+    if seconds is None:
+        return "—"
+    if seconds < 1:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.2f} s" if seconds < 10 else _duration(seconds)
+
+
+def _break_tables(breaks: list[dict[str, Any]], buckets: list[dict[str, Any]]) -> list[Table]:
+    """The deadlocks broken per time bucket, and the last breaks one by one."""
+    over_time = _table(
+        "deadlocks broken",
+        ["from", "broken", "gone", "already broken", "unanswered", "victims", "recovery p50", "max"],
+        [
+            [
+                _when(b["bucket_start"]),
+                b["broken"],
+                b["gone"],
+                b["already_broken"],
+                b["unanswered"] + b["pending"],
+                _names(b["victims"]),
+                _seconds(b["recovery_p50"]),
+                _seconds(b["recovery_max"]),
+            ]
+            for b in buckets[:_ROWS]
+        ],
+        len(buckets),
+    )
+    last = breaks[-_ROWS:]
+    one_by_one = _table(
+        "last breaks",
+        ["sent", "snapshot", "victim", "chosen by", "outcome", "recovery"],
+        [
+            [
+                _when(b["sent_at"]),
+                b["snapshot_id"],
+                b["victim"],
+                b["policy"] if b["requested_by"] == "detector" else b["requested_by"],
+                b["outcome"].replace("_", " "),
+                _seconds(b["recovery_seconds"]),
+            ]
+            for b in last
+        ],
+        len(breaks),
+    )
+    return [over_time, one_by_one]
 
 
 def _termination_table(terminations: list[dict[str, Any]]) -> Table:

@@ -56,7 +56,10 @@ def check_file(path: Path, table: str) -> None:
             "upgrade stablewatch"
         )
     # An older file lacks the columns added since: Spark reads them as null.
-    expected = table_schema(table, int(version))
+    try:
+        expected = table_schema(table, int(version))
+    except ArchiveError as error:  # a table that came later than the file's version
+        raise ArchiveError(f"{path}: {error}") from None
     expected = expected.remove(expected.get_field_index("day"))
     if not schema.remove_metadata().equals(expected):
         raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {int(version)}")

@@ -12,14 +12,15 @@ import grpc
 
 from stablewatch.agents.control import ControlClient
 from stablewatch.v1 import AgentMessage, DetectorMessage
-from stablewatch.v1.control_pb2 import Refused, Registered, StartSnapshot
+from stablewatch.v1.control_pb2 import BreakReport, BreakWait, Refused, Registered, StartSnapshot
 from stablewatch.v1.control_pb2_grpc import ControlServicer, add_ControlServicer_to_server
 
 __all__ = ["Agent", "FakeDetector", "serve", "session", "start"]
 
 
 class FakeDetector(ControlServicer):
-    """Records every stream's messages and sends what the test tells it to on the latest stream."""
+    """Records every stream's messages and sends what the test tells it to on the latest stream
+    (or on the latest stream of one process, :meth:`send_to`)."""
 
     def __init__(
         self, refuse: int = 0, heartbeat_interval_ms: int = 0, epoch: int = 0, answer: asyncio.Event | None = None
@@ -31,6 +32,7 @@ class FakeDetector(ControlServicer):
         self.registrations: list[AgentMessage] = []
         self.received: list[AgentMessage] = []  # everything after Register, over all streams
         self._outbox: asyncio.Queue[DetectorMessage] | None = None
+        self._outboxes: dict[str, asyncio.Queue[DetectorMessage]] = {}  # each process's latest stream
 
     async def Attach(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> None:
         first = await context.read()
@@ -41,6 +43,7 @@ class FakeDetector(ControlServicer):
             return
         outbox: asyncio.Queue[DetectorMessage] = asyncio.Queue()
         self._outbox = outbox
+        self._outboxes[first.register.process_id] = outbox
         if self.answer is not None:
             await self.answer.wait()
         registered = Registered(
@@ -63,6 +66,28 @@ class FakeDetector(ControlServicer):
         """Send ``message`` on the latest accepted stream."""
         assert self._outbox is not None, "no agent attached"
         self._outbox.put_nowait(message)
+
+    def send_to(self, process_id: str, message: DetectorMessage) -> None:
+        """Send ``message`` on the latest accepted stream of ``process_id``."""
+        assert process_id in self._outboxes, f"{process_id} never attached"
+        self._outboxes[process_id].put_nowait(message)
+
+    def attached(self, process_id: str) -> bool:
+        """Whether ``process_id`` has had a stream accepted (and answered with Registered)."""
+        return process_id in self._outboxes
+
+    def break_wait(
+        self, process_id: str, instance: int, *, break_id: int, snapshot_id: int = 1, task: str = ""
+    ) -> None:
+        """Send ``process_id`` a ``BreakWait`` for its wait ``instance`` (the cycle "A -> B -> A")."""
+        order = BreakWait(
+            break_id=break_id, snapshot_id=snapshot_id, instance=instance, task=task, deadlock="A -> B -> A"
+        )
+        self.send_to(process_id, DetectorMessage(break_wait=order))
+
+    def report(self, break_id: int) -> BreakReport | None:
+        """The ``BreakReport`` answering break ``break_id``, once it has come (None before)."""
+        return next((r for r in self.of_kind("break_report") if r.break_id == break_id), None)
 
     def of_kind(self, kind: str) -> list[Any]:
         """The received messages of one kind ("part", "heartbeat", ...), unwrapped, in order."""

@@ -10,14 +10,17 @@ and on messages; cuts are open or closed.
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from stablewatch.detector.archive.files import ensure_archive, write_batch
-from stablewatch.detector.archive.schema import snapshot_rows
+import pyarrow.parquet as pq
+
+from stablewatch.detector.archive.files import ensure_archive, parquet_files, write_batch
+from stablewatch.detector.archive.schema import MARKER_FILE, METADATA_KEY, TABLES, snapshot_rows, table_schema
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
 from stablewatch.pipeline.evaluate import order_key
 from stablewatch.v1 import (
@@ -221,6 +224,18 @@ def write_archive(
         if i % batch_size == 0 or i == len(items):
             write_batch(root, batch)
             batch = {}
+    return root
+
+
+def as_version(root: Path, version: int) -> Path:
+    """Rewrite the archive at `root` as a stablewatch of schema `version` would have written it: each
+    file with that version's columns only, and its marker. It must hold no table that came later."""
+    for table in TABLES:
+        for path in parquet_files(root, table):
+            schema = table_schema(table, version)
+            old = pq.read_table(path).select([name for name in schema.names if name != "day"])
+            pq.write_table(old.replace_schema_metadata({METADATA_KEY: str(version).encode()}), path)
+    (root / MARKER_FILE).write_text(json.dumps({"format": "stablewatch-archive", "schema_version": version}))
     return root
 
 

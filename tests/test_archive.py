@@ -33,6 +33,7 @@ from stablewatch.detector.archive.reader import check, read_snapshots
 from stablewatch.detector.archive.schema import (
     MARKER_FILE,
     METADATA_KEY,
+    SCHEMA_VERSION,
     TABLES,
     ArchiveError,
     snapshot_from_rows,
@@ -45,12 +46,13 @@ from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.store import Store, StoreError
 from stablewatch.testing.detector import Running
 from stablewatch.testing.token_nodes import Node, connect_all
-from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState, PredicateResult
+from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState, PredicateResult, WaitNode
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_RUNNING
 
 pytestmark = pytest.mark.timeout(120)
 
 DAY = 86400.0
+NEWER = SCHEMA_VERSION + 1  # a schema version this code does not read
 T0 = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
 
 
@@ -350,13 +352,13 @@ def foreign(root: Path) -> Path:
 def newer_file(root: Path) -> Path:
     path = some_file(root)
     table = pq.read_table(path)
-    pq.write_table(table.replace_schema_metadata({METADATA_KEY: b"3"}), path)
+    pq.write_table(table.replace_schema_metadata({METADATA_KEY: str(NEWER).encode()}), path)
     return path
 
 
 def newer_marker(root: Path) -> Path:
     marker = root / MARKER_FILE
-    marker.write_text(json.dumps({"format": "stablewatch-archive", "schema_version": 3}))
+    marker.write_text(json.dumps({"format": "stablewatch-archive", "schema_version": NEWER}))
     return marker
 
 
@@ -377,8 +379,8 @@ def twice(root: Path) -> Path:
     [
         (corrupt, "not a readable Parquet file"),
         (foreign, "not a stablewatch archive file"),
-        (newer_file, "schema version 3 is newer than this stablewatch reads (2); upgrade stablewatch"),
-        (newer_marker, "archive schema version 3 is newer than this stablewatch reads (2)"),
+        (newer_file, f"schema version {NEWER} is newer than this stablewatch reads ({SCHEMA_VERSION}); upgrade"),
+        (newer_marker, f"archive schema version {NEWER} is newer than this stablewatch reads ({SCHEMA_VERSION})"),
         (not_an_archive, "is not a stablewatch archive"),
         (twice, "is archived twice"),
     ],
@@ -514,3 +516,96 @@ def test_a_channels_file_of_version_1_reads_without_acknowledgement_positions(tm
     head = {"snapshot_id": 1}
     snapshot = snapshot_from_rows(head, [], [], [], [read], [])
     assert not snapshot.channels[0].HasField("receiver_acked")
+
+
+# -- wait instances (schema version 3) and older archives ------------------------------------------
+
+
+def with_instances(snapshot: GlobalSnapshot) -> GlobalSnapshot:
+    """`snapshot` (of :func:`samples.global_snapshot`) with its waits numbered and timed as agents
+    report them now, extremes included: an instance using all 64 bits, a start a Python datetime
+    cannot hold, one unknown (0); and several waits of one task, one per instance, the usual case."""
+    a, b = (process.state for process in snapshot.processes)
+    a.waits[0].instance, a.waits[0].began_at_us = 2**64 - 1, 1_700_000_000_123_456
+    b.waits[0].instance, b.waits[0].began_at_us = 7, 2**62
+    b.waits.add(task="t1", targets=[WaitNode(process="c")], instance=2**63)
+    b.waits.add(task="t1", instance=8, began_at_us=-5)
+    snapshot.started_at.FromMicroseconds(snapshot.started_at.ToMicroseconds())  # as the detector sets them
+    snapshot.completed_at.FromMicroseconds(snapshot.completed_at.ToMicroseconds())
+    return snapshot
+
+
+def test_wait_instances_and_starts_round_trip_through_rows_and_files(tmp_path: Path) -> None:
+    with Store(tmp_path / "data") as store:
+        snapshot_id = store.allocate_id(0)
+        store.begin(snapshot_id, T0, members=2)
+        snapshot = with_instances(global_snapshot(snapshot_id))
+        store.complete(snapshot, evaluation(snapshot_id, predicate_results()), T0 + 1)
+        item = load(store, snapshot_id)
+        assert item is not None
+        rows = snapshot_rows(item.summary, snapshot)
+        assert [(r["waiter_task"], r["instance"], r["began_at"]) for r in rows["wait_edges"]] == [
+            ("", -1, 1_700_000_000_123_456),  # uint64 kept in int64 by its bits
+            ("t1", 7, 2**62),
+            ("t1", -(2**63), None),  # began 0: unknown, null
+            ("t1", 8, -5),  # no targets: one row all the same
+        ]
+        rebuilt = snapshot_from_rows(
+            rows["snapshots"][0], *(rows[t] for t in ("processes", "counters", "wait_edges", "channels", "messages"))
+        )
+        assert rebuilt == snapshot
+        root = tmp_path / "archive"
+        assert restart_writer(root, store) == 1
+        [(head, read)] = list(read_snapshots(root))
+        assert read == snapshot == store.snapshot(snapshot_id)
+        assert GlobalSnapshot.FromString(head["snapshot"]) == snapshot
+
+
+def write_old_batch(root: Path, version: int, items: list[Any]) -> None:
+    """Write `items` (Finished) as a batch of schema `version`: the columns of that version only."""
+    rows = {table: [] for table in TABLES if table != "resolutions"}
+    for item in items:
+        for table, table_rows in snapshot_rows(item.summary, item.snapshot, item.evaluation).items():
+            rows[table].extend(table_rows)
+    name = batch_name([item.snapshot_id for item in items])
+    for table, table_rows in rows.items():
+        schema = table_schema(table, version)
+        for day in sorted({row["day"] for row in table_rows}):
+            path = root / table / f"day={day}" / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            day_rows = [{n: row[n] for n in schema.names} for row in table_rows if row["day"] == day]
+            arrow = pa.Table.from_pylist(day_rows, schema=schema).drop_columns(["day"])
+            pq.write_table(arrow.replace_schema_metadata({METADATA_KEY: str(version).encode()}), path)
+
+
+def test_an_archive_of_version_2_reads_its_waits_as_instance_0_and_takes_new_batches(
+    store: Store, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = complete(store)
+    root = tmp_path / "archive"
+    root.mkdir()
+    (root / MARKER_FILE).write_text(json.dumps({"format": "stablewatch-archive", "schema_version": 2}))
+    write_old_batch(root, 2, [load(store, old)])
+    store.mark_archived([old])
+    assert "instance" not in table_schema("wait_edges", 2).names
+    with pytest.raises(ArchiveError, match="schema version 2 has no resolutions table"):
+        table_schema("resolutions", 2)
+
+    [(_, snapshot)] = list(read_snapshots(root))
+    assert snapshot == store.snapshot(old)  # the store's waits carry no instance either
+    assert all(w.instance == 0 and w.began_at_us == 0 for p in snapshot.processes for w in p.state.waits)
+    edges = read_table(root, "wait_edges").to_pylist()
+    assert edges and all(e["instance"] is None and e["began_at"] is None for e in edges)
+
+    new = store.allocate_id(0)
+    store.begin(new, T0 + 10, members=2)
+    fresh = with_instances(global_snapshot(new))
+    store.complete(fresh, evaluation(new, predicate_results()), T0 + 11)
+    assert restart_writer(root, store) == 1  # a writer of version 3 goes on with the old archive
+    assert json.loads((root / MARKER_FILE).read_text())["schema_version"] == SCHEMA_VERSION
+    assert [pq.read_schema(p).metadata[METADATA_KEY] for p in parquet_files(root, "wait_edges")] == [b"2", b"3"]
+    assert_archived_exactly_once(store, root)
+    assert {h["snapshot_id"]: s for h, s in read_snapshots(root)}[new] == fresh
+    assert main(["archive", "check", "--archive", str(root), "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["schema_version"] == SCHEMA_VERSION and found["rows"]["snapshots"] == 2

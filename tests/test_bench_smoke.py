@@ -120,3 +120,33 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
         "overhead_p50_with_snapshots_at_most_0.05",
         "throughput_ratio_with_snapshots_at_least_0.95",
     }
+
+
+@pytest.mark.timeout(300)
+def test_resolution_benchmark_prints_its_json_line() -> None:
+    sizes = ["--deadlocks", "2", "--churn-snapshots", "20", "--detection-rounds", "1", "--max-seconds", "60"]
+    sizes += ["--hint-rounds", "1", "--hint-seconds", "0.5", "--hint-warmup", "0.2"]
+    result = bench_json("resolution.py", *sizes, timeout=280)
+    # What is never a matter of timing: every deadlock proven is broken once, its victim sees ABORTED,
+    # and the churn workload (no deadlock) gets no break.
+    assert result["deadlocks"] >= 2, result
+    assert result["resolved"] == result["deadlocks"] == result["victim_aborteds"], result
+    assert result["double_breaks"] == 0 and result["churn_breaks"] == 0, result
+    assert result["churn_snapshots"] >= 20, result
+    assert result["recoveries"] >= 2 and result["recovery_p50_ms"] > 0, result
+    assert result["scheduled_snapshots_per_s"] == 1.0
+    for case in ("hints_on_1", "hints_off_1", "hints_on_10", "hints_off_10"):
+        low, high = result[f"detect_{case}_spread"]
+        assert 0 < low <= result[f"detect_{case}_p50_ms"] <= high, (case, result)
+    low, high = result["hint_throughput_ratio_spread"]
+    assert 0 < low <= result["hint_throughput_ratio"] <= high, result
+    assert set(result["targets"]) == {
+        "resolved_equals_deadlocks",
+        "recovery_p50_at_most_100ms",
+        "recovery_p99_at_most_300ms",
+        "churn_breaks_zero",
+        "double_breaks_zero",
+        "enough_deadlocks",
+        "enough_churn_snapshots",
+    }
+    assert result["target_met"] == all(result["targets"].values())

@@ -67,6 +67,10 @@ METRICS = (
     "stablewatch_conservation_drift",
     "stablewatch_agents_attached",
     "stablewatch_rejected_parts_total",
+    "stablewatch_deadlocks_resolved_total",
+    "stablewatch_resolution_seconds_bucket",
+    "stablewatch_breaks_sent_total",
+    "stablewatch_wait_hints_total",
 )
 
 
@@ -275,8 +279,8 @@ def test_aborted_snapshot_exits_3(system: System) -> None:
 
 def test_unreachable_detector_exits_1() -> None:
     address = f"127.0.0.1:{free_port()}"
-    for command in ("status", "snapshot", "watch", "graph"):
-        result = stablewatch(command, "--detector", address)
+    for command in (["status"], ["snapshot"], ["watch"], ["graph"], ["resolve", "1"], ["resolutions"]):
+        result = stablewatch(*command, "--detector", address)
         assert result.returncode == 1, (command, result.stderr)
         assert f"cannot reach the detector at {address}" in result.stderr, command
         assert "Traceback" not in result.stderr
@@ -300,6 +304,7 @@ def test_no_agents_snapshot_exits_1(tmp_path: Path) -> None:
             "expected_missing": [],
             "expected_count": 0,
             "latest": None,
+            "latest_resolution": None,
         }
     finally:
         assert detector.stop() == 0

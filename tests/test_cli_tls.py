@@ -80,6 +80,21 @@ def test_a_reader_cannot_take_a_snapshot(secure: Secure) -> None:
     assert "needs a client certificate with the URI SAN stablewatch://role/operator" in err
 
 
+def test_only_an_operator_may_break_a_deadlock(secure: Secure) -> None:
+    code, out, err = secure.cli("resolve", "reader", "1", "--json")
+    assert code == 1
+    assert json.loads(out)["code"] == "PERMISSION_DENIED"
+    assert "ResolveDeadlock needs a client certificate with the URI SAN stablewatch://role/operator" in err
+    # The operator gets past the check to the detector's answer: there is no such snapshot.
+    code, out, err = secure.cli("resolve", "operator", "999999", "--json")
+    assert code == 1
+    assert json.loads(out)["code"] == "NOT_FOUND", err
+    # Reading the breaks is a reader's right.
+    code, out, err = secure.cli("resolutions", "reader", "--json")
+    assert code == 0, err
+    assert json.loads(out)["resolutions"] == []
+
+
 def test_health_and_metrics_over_tls(secure: Secure) -> None:
     code, out, err = secure.cli("health", "nobody")
     assert code == 0, err

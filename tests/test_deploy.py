@@ -64,6 +64,8 @@ ALERTS = {
     "StablewatchPartsRejected",
     "StablewatchRefused",
     "StablewatchNoAgents",
+    "StablewatchDeadlockBroken",
+    "StablewatchBreakUnanswered",
 }
 GRPC_PORT = int(DetectorConfig().listen.rsplit(":", 1)[1])
 METRICS_PORT = DetectorConfig().metrics_port
@@ -186,6 +188,11 @@ def test_metric_names_are_collected(detector_names: set[str], agent_names: set[s
         "stablewatch_conservation_drift",
         "stablewatch_snapshots_total",
         "stablewatch_snapshot_duration_seconds_bucket",
+        "stablewatch_deadlocks_resolved_total",
+        "stablewatch_resolution_seconds_bucket",
+        "stablewatch_breaks_sent_total",
+        "stablewatch_break_reports_ignored_total",
+        "stablewatch_wait_hints_total",
     ):
         assert name in detector_names
     assert "stablewatch_agent_messages_sent_total" in agent_names
@@ -200,12 +207,26 @@ def test_alert_names() -> None:
     assert {rule["alert"] for rule in alerts} == ALERTS
     assert len(alerts) == len(ALERTS)
     for rule in alerts:
-        assert rule["labels"]["severity"] in {"critical", "warning"}, rule["alert"]
+        assert rule["labels"]["severity"] in {"critical", "warning", "info"}, rule["alert"]
         assert {"summary", "description"} <= set(rule["annotations"]), rule["alert"]
     deadlock = next(rule for rule in alerts if rule["alert"] == "StablewatchDeadlock")
     assert deadlock["for"] == "0s"
     assert 'stablewatch_predicate_value{predicate="deadlock"} == 1' in deadlock["expr"]
     assert "stablewatch_deadlocked_nodes" in deadlock["annotations"]["description"]
+    assert "stablewatch resolve" in deadlock["annotations"]["description"]
+
+
+def test_break_alerts() -> None:
+    """A break that worked is news (info); one that got no answer may leave the deadlock (warning)."""
+    alerts = {rule["alert"]: rule for rule in _rules() if "alert" in rule}
+    broken, unanswered = alerts["StablewatchDeadlockBroken"], alerts["StablewatchBreakUnanswered"]
+    assert broken["labels"]["severity"] == "info"
+    assert 'stablewatch_deadlocks_resolved_total{outcome="broken"}' in broken["expr"]
+    assert unanswered["labels"]["severity"] == "warning"
+    assert 'stablewatch_deadlocks_resolved_total{outcome=~"unanswered|not_attached"}' in unanswered["expr"]
+    for rule in (broken, unanswered):
+        assert rule["for"] == "0s"
+        assert "stablewatch resolutions" in rule["annotations"]["description"]
 
 
 def test_rules_use_only_detector_metrics(detector_names: set[str]) -> None:
@@ -305,8 +326,15 @@ def test_dashboard_shows_what_it_promises() -> None:
         "stablewatch_agents_attached",
         "sum by (reason) (increase(stablewatch_rejected_parts_total",
         "sum by (peer) (rate(stablewatch_agent_messages_sent_total",
+        "sum by (outcome) (increase(stablewatch_deadlocks_resolved_total",
+        "histogram_quantile(0.5, sum by (le) (rate(stablewatch_resolution_seconds_bucket",
+        "histogram_quantile(0.99, sum by (le) (rate(stablewatch_resolution_seconds_bucket",
+        "sum by (requested_by) (increase(stablewatch_breaks_sent_total",
+        "sum by (outcome) (increase(stablewatch_wait_hints_total",
     ):
         assert needle in exprs, needle
+    annotations = [a["expr"] for a in _dashboard()["annotations"]["list"] if "expr" in a]
+    assert any('stablewatch_deadlocks_resolved_total{outcome="broken"' in expr for expr in annotations)
 
 
 def test_dashboard_structure() -> None:

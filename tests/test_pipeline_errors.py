@@ -19,10 +19,11 @@ from pyspark.sql import SparkSession
 from snapshot_gen import random_archive, write_archive
 
 from stablewatch.detector.archive.files import parquet_files
-from stablewatch.detector.archive.schema import MARKER_FILE, METADATA_KEY, TABLES
+from stablewatch.detector.archive.schema import MARKER_FILE, METADATA_KEY, SCHEMA_VERSION, TABLES
 from stablewatch.pipeline import cli
 
 pytestmark = pytest.mark.timeout(600)
+NEWER = SCHEMA_VERSION + 1  # a schema version this code does not read
 
 
 @pytest.fixture
@@ -50,7 +51,8 @@ def test_an_archive_of_a_newer_version(archive: Path, tmp_path: Path, capsys: py
     (archive / MARKER_FILE).write_text(json.dumps({"format": "stablewatch-archive", "schema_version": 9}))
     status, err = run(capsys, "follow", archive, tmp_path / "out", "--once")
     assert status == 2
-    assert f"{archive / MARKER_FILE}: archive schema version 9 is newer than this stablewatch reads (2)" in err
+    reads = f"this stablewatch reads ({SCHEMA_VERSION})"
+    assert f"{archive / MARKER_FILE}: archive schema version 9 is newer than {reads}" in err
 
 
 def _write_with(path: Path, table: pa.Table, version: bytes | None) -> None:
@@ -68,7 +70,7 @@ def _snapshots_table() -> pa.Table:
     [
         ("garbage", "not a readable Parquet file"),
         ("foreign", "not a stablewatch archive file (no stablewatch.archive.schema_version metadata)"),
-        ("newer", "schema version 3 is newer than this stablewatch reads (2); upgrade stablewatch"),
+        ("newer", f"schema version {NEWER} is newer than this stablewatch reads ({SCHEMA_VERSION}); upgrade"),
         ("columns", "its columns do not match the snapshots table of schema version 1"),
     ],
 )
@@ -81,7 +83,7 @@ def test_a_bad_file_is_named_with_the_reason(
     elif damage == "foreign":
         _write_with(bad, _snapshots_table(), None)
     elif damage == "newer":
-        _write_with(bad, _snapshots_table(), b"3")
+        _write_with(bad, _snapshots_table(), str(NEWER).encode())
     else:
         _write_with(bad, pa.table({"snapshot_id": pa.array([1], pa.int64())}), b"1")
     for job in ("evaluate", "history", "follow"):
@@ -109,6 +111,17 @@ def test_a_bad_file_in_another_table_is_named_too(
     _write_with(bad, pa.table({"x": [1]}), None)
     status, err = run(capsys, "history", archive, tmp_path / "out")
     assert status == 2 and f"stablewatch: {bad}: not a stablewatch archive file" in err
+
+
+def test_a_bad_resolutions_file_is_named_by_history(
+    spark: SparkSession, archive: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    bad = archive / "resolutions" / "day=2026-03-01" / "part-old.parquet"
+    bad.parent.mkdir(parents=True)
+    schema = TABLES["resolutions"]
+    _write_with(bad, schema.remove(schema.get_field_index("day")).empty_table(), b"2")  # before the table
+    status, err = run(capsys, "history", archive, tmp_path / "out")
+    assert status == 2 and f"stablewatch: {bad}: schema version 2 has no resolutions table" in err
 
 
 def test_the_stablewatch_command_hands_pipeline_to_it(tmp_path: Path) -> None:

@@ -8,6 +8,10 @@ A scripted archive of 25 snapshots a minute apart, processes P0..P4 holding 20 t
   15 is missing 5 tokens;
 * 21-23: every process passive, nothing in flight: terminated, until 24;
 * 24-25: P4 and P0 wait on each other (episode 3, still going at the end).
+
+The detector broke (the ``resolutions`` table, :data:`BREAKS`): in episode 1 a wait of P1 that was
+gone by then (6) and one of P0 (8); in episode 2 the wait of P2's task t0, by an operator (17);
+in episode 3 one of P4, whose agent never answered (24).
 """
 
 from __future__ import annotations
@@ -20,11 +24,14 @@ import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import SparkSession
 from rich.console import Console
-from snapshot_gen import START, Archived, aborted, summary_of, write_archive
+from snapshot_gen import START, Archived, aborted, as_version, summary_of, write_archive
 
+from stablewatch.detector.archive.writer import write_resolution_batch
 from stablewatch.pipeline import cli
 from stablewatch.pipeline.history import History, run_history
 from stablewatch.v1 import ChannelSnapshot, GlobalSnapshot, LocalState, ProcessSnapshot, RecordedMessage, Wait, WaitNode
+from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN, BREAK_OUTCOME_GONE, BREAK_OUTCOME_UNSPECIFIED
+from stablewatch.v1.query_pb2 import Resolution
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -80,9 +87,48 @@ def scripted() -> list[Archived]:
     return items
 
 
+# (snapshot, victim process, task, outcome, answered that long after the snapshot started, by whom)
+BREAKS = [
+    (6, "P1", "", BREAK_OUTCOME_GONE, 3.5, "detector"),
+    (8, "P0", "", BREAK_OUTCOME_BROKEN, 3.05, "detector"),
+    (17, "P2", "t0", BREAK_OUTCOME_BROKEN, 3.2, "operator:alice"),
+    (24, "P4", "", BREAK_OUTCOME_UNSPECIFIED, 8.0, "detector"),  # given up on after 5 s
+]
+
+
+def scripted_breaks() -> list[Resolution]:
+    """:data:`BREAKS` as the detector records them: sent 3 s after their snapshot started."""
+    resolutions = []
+    for n, (sid, process, task, outcome, answered, by) in enumerate(BREAKS, 1):
+        resolution = Resolution(
+            resolution_id=n,
+            snapshot_id=sid,
+            process_id=process,
+            task=task,
+            instance=100 + n,
+            policy="operator" if by != "detector" else "youngest",
+            requested_by=by,
+            component=[WaitNode(process=p) for p in CYCLES.get(sid, ("P2", "P3"))],
+            deadlock="a cycle",
+            outcome=outcome,
+        )
+        resolution.wait_began_at.FromDatetime(at(sid) - timedelta(seconds=30))
+        resolution.sent_at.FromDatetime(at(sid) + timedelta(seconds=3))
+        resolution.reported_at.FromDatetime(at(sid) + timedelta(seconds=answered))
+        resolutions.append(resolution)
+    return resolutions
+
+
+def scripted_archive(root: Path, items: list[Archived] | None = None) -> Path:
+    """The scripted snapshots (or `items`) and the scripted breaks, archived."""
+    write_archive(root, scripted() if items is None else items, batch_size=4)
+    write_resolution_batch(root, scripted_breaks())
+    return root
+
+
 @pytest.fixture(scope="module")
 def history(spark: SparkSession, tmp_path_factory: pytest.TempPathFactory) -> History:
-    archive = write_archive(tmp_path_factory.mktemp("archive"), scripted(), batch_size=4)
+    archive = scripted_archive(tmp_path_factory.mktemp("archive"))
     return run_history(archive, tmp_path_factory.mktemp("out"), bucket_seconds=600)
 
 
@@ -101,6 +147,29 @@ def test_deadlock_episodes_begin_and_end_with_their_bounds(history: History) -> 
         (["P2", "P3"], ["P2/t0"], 3),  # P2 itself waits (OR) on its task t0
         (["P0", "P4"], [], 2),
     ]
+    assert [(e["breaks"], e["broken"]) for e in found] == [(2, 1), (1, 1), (1, 0)]
+
+
+def test_the_deadlocks_broken_per_bucket_with_their_victims_and_outcomes(history: History) -> None:
+    found = history.tables["breaks"].to_pylist()
+    assert [(b["snapshot_id"], b["victim"], b["outcome"], b["requested_by"]) for b in found] == [
+        (6, "P1", "gone", "detector"),
+        (8, "P0", "broken", "detector"),
+        (17, "P2/t0", "broken", "operator:alice"),
+        (24, "P4", "unanswered", "detector"),
+    ]
+    assert [b["recovery_seconds"] for b in found] == [None, 3.05, 3.2, None]  # broken ones only
+    assert [b["answer_seconds"] for b in found] == [0.5, 0.05, 0.2, 5.0]
+    assert all(b["waited_seconds"] == 33.0 for b in found) and found[0]["component_size"] == 2
+    buckets = history.tables["breaks_over_time"].to_pylist()  # 10-minute buckets
+    assert [
+        (b["bucket_start"], b["breaks"], b["broken"], b["gone"], b["unanswered"], b["victims"]) for b in buckets
+    ] == [
+        (at(0), 2, 1, 1, 0, ["P0", "P1"]),
+        (at(10), 1, 1, 0, 0, ["P2/t0"]),
+        (at(20), 1, 0, 0, 1, ["P4"]),
+    ]
+    assert [(b["recovery_p50"], b["recovery_max"]) for b in buckets] == [(3.05, 3.05), (3.2, 3.2), (None, None)]
 
 
 def test_termination_and_the_processes_most_often_deadlocked(history: History) -> None:
@@ -153,27 +222,38 @@ def test_tables_chart_and_summary_are_written(history: History) -> None:
 def test_history_from_earlier_evaluations_via_the_command(
     history: History, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    archive = write_archive(tmp_path / "archive", scripted(), batch_size=4)
+    archive = scripted_archive(tmp_path / "archive")
     args = ["history", "--archive", str(archive), "--out", str(tmp_path / "out")]
     status = cli.main([*args, "--evaluations", str(history.out / "evaluations"), "--no-chart"])
     assert status == 0
     console = " ".join(capsys.readouterr().out.split())  # as printed, wrapped at 80 columns
     assert "24 snapshots" in console and "3 deadlock episodes" in console and "1 ongoing" in console
     assert "P2/t0" in console
+    assert "2 deadlocks broken (4 breaks: 2 broken, 1 gone, 1 unanswered)" in console
+    assert "deadlocks broken" in console and "last breaks" in console and "3.05 s" in console
     assert not (tmp_path / "out" / "history.png").exists()
     status = cli.main([*args, "--json", "--evaluations", str(history.out / "evaluations")])
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert status == 0
     assert (printed["deadlock_episodes"], printed["termination_episodes"]) == (3, 1)
+    assert (printed["breaks"], printed["deadlocks_broken"]) == (4, 2)
+    assert printed["break_outcomes"] == {"broken": 2, "gone": 1, "unanswered": 1}
     assert Path(printed["chart"]).is_file()
 
 
 def test_history_is_callable_from_python_with_a_console(spark: SparkSession, tmp_path: Path) -> None:
-    archive = write_archive(tmp_path / "archive", scripted()[:12], batch_size=5)
+    """On an archive of schema version 2, the last without wait instances and breaks."""
+    archive = as_version(write_archive(tmp_path / "archive", scripted()[:12], batch_size=5), 2)
     console = Console(record=True, width=160)
     found = run_history(archive, tmp_path / "out", console)
     assert found.evaluated == 11 and found.aborted == 1
-    assert "1 deadlock episode;" in console.export_text()
+    text = console.export_text()
+    assert "1 deadlock episode;" in text
+    # Without breaks (no resolutions table): the history as before, breaks counted 0.
+    assert not (archive / "resolutions").exists()
+    assert found.tables["breaks"].num_rows == 0 and found.tables["breaks_over_time"].num_rows == 0
+    assert [(e["breaks"], e["broken"]) for e in found.tables["deadlock_episodes"].to_pylist()] == [(0, 0)]
+    assert "broken" not in text and "breaks" not in text
 
 
 def test_empty_tables_are_one_line_each(spark: SparkSession, tmp_path: Path) -> None:

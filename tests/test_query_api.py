@@ -55,7 +55,10 @@ class LoopDetector:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
 
     def attach(self, process_id: str, peers: dict[str, str] | None = None) -> Agent:
-        agent = Agent(process_id, detector=self.address, peers=peers or {}, handler=lambda src, message: None)
+        # No long-wait hints: the tests count the snapshots they start themselves.
+        agent = Agent(
+            process_id, detector=self.address, peers=peers or {}, handler=lambda src, message: None, hint_after=None
+        )
         agent.state.set_counter("tokens", TOKENS)
         agent.state.set_active(False)
         self.call(agent.start())

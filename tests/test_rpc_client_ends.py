@@ -169,7 +169,7 @@ def test_a_call_that_fails_before_grpc_answers_is_taken_in_and_restarts_the_coun
         def broken(*args: object, **kwargs: object) -> object:
             raise ValueError("the request could not be serialized")
 
-        monkeypatch.setattr(method._plain, "with_call", broken)
+        monkeypatch.setattr(method._plain, "with_call", broken)  # how the channel makes a blocking call
         with pytest.raises(ValueError, match="serialized"):
             method(b"x")
         assert outstanding(agent) == 0  # the caller waits on nothing any more

@@ -1,4 +1,5 @@
-"""The local state keeper: counters, attributes, waits, the atomic snapshot, and thread safety."""
+"""The local state keeper: counters, attributes, waits (one per instance), the atomic snapshot, and
+thread safety. Breaking a wait is in test_breaking.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 from google.protobuf.json_format import MessageToDict
 
+from stablewatch.agents import breaking
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, LocalState, WaitNode
 
@@ -142,39 +144,65 @@ def test_waiting_accepts_every_target_form() -> None:
     with state.waiting(["B", ("C", "worker"), WaitNode(process="D", task="")], model="or", task="main"):
         assert _waits(state.snapshot()) == [("main", WAIT_MODEL_OR, [("B", ""), ("C", "worker"), ("D", "")])]
     with state.waiting("B"), state.waiting(WaitNode(process="C", task="t")):
-        assert _waits(state.snapshot()) == [("", WAIT_MODEL_AND, [("B", ""), ("C", "t")])]
+        assert _waits(state.snapshot()) == [("", WAIT_MODEL_AND, [("B", "")]), ("", WAIT_MODEL_AND, [("C", "t")])]
     assert _waits(state.snapshot()) == []
 
 
-def test_waits_of_one_task_merge_and_unmerge() -> None:
+def test_each_wait_is_reported_on_its_own_with_its_instance_and_start() -> None:
+    """Waits of one task are not merged here (the detector merges them): one Wait per instance,
+    in the order they began, each with its instance id and the time it began."""
     state = LocalStateKeeper()
+    before = breaking.now_us()
     first = state.add_wait(["B", "C"], model="or", task="t")
     second = state.add_wait(["C", "D"], model="or", task="t")  # same task: both kept
     other = state.add_wait("E", task="u")
-    assert _waits(state.snapshot()) == [
-        ("t", WAIT_MODEL_OR, [("B", ""), ("C", ""), ("D", "")]),
-        ("u", WAIT_MODEL_AND, [("E", "")]),
-    ]
-    third = state.add_wait("F", model="and", task="t")  # models differ: the merged waiter is AND
-    assert _waits(state.snapshot())[0] == ("t", WAIT_MODEL_AND, [("B", ""), ("C", ""), ("D", ""), ("F", "")])
-    state.remove_wait(first)
-    state.remove_wait(third)
-    assert _waits(state.snapshot()) == [
+    third = state.add_wait("F", model="and", task="t")
+    after = breaking.now_us()
+    snap = state.snapshot()
+    assert _waits(snap) == [
+        ("t", WAIT_MODEL_OR, [("B", ""), ("C", "")]),
         ("t", WAIT_MODEL_OR, [("C", ""), ("D", "")]),
         ("u", WAIT_MODEL_AND, [("E", "")]),
+        ("t", WAIT_MODEL_AND, [("F", "")]),
     ]
+    assert [w.instance for w in snap.waits] == [first, second, other, third]
+    assert len({first, second, other, third}) == 4 and 0 not in (first, second, other, third)
+    starts = [w.began_at_us for w in snap.waits]
+    assert starts == sorted(starts) and before <= starts[0] and starts[-1] <= after
+    assert [(w.instance, w.task, w.began_at_us) for w in state.open_waits()] == [
+        (w.instance, w.task, w.began_at_us) for w in snap.waits
+    ]
+    state.remove_wait(first)
+    state.remove_wait(third)
+    assert [w.instance for w in state.snapshot().waits] == [second, other]
     state.remove_wait(second)
     state.remove_wait(other)
-    assert _waits(state.snapshot()) == []
+    assert _waits(state.snapshot()) == [] and state.open_waits() == []
     with pytest.raises(ValueError, match="token"):
         state.remove_wait(first)
+    with pytest.raises(ValueError, match="token"):
+        state.handle(first)
+
+
+def test_an_instance_is_never_reused() -> None:
+    """Not after its wait ends, not by another keeper: the ids are the process's."""
+    seen: set[int] = set()
+    for keeper in (LocalStateKeeper(), LocalStateKeeper()):
+        for _ in range(100):
+            with keeper.waiting("B") as wait:
+                assert wait.instance not in seen
+                seen.add(wait.instance)
+            token = keeper.add_wait("C")
+            assert token not in seen and keeper.handle(token).instance == token
+            seen.add(token)
+            keeper.remove_wait(token)
 
 
 def test_waiting_removes_exactly_its_wait_on_exception() -> None:
     state = LocalStateKeeper()
     outer = state.add_wait("B", task="t")
-    with pytest.raises(RuntimeError, match="boom"), state.waiting("C", task="t"):
-        assert _waits(state.snapshot()) == [("t", WAIT_MODEL_AND, [("B", ""), ("C", "")])]
+    with pytest.raises(RuntimeError, match="boom"), state.waiting("C", task="t") as inner:
+        assert [w.instance for w in state.snapshot().waits] == [outer, inner.instance]
         raise RuntimeError("boom")
     assert _waits(state.snapshot()) == [("t", WAIT_MODEL_AND, [("B", "")])]
     state.remove_wait(outer)
@@ -281,10 +309,13 @@ def test_concurrent_updates_give_consistent_snapshots() -> None:
             if f"pair{i}" in snap.attributes.fields:
                 pair = snap.attributes.fields[f"pair{i}"].struct_value.fields
                 assert pair["a"].number_value == pair["b"].number_value
+        by_task: dict[str, list[tuple[int, list[tuple[str, str]]]]] = {}
         for task, model, targets in _waits(snap):
+            by_task.setdefault(task, []).append((model, targets))
+        for task, waits in by_task.items():
             i = task.removeprefix("t")
-            assert model == WAIT_MODEL_AND
-            assert targets in ([(f"P{i}", ""), (f"P{i}", "x")], [(f"P{i}", ""), (f"P{i}", "x"), (f"Q{i}", "")])
+            outer = (WAIT_MODEL_AND, [(f"P{i}", ""), (f"P{i}", "x")])
+            assert waits in ([outer], [outer, (WAIT_MODEL_OR, [(f"Q{i}", "")])])
         assert snap.counters.get("hits", 0) >= hits
         hits = snap.counters.get("hits", 0)
     final = snapshots[-1]

@@ -259,6 +259,8 @@ def test_to_dot() -> None:
 def test_label() -> None:
     assert label(("P1", "")) == "P1"
     assert label(("P1", "t")) == "P1/t"
+    # An RPC call's task starts with its method's slash: no doubled slash.
+    assert label(("orders", "/shop.Orders/Place#client:1")) == "orders /shop.Orders/Place#client:1"
 
 
 # -- the acknowledgement rule: a flow-control wait with an acknowledgement in transit ----------

@@ -6,7 +6,8 @@ wrapped by :meth:`RpcAgent.instrument_channel`, which does the client intercepto
 cheaply, :mod:`stablewatch.agents.rpc.channel`)::
 
     agent = RpcAgent("orders", detector="127.0.0.1:50051").start()
-    server = grpc.server(pool, interceptors=[agent.server_interceptor(workers=8)])
+    pool = agent.thread_pool(8)
+    server = grpc.server(pool, interceptors=[agent.server_interceptor(workers=pool)])
     channel = agent.instrument_channel(grpc.insecure_channel(addr), "payments")
 
 The protocol (Lai–Yang coloring, DESIGN.md "RPC mode") lives in the pure
@@ -19,7 +20,8 @@ mode, on a background event-loop thread), and drops recordings past their deadli
 Wait edges (what the recorded state holds about calls; users add their own through ``agent.state``):
 
 * **Outgoing call.** While a call is outstanding, its caller waits (AND) on the callee's task for
-  that call, ``(callee, "{method}#{caller}:{seq}")``. The caller is the task of the handler the call
+  that call, ``(callee, "{method}#{caller}:{seq}")``: one ``Wait`` per call, with its own instance
+  and the time the call went out. The caller is the task of the handler the call
   is made from (the same name, set by the server interceptor), else the thread's name (sync) or the
   asyncio task's name (aio). The edge appears in the critical section that counts the request and
   goes in the one that takes in the response (or ends the call).
@@ -28,9 +30,10 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   counted nor recorded: one in flight could wake a caller that the cut shows waiting, and a deadlock
   would be reported that is not there. A call with a request stream and a unary response keeps its
   wait: the server's handler reading the request stream waits on nothing (a free node).
-* **Queued request.** With ``server_interceptor(workers=N)``, a request that arrives while all N
-  workers are taken is queued: its task waits (OR) on every handler task running then. It turns into
-  a running handler when a worker frees up (the pool is first in, first out).
+* **Queued request.** With ``server_interceptor(workers=pool)`` (or ``workers=N``), a request that
+  arrives while all N workers are taken is queued: its task waits (OR) on every handler task running
+  then, with an instance of its own from its arrival. It turns into a running handler when a worker
+  frees up (the pool is first in, first out).
 * **Received.** A request is received when the server's interceptor takes it (its arrival in the
   process): a request waiting for a worker is part of the process's state (the queued wait above),
   not of the channel, so that a snapshot completes even when the request never runs (a deadlock). A
@@ -46,11 +49,32 @@ Wait edges (what the recorded state holds about calls; users add their own throu
 * A callee task the callee does not report (its request still in flight, its handler already done)
   is a free node: never a false deadlock. A recorded response wakes only its caller's task
   (``wakes_task``); a recorded request wakes nothing (``no_wake``).
+
+Breaking a proven deadlock (DESIGN.md): the agent is a
+:class:`~stablewatch.agents.breaking.WaitSource` for its calls, beside ``agent.state``, and
+:attr:`RpcAgent.breaks` routes the detector's ``BreakWait`` to them, at most once per instance and
+only while the wait lasts:
+
+* an **outgoing call** is cancelled at the caller, whose code gets
+  :class:`~stablewatch.agents.rpc.calls.DeadlockBroken` (``ABORTED``, the deadlock named); its end
+  is taken in as an error without the server's stamp (the pair's counts restart). Breakable:
+  ``future()`` calls (instrumented channel or client interceptor), asyncio calls, and the blocking
+  calls of ``instrument_channel(..., breakable=True)``; other blocking calls cannot be cancelled
+  (``with_call``, or ``grpc.intercept_channel``'s) and are reported with instance 0 (the detector
+  never picks such a wait);
+* a **queued request** is refused with ``ABORTED`` before its handler runs (safe to retry): taken
+  out of the queue of the server's :meth:`RpcAgent.thread_pool` and its handler run at once beside
+  the pool, where it aborts. With a plain pool (``workers=N``) a queued request could only be
+  refused when a worker took it, which in a deadlock never happens: it is reported with instance 0.
+
+Waits that last past ``hint_after`` are hinted to the detector (once each), which then takes a
+snapshot at once instead of at its next scheduled one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import functools
 import itertools
@@ -64,11 +88,14 @@ import grpc
 import prometheus_client
 
 from stablewatch import __version__
+from stablewatch.agents import breaking
+from stablewatch.agents.breaking import BreakDispatcher, Broken, HintWatch, OpenWait
 from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
 from stablewatch.agents.rpc.calls import (
     BadStamp,
+    DeadlockBroken,
     IncomingCall,
     OutgoingCall,
     RefusedResponse,
@@ -86,11 +113,17 @@ from stablewatch.agents.rpc.interceptors import (
     aio_client_interceptors,
 )
 from stablewatch.agents.rpc.metrics import RpcAgentMetrics
+from stablewatch.agents.rpc.pool import QueuedWork, WorkerExecutor
 from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.v1 import WAIT_MODEL_AND, LocalSnapshotPart, LocalState, RecordedMessage
-from stablewatch.v1.control_pb2 import ChannelTarget
+from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_ALREADY_BROKEN,
+    BREAK_OUTCOME_BROKEN,
+    BreakWait,
+    ChannelTarget,
+)
 
-__all__ = ["STAMP_KEY", "BadStamp", "RefusedResponse", "RpcAgent", "StaleResponse"]
+__all__ = ["STAMP_KEY", "BadStamp", "DeadlockBroken", "RefusedResponse", "RpcAgent", "StaleResponse", "WorkerExecutor"]
 
 _log = logging.getLogger(__name__)
 
@@ -107,6 +140,10 @@ _OK = grpc.StatusCode.OK
 #: arrived: the pair's counts restart (``reset_peer``).
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
 
+#: Broken instances remembered after their wait ended, so that a repeated break says "already
+#: broken" rather than "gone" (a detector does not repeat one, but a second detector may).
+_REMEMBERED_BREAKS = 4096
+
 
 class RpcAgent:
     """One process's RPC-mode agent; see the module docstring.
@@ -115,7 +152,8 @@ class RpcAgent:
     only). ``tls``: credentials for the control stream. Recording bounds and lifetimes are the
     core's (``max_recordings``, ``max_recorded_bytes``, ``recording_lifetime``, ``max_skew``: how far
     in the future a stamp's color may lie, in seconds of wall time). ``incarnation`` defaults to the
-    start time in nanoseconds, so that peers see a restart.
+    start time in nanoseconds, so that peers see a restart. ``hint_after``: a wait lasting this many
+    seconds is hinted to the detector, which then takes a snapshot at once (None: no hints).
     """
 
     def __init__(
@@ -135,9 +173,14 @@ class RpcAgent:
         heartbeat_interval: float = 1.0,
         incarnation: int | None = None,
         call_timeout: float = 30.0,
+        hint_after: float | None = breaking.DEFAULT_HINT_AFTER,
     ) -> None:
         self.process_id = process_id
         self.state = LocalStateKeeper()
+        #: Breaks a detector's ``BreakWait`` (the control stream's ``on_break``): ``agent.state``'s
+        #: waits and this agent's calls.
+        self.breaks = BreakDispatcher([self.state, self])
+        self._hint_watch = HintWatch(hint_after) if hint_after is not None else None
         self.metrics = RpcAgentMetrics(metrics_registry)
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         options: dict[str, Any] = {
@@ -161,6 +204,7 @@ class RpcAgent:
         self._seqs = itertools.count(1)
         self._outgoing: dict[int, OutgoingCall] = {}
         self._pools: list[WorkerPool] = []
+        self._broken: collections.OrderedDict[int, None] = collections.OrderedDict()  # instances broken here
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
@@ -168,6 +212,7 @@ class RpcAgent:
         )
         self._control: ControlClient | None = None
         self._expiry: asyncio.Task[None] | None = None
+        self._hints: asyncio.Task[None] | None = None
         self._started = False
 
     # -- lifecycle --------------------------------------------------------------------------------
@@ -232,13 +277,30 @@ class RpcAgent:
 
     # -- interceptors -----------------------------------------------------------------------------
 
-    def server_interceptor(self, workers: int | None = None) -> grpc.ServerInterceptor:
-        """The interceptor for a sync ``grpc.server``; ``workers``: its thread pool's ``max_workers``.
+    def thread_pool(self, max_workers: int, *, thread_name_prefix: str | None = None) -> WorkerExecutor:
+        """A thread pool for ``grpc.server(pool, ...)`` whose queued calls a break can refuse.
+
+        Give the same pool to :meth:`server_interceptor` as ``workers``; it serves one server only.
+        Its threads are named ``{thread_name_prefix}_{n}`` (default prefix: ``{process_id}-worker``).
+        """
+        prefix = thread_name_prefix if thread_name_prefix is not None else f"{self.process_id}-worker"
+        return WorkerExecutor(max_workers, thread_name_prefix=prefix)
+
+    def server_interceptor(self, workers: WorkerExecutor | int | None = None) -> grpc.ServerInterceptor:
+        """The interceptor for a sync ``grpc.server``; ``workers``: its thread pool, made by
+        :meth:`thread_pool` (best), or that pool's ``max_workers``.
 
         With ``workers``, requests that wait for a worker are reported as queued (waiting on the
         running handlers); without it they never are (a deadlock through a full pool is then missed,
-        never invented). The pool must serve only this server.
+        never invented). The pool must serve only this server. A queued request can be broken
+        (refused before its handler runs) only in a pool made by :meth:`thread_pool`.
         """
+        if isinstance(workers, WorkerExecutor):
+            interceptor = ServerInterceptor(self, self._pool(workers.max_workers, breakable=True))
+            workers.serve(interceptor.served)
+            return interceptor
+        if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
+            raise TypeError(f"workers: the pool from agent.thread_pool(n), or its size; not {workers!r}")
         return ServerInterceptor(self, self._pool(workers))
 
     def client_interceptor(self, peer: str | None = None, *, target: str | None = None) -> Any:
@@ -251,14 +313,16 @@ class RpcAgent:
         return ClientInterceptor(self, *_peer_of(peer, target))
 
     def instrument_channel(
-        self, channel: grpc.Channel, peer: str | None = None, *, target: str | None = None
+        self, channel: grpc.Channel, peer: str | None = None, *, target: str | None = None, breakable: bool = False
     ) -> InstrumentedChannel:
         """``channel`` (sync) with its calls taking part in snapshots: the client interceptor's work,
         without gRPC's per-call interceptor machinery (see :mod:`stablewatch.agents.rpc.channel`).
 
         ``peer`` and ``target`` as for :meth:`client_interceptor`. The fastest way for a sync client.
+        ``breakable``: blocking calls can be cancelled to break a deadlock, at a cost per call (a
+        call's ``future()`` always can be).
         """
-        return InstrumentedChannel(channel, self, *_peer_of(peer, target))
+        return InstrumentedChannel(channel, self, *_peer_of(peer, target), breakable=breakable)
 
     def aio_server_interceptor(self) -> grpc.aio.ServerInterceptor:
         """The interceptor for ``grpc.aio.server(interceptors=[...])`` (no worker pool: nothing queues)."""
@@ -280,6 +344,8 @@ class RpcAgent:
         """
         seq = next(self._seqs)
         call = OutgoingCall(seq, peer, method, caller_task, instrumented, waits)
+        if waits:
+            call.instance, call.began_at_us = breaking.new_instance(), breaking.now_us()
         with self._lock:
             stamp = self._core.send(peer)
             self._outgoing[seq] = call
@@ -357,7 +423,7 @@ class RpcAgent:
             self.metrics.uninstrumented("inbound")
             if pool is not None:
                 with self._lock:
-                    pool.arrive(call.name)
+                    pool.arrive(call)
             return call
         try:
             seq_text, stamp_text = split_request(entry)
@@ -381,13 +447,13 @@ class RpcAgent:
                 )
                 self.metrics.stale("server")
                 if pool is not None:
-                    pool.arrive(call.name)
+                    pool.arrive(call)
             else:
                 error = None
                 if actions:
                     self._carry_out(actions)
                 if pool is not None:
-                    pool.arrive(call.name)
+                    pool.arrive(call)
         if error is not None:
             return self._refuse(method, error, pool)
         return call
@@ -398,7 +464,7 @@ class RpcAgent:
         call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, error=reason, pool=pool)
         if pool is not None:
             with self._lock:
-                pool.arrive(call.name)
+                pool.arrive(call)
         return call
 
     def handler_started(self, call: IncomingCall) -> None:
@@ -436,28 +502,102 @@ class RpcAgent:
         """The name the callee gives the handler of ``call``: ``"{method}#{caller}:{seq}"``."""
         return f"{call.method}#{self.process_id}:{call.seq}"
 
+    # -- breaking waits (a breaking.WaitSource: the calls' waits; agent.state is another) ------------
+
+    def break_wait(self, order: BreakWait) -> Broken | None:
+        """Break the outgoing call or queued request ``order.instance``, if it still waits (once).
+
+        Returns at once: a cancelled call fails in its caller's thread or task, a refused request
+        aborts on a thread of its own. None when the instance is no call of this agent, has ended,
+        or cannot be broken (reported with instance 0).
+        """
+        instance = order.instance
+        with self._lock:
+            if instance in self._broken:
+                return Broken(BREAK_OUTCOME_ALREADY_BROKEN, f"wait {instance} was broken before: nothing done")
+            outgoing = next((c for c in self._outgoing.values() if c.instance == instance), None)
+            if outgoing is not None:
+                cancel = outgoing.cancel
+                if cancel is None or outgoing.settled or not outgoing.waits:
+                    return None
+                outgoing.broken = breaking.victim_message(order)  # before the cancel: the caller reads it
+                self._claim(instance)
+            else:
+                queued = next(((p, c) for p in self._pools for c in p.queued.values() if c.instance == instance), None)
+                if queued is None or not queued[0].breakable or queued[1].work is None:
+                    return None  # (a call not yet handed to the pool: microseconds after its arrival)
+                pool, incoming = queued
+                work: QueuedWork = incoming.work
+                incoming.work = None  # taken here, once
+                self._claim(instance)
+        if outgoing is not None:
+            return self._cancel_outgoing(outgoing, cancel)
+        return self._refuse_queued(pool, incoming, work, breaking.victim_message(order))
+
+    def open_waits(self) -> list[OpenWait]:
+        """The outgoing calls and queued requests now waiting (for the long-wait hints)."""
+        with self._lock:
+            waits = [OpenWait(c.instance, c.caller_task, c.began_at_us) for c in self._outgoing.values() if c.waits]
+            for pool in self._pools:
+                waits.extend(OpenWait(c.instance, name, c.began_at_us) for name, c in pool.queued.items())
+        return waits
+
+    def _claim(self, instance: int) -> None:
+        """Remember ``instance`` as broken (under the lock), so that it is never broken twice."""
+        self._broken[instance] = None
+        if len(self._broken) > _REMEMBERED_BREAKS:
+            self._broken.popitem(last=False)
+
+    def _cancel_outgoing(self, call: OutgoingCall, cancel: Callable[[], bool]) -> Broken | None:
+        """Cancel the claimed outgoing ``call`` (outside the lock: grpc may end it right here)."""
+        if not cancel():  # it ended first: its caller sees its own end
+            with self._lock:
+                call.broken = None
+                self._broken.pop(call.instance, None)
+            return None
+        self.metrics.broke("call")
+        return Broken(
+            BREAK_OUTCOME_BROKEN,
+            f"outgoing call {call.method} to {call.peer} cancelled: {call.caller_task} gets ABORTED",
+        )
+
+    def _refuse_queued(self, pool: WorkerPool, call: IncomingCall, work: QueuedWork, message: str) -> Broken | None:
+        """Take the claimed queued ``call`` out of its pool and run it aside, refused with ABORTED."""
+        if not work.take():  # a worker took it first: its handler runs
+            with self._lock:
+                self._broken.pop(call.instance, None)
+            return None
+        call.status, call.error = grpc.StatusCode.ABORTED, message  # seen by the thread started below
+        with self._lock:
+            pool.leave(call.name)
+        work.run_aside(f"stablewatch-refuse-{call.name}")
+        self.metrics.broke("queued")
+        return Broken(BREAK_OUTCOME_BROKEN, f"queued request {call.name} refused with ABORTED before its handler ran")
+
     # -- internals --------------------------------------------------------------------------------
 
-    def _pool(self, workers: int | None) -> WorkerPool | None:
+    def _pool(self, workers: int | None, breakable: bool = False) -> WorkerPool | None:
         if workers is None:
             return None
         if workers < 1:
             raise ValueError(f"workers must be at least 1, not {workers}")
-        pool = WorkerPool(workers)
+        pool = WorkerPool(workers, breakable)
         with self._lock:
             self._pools.append(pool)
         return pool
 
     def _capture(self) -> LocalState:
-        """The local state with the calls' wait edges; called under the lock."""
+        """The local state with the calls' wait edges, one per call; called under the lock."""
         state = self.state.snapshot()
-        waits: dict[str, list[dict[str, str]]] = {}
         for call in self._outgoing.values():
-            if not call.waits:
-                continue
-            waits.setdefault(call.caller_task, []).append({"process": call.peer, "task": self.callee_task(call)})
-        for task, targets in waits.items():
-            state.waits.add(task=task, targets=targets, model=WAIT_MODEL_AND)
+            if call.waits:
+                state.waits.add(
+                    task=call.caller_task,
+                    targets=[{"process": call.peer, "task": self.callee_task(call)}],
+                    model=WAIT_MODEL_AND,
+                    instance=call.instance if call.cancel is not None else 0,  # 0: cannot be broken
+                    began_at_us=call.began_at_us,
+                )
         for pool in self._pools:
             state.waits.extend(pool.waits(self.process_id))
         return state
@@ -504,16 +644,21 @@ class RpcAgent:
             on_event=self._control_event,
             rpc_mode=True,
             on_channel_target=self._channel_target,
+            on_break=self.breaks.handle,
         )
         await self._control.start()
+        if self._hint_watch is not None:
+            hints = breaking.hint_forever(self.breaks, self._hint_watch, self._control.send_hint)
+            self._hints = asyncio.create_task(hints, name=f"rpc-hints-{self.process_id}")
 
     async def _stop(self) -> None:
+        for task in (self._hints, self._expiry):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._control is not None:
             await self._control.stop()
-        if self._expiry is not None:
-            self._expiry.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._expiry
 
     async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
         self.start_snapshot(snapshot_id, lifetime=lifetime)

@@ -1,24 +1,26 @@
 """What the RPC-mode agent and its interceptors share about one call: its records, the worker pool
-of a sync server as the interceptor sees it, the errors a refused response raises, the metadata a
-request carries, and :class:`CallEvents`, what the interceptors and the instrumented channel tell
-the agent. No behaviour of the agent lives here, so they need not import the agent (which creates
-them)."""
+of a sync server as the interceptor sees it, the errors a refused response raises (and the one a
+broken call raises), the metadata a request carries, and :class:`CallEvents`, what the interceptors
+and the instrumented channel tell the agent. No behaviour of the agent lives here, so they need not
+import the agent (which creates them)."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
+from stablewatch.agents import breaking
 from stablewatch.agents.rpc.core import STAMP_KEY, Stamp
 from stablewatch.v1 import WAIT_MODEL_OR, Wait
 
 __all__ = [
     "BadStamp",
     "CallEvents",
+    "DeadlockBroken",
     "IncomingCall",
     "OutgoingCall",
     "RefusedResponse",
@@ -80,9 +82,51 @@ class StaleResponse(RefusedResponse):
     status = grpc.StatusCode.ABORTED
 
 
+class DeadlockBroken(RefusedResponse, grpc.Call):
+    """The call was cancelled by stablewatch to end a proven deadlock (DESIGN.md, "Breaking a proven
+    deadlock"): status ``ABORTED``, its details name the deadlock. The request may or may not have
+    reached the server, and may have run there: retry after a back-off if the call is safe to repeat.
+
+    Also a finished :class:`grpc.Call`, like the errors grpc raises for a failed call.
+    """
+
+    status = grpc.StatusCode.ABORTED
+
+    def __init__(self, message: str, *, instance: int = 0) -> None:
+        super().__init__(message)
+        self.instance = instance
+
+    def initial_metadata(self) -> tuple[()]:
+        return ()
+
+    def trailing_metadata(self) -> tuple[()]:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return False
+
+
 @dataclass(slots=True)
 class OutgoingCall:
-    """A call this process makes: who waits on whom while it is outstanding."""
+    """A call this process makes: who waits on whom while it is outstanding, and how to break it.
+
+    ``instance`` names the caller's wait (a number never reused in the process); the wait can be
+    broken once ``cancel`` is set, by the channel or the interceptor that holds a handle on the
+    call it can cancel from another thread (before that, and for a blocking call through
+    ``grpc.intercept_channel``, it is reported with instance 0: not breakable). ``cancel`` returns
+    whether the call was still running; ``broken`` holds the victim's message from the moment it
+    is cancelled for a break, so the caller's code raises :class:`DeadlockBroken` instead of a
+    cancellation.
+    """
 
     seq: int
     peer: str  # the callee's process id, or grpc://<target> for an uninstrumented one
@@ -92,19 +136,36 @@ class OutgoingCall:
     waits: bool = True  # False for a response stream: its caller is not reported waiting on the callee
     metadata: tuple[tuple[str, str], ...] = ()  # what the request carries
     settled: bool = False  # its response (or end) was taken in
+    instance: int = 0
+    began_at_us: int = 0
+    cancel: Callable[[], bool] | None = None
+    broken: str | None = None
+
+    def broken_error(self) -> DeadlockBroken | None:
+        """The error the caller gets when this call was cancelled to break a deadlock, else None."""
+        message = self.broken
+        return None if message is None else DeadlockBroken(message, instance=self.instance)
 
 
 @dataclass(slots=True)
 class IncomingCall:
-    """A call this process serves, from its arrival to the end of its handler."""
+    """A call this process serves, from its arrival to the end of its handler.
+
+    A call that has to queue for a worker gets a wait ``instance`` and the time it began
+    (``began_at_us``); with the agent's :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`,
+    ``work`` is its queued work item, which a break takes out of the pool's queue.
+    """
 
     name: str  # the handler's task: "{method}#{caller}:{seq}"
     peer: str | None  # the caller's process id; None until known (an uninstrumented caller)
     instrumented: bool
-    error: str | None = None  # a bad or stale stamp: the handler refuses the call with `status`
+    error: str | None = None  # a bad or stale stamp, or a break: the handler refuses the call with `status`
     status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     pool: WorkerPool | None = None
     done: bool = False
+    instance: int = 0
+    began_at_us: int = 0
+    work: Any = None  # a pool.QueuedWork while it waits in a WorkerExecutor's queue
 
 
 @dataclass(slots=True)
@@ -112,22 +173,32 @@ class WorkerPool:
     """The worker threads of one sync server, as the server interceptor sees them (``workers=N``).
 
     ``running`` holds the calls that have (or are about to get) a worker, ``queued`` those that wait
-    for one, first in first out, as grpc's thread pool hands them out.
+    for one, first in first out, as grpc's thread pool hands them out. ``breakable``: the pool is a
+    :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`, which can take a queued call out of its
+    queue; a plain pool's queued calls are reported with instance 0 (a break could only refuse one
+    when a worker takes it, which in a deadlock never happens).
     """
 
     workers: int
+    breakable: bool = False
     running: dict[str, None] = field(default_factory=dict)
-    queued: dict[str, None] = field(default_factory=dict)
+    queued: dict[str, IncomingCall] = field(default_factory=dict)
 
-    def arrive(self, name: str) -> None:
+    def arrive(self, call: IncomingCall) -> None:
+        """``call`` arrived: it runs at once, or queues (and its wait gets an instance and begins now)."""
         if len(self.running) < self.workers and not self.queued:
-            self.running[name] = None
+            self.running[call.name] = None
         else:
-            self.queued[name] = None
+            call.instance, call.began_at_us = breaking.new_instance(), breaking.now_us()
+            self.queued[call.name] = call
 
     def start(self, name: str) -> None:
-        if self.queued.pop(name, 0) is None:  # our picture lagged behind the pool
+        if self.queued.pop(name, None) is not None:  # our picture lagged behind the pool
             self.running[name] = None
+
+    def leave(self, name: str) -> None:
+        """A queued call left the queue without a worker (broken: it runs beside the pool)."""
+        self.queued.pop(name, None)
 
     def end(self, name: str) -> None:
         self.running.pop(name, None)
@@ -142,8 +213,9 @@ class WorkerPool:
         if not self.running:
             return
         targets = [{"process": process_id, "task": name} for name in self.running]
-        for name in self.queued:
-            yield Wait(task=name, targets=targets, model=WAIT_MODEL_OR)
+        for name, call in self.queued.items():
+            instance = call.instance if self.breakable else 0
+            yield Wait(task=name, targets=targets, model=WAIT_MODEL_OR, instance=instance, began_at_us=call.began_at_us)
 
 
 class CallEvents(Protocol):

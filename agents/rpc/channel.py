@@ -8,11 +8,26 @@ task while the call is out) with the same agent calls, so the protocol is the sa
 
 Why a channel and not only an interceptor: for every call, ``grpc.intercept_channel`` builds a new
 multi-callable (and a call-details tuple, a continuation closure and an outcome object) before the
-interceptor runs. Here a unary call keeps one multi-callable per method and goes straight to its
-``with_call``: ``bench/rpc_hot_path.py`` measured one call's Python, both sides, at 9.5 µs this way
-against 11.6 µs through the client interceptor (the harness alone 0.9 µs). A ``future()`` and the
+interceptor runs. Here a unary call keeps one multi-callable per method and goes straight to it:
+``bench/rpc_hot_path.py`` measured one call's Python, both sides, at 9.5 µs this way against
+11.6 µs through the client interceptor (the harness alone 0.9 µs), with blocking calls then made
+by ``with_call``. A ``future()`` and the
 streaming calls, whose ends come later, go through the client interceptor on the same channel, so
 they behave exactly as with ``grpc.intercept_channel``.
+
+Breakable blocking calls (``instrument_channel(..., breakable=True)``): a blocking unary call is
+then made as grpc's ``future()`` and waited for with ``result()``, not with ``with_call`` (whose
+call grpc never hands out, so no other thread can cancel it). The agent can then cancel it to
+break a proven deadlock, and the caller gets :class:`~stablewatch.agents.rpc.calls.DeadlockBroken`
+(``ABORTED``). A blocking stream-unary call is likewise the client interceptor's ``future()``,
+waited for. The price: grpc completes a future on the channel's polling thread, which it starts
+when the channel has no call in flight and stops when the last one ends, so a caller making one
+call at a time pays a thread start and two thread switches per call (measured on 2 shared cores:
+about twice the client's CPU and 2.5 times the latency of ``with_call``); with calls overlapping,
+as in a busy service, about 5 % more. So it is off by default: a blocking call is then reported
+with instance 0 (never chosen as a victim). Nothing is lost by that in a deadlock through a worker
+pool: every such cycle holds a queued request, which a pool from ``agent.thread_pool`` lets the
+agent refuse instead; a cycle through an application's own lock holds that wait (``agent.state``).
 """
 
 from __future__ import annotations
@@ -22,7 +37,7 @@ from typing import Any
 
 import grpc
 
-from stablewatch.agents.rpc.calls import CallEvents, RefusedResponse
+from stablewatch.agents.rpc.calls import CallEvents, OutgoingCall, RefusedResponse
 from stablewatch.agents.rpc.interceptors import (
     ClientInterceptor,
     current_task_name,
@@ -38,10 +53,19 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
     """One method of an instrumented channel: blocking calls on the fast path, futures through the interceptor."""
 
     def __init__(
-        self, agent: CallEvents, peer: str, instrumented: bool, method: str, plain: Any, intercepted: Any
+        self,
+        agent: CallEvents,
+        peer: str,
+        instrumented: bool,
+        method: str,
+        plain: Any,
+        intercepted: Any,
+        breakable: bool = False,
     ) -> None:
         self._agent, self._peer, self._instrumented, self._method = agent, peer, instrumented, method
         self._plain, self._intercepted = plain, intercepted
+        if not breakable:
+            self._call = self._call_fast  # type: ignore[method-assign]
 
     def __call__(
         self,
@@ -83,9 +107,10 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
             compression=compression,
         )
 
-    def _call(
+    def _call_fast(
         self, request: Any, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any, compression: Any
     ) -> tuple[Any, grpc.Call]:
+        """The blocking call by ``with_call``: cheapest, and not breakable (its wait has instance 0)."""
         agent = self._agent
         call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented)
         try:
@@ -98,20 +123,116 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
                 compression=compression,
             )
         except grpc.RpcError as error:
-            # The call ended in an error: take its end in (the server's stamp, if it set one) first.
-            try:
-                if isinstance(error, grpc.Call):
-                    take_in_end(agent, call, error)
-                else:
-                    agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
-            except RefusedResponse as refused:
-                raise refused from error
+            _take_in_error(agent, call, error)
             raise
         except BaseException:  # not sent, or interrupted: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
             raise
         take_in_end(agent, call, grpc_call)  # a RefusedResponse propagates to the caller
         return response, grpc_call
+
+    def _call(
+        self, request: Any, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any, compression: Any
+    ) -> tuple[Any, grpc.Call]:
+        """The blocking call by ``future()`` and ``result()``: breakable (see the module docstring)."""
+        agent = self._agent
+        call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented)
+        grpc_call = None
+        try:
+            grpc_call = self._plain.future(
+                request,
+                timeout=timeout,
+                metadata=with_stamp(metadata, call),
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+            call.cancel = grpc_call.cancel  # breakable from now on
+            response = grpc_call.result()
+        except grpc.RpcError as error:
+            _take_in_error(agent, call, error)
+            raise
+        except grpc.FutureCancelledError:
+            # Nobody else holds the future: only the agent cancels it, to break a deadlock.
+            agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
+            broken = call.broken_error()
+            if broken is None:
+                raise
+            raise broken from None
+        except BaseException:  # not sent, or interrupted: nobody knows whether the request arrived
+            if grpc_call is not None:
+                grpc_call.cancel()
+            agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
+            raise
+        take_in_end(agent, call, grpc_call)  # a RefusedResponse propagates to the caller
+        return response, grpc_call
+
+
+class _StreamUnary(grpc.StreamUnaryMultiCallable):
+    """One stream-unary method: every call through the client interceptor's ``future()``, so that a
+    blocking one can be broken too (see the module docstring)."""
+
+    def __init__(self, intercepted: Any) -> None:
+        self._intercepted = intercepted
+
+    def __call__(
+        self,
+        request_iterator: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self.with_call(request_iterator, timeout, metadata, credentials, wait_for_ready, compression)[0]
+
+    def with_call(
+        self,
+        request_iterator: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> tuple[Any, grpc.Call]:
+        outcome = self.future(request_iterator, timeout, metadata, credentials, wait_for_ready, compression)
+        try:
+            return outcome.result(), outcome
+        except grpc.RpcError:
+            raise
+        except BaseException:  # interrupted: the call must not go on with nobody waiting for it
+            outcome.cancel()
+            raise
+
+    def future(
+        self,
+        request_iterator: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return self._intercepted.future(
+            request_iterator,
+            timeout=timeout,
+            metadata=metadata,
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
+
+
+def _take_in_error(agent: CallEvents, call: OutgoingCall, error: grpc.RpcError) -> None:
+    """The call ended in an error: take its end in (the server's stamp, if it set one) before the
+    caller sees it; a refused response replaces the error."""
+    try:
+        if isinstance(error, grpc.Call):
+            take_in_end(agent, call, error)
+        else:
+            agent.call_returned(call, None, grpc.StatusCode.UNKNOWN)
+    except RefusedResponse as refused:
+        raise refused from error
 
 
 class InstrumentedChannel(grpc.Channel):
@@ -120,13 +241,16 @@ class InstrumentedChannel(grpc.Channel):
     Closing it closes the channel it wraps.
     """
 
-    def __init__(self, channel: grpc.Channel, agent: CallEvents, peer: str, instrumented: bool) -> None:
+    def __init__(
+        self, channel: grpc.Channel, agent: CallEvents, peer: str, instrumented: bool, breakable: bool = False
+    ) -> None:
         if isinstance(channel, grpc.aio.Channel):
             raise TypeError(
                 "instrument_channel takes a sync channel; an asyncio one takes agent.aio_client_interceptors"
             )
         self._channel = channel
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
+        self._breakable = breakable
         self._intercepted = grpc.intercept_channel(channel, ClientInterceptor(agent, peer, instrumented))
 
     def unary_unary(
@@ -140,7 +264,9 @@ class InstrumentedChannel(grpc.Channel):
         intercepted = self._intercepted.unary_unary(
             method, request_serializer, response_deserializer, _registered_method
         )
-        return _UnaryUnary(self._agent, self._peer, self._instrumented, method_name(method), plain, intercepted)
+        return _UnaryUnary(
+            self._agent, self._peer, self._instrumented, method_name(method), plain, intercepted, self._breakable
+        )
 
     def unary_stream(
         self,
@@ -158,7 +284,10 @@ class InstrumentedChannel(grpc.Channel):
         response_deserializer: Callable[[bytes], Any] | None = None,
         _registered_method: bool | None = False,
     ) -> grpc.StreamUnaryMultiCallable:
-        return self._intercepted.stream_unary(method, request_serializer, response_deserializer, _registered_method)
+        intercepted = self._intercepted.stream_unary(
+            method, request_serializer, response_deserializer, _registered_method
+        )
+        return _StreamUnary(intercepted) if self._breakable else intercepted
 
     def stream_stream(
         self,

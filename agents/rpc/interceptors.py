@@ -25,6 +25,14 @@ What travels (gRPC has metadata per call, not per message):
   ``RpcError``, ``INTERNAL``), a stale one :class:`~stablewatch.agents.rpc.calls.StaleResponse`
   (``ABORTED``: the server ran the call, its response is not delivered); an error without our server's
   stamp restarts the pair's counts (the request or the response may or may not have arrived).
+* Breaking a deadlock: a unary-response call the agent can cancel from another thread (a sync
+  ``future()``, an asyncio call) leaves its cancel on the call's record; the agent cancels it to
+  break a proven deadlock, and the caller's code gets
+  :class:`~stablewatch.agents.rpc.calls.DeadlockBroken` (``ABORTED``, the deadlock named) where
+  grpc would have reported a cancellation. Its end is taken in like any end without the server's
+  stamp. A blocking call through ``grpc.intercept_channel`` cannot be cancelled (grpc waits for it
+  inside the continuation, on a call it never hands out): it is reported unbreakable (instance 0);
+  :meth:`~stablewatch.agents.rpc.agent.RpcAgent.instrument_channel` makes blocking calls breakable.
 
 Wait edges: a call with a response stream (unary-stream, stream-stream) makes none (its messages carry no
 stamp, so a message in flight inside it could wake a caller the cut shows waiting); a stream-unary call
@@ -51,6 +59,7 @@ import grpc
 
 from stablewatch.agents.rpc.calls import (
     CallEvents,
+    DeadlockBroken,
     IncomingCall,
     OutgoingCall,
     RefusedResponse,
@@ -203,6 +212,11 @@ class ServerInterceptor(grpc.ServerInterceptor):
         # One variable per interceptor: two of them in one server must not read each other's calls.
         self._served: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_served_call")
         self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, Any]] = {}  # id(handler) -> (handler, wrapped)
+
+    @property
+    def served(self) -> contextvars.ContextVar[IncomingCall]:
+        """The context variable that holds the call a handler serves (a WorkerExecutor reads it)."""
+        return self._served
 
     def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
@@ -379,21 +393,41 @@ class _Settled:
 
 
 class _UnaryOutcome(grpc.Call, grpc.Future):
-    """A sync unary call's result, handed over only after its end was taken in."""
+    """A sync unary call's result, handed over only after its end was taken in.
+
+    A call cancelled to break a deadlock fails with :class:`DeadlockBroken` (its ``code()`` is
+    ``ABORTED``), not as a cancelled future.
+    """
 
     caller_waits = True  # the caller is reported waiting on the callee while the call is out
 
     def __init__(self, agent: CallEvents, call: OutgoingCall, outcome: Any) -> None:
         self._outcome = outcome
+        self._call: OutgoingCall | None = call
         self._settled = _Settled(agent, call, outcome)
+        if self.caller_waits:
+            call.cancel = outcome.cancel  # breakable from now on
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._outcome, name)
+
+    def _broken(self) -> DeadlockBroken | None:
+        """The error of a call cancelled to break a deadlock, else None."""
+        call = self._call
+        if call is None or call.broken is None or not self._outcome.cancelled():
+            return None
+        return call.broken_error()
 
     def result(self, timeout: float | None = None) -> Any:
         try:
             value = self._outcome.result(timeout)
         except grpc.FutureTimeoutError:
+            raise
+        except grpc.FutureCancelledError:
+            self._settled.settle()
+            broken = self._broken()
+            if broken is not None:
+                raise broken from None
             raise
         except BaseException:
             self._settled.settle()
@@ -402,7 +436,14 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         return value
 
     def exception(self, timeout: float | None = None) -> Any:
-        error = self._outcome.exception(timeout)
+        try:
+            error = self._outcome.exception(timeout)
+        except grpc.FutureCancelledError:
+            broken = self._broken()
+            if broken is None:
+                raise
+            self._settled.settle(quiet=True)
+            return broken
         try:
             self._settled.settle()
         except RefusedResponse as refused:
@@ -419,7 +460,7 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         return self._outcome.cancel()
 
     def cancelled(self) -> bool:
-        return self._outcome.cancelled()
+        return self._outcome.cancelled() and self._broken() is None
 
     def running(self) -> bool:
         return self._outcome.running()
@@ -443,17 +484,19 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         return self._outcome.trailing_metadata()
 
     def code(self) -> grpc.StatusCode:
-        return self._outcome.code()
+        broken = self._broken()
+        return broken.code() if broken is not None else self._outcome.code()
 
     def details(self) -> str | None:
-        return self._outcome.details()
+        broken = self._broken()
+        return broken.details() if broken is not None else self._outcome.details()
 
 
 class _RefusedOutcome(_UnaryOutcome):
     """A call whose end was taken in already and whose response is refused: its result is the error."""
 
     def __init__(self, outcome: Any, error: RefusedResponse) -> None:
-        self._outcome, self._error = outcome, error
+        self._outcome, self._error, self._call = outcome, error, None
 
     def result(self, timeout: float | None = None) -> Any:
         raise self._error
@@ -534,11 +577,21 @@ class _AioClient:
         call = agent.call_out(self._peer, method_name(details.method), current_task_name(), self._instrumented)
         try:
             grpc_call = await continuation(_aio_details_with(details, call), request)
+            call.cancel = _cancel_soon(grpc_call)  # breakable from now on
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
             raise
-        except BaseException:  # cancelled here: nobody knows whether the request arrived
+        except asyncio.CancelledError:  # nobody knows whether the request arrived
+            agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
+            broken = call.broken_error()
+            task = asyncio.current_task()
+            # The call was cancelled for a break, and this task was not cancelled itself (then the
+            # cancellation is the caller's, and goes on as one).
+            if broken is not None and (task is None or not task.cancelling()):
+                raise broken from None
+            raise
+        except BaseException:  # interrupted here: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
         agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
@@ -567,6 +620,22 @@ class _AioClient:
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
         agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+
+
+def _cancel_soon(grpc_call: Any) -> Callable[[], bool]:
+    """A cancel of the asyncio ``grpc_call`` that any thread may call: it runs on the call's loop
+    (grpc.aio objects belong to their loop). True when it was scheduled (the call ends cancelled
+    unless it ends first); False when the loop is closed."""
+    loop = asyncio.get_running_loop()
+
+    def cancel() -> bool:
+        try:
+            loop.call_soon_threadsafe(grpc_call.cancel)
+        except RuntimeError:  # the loop is closed: so is the call
+            return False
+        return True
+
+    return cancel
 
 
 class _AioUnaryUnary(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):

@@ -1,9 +1,10 @@
-"""Prometheus metrics of one RPC-mode agent: stamped messages, bad and stale stamps, uninstrumented calls, snapshots.
+"""Prometheus metrics of one RPC-mode agent: stamped messages, bad and stale stamps, uninstrumented calls,
+snapshots, broken waits.
 
 Every metric is named ``stablewatch_agent_rpc_*`` and registered into the registry it is given (the
 service's own) or a new private one, as :class:`~stablewatch.agents.metrics.AgentMetrics` does. Labels
-are bounded: ``kind`` (:data:`STAMPED_KINDS`), ``side`` (:data:`SIDES`) and ``direction``
-(:data:`DIRECTIONS`). Children are looked up once, so the per-call cost is a dict lookup and an ``inc``;
+are bounded: ``kind`` (:data:`STAMPED_KINDS`, :data:`BREAK_KINDS`), ``side`` (:data:`SIDES`) and
+``direction`` (:data:`DIRECTIONS`). Children are looked up once, so the per-call cost is a dict lookup and an ``inc``;
 the one counter every call moves, ``stamped_messages``, is plain ints the agent adds to under its own
 lock (no second lock per call), formatted only at scrape time.
 """
@@ -19,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_serv
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
-__all__ = ["DIRECTIONS", "SIDES", "STAMPED_KINDS", "RpcAgentMetrics"]
+__all__ = ["BREAK_KINDS", "DIRECTIONS", "SIDES", "STAMPED_KINDS", "RpcAgentMetrics"]
 
 PREFIX = "stablewatch_agent_rpc"
 
@@ -30,6 +31,9 @@ SIDES = ("server", "client")
 #: Calls with an uninstrumented peer: ``inbound`` (served for a client without a stamp) or
 #: ``outbound`` (made to a server that answered without one).
 DIRECTIONS = ("inbound", "outbound")
+#: The waits a break ends: an outgoing ``call`` (cancelled at the caller) or a ``queued`` request
+#: (refused with ABORTED before its handler ran).
+BREAK_KINDS = ("call", "queued")
 
 
 class RpcAgentMetrics:
@@ -59,6 +63,8 @@ class RpcAgentMetrics:
         self._resets = counter("peer_resets", "Channel counts restarted after a call ended ambiguously")
         self._recorded = counter("snapshots_recorded", "Local states captured for snapshots (one per jump)")
         self._failed = counter("snapshots_failed", "Snapshots that failed in this process")
+        breaks = counter("breaks", "Waits broken to end a proven deadlock, by kind (call, queued)", "kind")
+        self._breaks = {kind: breaks.labels(kind) for kind in BREAK_KINDS}
         self._control_connected = Gauge(
             f"{PREFIX}_control_connected", "1 while the control stream to the detector is up, else 0", registry=registry
         )
@@ -93,6 +99,10 @@ class RpcAgentMetrics:
     def snapshot_failed(self) -> None:
         """A snapshot failed in this process."""
         self._failed.inc()
+
+    def broke(self, kind: str) -> None:
+        """A wait of `kind` (:data:`BREAK_KINDS`) was broken for a detector's ``BreakWait``."""
+        self._breaks[kind].inc()
 
     def control_connected(self, connected: bool) -> None:
         """The control stream to the detector went up (True) or down (False)."""

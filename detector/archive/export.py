@@ -5,6 +5,10 @@ What the archive holds is read from the archive itself (the ``snapshot_id`` colu
 (a new one, or one that another detector also fills) from a store opened read-only beside its
 live detector, and a second export writes nothing new. It takes the archive's writer lock, so an
 archive that a running detector writes is refused: that detector catches up on its own.
+
+A store that lists its breaks (:class:`~.writer.ResolutionSource`) has those whose outcome is
+known copied too, into the ``resolutions`` table, again only those the archive lacks (by
+snapshot and break id). A break still waiting for its agent's answer is left for a later export.
 """
 
 from __future__ import annotations
@@ -15,8 +19,16 @@ from pathlib import Path
 from typing import Protocol
 
 from stablewatch.detector.archive.files import unlock_archive
-from stablewatch.detector.archive.recovery import archived_ids, repair
-from stablewatch.detector.archive.writer import SnapshotSource, load, open_archive, write_finished
+from stablewatch.detector.archive.recovery import archived_ids, archived_resolutions, repair
+from stablewatch.detector.archive.schema import resolution_key
+from stablewatch.detector.archive.writer import (
+    SnapshotSource,
+    finished_resolutions,
+    load,
+    open_archive,
+    write_finished,
+    write_resolution_batch,
+)
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_RUNNING, SnapshotSummary
 
 __all__ = ["ExportResult", "ListingStore", "export"]
@@ -38,6 +50,8 @@ class ExportResult:
     already: int  # finished snapshots of the store that the archive held already
     batches: int
     files: int
+    resolutions: int = 0  # breaks written now (files counts theirs too)
+    resolutions_already: int = 0  # finished breaks of the store that the archive held already
 
 
 def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportResult:
@@ -62,7 +76,20 @@ def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportRes
                 files += len(write_finished(root, items))
                 exported += len(items)
                 batches += 1
-        return ExportResult(exported=exported, already=len(finished) - len(missing), batches=batches, files=files)
+        archived = archived_resolutions(root)
+        breaks = list(finished_resolutions(store))
+        new = [resolution for resolution in breaks if resolution_key(resolution) not in archived]
+        new.reverse()  # oldest first, as the snapshots
+        for start in range(0, len(new), batch_size):
+            files += len(write_resolution_batch(root, new[start : start + batch_size]))
+        return ExportResult(
+            exported=exported,
+            already=len(finished) - len(missing),
+            batches=batches,
+            files=files,
+            resolutions=len(new),
+            resolutions_already=len(breaks) - len(new),
+        )
     finally:
         unlock_archive(lock)
 

@@ -2,13 +2,23 @@
 
 Layout (see :mod:`.schema` for the tables)::
 
-    ARCHIVE/_stablewatch_archive.json                 {"format": "stablewatch-archive", "schema_version": 1}
+    ARCHIVE/_stablewatch_archive.json                 {"format": "stablewatch-archive", "schema_version": 3}
     ARCHIVE/<table>/day=YYYY-MM-DD/<batch>.parquet    one file per table, day and batch
+    ARCHIVE/resolutions/day=YYYY-MM-DD/<name>.parquet  breaks, written on their own
 
 A batch is written aside (``.<name>.parquet.tmp``, ignored by readers) and then renamed into
 place, table by table, the ``snapshots`` file last: a reader never sees half a file, and a
 snapshot whose ``snapshots`` row is visible has all its other rows visible too. Batch names
 hold the first and last snapshot id, so a batch written twice replaces itself.
+
+Breaks (the ``resolutions`` table) belong to no batch of snapshots: :func:`write_resolutions`
+writes them the same way, aside then renamed, one file per day, named for the break ids and a
+digest of the breaks it holds (:func:`resolutions_name`), so that a file never replaces one
+holding other breaks. What is archived is read back from the files themselves
+(:func:`read_keys`), not from the names.
+
+The marker holds the newest schema version written into the folder: a writer of a newer version
+raises it (:func:`raise_marker`) when it opens an older archive, whose files all still read.
 
 One process writes an archive at a time: it holds an exclusive lock on
 ``ARCHIVE/.stablewatch-writer.lock`` (:func:`lock_archive`), so that repairing what a crash left
@@ -18,6 +28,7 @@ One process writes an archive at a time: it holds an exclusive lock on
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -33,6 +44,7 @@ from stablewatch.detector.archive.schema import (
     MARKER_FILE,
     METADATA_KEY,
     SCHEMA_VERSION,
+    SNAPSHOT_TABLES,
     TABLES,
     ArchiveError,
     table_from_rows,
@@ -46,15 +58,19 @@ __all__ = [
     "ensure_archive",
     "lock_archive",
     "parquet_files",
+    "raise_marker",
     "read_ids",
+    "read_keys",
     "read_table",
+    "resolutions_name",
     "unlock_archive",
     "write_batch",
+    "write_resolutions",
 ]
 
 _FORMAT = "stablewatch-archive"
 # The snapshots table goes last, so that its rows only appear once everything they refer to has.
-_WRITE_ORDER = [name for name in TABLES if name != "snapshots"] + ["snapshots"]
+_WRITE_ORDER = [name for name in SNAPSHOT_TABLES if name != "snapshots"] + ["snapshots"]
 _BATCH_NAME = re.compile(r"part-(\d{20})-(\d{20})\.parquet")
 #: The lock a writer holds at the archive's root (a dot file: ignored by readers and by Spark).
 LOCK_FILE = ".stablewatch-writer.lock"
@@ -71,12 +87,28 @@ def ensure_archive(root: Path) -> Path:
         root.mkdir(parents=True, exist_ok=True)
         if any(p for p in root.iterdir() if not p.name.startswith(".")):
             raise ArchiveError(f"{root} is not empty and is not a stablewatch archive (no {MARKER_FILE})")
-        tmp = root / f".{MARKER_FILE}.tmp"
-        tmp.write_text(json.dumps({"format": _FORMAT, "schema_version": SCHEMA_VERSION}) + "\n")
-        os.replace(tmp, marker)
+        _write_marker(root)
     except OSError as exc:
         raise ArchiveError(f"cannot create the archive {root}: {exc.strerror or exc}") from exc
     return root
+
+
+def raise_marker(root: Path) -> None:
+    """Mark an archive of an older schema version as of this one, which its writer now adds files of.
+
+    Call it holding the writer lock. ArchiveError when the marker cannot be written.
+    """
+    if check_marker(root) < SCHEMA_VERSION:
+        try:
+            _write_marker(root)
+        except OSError as exc:
+            raise ArchiveError(f"cannot update the archive marker {root / MARKER_FILE}: {exc.strerror or exc}") from exc
+
+
+def _write_marker(root: Path) -> None:
+    tmp = root / f".{MARKER_FILE}.tmp"
+    tmp.write_text(json.dumps({"format": _FORMAT, "schema_version": SCHEMA_VERSION}) + "\n")
+    os.replace(tmp, root / MARKER_FILE)
 
 
 def check_marker(root: Path) -> int:
@@ -148,21 +180,52 @@ def write_batch(root: Path, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
     if not ids:
         return []
     name = batch_name(ids)
+    files = [(table, day, name, day_rows) for table in _WRITE_ORDER for day, day_rows in _by_day(rows.get(table, ()))]
+    return _write_files(root, files, f"batch {name}")
+
+
+def resolutions_name(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The file name of these ``resolutions`` rows: their first and last break id, and a digest of
+    the breaks (snapshot and break ids), so that other breaks never get the same name."""
+    keys = sorted((row["snapshot_id"], row["resolution_id"]) for row in rows)
+    digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).hexdigest()
+    ids = [row["resolution_id"] % 2**64 for row in rows]
+    return f"part-{min(ids):020d}-{max(ids):020d}-{digest}.parquet"
+
+
+def write_resolutions(root: Path, rows: Sequence[Mapping[str, Any]]) -> list[Path]:
+    """Write ``resolutions`` rows (as :func:`.schema.resolution_row` makes them), one file per day.
+
+    Each file is written aside and renamed into place, as a batch's are. Returns the files
+    written; ArchiveError (naming the file) when writing fails, the archive keeping what it held.
+    """
+    files = [("resolutions", day, resolutions_name(day_rows), day_rows) for day, day_rows in _by_day(rows)]
+    return _write_files(root, files, f"{len(rows)} resolutions")
+
+
+def _by_day(rows: Iterable[Mapping[str, Any]]) -> list[tuple[str, list[Mapping[str, Any]]]]:
+    by_day: dict[str, list[Mapping[str, Any]]] = {}
+    for row in rows:
+        by_day.setdefault(row["day"], []).append(row)
+    return sorted(by_day.items())
+
+
+_File = tuple[str, str, str, Sequence[Mapping[str, Any]]]  # table, day, name, rows
+
+
+def _write_files(root: Path, files: Sequence[_File], what: str) -> list[Path]:
+    """Write each (table, day, name, rows) aside, then rename them all into place in that order."""
     staged: list[tuple[Path, Path]] = []
     try:
-        for table in _WRITE_ORDER:
-            by_day: dict[str, list[Mapping[str, Any]]] = {}
-            for row in rows.get(table, ()):
-                by_day.setdefault(row["day"], []).append(row)
-            for day, day_rows in sorted(by_day.items()):
-                folder = root / table / f"day={day}"
-                folder.mkdir(parents=True, exist_ok=True)
-                final = folder / name
-                tmp = folder / f".{name}.tmp"
-                arrow = table_from_rows(table, day_rows).drop_columns(["day"])
-                arrow = arrow.replace_schema_metadata({METADATA_KEY: str(SCHEMA_VERSION).encode()})
-                pq.write_table(arrow, tmp, compression="zstd")
-                staged.append((tmp, final))
+        for table, day, name, day_rows in files:
+            folder = root / table / f"day={day}"
+            folder.mkdir(parents=True, exist_ok=True)
+            final = folder / name
+            tmp = folder / f".{name}.tmp"
+            arrow = table_from_rows(table, day_rows).drop_columns(["day"])
+            arrow = arrow.replace_schema_metadata({METADATA_KEY: str(SCHEMA_VERSION).encode()})
+            pq.write_table(arrow, tmp, compression="zstd")
+            staged.append((tmp, final))
         for tmp, final in staged:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
@@ -170,7 +233,7 @@ def write_batch(root: Path, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
     except (OSError, pa.ArrowException) as exc:
         for tmp, _ in staged:
             tmp.unlink(missing_ok=True)
-        raise ArchiveError(f"cannot write batch {name} to {root}: {exc}") from exc
+        raise ArchiveError(f"cannot write {what} to {root}: {exc}") from exc
     return [final for _, final in staged]
 
 
@@ -211,8 +274,7 @@ def read_file(path: Path, table: str) -> pa.Table:
     is corrupt, foreign, or of a newer schema version. A file of an older version gets the columns
     added since, null."""
     file, version = _open(path)
-    expected = table_schema(table, version)
-    expected = expected.remove(expected.get_field_index("day"))
+    expected = _file_schema(path, table, version)
     try:
         arrow = file.read()
     except (OSError, pa.ArrowException) as exc:
@@ -226,6 +288,30 @@ def read_file(path: Path, table: str) -> pa.Table:
         nulls = {f.name: pa.nulls(arrow.num_rows, f.type) for f in TABLES[table] if f.name not in columns}
         arrow = pa.table({f.name: columns.get(f.name, nulls.get(f.name)) for f in TABLES[table]}, schema=TABLES[table])
     return arrow
+
+
+def _file_schema(path: Path, table: str, version: int) -> pa.Schema:
+    """The columns a file of `table` and schema `version` has (no ``day``); ArchiveError naming `path`."""
+    try:
+        expected = table_schema(table, version)
+    except ArchiveError as error:
+        raise ArchiveError(f"{path}: {error}") from None
+    return expected.remove(expected.get_field_index("day"))
+
+
+def read_keys(path: Path) -> list[tuple[int, int]]:
+    """The (snapshot id, break id) of every row of one ``resolutions`` file, read alone (cheap)."""
+    file, version = _open(path)
+    columns = ["snapshot_id", "resolution_id"]
+    expected = _file_schema(path, "resolutions", version)
+    schema = file.schema_arrow
+    if any(n not in schema.names or schema.field(n).type != expected.field(n).type for n in columns):
+        raise ArchiveError(f"{path}: its columns do not match the resolutions table of schema version {version}")
+    try:
+        read = file.read(columns=columns)
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"{path}: corrupt Parquet file ({exc})") from exc
+    return list(zip(read.column(0).to_pylist(), read.column(1).to_pylist(), strict=True))
 
 
 def read_ids(path: Path) -> list[int]:

@@ -10,7 +10,12 @@ into place first, then the ``snapshots`` files, one per day. A writer killed on 
 3. a complete batch that its store never heard of (killed between the last rename and
    ``mark_archived``): those snapshots are in the archive and must not be written again.
 
-:func:`repair` removes 1 and 2; :func:`archived_ids` finds 3. Both must run with the archive's
+Breaks (``resolutions``, written by :func:`.files.write_resolutions`) leave less: temporary
+files (1), and of breaks sent on several days, the files of some days and not the others. Each
+visible file is whole and stands alone, so nothing visible is removed; the breaks it holds are
+found by :func:`archived_resolutions` and not written again, and the rest are.
+
+:func:`repair` removes 1 and 2; :func:`archived_ids` finds 3. All must run with the archive's
 writer lock held (:func:`.files.lock_archive`), before anything new is written.
 """
 
@@ -18,10 +23,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stablewatch.detector.archive.files import batch_range, parquet_files, read_ids
-from stablewatch.detector.archive.schema import TABLES, ArchiveError
+from stablewatch.detector.archive.files import batch_range, parquet_files, read_ids, read_keys
+from stablewatch.detector.archive.schema import SNAPSHOT_TABLES, TABLES, ArchiveError
 
-__all__ = ["archived_ids", "repair"]
+__all__ = ["archived_ids", "archived_resolutions", "repair"]
 
 
 def repair(root: Path) -> list[Path]:
@@ -37,7 +42,7 @@ def repair(root: Path) -> list[Path]:
             _remove(tmp)
             removed.append(tmp)
     finished = {(p.parent.name, p.name) for p in parquet_files(root, "snapshots")}
-    for table in TABLES:
+    for table in SNAPSHOT_TABLES:
         if table == "snapshots":
             continue
         for path in parquet_files(root, table):
@@ -58,6 +63,18 @@ def archived_ids(root: Path, since: int = 0) -> set[int]:
         ids = batch_range(path.name)
         if ids is None or ids[1] >= since:
             found.update(read_ids(path))
+    return found
+
+
+def archived_resolutions(root: Path) -> set[tuple[int, int]]:
+    """The breaks in the archive, as (snapshot id, break id) (:func:`.schema.resolution_key`).
+
+    Reads those two columns of every ``resolutions`` file (breaks are few). ArchiveError naming
+    the file when one cannot be read.
+    """
+    found: set[tuple[int, int]] = set()
+    for path in parquet_files(root, "resolutions"):
+        found.update(read_keys(path))
     return found
 
 

@@ -11,23 +11,36 @@ Every row carries its ``snapshot_id``. One row per:
   channel (the sum over the channel's recorded messages);
 * ``wait_edges`` — a declared wait edge: waiter process/task -> target process/task, model,
   flow control, and which wait of the process it belongs to (a wait without targets is one row
-  with null targets);
+  with null targets), with that wait's ``instance`` and ``began_at`` (since version 3; an agent
+  reports one ``Wait`` per instance, so one task often has several);
 * ``channels`` — a channel: n, m, recorded count and bytes, and the acknowledgement positions at
   the receiver's and the sender's recordings (null when unknown; since version 2);
 * ``messages`` — a recorded message: position, payload, size, counters, no_wake, wakes_task;
 * ``results`` — a predicate result: holds, unknown, summary, error, missing processes, evidence
   as JSON, and the serialized ``PredicateResult``.
 
+Those tables belong to snapshots (:data:`SNAPSHOT_TABLES`): a batch of snapshots writes them
+together. One table does not (since version 3):
+
+* ``resolutions`` — one break of a proven deadlock (a ``Resolution``, DESIGN.md "Breaking a
+  proven deadlock"): which wait of which process, the snapshot that proved the deadlock, the
+  policy, who asked, the sink component, when the break was sent and answered, and the outcome as
+  a word. Partitioned by the day it was sent; its ``snapshot_id`` is the proving snapshot's,
+  which may be in another day or (retention) nowhere in the archive.
+
 :func:`snapshot_rows` turns one finished snapshot into rows; :func:`snapshot_from_rows` turns the
-rows back into the identical ``GlobalSnapshot``. The format is versioned
+rows back into the identical ``GlobalSnapshot``; :func:`resolution_row` and
+:func:`resolution_from_row` do the same for a ``Resolution``. The format is versioned
 (:data:`SCHEMA_VERSION`, in every file's metadata and in the folder's marker file); a reader
-refuses a newer version with :class:`ArchiveError`.
+refuses a newer version with :class:`ArchiveError`, and reads every older one: the columns added
+since read as null, which the conversions take as the fields' defaults (a wait of a version 2
+file has instance 0 and no start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pyarrow as pa
@@ -46,24 +59,31 @@ from stablewatch.v1 import (
     WaitModel,
     WaitNode,
 )
-from stablewatch.v1.query_pb2 import SnapshotSummary
+from stablewatch.v1.control_pb2 import BREAK_OUTCOME_UNSPECIFIED, BreakOutcome
+from stablewatch.v1.query_pb2 import Resolution, SnapshotSummary
 
 __all__ = [
     "MARKER_FILE",
     "MAX_BLOB_BYTES",
     "METADATA_KEY",
+    "RESOLUTION_OUTCOMES",
     "SCHEMA_VERSION",
+    "SNAPSHOT_TABLES",
     "TABLES",
     "ArchiveError",
     "day_of",
     "outcome_word",
+    "resolution_from_row",
+    "resolution_key",
+    "resolution_outcome",
+    "resolution_row",
     "snapshot_from_rows",
     "snapshot_rows",
     "table_schema",
 ]
 
 #: The archive format this code writes and reads (and every older one).
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: The file at the archive's root that says it is one, and of which version.
 MARKER_FILE = "_stablewatch_archive.json"
 #: The Parquet key-value metadata key holding the schema version of every file.
@@ -84,6 +104,8 @@ _ts = pa.timestamp("us", tz="UTC")
 _ACK_POSITION = pa.struct(
     [("sender_incarnation", pa.int64()), ("receiver_incarnation", pa.int64()), ("next_seq", pa.int64())]
 )
+# A WaitNode of a resolution's component.
+_NODE = pa.struct([("process", pa.string()), ("task", pa.string())])
 
 TABLES: dict[str, pa.Schema] = {
     "snapshots": pa.schema(
@@ -139,6 +161,8 @@ TABLES: dict[str, pa.Schema] = {
             ("flow_control", pa.bool_()),
             ("wait_index", pa.int32()),  # position of the wait in the process's state
             ("target_index", pa.int32()),  # position of the target in the wait
+            ("instance", pa.int64()),  # the wait's instance (uint64 by its bits); since version 3
+            ("began_at", _ts),  # when the wait began, on the agent's clock; null: unknown; since version 3
             ("day", pa.string()),
         ]
     ),
@@ -187,10 +211,46 @@ TABLES: dict[str, pa.Schema] = {
             ("day", pa.string()),
         ]
     ),
+    "resolutions": pa.schema(
+        [
+            ("resolution_id", pa.int64()),  # the detector's break id (uint64 by its bits)
+            ("snapshot_id", pa.int64()),  # the snapshot that proved the deadlock
+            ("process_id", pa.string()),  # the victim wait's process
+            ("task", pa.string()),  # its waiter ("": the process itself)
+            ("instance", pa.int64()),  # its instance (uint64 by its bits)
+            ("wait_began_at", _ts),  # null: unknown
+            ("policy", pa.string()),  # youngest, oldest, operator
+            ("requested_by", pa.string()),  # "detector", or the operator's identity
+            ("component", pa.list_(_NODE)),  # the deadlocked sink component the victim was chosen from
+            ("deadlock", pa.string()),  # its cycle as text
+            ("sent_at", _ts),
+            ("reported_at", _ts),  # null: no answer yet (an archived break has one, or was given up on)
+            ("outcome", pa.string()),  # a word of RESOLUTION_OUTCOMES
+            ("detail", pa.string()),
+            ("day", pa.string()),  # of sent_at
+        ]
+    ),
 }
+#: The tables a batch of snapshots writes, every row of them belonging to one snapshot.
+SNAPSHOT_TABLES: tuple[str, ...] = tuple(name for name in TABLES if name != "resolutions")
 #: Columns added after version 1: table -> column -> the version that added it.
-_ADDED: dict[str, dict[str, int]] = {"channels": {"receiver_acked": 2, "sender_ack_seen": 2}}
+_ADDED: dict[str, dict[str, int]] = {
+    "channels": {"receiver_acked": 2, "sender_ack_seen": 2},
+    "wait_edges": {"instance": 3, "began_at": 3},
+}
+#: Tables added after version 1: table -> the version that added it (no older file holds one).
+_TABLE_ADDED: dict[str, int] = {"resolutions": 3}
+#: What became of a break, as the ``resolutions`` table says it: the agent's answer, ``unanswered``
+#: when the detector gave up waiting for one (or could not send the break), ``pending`` for a break
+#: archived before its outcome was known (the detector and export archive a break once it is).
+RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "unanswered", "pending")
 
+# The agent's answers, as words: broken, gone, already_broken.
+_BREAK_OUTCOMES = {
+    BreakOutcome.Name(value).removeprefix("BREAK_OUTCOME_").lower(): value
+    for value in BreakOutcome.values()
+    if value != BREAK_OUTCOME_UNSPECIFIED
+}
 _OUTCOMES = {2: "completed", 3: "aborted"}  # SnapshotOutcome values of a finished snapshot
 
 
@@ -205,6 +265,9 @@ def outcome_word(summary: SnapshotSummary) -> str:
 def day_of(started_at: datetime) -> str:
     """The partition of a snapshot that started at `started_at`: its UTC date, ``YYYY-MM-DD``."""
     return started_at.astimezone(UTC).strftime("%Y-%m-%d")
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def _datetime(timestamp: Any) -> datetime | None:
@@ -229,7 +292,7 @@ def snapshot_rows(
     own_start = None if snapshot is None else _datetime(snapshot.started_at)
     started = own_start or _datetime(summary.started_at) or datetime.fromtimestamp(0, UTC)
     day = day_of(started)
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in TABLES}
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in SNAPSHOT_TABLES}
     head: dict[str, Any] = {
         "snapshot_id": snapshot_id,
         "started_at": started,
@@ -305,6 +368,9 @@ def snapshot_rows(
                         "flow_control": wait.flow_control,
                         "wait_index": wait_index,
                         "target_index": target_index,
+                        "instance": _signed(wait.instance),
+                        # Microseconds as they are: any int64 fits, a datetime might not.
+                        "began_at": wait.began_at_us or None,
                         "day": day,
                     }
                 )
@@ -423,6 +489,8 @@ def snapshot_from_rows(
             task=first["waiter_task"] or "",
             model=WaitModel.Value(f"WAIT_MODEL_{first['model'].upper()}"),
             flow_control=bool(first["flow_control"]),
+            instance=(first.get("instance") or 0) % 2**64,  # null in files before version 3
+            began_at_us=_micros(first.get("began_at")) or 0,
             targets=[
                 WaitNode(process=r["target_process"], task=r["target_task"] or "")
                 for r in group
@@ -493,8 +561,98 @@ def _signed(number: int) -> int:
     return number - 2**64 if number >= 2**63 else number
 
 
+def _micros(moment: datetime | int | None) -> int | None:
+    """A timestamp cell as microseconds since the epoch, exactly: readers give a ``datetime``, or
+    the int64 itself when they read the column as integers (a time a ``datetime`` cannot hold)."""
+    if moment is None or isinstance(moment, int):
+        return moment
+    return (moment - _EPOCH) // timedelta(microseconds=1)
+
+
+def _day_of_micros(micros: int) -> str:
+    try:
+        return day_of(_EPOCH + timedelta(microseconds=micros))
+    except OverflowError:  # no calendar day: the epoch's, rather than no partition
+        return day_of(_EPOCH)
+
+
+def resolution_outcome(resolution: Resolution) -> str:
+    """What became of a break, as a word of :data:`RESOLUTION_OUTCOMES`."""
+    for word, value in _BREAK_OUTCOMES.items():
+        if resolution.outcome == value:
+            return word
+    return "unanswered" if resolution.HasField("reported_at") else "pending"
+
+
+def resolution_key(resolution: Resolution) -> tuple[int, int]:
+    """What identifies an archived break: its proving snapshot and its break id, as the table holds them.
+
+    The break id alone is one store's; the snapshot id tells two detectors' breaks apart in an
+    archive that both export to.
+    """
+    return (_signed(resolution.snapshot_id), _signed(resolution.resolution_id))
+
+
+def _stamp(resolution: Resolution, name: str) -> int | None:
+    return getattr(resolution, name).ToMicroseconds() if resolution.HasField(name) else None
+
+
+def resolution_row(resolution: Resolution) -> dict[str, Any]:
+    """The ``resolutions`` row of one break (times in microseconds; the inverse of :func:`resolution_from_row`).
+
+    An outcome this code does not know (a newer detector's) is archived as ``unanswered`` or
+    ``pending``: the row keeps every known field exactly.
+    """
+    sent = _stamp(resolution, "sent_at")
+    return {
+        "resolution_id": _signed(resolution.resolution_id),
+        "snapshot_id": _signed(resolution.snapshot_id),
+        "process_id": resolution.process_id,
+        "task": resolution.task,
+        "instance": _signed(resolution.instance),
+        "wait_began_at": _stamp(resolution, "wait_began_at"),
+        "policy": resolution.policy,
+        "requested_by": resolution.requested_by,
+        "component": [{"process": node.process, "task": node.task} for node in resolution.component],
+        "deadlock": resolution.deadlock,
+        "sent_at": sent,
+        "reported_at": _stamp(resolution, "reported_at"),
+        "outcome": resolution_outcome(resolution),
+        "detail": resolution.detail,
+        "day": _day_of_micros(sent or 0),
+    }
+
+
+def resolution_from_row(row: Mapping[str, Any]) -> Resolution:
+    """The ``Resolution`` of one ``resolutions`` row (times as ``datetime`` or microseconds)."""
+    resolution = Resolution(
+        resolution_id=row["resolution_id"] % 2**64,
+        snapshot_id=row["snapshot_id"] % 2**64,
+        process_id=row["process_id"] or "",
+        task=row["task"] or "",
+        instance=(row["instance"] or 0) % 2**64,
+        policy=row["policy"] or "",
+        requested_by=row["requested_by"] or "",
+        component=[WaitNode(process=n["process"] or "", task=n["task"] or "") for n in row["component"] or []],
+        deadlock=row["deadlock"] or "",
+        outcome=_BREAK_OUTCOMES.get(row["outcome"], BREAK_OUTCOME_UNSPECIFIED),
+        detail=row["detail"] or "",
+    )
+    for field in ("wait_began_at", "sent_at", "reported_at"):
+        micros = _micros(row[field])
+        if micros is not None:
+            getattr(resolution, field).FromMicroseconds(micros)
+    return resolution
+
+
 def table_schema(table: str, version: int = SCHEMA_VERSION) -> pa.Schema:
-    """The columns of `table` in files of schema `version` (an older one lacks the columns added since)."""
+    """The columns of `table` in files of schema `version` (an older one lacks the columns added since).
+
+    ArchiveError for a table that files of `version` cannot hold (it came later).
+    """
+    added = _TABLE_ADDED.get(table, 1)
+    if version < added:
+        raise ArchiveError(f"schema version {version} has no {table} table (it came with version {added})")
     schema = TABLES[table]
     for name, added in _ADDED.get(table, {}).items():
         if version < added:

@@ -18,6 +18,14 @@ Theory of operation:
   of writing them again (:func:`.recovery.archived_ids`); then write the rest, oldest first,
   skipping those pending in memory. Together: every finished snapshot the store keeps is
   written once, and only once.
+* Breaks of deadlocks (``Resolution``) come with :meth:`ArchiveWriter.add_resolution` once their
+  outcome is known, wait in memory beside the snapshots (the same ``batch_size`` and
+  ``max_age``), and are written after the next batch of snapshots (or alone) into the
+  ``resolutions`` table (:func:`.files.write_resolutions`). The store marks no break archived:
+  resync reads which breaks the archive holds (:func:`.recovery.archived_resolutions`) and writes
+  the store's finished breaks it lacks, skipping those pending, so breaks too are written once.
+  A store without ``resolutions`` (:class:`ResolutionSource`) cannot be resynced from: its
+  breaks stay pending in memory across failed writes instead (at most :data:`MAX_PENDING_BREAKS`).
 
 The archive folder may be a local path or any mounted file system whose ``rename`` is atomic
 within a folder: a local disk, NFS, CephFS, Amazon EFS or FSx, Azure Files, JuiceFS, or a
@@ -38,20 +46,49 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from stablewatch.detector.archive.files import ensure_archive, lock_archive, unlock_archive, write_batch
-from stablewatch.detector.archive.recovery import archived_ids, repair
-from stablewatch.detector.archive.schema import TABLES, ArchiveError, snapshot_rows
+from stablewatch.detector.archive.files import (
+    ensure_archive,
+    lock_archive,
+    raise_marker,
+    unlock_archive,
+    write_batch,
+    write_resolutions,
+)
+from stablewatch.detector.archive.recovery import archived_ids, archived_resolutions, repair
+from stablewatch.detector.archive.schema import (
+    SNAPSHOT_TABLES,
+    ArchiveError,
+    resolution_key,
+    resolution_row,
+    snapshot_rows,
+)
 from stablewatch.v1 import Evaluation, GlobalSnapshot
-from stablewatch.v1.query_pb2 import SnapshotSummary
+from stablewatch.v1.query_pb2 import Resolution, SnapshotSummary
 
-__all__ = ["ArchiveWriter", "ArchivingStore", "Finished", "SnapshotSource", "load", "open_archive", "write_finished"]
+__all__ = [
+    "MAX_PENDING_BREAKS",
+    "ArchiveWriter",
+    "ArchivingStore",
+    "Finished",
+    "ResolutionSource",
+    "SnapshotSource",
+    "finished_resolutions",
+    "load",
+    "open_archive",
+    "write_finished",
+    "write_resolution_batch",
+]
 
 _log = logging.getLogger(__name__)
+
+#: Breaks kept in memory for a store that cannot list them, while the archive cannot be written.
+MAX_PENDING_BREAKS = 10_000
+_PAGE = 1000
 
 
 class SnapshotSource(Protocol):
@@ -67,6 +104,26 @@ class ArchivingStore(SnapshotSource, Protocol):
 
     def unarchived(self, limit: int, after_id: int = 0) -> list[int]: ...
     def mark_archived(self, snapshot_ids: Sequence[int]) -> None: ...
+
+
+class ResolutionSource(Protocol):
+    """A store that lists its breaks, newest first (the detector's store); optional for a writer."""
+
+    def resolutions(self, page_size: int, before_id: int | None = None) -> list[Resolution]: ...
+
+
+def finished_resolutions(store: object) -> Iterator[Resolution]:
+    """The breaks of `store` whose outcome is known, newest first, page by page; none when the store
+    does not list breaks (it is no :class:`ResolutionSource`)."""
+    listing = getattr(store, "resolutions", None)
+    if listing is None:
+        return
+    before = None
+    while page := listing(_PAGE, before):
+        for resolution in page:
+            if resolution.HasField("reported_at"):
+                yield resolution
+        before = page[-1].resolution_id
 
 
 @dataclass(frozen=True)
@@ -95,15 +152,25 @@ def write_finished(root: Path, batch: Sequence[Finished]) -> list[Path]:
 
     ArchiveError naming the file when writing fails; the archive keeps what it held.
     """
-    rows: dict[str, list] = {name: [] for name in TABLES}
+    rows: dict[str, list] = {name: [] for name in SNAPSHOT_TABLES}
     for item in sorted(batch, key=lambda item: item.snapshot_id):
         for table, table_rows in snapshot_rows(item.summary, item.snapshot, item.evaluation).items():
             rows[table].extend(table_rows)
     return write_batch(root, rows)
 
 
+def write_resolution_batch(root: Path, resolutions: Sequence[Resolution]) -> list[Path]:
+    """Write these breaks to the ``resolutions`` table (blocking; run it off the event loop); return the files.
+
+    ArchiveError naming the file when writing fails; the archive keeps what it held.
+    """
+    ordered = sorted(resolutions, key=resolution_key)
+    return write_resolutions(root, [resolution_row(resolution) for resolution in ordered])
+
+
 def open_archive(root: Path) -> int | None:
     """Create or check the archive at `root` and take its writer lock (blocking); returns the lock.
+    An archive of an older schema version is marked as of this one (its files all still read).
 
     ArchiveError when `root` is not an archive, is newer than this code, or has another writer.
     """
@@ -111,6 +178,11 @@ def open_archive(root: Path) -> int | None:
     lock = lock_archive(root)
     if lock is None:
         _log.warning("the file system of %s has no locks: make sure nothing else writes this archive", root)
+    try:
+        raise_marker(root)  # only with the lock: an older writer may still hold the archive
+    except BaseException:
+        unlock_archive(lock)
+        raise
     return lock
 
 
@@ -120,11 +192,18 @@ class _Pending:
     added: float  # loop time
 
 
+@dataclass
+class _PendingBreak:
+    resolution: Resolution
+    added: float  # loop time
+
+
 class ArchiveWriter:
     """Writes every finished snapshot of `store` to the archive at `root`; see the module docstring.
 
     Use it from the event loop that owns the store: ``await start()``, ``add(...)`` for every
-    finished snapshot, ``await close()`` (which flushes what is pending).
+    finished snapshot, ``add_resolution(...)`` for every break whose outcome is known,
+    ``await close()`` (which flushes what is pending).
     """
 
     def __init__(self, root: Path, store: ArchivingStore, *, batch_size: int = 500, max_age: float = 300.0) -> None:
@@ -138,6 +217,9 @@ class ArchiveWriter:
         self._store = store
         self._pending: list[_Pending] = []
         self._pending_ids: set[int] = set()
+        self._breaks: list[_PendingBreak] = []
+        self._break_keys: set[tuple[int, int]] = set()
+        self._resyncs_breaks = callable(getattr(store, "resolutions", None))
         self._behind = False  # the store holds unarchived snapshots that are not pending: resync
         self._retry_at = 0.0
         self._closing = False
@@ -146,6 +228,8 @@ class ArchiveWriter:
         self._lock: int | None = None
         #: Snapshots written so far by this writer (for logs and tests).
         self.written = 0
+        #: Breaks written so far by this writer.
+        self.resolutions_written = 0
 
     async def start(self) -> None:
         """Open the archive, write what the store holds unarchived, then batch what :meth:`add` gives.
@@ -178,10 +262,31 @@ class ArchiveWriter:
         if len(self._pending) == 1 or len(self._pending) >= self.batch_size:
             self._wake.set()
 
+    def add_resolution(self, resolution: Resolution) -> None:
+        """Queue one break whose outcome is known (its agent answered, or the detector gave up on an
+        answer; stored already); never blocks. It is written with the next batch, into the
+        ``resolutions`` table, partitioned by the day it was sent. A break queued twice (same
+        snapshot and break id) is written once. Ignored after :meth:`close`: a store that lists its
+        breaks has it, and the next start writes it."""
+        key = resolution_key(resolution)
+        if self._task is None or self._closing or key in self._break_keys:
+            return
+        copy = Resolution()
+        copy.CopyFrom(resolution)  # the detector may go on changing its own
+        self._breaks.append(_PendingBreak(copy, asyncio.get_running_loop().time()))
+        self._break_keys.add(key)
+        if len(self._breaks) == 1 or len(self._breaks) >= self.batch_size:
+            self._wake.set()
+
     @property
     def pending(self) -> int:
         """Snapshots waiting in memory for their batch."""
         return len(self._pending)
+
+    @property
+    def pending_resolutions(self) -> int:
+        """Breaks waiting in memory to be written."""
+        return len(self._breaks)
 
     async def close(self) -> None:
         """Write everything pending, stop, and release the archive. Harmless to call twice."""
@@ -197,15 +302,14 @@ class ArchiveWriter:
 
     def _due(self) -> float | None:
         """Loop time at which the next batch (or resync) is due; None: nothing to do."""
-        if self._closing and (self._pending or self._behind):
+        if self._closing and (self._pending or self._breaks or self._behind):
             return 0.0
         if self._behind:
             return self._retry_at
-        if not self._pending:
-            return None
-        if len(self._pending) >= self.batch_size:
+        if len(self._pending) >= self.batch_size or len(self._breaks) >= self.batch_size:
             return 0.0
-        return self._pending[0].added + self.max_age
+        oldest = [pending[0].added for pending in (self._pending, self._breaks) if pending]
+        return min(oldest) + self.max_age if oldest else None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -223,7 +327,8 @@ class ArchiveWriter:
                 await asyncio.wait_for(self._wake.wait(), delay)
 
     async def _step(self) -> bool:
-        """Resync if behind, then write one batch of what is pending; False when that failed."""
+        """Resync if behind, then write one batch of what is pending, and the pending breaks; False
+        when that failed."""
         try:
             if self._behind:
                 await self._resync()
@@ -232,6 +337,12 @@ class ArchiveWriter:
                 items = [pending.item for pending in batch]
                 self._pending_ids.difference_update(item.snapshot_id for item in items)
                 await self._write(items)
+            if self._breaks:
+                breaks = self._breaks[: self.batch_size]
+                await self._write_breaks([pending.resolution for pending in breaks])
+                # Only now: a break added meanwhile stays pending; one that failed is kept (below).
+                del self._breaks[: len(breaks)]
+                self._break_keys.difference_update(resolution_key(pending.resolution) for pending in breaks)
         except Exception as error:  # whatever it was, the store still has the snapshots
             self._failed(error)
             return False
@@ -242,6 +353,14 @@ class ArchiveWriter:
         # What is pending is in the store too: the resync writes it, and memory stays bounded.
         self._pending.clear()
         self._pending_ids.clear()
+        if self._resyncs_breaks:
+            self._breaks.clear()
+            self._break_keys.clear()
+        elif len(self._breaks) > MAX_PENDING_BREAKS:  # nowhere else to find them: keep the newest
+            dropped = self._breaks[: len(self._breaks) - MAX_PENDING_BREAKS]
+            del self._breaks[: len(dropped)]
+            self._break_keys.difference_update(resolution_key(pending.resolution) for pending in dropped)
+            _log.error("archive %s: %d breaks dropped, not archived: too many wait in memory", self.root, len(dropped))
         self._behind = True
         self._retry_at = asyncio.get_running_loop().time() + self.max_age
         log = _log.error if isinstance(error, ArchiveError) else _log.exception
@@ -252,6 +371,11 @@ class ArchiveWriter:
         self._store.mark_archived([item.snapshot_id for item in items])
         self.written += len(items)
         _log.debug("archived %d snapshots in %d files", len(items), len(files))
+
+    async def _write_breaks(self, resolutions: list[Resolution]) -> None:
+        files = await asyncio.to_thread(write_resolution_batch, self.root, resolutions)
+        self.resolutions_written += len(resolutions)
+        _log.debug("archived %d breaks in %d files", len(resolutions), len(files))
 
     async def _resync(self) -> None:
         """Set the archive right after a crash or a failure, and write what the store has unarchived."""
@@ -274,4 +398,21 @@ class ArchiveWriter:
                 caught_up += len(items)
         if caught_up:
             _log.info("archive %s: wrote %d snapshots the store held unarchived", self.root, caught_up)
+        if self._resyncs_breaks:
+            await self._resync_breaks()
         self._behind = False
+
+    async def _resync_breaks(self) -> None:
+        """Write the store's finished breaks that the archive lacks and that are not pending."""
+        present = await asyncio.to_thread(archived_resolutions, self.root)
+        # No await between the listing and this filter: a break finished meanwhile is pending.
+        missing = [
+            resolution
+            for resolution in finished_resolutions(self._store)
+            if (key := resolution_key(resolution)) not in present and key not in self._break_keys
+        ]
+        missing.reverse()  # oldest first
+        for start in range(0, len(missing), self.batch_size):
+            await self._write_breaks(missing[start : start + self.batch_size])
+        if missing:
+            _log.info("archive %s: wrote %d breaks the archive lacked", self.root, len(missing))

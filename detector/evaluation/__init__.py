@@ -9,10 +9,13 @@ The public API is small:
 * :class:`Verdict` (and :func:`verdict`) — a result as ``"true"``, ``"false"`` or ``"unknown"``;
 * :func:`coverage` — whether a cut is closed, and what it lacks;
 * :func:`wait_for_dot` — the wait-for graph as Graphviz DOT;
+* :func:`choose_victims` (policies :data:`POLICIES`) — the wait to break per proven deadlock, as a
+  :class:`Victim`;
 * :class:`UserPredicate` and :func:`load_predicate` — user predicates as plugins.
 
 The modules underneath are the algorithms: :mod:`.deadlock` (graph reduction), :mod:`.waitfor`
-(snapshot to wait-for graph), :mod:`.cut`, :mod:`.predicates`, :mod:`.plugins`.
+(snapshot to wait-for graph), :mod:`.victims` (which wait ends a deadlock), :mod:`.cut`,
+:mod:`.predicates`, :mod:`.plugins`.
 """
 
 from stablewatch.detector.evaluation.cut import coverage
@@ -20,11 +23,15 @@ from stablewatch.detector.evaluation.dot import wait_for_dot
 from stablewatch.detector.evaluation.evaluate import built_in_results, evaluate, new_baselines, result_named, verdict
 from stablewatch.detector.evaluation.plugins import UserPredicate, load_predicate
 from stablewatch.detector.evaluation.verdict import Verdict
+from stablewatch.detector.evaluation.victims import POLICIES, Victim, choose_victims
 
 __all__ = [
+    "POLICIES",
     "UserPredicate",
     "Verdict",
+    "Victim",
     "built_in_results",
+    "choose_victims",
     "coverage",
     "evaluate",
     "load_predicate",

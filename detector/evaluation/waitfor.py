@@ -9,7 +9,9 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
 * A waiter with several waits needs every one of them. AND waits merge exactly into one AND
   waiter over all their targets. Otherwise each wait becomes a node of its own,
   ``(P, "task[wait k]")`` with the wait's model and targets, and the waiter is an AND waiter
-  over those nodes: ``(B) and (C or D)`` stays exactly that.
+  over those nodes: ``(B) and (C or D)`` stays exactly that. Agents report one ``Wait`` per wait
+  instance, so several AND waits of one task are the usual case. :func:`wait_nodes` is the one
+  place that maps a wait to its node (the victim choice maps deadlocked nodes back through it).
 * A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
   passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
   active it is free.
@@ -56,6 +58,8 @@ from stablewatch.v1 import (
     ChannelRef,
     DeadlockEvidence,
     GlobalSnapshot,
+    ProcessSnapshot,
+    Wait,
     WaitEdge,
     WaitForGraph,
     WaitNode,
@@ -77,6 +81,7 @@ __all__ = [
     "label",
     "to_proto",
     "wait_counts",
+    "wait_nodes",
     "waking_channels",
 ]
 
@@ -170,6 +175,47 @@ def acks_in_transit(snapshot: GlobalSnapshot) -> set[Channel]:
     return channels
 
 
+def wait_nodes(process: ProcessSnapshot) -> list[tuple[Wait, Node]]:
+    """Return each of `process`'s waits, in order, with the wait-for node it belongs to.
+
+    The one place that says which node a ``Wait`` makes (see the module doc): a task's waits all
+    belong to ``(P, task)`` when the task has one wait or all of them are AND (they merge);
+    otherwise the task's k-th wait (from 1, in the order given) is node ``(P, "task[wait k]")``.
+    :func:`build_wait_for` builds the graph from it, and the victim choice
+    (:mod:`.victims`) maps a deadlocked node back to the waits that can break it. O(waits).
+
+    >>> p = ProcessSnapshot(process_id="P", state={"waits": [{"task": "t"}, {"task": "t"}]})
+    >>> [node for _, node in wait_nodes(p)]
+    [('P', 't'), ('P', 't')]
+    >>> p.state.waits[1].model = WAIT_MODEL_OR
+    >>> [node for _, node in wait_nodes(p)]
+    [('P', 't[wait 1]'), ('P', 't[wait 2]')]
+    """
+    pid = process.process_id
+    tasks: dict[str, list[Wait]] = {}
+    for wait in process.state.waits:
+        tasks.setdefault(wait.task, []).append(wait)
+    split = {task for task, group in tasks.items() if len(group) > 1 and any(_model(wait) != AND for wait in group)}
+    seen: dict[str, int] = {}
+    nodes: list[tuple[Wait, Node]] = []
+    for wait in process.state.waits:
+        if wait.task in split:
+            seen[wait.task] = k = seen.get(wait.task, 0) + 1
+            nodes.append((wait, (pid, f"{wait.task}[wait {k}]")))
+        else:
+            nodes.append((wait, (pid, wait.task)))
+    return nodes
+
+
+def _model(wait: Wait) -> str:
+    """A wait's model as the reduction knows it (``WAIT_MODEL_UNSPECIFIED`` counts as AND)."""
+    return OR if wait.model == WAIT_MODEL_OR else AND
+
+
+def _targets(wait: Wait) -> list[tuple[Node, bool]]:
+    return [((t.process, t.task), wait.flow_control) for t in wait.targets]
+
+
 def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     """Build the wait-for graph of `snapshot`, applying the in-flight and acknowledgement rules
     (see the module doc).
@@ -181,19 +227,17 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     owner: dict[Node, Node] = {}
     for process in snapshot.processes:
         pid = process.process_id
-        declared: dict[Node, list[tuple[str, list[tuple[Node, bool]]]]] = {}
-        for wait in process.state.waits:
-            model = OR if wait.model == WAIT_MODEL_OR else AND
-            targets = [((t.process, t.task), wait.flow_control) for t in wait.targets]
-            declared.setdefault((pid, wait.task), []).append((model, targets))
-        for waiter, groups in declared.items():
-            if len(groups) == 1 or all(model == AND for model, _ in groups):
-                waits[waiter] = (groups[0][0] if len(groups) == 1 else AND, [t for _, ts in groups for t in ts])
+        declared: dict[Node, list[tuple[Wait, Node]]] = {}
+        for wait, node in wait_nodes(process):
+            declared.setdefault((pid, wait.task), []).append((wait, node))
+        for waiter, group in declared.items():
+            if group[0][1] == waiter:  # merged: one wait, or all AND
+                model = _model(group[0][0]) if len(group) == 1 else AND
+                waits[waiter] = (model, [t for wait, _ in group for t in _targets(wait)])
                 continue
             waits[waiter] = (AND, [])
-            for k, (model, targets) in enumerate(groups, start=1):
-                node = (pid, f"{waiter[1]}[wait {k}]")
-                waits[node] = (model, targets)
+            for wait, node in group:
+                waits[node] = (_model(wait), _targets(wait))
                 owner[node] = waiter
                 waits[waiter][1].append((node, False))
         tasks = [waiter for waiter in declared if waiter[1]]
@@ -274,9 +318,12 @@ def wait_counts(wf: WaitFor) -> WaitCounts:
 
 
 def label(node: Node | WaitNode) -> str:
-    """Return ``"P"`` for a process node and ``"P/task"`` for a task node."""
+    """Return ``"P"`` for a process node and ``"P/task"`` for a task node (``"P /svc/Method#..."``
+    when the task already starts with a slash, as RPC mode's calls do: no doubled slash)."""
     process, task = (node.process, node.task) if isinstance(node, WaitNode) else node
-    return f"{process}/{task}" if task else process
+    if not task:
+        return process
+    return f"{process} {task}" if task.startswith("/") else f"{process}/{task}"
 
 
 def _wait_nodes(nodes: Iterable[Node]) -> list[WaitNode]:

@@ -8,8 +8,9 @@ by that CA, and the certificate's URI subject alternative names say what its hol
   that process, on its own stream. A certificate that names no process cannot open a control
   stream at all: it is refused before the stream takes one of the detector's slots.
 * ``stablewatch://role/reader`` — read: latest results, snapshots, wait-for graphs, members, the
-  watch stream, and server reflection.
-* ``stablewatch://role/operator`` — read, and trigger snapshots (``TriggerSnapshot``).
+  watch stream, the breaks of deadlocks (``ListResolutions``), and server reflection.
+* ``stablewatch://role/operator`` — read, trigger snapshots (``TriggerSnapshot``) and break a
+  proven deadlock by hand (``ResolveDeadlock``).
 
 A certificate may carry several of them. The health check is open to any connection that
 completes the handshake (probes need it). Every other method needs a permission from
@@ -56,12 +57,13 @@ class Permission(enum.Enum):
     AGENT = "agent"  # a process identity; checked by the coordinator against the Register
     READ = "read"
     TRIGGER = "trigger"
+    RESOLVE = "resolve"  # break a proven deadlock by hand
 
 
 #: Each role's permissions.
 ROLES: dict[str, frozenset[Permission]] = {
     "reader": frozenset({Permission.READ}),
-    "operator": frozenset({Permission.READ, Permission.TRIGGER}),
+    "operator": frozenset({Permission.READ, Permission.TRIGGER, Permission.RESOLVE}),
 }
 
 _QUERY = "/stablewatch.v1.Query/"
@@ -76,6 +78,8 @@ METHOD_PERMISSIONS: dict[str, Permission] = {
     _QUERY + "ListMembers": Permission.READ,
     _QUERY + "Watch": Permission.READ,
     _QUERY + "TriggerSnapshot": Permission.TRIGGER,
+    _QUERY + "ResolveDeadlock": Permission.RESOLVE,
+    _QUERY + "ListResolutions": Permission.READ,
     "/grpc.health.v1.Health/Check": Permission.OPEN,
     "/grpc.health.v1.Health/Watch": Permission.OPEN,
     "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": Permission.READ,

@@ -21,6 +21,10 @@ epoch) would take this detector's new ids for old finished ones and drop their m
 reach it over its peers' channels, not this stream. It is *joining* until a heartbeat carries this
 detector's epoch (it has forgotten the old ids), and only then a member that snapshots include.
 
+Breaking deadlocks (DESIGN.md): :meth:`Coordinator.send_break` sends a ``BreakWait`` on one
+member's stream; its ``BreakReport`` goes to ``on_break_report`` and an agent's long-wait hints
+to ``on_hint``, each with the sender's registered process id.
+
 RPC mode (DESIGN.md, "RPC mode"): a member that registered with ``rpc_mode`` learns the counts other
 members report towards it. For every accepted part from q, each ``OutboundCount(dst=p)`` whose p is
 such a member is forwarded to p as a ``ChannelTarget`` (with q's registered incarnation and the
@@ -152,6 +156,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         on_rejected: Callable[[PartRejected], None] | None = None,
         on_membership: Callable[[], None] | None = None,
         on_refused: Callable[[str, str], None] | None = None,
+        on_break_report: Callable[[str, control_pb2.BreakReport], None] | None = None,
+        on_hint: Callable[[str, control_pb2.WaitHint], None] | None = None,
         limits: Limits | None = None,
         authorizer: Authorizer | None = None,
         ended_notice_delay: float = ENDED_NOTICE_DELAY,
@@ -176,6 +182,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self._on_rejected = on_rejected or (lambda rejected: None)
         self._on_membership = on_membership or (lambda: None)
         self._on_refused = on_refused or (lambda reason, detail: None)
+        self._on_break_report = on_break_report or (lambda process_id, report: None)
+        self._on_hint = on_hint or (lambda process_id, hint: None)
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -283,6 +291,14 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             for member in members:
                 member.pongs.pop(nonce, None)
         return time.perf_counter() - started
+
+    def send_break(self, process_id: str, order: control_pb2.BreakWait) -> bool:
+        """Send ``order`` on the control stream of ``process_id``; False when it is not attached."""
+        member = self._attached(process_id)
+        if member is None:
+            return False
+        member.send(DetectorMessage(break_wait=order))
+        return True
 
     def detach(self, process_id: str) -> None:
         """End a member's (or joining agent's) stream; its snapshots abort as it leaves. For silent ones."""
@@ -452,6 +468,10 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 waiter = member.pongs.get(message.pong.nonce)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
+            elif kind == "break_report":
+                self._on_break_report(member.process_id, message.break_report)
+            elif kind == "hint":
+                self._on_hint(member.process_id, message.hint)
 
     def _add_part(self, part: LocalSnapshotPart, sender: str) -> None:
         try:

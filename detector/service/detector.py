@@ -36,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from stablewatch.agents.certificates import server_credentials
 from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
+from stablewatch.detector.evaluation.victims import POLICIES
 from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
 from stablewatch.detector.service.health_check import HealthService
@@ -44,12 +45,15 @@ from stablewatch.detector.service.malformed import MalformedInterceptor
 from stablewatch.detector.service.metrics import DetectorMetrics
 from stablewatch.detector.service.metrics_http import serve_metrics
 from stablewatch.detector.service.query import QueryService
+from stablewatch.detector.service.resolutions import Resolutions
+from stablewatch.detector.service.resolver import DEFAULT_REPORT_TIMEOUT
 from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.detector.service.store import Store
 from stablewatch.detector.service.watch import WatchHub
 from stablewatch.v1 import Evaluation, GlobalSnapshot, control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
 from stablewatch.v1.bounds import quoted_prefix
-from stablewatch.v1.query_pb2 import SnapshotResults, SnapshotSummary, WatchEvent
+from stablewatch.v1.control_pb2 import BreakReport, WaitHint
+from stablewatch.v1.query_pb2 import Resolution, SnapshotResults, SnapshotSummary, WatchEvent
 
 if TYPE_CHECKING:
     from stablewatch.detector.archive.writer import ArchiveWriter
@@ -91,12 +95,19 @@ class DetectorConfig:
     tls_key: Path | None = None
     tls_client_ca: Path | None = None
     limits: Limits = field(default_factory=Limits)  # bounds against abuse
+    # Breaking proven deadlocks (DESIGN.md): the victim policy, "youngest" or "oldest"; None: never
+    # on its own (an operator may still ask, ResolveDeadlock).
+    resolve: str | None = None
+    report_timeout: float = DEFAULT_REPORT_TIMEOUT  # seconds a break waits for its agent's report
+    hints: bool = True  # an agent's long-wait hint starts a snapshot at once (rate limited)
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("TLS needs both tls_cert and tls_key, or neither")
         if self.tls_client_ca is not None and self.tls_cert is None:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
+        if self.resolve is not None and self.resolve not in POLICIES:
+            raise ValueError(f"resolve must be one of {', '.join(POLICIES)} (or None: off), not {self.resolve!r}")
 
 
 class TooFewMembers(NoAgents):
@@ -125,11 +136,26 @@ class Detector:
             on_rejected=self._rejected,
             on_membership=self._membership_changed,
             on_refused=self.refused,
+            on_break_report=self._break_reported,
+            on_hint=self._hinted,
             limits=config.limits,
             authorizer=self._authorizer,
         )
         rate = config.limits.trigger_rate
         self._trigger_bucket = None if rate is None else TokenBucket(*rate)
+        self._hint_bucket = TokenBucket(*config.limits.hint_rate)
+        self._hinted_snapshot: asyncio.Task[SnapshotResults | None] | None = None
+        self._hint_started = 0.0  # wall clock: when the running (or last) hint snapshot started
+        self._hint_pending = False  # a hint came that no snapshot started since covers
+        self._hint_timer: asyncio.TimerHandle | None = None  # a pending hint waits for a token
+        self._stopping = False
+        self.resolutions = Resolutions(
+            send=self.coordinator.send_break,
+            metrics=self.metrics,
+            publish=self._publish_resolution,
+            policy=config.resolve,
+            report_timeout=config.report_timeout,
+        )
         self._server: grpc.aio.Server | None = None
         self._port = 0
         self._metrics_server = None
@@ -159,6 +185,8 @@ class Detector:
                 self._store.close()
                 raise
             self._archive = archive
+            self.resolutions.archive = archive.add_resolution
+        self.resolutions.store = self._store
         self._store.apply_retention(time.time())
         self.coordinator.epoch = self._store.epoch
         self._latest = self._store.latest_results()
@@ -229,13 +257,16 @@ class Detector:
 
     async def stop(self) -> None:
         """Stop the schedule, end watch streams, stop serving, flush the archive and close the store."""
+        self._stopping = True
+        if self._hint_timer is not None:
+            self._hint_timer.cancel()
         # A running snapshot is aborted and stored as such (see take_snapshot).
         if self._scheduler is not None:
             await self._scheduler.stop()
-        for task in (self._heartbeats, *self._triggered):
+        for task in (self._heartbeats, self._hinted_snapshot, *self._triggered):
             if task is not None:
                 task.cancel()
-        for task in (self._heartbeats, *self._triggered):
+        for task in (self._heartbeats, self._hinted_snapshot, *self._triggered):
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         self._watch.close()
@@ -326,6 +357,10 @@ class Detector:
         if self._latest is None or snapshot_id > self._latest.snapshot.snapshot_id:
             self._latest = results  # a slow older snapshot must not replace a newer one
         self._watch.publish(results, self._watch.changes(evaluation.results))
+        try:
+            self.resolutions.after_snapshot(snapshot, evaluation, started)
+        except Exception:  # breaking is on top of detection: it must never cost a result
+            _log.exception("could not break the deadlock of snapshot %d", snapshot_id)
         if snapshot_id % _RETENTION_EVERY == 0:
             store.apply_retention(finished)
         return results
@@ -363,6 +398,7 @@ class Detector:
     async def _watch_heartbeats(self) -> None:
         while True:
             await asyncio.sleep(self.config.heartbeat_interval)
+            self.resolutions.expire()
             for process_id in self.coordinator.expire_silent(time.time(), self.config.heartbeat_timeout):
                 _log.warning("detached %s: no heartbeat for %gs", process_id, self.config.heartbeat_timeout)
 
@@ -402,7 +438,70 @@ class Detector:
             )
         return self._watch.subscribe(self._latest, identity)
 
+    def resolve(self, snapshot_id: int, requested_by: str) -> list[Resolution]:
+        """An operator's request to break the deadlocks snapshot ``snapshot_id`` proves (see
+        :meth:`~.resolutions.Resolutions.resolve`: KeyError, NothingToResolve)."""
+        return self.resolutions.resolve(snapshot_id, requested_by)
+
     # -- callbacks from the coordinator --------------------------------------------------------
+
+    def _break_reported(self, process_id: str, report: BreakReport) -> None:
+        self.resolutions.reported(process_id, report)
+
+    def _hinted(self, process_id: str, hint: WaitHint) -> None:
+        """A wait of ``process_id`` has lasted past its agent's threshold: snapshot now.
+
+        At most one snapshot for hints runs at a time, and at most ``limits.hint_rate`` start. A
+        hint is never dropped, only merged: one that comes while a hint snapshot runs is covered by
+        it when its wait began before that snapshot started (every recording came later), else by
+        one more snapshot when it ends; one over the rate by one snapshot as soon as a token frees.
+        So the last wait of a deadlock always gets a snapshot soon, and a storm of hints costs at
+        most ``hint_rate`` snapshots a second.
+        """
+        if not self.config.hints:
+            outcome = "ignored"
+        elif self._hinted_snapshot is not None and not self._hinted_snapshot.done():
+            outcome = "coalesced"
+            if time.time() - hint.waited_ms / 1000 >= self._hint_started:
+                self._hint_pending = True  # began after the running one started: one more when it ends
+        elif self._hint_timer is not None:
+            outcome = "rate_limited"  # a snapshot is already due as soon as a token frees
+        elif self._hint_bucket.take():
+            outcome = "snapshot"
+            self._start_hint_snapshot()
+        else:
+            outcome = "rate_limited"
+            self._hint_pending = True
+            self._hint_timer = asyncio.get_running_loop().call_later(self._hint_bucket.wait(), self._hint_follow_up)
+        self.metrics.wait_hints.labels(outcome).inc()
+        _log.debug("hint from %s (wait %d, %d ms): %s", process_id, hint.instance, hint.waited_ms, outcome)
+
+    def _start_hint_snapshot(self) -> None:
+        self._hint_pending = False
+        self._hint_started = time.time()
+        self._hinted_snapshot = asyncio.ensure_future(self._snapshot_for_hint())
+        self._hinted_snapshot.add_done_callback(lambda _: self._hint_follow_up())
+
+    def _hint_follow_up(self) -> None:
+        """Start the snapshot a merged hint is owed, when none runs and a token is free (else later)."""
+        self._hint_timer = None
+        if not self._hint_pending or self._stopping:
+            return
+        if self._hinted_snapshot is not None and not self._hinted_snapshot.done():
+            return  # its end calls this again
+        if self._hint_bucket.take():
+            self._start_hint_snapshot()
+        else:
+            self._hint_timer = asyncio.get_running_loop().call_later(self._hint_bucket.wait(), self._hint_follow_up)
+
+    async def _snapshot_for_hint(self) -> SnapshotResults | None:
+        try:
+            return await self.take_snapshot()
+        except (NoAgents, SnapshotAborted):
+            return None
+
+    def _publish_resolution(self, resolution: Resolution) -> None:
+        self._watch.publish_resolution(resolution)
 
     def _rejected(self, rejected: PartRejected) -> None:
         self.metrics.rejected_parts.labels(rejected.reason).inc()

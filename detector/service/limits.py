@@ -78,6 +78,8 @@ class Limits:
     #: TriggerSnapshot: at most ``count`` calls per ``seconds`` (a burst of ``count``); None: no limit.
     trigger_rate: tuple[int, float] | None = (10, 1.0)
     max_running_triggers: int = 4  # triggered snapshots running at once
+    #: Snapshots started for agents' long-wait hints: at most ``count`` per ``seconds`` (one runs at a time).
+    hint_rate: tuple[int, float] = (20, 1.0)
 
     def __post_init__(self) -> None:
         for name in (
@@ -102,6 +104,7 @@ class Limits:
             raise ValueError(f"Limits.register_timeout must be above 0, not {self.register_timeout}")
         if self.trigger_rate is not None:
             TokenBucket(*self.trigger_rate)  # validates it
+        TokenBucket(*self.hint_rate)
 
     @property
     def grpc_max_message(self) -> int:

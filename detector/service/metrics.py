@@ -22,7 +22,12 @@ from stablewatch.detector.service.coordinator import ABORT_KINDS
 from stablewatch.detector.service.limits import REFUSAL_REASONS
 from stablewatch.v1 import Evaluation, GlobalSnapshot
 
-__all__ = ["DetectorMetrics"]
+__all__ = ["HINT_OUTCOMES", "RESOLUTION_OUTCOMES", "DetectorMetrics"]
+
+#: How a break ended (the label of ``stablewatch_deadlocks_resolved_total``).
+RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "unanswered", "not_attached")
+#: What a long-wait hint led to (the label of ``stablewatch_wait_hints_total``).
+HINT_OUTCOMES = ("snapshot", "coalesced", "rate_limited", "ignored")
 
 # From a one-hop snapshot on loopback (milliseconds) to a slow member at its deadline (seconds).
 _DURATION_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
@@ -89,6 +94,36 @@ class DetectorMetrics:
             "Control streams and API calls the detector refused (identity, permission, limits), by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        self.resolutions = Counter(
+            "stablewatch_deadlocks_resolved",
+            "Breaks of proven deadlocks, by how they ended (broken, gone, already_broken, unanswered, not_attached)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.resolution_seconds = Histogram(
+            "stablewatch_resolution_seconds",
+            "From the start of the snapshot that proved a deadlock to its victim's agent reporting the wait broken",
+            buckets=_DURATION_BUCKETS, registry=r,
+        )  # fmt: skip
+        self.breaks_sent = Counter(
+            "stablewatch_breaks_sent", "BreakWait orders sent, by who asked (detector, operator)", ["requested_by"],
+            registry=r,
+        )  # fmt: skip
+        self.unexpected_reports = Counter(
+            "stablewatch_break_reports_ignored",
+            "Break reports that answered no break waiting for that process (unknown id, another process)",
+            registry=r,
+        )
+        self.wait_hints = Counter(
+            "stablewatch_wait_hints",
+            "Long-wait hints from agents, by what the detector did (snapshot, coalesced, rate_limited, ignored)",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        for outcome in RESOLUTION_OUTCOMES:
+            self.resolutions.labels(outcome)
+        for requester in ("detector", "operator"):
+            self.breaks_sent.labels(requester)
+        for outcome in HINT_OUTCOMES:
+            self.wait_hints.labels(outcome)
         for reason in REJECTION_REASONS:
             self.rejected_parts.labels(reason)
         for reason in REFUSAL_REASONS:

@@ -59,8 +59,23 @@ def _from_1(db: sqlite3.Connection, epoch: int) -> None:
         )
 
 
+_FROM_2 = """
+CREATE TABLE resolutions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    snapshot_id INTEGER NOT NULL,
+    sent_at REAL NOT NULL,
+    resolution BLOB NOT NULL
+)
+"""
+
+
+def _from_2(db: sqlite3.Connection, epoch: int) -> None:
+    """Schema 2 -> 3: an empty table of resolutions."""
+    db.execute(_FROM_2)
+
+
 #: The step from each older schema version to the next.
-_STEPS: dict[int, Callable[[sqlite3.Connection, int], None]] = {1: _from_1}
+_STEPS: dict[int, Callable[[sqlite3.Connection, int], None]] = {1: _from_1, 2: _from_2}
 
 
 def upgrade(db: sqlite3.Connection, version: int, to: int, epoch: int) -> None:

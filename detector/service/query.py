@@ -5,8 +5,9 @@ recomputed. The detector is any object with the small :class:`QueryBackend` inte
 
 Errors carry standard status codes with a message: NOT_FOUND for an unknown snapshot,
 INVALID_ARGUMENT for a bad request (a page size, a page token or a list over the detector's
-limits among them), FAILED_PRECONDITION when no agent is attached or a snapshot has no state to
-show (aborted), and RESOURCE_EXHAUSTED over a limit of the detector (the trigger rate, running
+limits among them), FAILED_PRECONDITION when no agent is attached, a snapshot has no state to
+show (aborted) or nothing to break (ResolveDeadlock: no deadlock proven, or being broken
+already), and RESOURCE_EXHAUSTED over a limit of the detector (the trigger rate, running
 triggers, watchers in all and per client). Every string a client sends is bounded and checked
 before it is used, and a refusal quotes at most a short prefix of it. Who may call what is
 decided before a call gets here (:mod:`~.auth`).
@@ -15,13 +16,14 @@ decided before a call gets here (:mod:`~.auth`).
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable
-from typing import NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
 from stablewatch.detector.service.auth import peer_identity
 from stablewatch.detector.service.coordinator import NoAgents
 from stablewatch.detector.service.limits import LimitExceeded, Limits
+from stablewatch.detector.service.resolver import NothingToResolve
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot, WaitForGraph, query_pb2, query_pb2_grpc
 from stablewatch.v1.bounds import MAX_ID_BYTES, process_id_problem, quoted_prefix
@@ -63,6 +65,10 @@ class QueryBackend(Protocol):
     def refused(self, reason: str, detail: str) -> None:
         """Count a refused call (reason: one of limits.REFUSAL_REASONS)."""
 
+    def resolve(self, snapshot_id: int, requested_by: str) -> list[query_pb2.Resolution]:
+        """Break the deadlocks of a completed snapshot; may raise KeyError, or NothingToResolve."""
+        ...
+
 
 class QueryService(query_pb2_grpc.QueryServicer):
     """Translates Query RPCs into calls on the detector."""
@@ -85,16 +91,7 @@ class QueryService(query_pb2_grpc.QueryServicer):
         return results
 
     async def ListSnapshots(self, request, context) -> query_pb2.ListSnapshotsResponse:
-        limit = self._limits.max_page_size
-        if request.page_size > limit:
-            await self._bad_request(context, f"page_size must be at most {limit}, not {request.page_size}")
-        page_size = request.page_size or min(DEFAULT_PAGE_SIZE, limit)
-        before = None
-        if request.page_token:
-            try:
-                before = parse_page_token(request.page_token)
-            except ValueError as error:
-                await self._bad_request(context, str(error))
+        page_size, before = await self._page(request, context)
         page = self._detector.store.list(page_size + 1, before)
         response = query_pb2.ListSnapshotsResponse(snapshots=page[:page_size])
         if len(page) > page_size:
@@ -146,10 +143,46 @@ class QueryService(query_pb2_grpc.QueryServicer):
             await _fail(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(error))
         async for event in events:
             if request.changes_only:
+                if event.HasField("resolution"):
+                    yield event  # a break is news whatever the predicates do
+                    continue
                 if not event.changes:
                     continue
                 event = WatchEvent(changes=event.changes, snapshot_id=event.snapshot_id)
             yield event
+
+    async def ResolveDeadlock(self, request, context) -> query_pb2.ResolveResponse:
+        snapshot_id = await self._snapshot_id(request, context)
+        if self._detector.store.summary(snapshot_id) is None:
+            await _fail(context, grpc.StatusCode.NOT_FOUND, f"snapshot {snapshot_id} is not known")
+        try:
+            resolutions = self._detector.resolve(snapshot_id, peer_identity(context))
+        except KeyError:
+            await self._missing(snapshot_id, context)
+        except NothingToResolve as error:
+            await _fail(context, grpc.StatusCode.FAILED_PRECONDITION, str(error))
+        return query_pb2.ResolveResponse(resolutions=resolutions)
+
+    async def ListResolutions(self, request, context) -> query_pb2.ListResolutionsResponse:
+        page_size, before = await self._page(request, context)
+        page = self._detector.store.resolutions(page_size + 1, before)
+        response = query_pb2.ListResolutionsResponse(resolutions=page[:page_size])
+        if len(page) > page_size:
+            response.next_page_token = str(page[page_size - 1].resolution_id)
+        return response
+
+    async def _page(self, request: Any, context: grpc.aio.ServicerContext) -> tuple[int, int | None]:
+        """A list request's page size (a default for 0) and the id its page token starts below."""
+        limit = self._limits.max_page_size
+        if request.page_size > limit:
+            await self._bad_request(context, f"page_size must be at most {limit}, not {request.page_size}")
+        before = None
+        if request.page_token:
+            try:
+                before = parse_page_token(request.page_token)
+            except ValueError as error:
+                await self._bad_request(context, str(error))
+        return request.page_size or min(DEFAULT_PAGE_SIZE, limit), before
 
     async def _bad_request(self, context: grpc.aio.ServicerContext, message: str) -> NoReturn:
         """A request over one of the detector's bounds: counted, and INVALID_ARGUMENT."""

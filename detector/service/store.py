@@ -24,6 +24,9 @@ Theory of operation:
 * A RUNNING row found when the store opens with its lock belongs to a detector that is gone: it
   is marked ABORTED with the reason ``"detector restarted"``. Opened without the lock, the store
   leaves RUNNING rows alone: they may belong to the live detector beside it.
+* ``add_resolution`` stores a break of a proven deadlock as it is sent (the id is the break id)
+  and ``update_resolution`` what its agent answered; ``resolutions`` lists them newest first.
+  Retention keeps them as long as the snapshots (by age).
 * ``apply_retention`` deletes finished snapshots beyond ``max_snapshots`` (oldest first) and those
   that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted.
 
@@ -55,6 +58,7 @@ from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_ABORTED,
     SNAPSHOT_OUTCOME_COMPLETED,
     SNAPSHOT_OUTCOME_RUNNING,
+    Resolution,
     SnapshotOutcome,
     SnapshotResults,
     SnapshotSummary,
@@ -67,7 +71,7 @@ DB_FILENAME = "stablewatch.sqlite3"
 #: The lock a writing detector holds inside the data directory.
 LOCK_FILENAME = "stablewatch.lock"
 #: The schema this code reads and writes; older ones are upgraded when opened.
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 #: Why a snapshot left RUNNING by an earlier process was aborted.
 RESTART_REASON = "detector restarted"
 
@@ -110,6 +114,12 @@ CREATE TABLE expected_totals (
     counter TEXT PRIMARY KEY,
     total INTEGER NOT NULL  -- a conservation baseline, taken from the first closed cut to see the counter
 ) WITHOUT ROWID;
+CREATE TABLE resolutions (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- the break id: never reused, even after retention
+    snapshot_id INTEGER NOT NULL,  -- the snapshot that proved the deadlock (kept after its row is gone)
+    sent_at REAL NOT NULL,
+    resolution BLOB NOT NULL  -- Resolution, rewritten when the agent answers
+);
 """
 
 _OUTCOMES: dict[str, SnapshotOutcome] = {
@@ -402,6 +412,46 @@ class Store:
         )
         return [int(i) for (i,) in rows]
 
+    def add_resolution(self, resolution: Resolution) -> Resolution:
+        """Store a break as it is sent; returns it with its new ``resolution_id`` (the break id)."""
+        sent_at = resolution.sent_at.ToMicroseconds() / 1e6
+        with self._write() as db:
+            cursor = db.execute(
+                "INSERT INTO resolutions (snapshot_id, sent_at, resolution) VALUES (?, ?, x'')",
+                (resolution.snapshot_id, sent_at),
+            )
+            stored = Resolution()
+            stored.CopyFrom(resolution)
+            stored.resolution_id = int(cursor.lastrowid)
+            db.execute(
+                "UPDATE resolutions SET resolution = ? WHERE id = ?",
+                (stored.SerializeToString(deterministic=True), stored.resolution_id),
+            )
+        return stored
+
+    def update_resolution(self, resolution: Resolution) -> None:
+        """Store what became of a break (its report, or that none came)."""
+        with self._write() as db:
+            updated = db.execute(
+                "UPDATE resolutions SET resolution = ? WHERE id = ?",
+                (resolution.SerializeToString(deterministic=True), resolution.resolution_id),
+            ).rowcount
+        if not updated:
+            raise StoreError(f"no resolution {resolution.resolution_id} to update")
+
+    def resolution(self, resolution_id: int) -> Resolution | None:
+        """One stored break, or None."""
+        row = self._db.execute("SELECT resolution FROM resolutions WHERE id = ?", (resolution_id,)).fetchone()
+        return None if row is None else Resolution.FromString(row[0])
+
+    def resolutions(self, page_size: int, before_id: int | None = None) -> list[Resolution]:
+        """Breaks newest first, at most ``page_size``, with ids below ``before_id`` when given."""
+        rows = self._db.execute(
+            "SELECT resolution FROM resolutions WHERE id < ? ORDER BY id DESC LIMIT ?",
+            (_MAX_ID if before_id is None else before_id, page_size),
+        ).fetchall()
+        return [Resolution.FromString(blob) for (blob,) in rows]
+
     def _require_running(self, snapshot_id: int, action: str) -> None:
         row = None
         if snapshot_id <= _MAX_ID:
@@ -423,6 +473,7 @@ class Store:
                     "DELETE FROM snapshots WHERE outcome != 'running' AND finished_at < ?",
                     (now - self.max_age_seconds,),
                 ).rowcount
+                db.execute("DELETE FROM resolutions WHERE sent_at < ?", (now - self.max_age_seconds,))
             if self.max_snapshots is not None:
                 # Every row counts towards the bound; only finished ones can be deleted to meet it.
                 deleted += db.execute(

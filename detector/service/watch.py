@@ -3,7 +3,8 @@
 A watcher that falls :data:`QUEUE_LIMIT` events behind is cut off (its stream ends) rather than
 letting the detector's memory grow. Each watcher belongs to an identity (who opened it), so that
 the detector can bound the streams one client holds. A predicate's value is one of true, false and
-unknown; a change from any of them to another is a change.
+unknown; a change from any of them to another is a change. Breaks of deadlocks go to every
+watcher too, as events of their own (``WatchEvent.resolution``), when sent and when answered.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 
 from stablewatch.detector.evaluation.verdict import Verdict
 from stablewatch.v1 import PredicateResult
-from stablewatch.v1.query_pb2 import PredicateChange, SnapshotResults, WatchEvent
+from stablewatch.v1.query_pb2 import PredicateChange, Resolution, SnapshotResults, WatchEvent
 
 __all__ = ["QUEUE_LIMIT", "WatchHub"]
 
@@ -60,7 +61,13 @@ class WatchHub:
 
     def publish(self, results: SnapshotResults, changes: list[PredicateChange]) -> None:
         """Queue one event for every watcher; cut off those too far behind."""
-        event = WatchEvent(results=results, changes=changes, snapshot_id=results.snapshot.snapshot_id)
+        self._send(WatchEvent(results=results, changes=changes, snapshot_id=results.snapshot.snapshot_id))
+
+    def publish_resolution(self, resolution: Resolution) -> None:
+        """Queue a break of a deadlock (sent, or answered) for every watcher."""
+        self._send(WatchEvent(resolution=resolution, snapshot_id=resolution.snapshot_id))
+
+    def _send(self, event: WatchEvent) -> None:
         for queue in list(self._watchers):
             try:
                 queue.put_nowait(event)

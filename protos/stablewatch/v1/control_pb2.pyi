@@ -1,11 +1,23 @@
 from stablewatch.v1 import snapshot_pb2 as _snapshot_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class BreakOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    BREAK_OUTCOME_UNSPECIFIED: _ClassVar[BreakOutcome]
+    BREAK_OUTCOME_BROKEN: _ClassVar[BreakOutcome]
+    BREAK_OUTCOME_GONE: _ClassVar[BreakOutcome]
+    BREAK_OUTCOME_ALREADY_BROKEN: _ClassVar[BreakOutcome]
+BREAK_OUTCOME_UNSPECIFIED: BreakOutcome
+BREAK_OUTCOME_BROKEN: BreakOutcome
+BREAK_OUTCOME_GONE: BreakOutcome
+BREAK_OUTCOME_ALREADY_BROKEN: BreakOutcome
 
 class Register(_message.Message):
     __slots__ = ("process_id", "address", "incarnation", "agent_version", "rpc_mode", "known_epoch")
@@ -47,19 +59,45 @@ class Pong(_message.Message):
     nonce: int
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
+class BreakReport(_message.Message):
+    __slots__ = ("break_id", "instance", "outcome", "detail")
+    BREAK_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    break_id: int
+    instance: int
+    outcome: BreakOutcome
+    detail: str
+    def __init__(self, break_id: _Optional[int] = ..., instance: _Optional[int] = ..., outcome: _Optional[_Union[BreakOutcome, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class WaitHint(_message.Message):
+    __slots__ = ("instance", "task", "waited_ms")
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    WAITED_MS_FIELD_NUMBER: _ClassVar[int]
+    instance: int
+    task: str
+    waited_ms: int
+    def __init__(self, instance: _Optional[int] = ..., task: _Optional[str] = ..., waited_ms: _Optional[int] = ...) -> None: ...
+
 class AgentMessage(_message.Message):
-    __slots__ = ("register", "heartbeat", "part", "failure", "pong")
+    __slots__ = ("register", "heartbeat", "part", "failure", "pong", "break_report", "hint")
     REGISTER_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     PART_FIELD_NUMBER: _ClassVar[int]
     FAILURE_FIELD_NUMBER: _ClassVar[int]
     PONG_FIELD_NUMBER: _ClassVar[int]
+    BREAK_REPORT_FIELD_NUMBER: _ClassVar[int]
+    HINT_FIELD_NUMBER: _ClassVar[int]
     register: Register
     heartbeat: Heartbeat
     part: _snapshot_pb2.LocalSnapshotPart
     failure: SnapshotFailure
     pong: Pong
-    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., part: _Optional[_Union[_snapshot_pb2.LocalSnapshotPart, _Mapping]] = ..., failure: _Optional[_Union[SnapshotFailure, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ...) -> None: ...
+    break_report: BreakReport
+    hint: WaitHint
+    def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., part: _Optional[_Union[_snapshot_pb2.LocalSnapshotPart, _Mapping]] = ..., failure: _Optional[_Union[SnapshotFailure, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., break_report: _Optional[_Union[BreakReport, _Mapping]] = ..., hint: _Optional[_Union[WaitHint, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
     __slots__ = ("detector_id", "heartbeat_interval_ms", "detector_epoch")
@@ -121,8 +159,22 @@ class Ping(_message.Message):
     nonce: int
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
+class BreakWait(_message.Message):
+    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock")
+    BREAK_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    DEADLOCK_FIELD_NUMBER: _ClassVar[int]
+    break_id: int
+    snapshot_id: int
+    instance: int
+    task: str
+    deadlock: str
+    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ...) -> None: ...
+
 class DetectorMessage(_message.Message):
-    __slots__ = ("registered", "refused", "start", "abort", "ended", "ping", "channel_target")
+    __slots__ = ("registered", "refused", "start", "abort", "ended", "ping", "channel_target", "break_wait")
     REGISTERED_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +182,7 @@ class DetectorMessage(_message.Message):
     ENDED_FIELD_NUMBER: _ClassVar[int]
     PING_FIELD_NUMBER: _ClassVar[int]
     CHANNEL_TARGET_FIELD_NUMBER: _ClassVar[int]
+    BREAK_WAIT_FIELD_NUMBER: _ClassVar[int]
     registered: Registered
     refused: Refused
     start: StartSnapshot
@@ -137,4 +190,5 @@ class DetectorMessage(_message.Message):
     ended: SnapshotsEnded
     ping: Ping
     channel_target: ChannelTarget
-    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., ended: _Optional[_Union[SnapshotsEnded, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., channel_target: _Optional[_Union[ChannelTarget, _Mapping]] = ...) -> None: ...
+    break_wait: BreakWait
+    def __init__(self, registered: _Optional[_Union[Registered, _Mapping]] = ..., refused: _Optional[_Union[Refused, _Mapping]] = ..., start: _Optional[_Union[StartSnapshot, _Mapping]] = ..., abort: _Optional[_Union[AbortSnapshot, _Mapping]] = ..., ended: _Optional[_Union[SnapshotsEnded, _Mapping]] = ..., ping: _Optional[_Union[Ping, _Mapping]] = ..., channel_target: _Optional[_Union[ChannelTarget, _Mapping]] = ..., break_wait: _Optional[_Union[BreakWait, _Mapping]] = ...) -> None: ...

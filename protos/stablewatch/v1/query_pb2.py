@@ -23,45 +23,57 @@ _sym_db = _symbol_database.Default()
 
 
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
+from stablewatch.v1 import control_pb2 as stablewatch_dot_v1_dot_control__pb2
 from stablewatch.v1 import predicates_pb2 as stablewatch_dot_v1_dot_predicates__pb2
 from stablewatch.v1 import snapshot_pb2 as stablewatch_dot_v1_dot_snapshot__pb2
+from stablewatch.v1 import state_pb2 as stablewatch_dot_v1_dot_state__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astablewatch/v1/query.proto\x12\x0establewatch.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1fstablewatch/v1/predicates.proto\x1a\x1dstablewatch/v1/snapshot.proto\"\xa4\x02\n\x0fSnapshotSummary\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x30\n\x07outcome\x18\x02 \x01(\x0e\x32\x1f.stablewatch.v1.SnapshotOutcome\x12\x14\n\x0c\x61\x62ort_reason\x18\x03 \x01(\t\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tprocesses\x18\x06 \x01(\r\x12\x10\n\x08\x63hannels\x18\x07 \x01(\r\x12\x1a\n\x12messages_in_flight\x18\x08 \x01(\x04\x12\x12\n\nabort_kind\x18\t \x01(\t\"v\n\x0fSnapshotResults\x12\x31\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotSummary\x12\x30\n\x07results\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.PredicateResult\"\x19\n\x17GetLatestResultsRequest\")\n\x12GetSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"=\n\x14ListSnapshotsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"d\n\x15ListSnapshotsResponse\x12\x32\n\tsnapshots\x18\x01 \x03(\x0b\x32\x1f.stablewatch.v1.SnapshotSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"F\n\x16TriggerSnapshotRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\x12\x18\n\x10\x65xpected_members\x18\x02 \x03(\t\"\x92\x01\n\x06Member\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12/\n\x0b\x61ttached_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_heartbeat\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x14\n\x12ListMembersRequest\"p\n\x13ListMembersResponse\x12\'\n\x07members\x18\x01 \x03(\x0b\x32\x16.stablewatch.v1.Member\x12\x18\n\x10\x65xpected_missing\x18\x02 \x03(\t\x12\x16\n\x0e\x65xpected_count\x18\x03 \x01(\r\"$\n\x0cWatchRequest\x12\x14\n\x0c\x63hanges_only\x18\x01 \x01(\x08\"\x80\x01\n\x0fPredicateChange\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05holds\x18\x02 \x01(\x08\x12\x16\n\x0eprevious_holds\x18\x03 \x01(\x08\x12\r\n\x05\x66irst\x18\x04 \x01(\x08\x12\x0f\n\x07unknown\x18\x05 \x01(\x08\x12\x18\n\x10previous_unknown\x18\x06 \x01(\x08\"\x85\x01\n\nWatchEvent\x12\x30\n\x07results\x18\x01 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotResults\x12\x30\n\x07\x63hanges\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.PredicateChange\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\x04*\x8f\x01\n\x0fSnapshotOutcome\x12 \n\x1cSNAPSHOT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18SNAPSHOT_OUTCOME_RUNNING\x10\x01\x12\x1e\n\x1aSNAPSHOT_OUTCOME_COMPLETED\x10\x02\x12\x1c\n\x18SNAPSHOT_OUTCOME_ABORTED\x10\x03\x32\xbf\x05\n\x05Query\x12\\\n\x10GetLatestResults\x12\'.stablewatch.v1.GetLatestResultsRequest\x1a\x1f.stablewatch.v1.SnapshotResults\x12Y\n\x12GetSnapshotResults\x12\".stablewatch.v1.GetSnapshotRequest\x1a\x1f.stablewatch.v1.SnapshotResults\x12\\\n\rListSnapshots\x12$.stablewatch.v1.ListSnapshotsRequest\x1a%.stablewatch.v1.ListSnapshotsResponse\x12Q\n\x0bGetSnapshot\x12\".stablewatch.v1.GetSnapshotRequest\x1a\x1e.stablewatch.v1.GlobalSnapshot\x12S\n\x0fGetWaitForGraph\x12\".stablewatch.v1.GetSnapshotRequest\x1a\x1c.stablewatch.v1.WaitForGraph\x12Z\n\x0fTriggerSnapshot\x12&.stablewatch.v1.TriggerSnapshotRequest\x1a\x1f.stablewatch.v1.SnapshotResults\x12V\n\x0bListMembers\x12\".stablewatch.v1.ListMembersRequest\x1a#.stablewatch.v1.ListMembersResponse\x12\x43\n\x05Watch\x12\x1c.stablewatch.v1.WatchRequest\x1a\x1a.stablewatch.v1.WatchEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astablewatch/v1/query.proto\x12\x0establewatch.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1cstablewatch/v1/control.proto\x1a\x1fstablewatch/v1/predicates.proto\x1a\x1dstablewatch/v1/snapshot.proto\x1a\x1astablewatch/v1/state.proto\"\xa4\x02\n\x0fSnapshotSummary\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x30\n\x07outcome\x18\x02 \x01(\x0e\x32\x1f.stablewatch.v1.SnapshotOutcome\x12\x14\n\x0c\x61\x62ort_reason\x18\x03 \x01(\t\x12.\n\nstarted_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0b\x66inished_at\x18\x05 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x11\n\tprocesses\x18\x06 \x01(\r\x12\x10\n\x08\x63hannels\x18\x07 \x01(\r\x12\x1a\n\x12messages_in_flight\x18\x08 \x01(\x04\x12\x12\n\nabort_kind\x18\t \x01(\t\"v\n\x0fSnapshotResults\x12\x31\n\x08snapshot\x18\x01 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotSummary\x12\x30\n\x07results\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.PredicateResult\"\x19\n\x17GetLatestResultsRequest\")\n\x12GetSnapshotRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"=\n\x14ListSnapshotsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"d\n\x15ListSnapshotsResponse\x12\x32\n\tsnapshots\x18\x01 \x03(\x0b\x32\x1f.stablewatch.v1.SnapshotSummary\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"F\n\x16TriggerSnapshotRequest\x12\x12\n\ntimeout_ms\x18\x01 \x01(\r\x12\x18\n\x10\x65xpected_members\x18\x02 \x03(\t\"\x92\x01\n\x06Member\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12/\n\x0b\x61ttached_at\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x32\n\x0elast_heartbeat\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x14\n\x12ListMembersRequest\"p\n\x13ListMembersResponse\x12\'\n\x07members\x18\x01 \x03(\x0b\x32\x16.stablewatch.v1.Member\x12\x18\n\x10\x65xpected_missing\x18\x02 \x03(\t\x12\x16\n\x0e\x65xpected_count\x18\x03 \x01(\r\"$\n\x0cWatchRequest\x12\x14\n\x0c\x63hanges_only\x18\x01 \x01(\x08\"\x80\x01\n\x0fPredicateChange\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05holds\x18\x02 \x01(\x08\x12\x16\n\x0eprevious_holds\x18\x03 \x01(\x08\x12\r\n\x05\x66irst\x18\x04 \x01(\x08\x12\x0f\n\x07unknown\x18\x05 \x01(\x08\x12\x18\n\x10previous_unknown\x18\x06 \x01(\x08\"\xa1\x03\n\nResolution\x12\x15\n\rresolution_id\x18\x01 \x01(\x04\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\x12\x12\n\nprocess_id\x18\x03 \x01(\t\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x10\n\x08instance\x18\x05 \x01(\x04\x12\x31\n\rwait_began_at\x18\x06 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x0e\n\x06policy\x18\x07 \x01(\t\x12\x14\n\x0crequested_by\x18\x08 \x01(\t\x12+\n\tcomponent\x18\t \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12\x10\n\x08\x64\x65\x61\x64lock\x18\n \x01(\t\x12+\n\x07sent_at\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0breported_at\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12-\n\x07outcome\x18\r \x01(\x0e\x32\x1c.stablewatch.v1.BreakOutcome\x12\x0e\n\x06\x64\x65tail\x18\x0e \x01(\t\"%\n\x0eResolveRequest\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\"B\n\x0fResolveResponse\x12/\n\x0bresolutions\x18\x01 \x03(\x0b\x32\x1a.stablewatch.v1.Resolution\"?\n\x16ListResolutionsRequest\x12\x11\n\tpage_size\x18\x01 \x01(\r\x12\x12\n\npage_token\x18\x02 \x01(\t\"c\n\x17ListResolutionsResponse\x12/\n\x0bresolutions\x18\x01 \x03(\x0b\x32\x1a.stablewatch.v1.Resolution\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"\xb5\x01\n\nWatchEvent\x12\x30\n\x07results\x18\x01 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotResults\x12\x30\n\x07\x63hanges\x18\x02 \x03(\x0b\x32\x1f.stablewatch.v1.PredicateChange\x12\x13\n\x0bsnapshot_id\x18\x03 \x01(\x04\x12.\n\nresolution\x18\x04 \x01(\x0b\x32\x1a.stablewatch.v1.Resolution*\x8f\x01\n\x0fSnapshotOutcome\x12 \n\x1cSNAPSHOT_OUTCOME_UNSPECIFIED\x10\x00\x12\x1c\n\x18SNAPSHOT_OUTCOME_RUNNING\x10\x01\x12\x1e\n\x1aSNAPSHOT_OUTCOME_COMPLETED\x10\x02\x12\x1c\n\x18SNAPSHOT_OUTCOME_ABORTED\x10\x03\x32\xf7\x06\n\x05Query\x12\\\n\x10GetLatestResults\x12\'.stablewatch.v1.GetLatestResultsRequest\x1a\x1f.stablewatch.v1.SnapshotResults\x12Y\n\x12GetSnapshotResults\x12\".stablewatch.v1.GetSnapshotRequest\x1a\x1f.stablewatch.v1.SnapshotResults\x12\\\n\rListSnapshots\x12$.stablewatch.v1.ListSnapshotsRequest\x1a%.stablewatch.v1.ListSnapshotsResponse\x12Q\n\x0bGetSnapshot\x12\".stablewatch.v1.GetSnapshotRequest\x1a\x1e.stablewatch.v1.GlobalSnapshot\x12S\n\x0fGetWaitForGraph\x12\".stablewatch.v1.GetSnapshotRequest\x1a\x1c.stablewatch.v1.WaitForGraph\x12Z\n\x0fTriggerSnapshot\x12&.stablewatch.v1.TriggerSnapshotRequest\x1a\x1f.stablewatch.v1.SnapshotResults\x12V\n\x0bListMembers\x12\".stablewatch.v1.ListMembersRequest\x1a#.stablewatch.v1.ListMembersResponse\x12\x43\n\x05Watch\x12\x1c.stablewatch.v1.WatchRequest\x1a\x1a.stablewatch.v1.WatchEvent0\x01\x12R\n\x0fResolveDeadlock\x12\x1e.stablewatch.v1.ResolveRequest\x1a\x1f.stablewatch.v1.ResolveResponse\x12\x62\n\x0fListResolutions\x12&.stablewatch.v1.ListResolutionsRequest\x1a\'.stablewatch.v1.ListResolutionsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stablewatch.v1.query_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SNAPSHOTOUTCOME']._serialized_start=1456
-  _globals['_SNAPSHOTOUTCOME']._serialized_end=1599
-  _globals['_SNAPSHOTSUMMARY']._serialized_start=144
-  _globals['_SNAPSHOTSUMMARY']._serialized_end=436
-  _globals['_SNAPSHOTRESULTS']._serialized_start=438
-  _globals['_SNAPSHOTRESULTS']._serialized_end=556
-  _globals['_GETLATESTRESULTSREQUEST']._serialized_start=558
-  _globals['_GETLATESTRESULTSREQUEST']._serialized_end=583
-  _globals['_GETSNAPSHOTREQUEST']._serialized_start=585
-  _globals['_GETSNAPSHOTREQUEST']._serialized_end=626
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=628
-  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=689
-  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=691
-  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=791
-  _globals['_TRIGGERSNAPSHOTREQUEST']._serialized_start=793
-  _globals['_TRIGGERSNAPSHOTREQUEST']._serialized_end=863
-  _globals['_MEMBER']._serialized_start=866
-  _globals['_MEMBER']._serialized_end=1012
-  _globals['_LISTMEMBERSREQUEST']._serialized_start=1014
-  _globals['_LISTMEMBERSREQUEST']._serialized_end=1034
-  _globals['_LISTMEMBERSRESPONSE']._serialized_start=1036
-  _globals['_LISTMEMBERSRESPONSE']._serialized_end=1148
-  _globals['_WATCHREQUEST']._serialized_start=1150
-  _globals['_WATCHREQUEST']._serialized_end=1186
-  _globals['_PREDICATECHANGE']._serialized_start=1189
-  _globals['_PREDICATECHANGE']._serialized_end=1317
-  _globals['_WATCHEVENT']._serialized_start=1320
-  _globals['_WATCHEVENT']._serialized_end=1453
-  _globals['_QUERY']._serialized_start=1602
-  _globals['_QUERY']._serialized_end=2305
+  _globals['_SNAPSHOTOUTCOME']._serialized_start=2255
+  _globals['_SNAPSHOTOUTCOME']._serialized_end=2398
+  _globals['_SNAPSHOTSUMMARY']._serialized_start=202
+  _globals['_SNAPSHOTSUMMARY']._serialized_end=494
+  _globals['_SNAPSHOTRESULTS']._serialized_start=496
+  _globals['_SNAPSHOTRESULTS']._serialized_end=614
+  _globals['_GETLATESTRESULTSREQUEST']._serialized_start=616
+  _globals['_GETLATESTRESULTSREQUEST']._serialized_end=641
+  _globals['_GETSNAPSHOTREQUEST']._serialized_start=643
+  _globals['_GETSNAPSHOTREQUEST']._serialized_end=684
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_start=686
+  _globals['_LISTSNAPSHOTSREQUEST']._serialized_end=747
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_start=749
+  _globals['_LISTSNAPSHOTSRESPONSE']._serialized_end=849
+  _globals['_TRIGGERSNAPSHOTREQUEST']._serialized_start=851
+  _globals['_TRIGGERSNAPSHOTREQUEST']._serialized_end=921
+  _globals['_MEMBER']._serialized_start=924
+  _globals['_MEMBER']._serialized_end=1070
+  _globals['_LISTMEMBERSREQUEST']._serialized_start=1072
+  _globals['_LISTMEMBERSREQUEST']._serialized_end=1092
+  _globals['_LISTMEMBERSRESPONSE']._serialized_start=1094
+  _globals['_LISTMEMBERSRESPONSE']._serialized_end=1206
+  _globals['_WATCHREQUEST']._serialized_start=1208
+  _globals['_WATCHREQUEST']._serialized_end=1244
+  _globals['_PREDICATECHANGE']._serialized_start=1247
+  _globals['_PREDICATECHANGE']._serialized_end=1375
+  _globals['_RESOLUTION']._serialized_start=1378
+  _globals['_RESOLUTION']._serialized_end=1795
+  _globals['_RESOLVEREQUEST']._serialized_start=1797
+  _globals['_RESOLVEREQUEST']._serialized_end=1834
+  _globals['_RESOLVERESPONSE']._serialized_start=1836
+  _globals['_RESOLVERESPONSE']._serialized_end=1902
+  _globals['_LISTRESOLUTIONSREQUEST']._serialized_start=1904
+  _globals['_LISTRESOLUTIONSREQUEST']._serialized_end=1967
+  _globals['_LISTRESOLUTIONSRESPONSE']._serialized_start=1969
+  _globals['_LISTRESOLUTIONSRESPONSE']._serialized_end=2068
+  _globals['_WATCHEVENT']._serialized_start=2071
+  _globals['_WATCHEVENT']._serialized_end=2252
+  _globals['_QUERY']._serialized_start=2401
+  _globals['_QUERY']._serialized_end=3288
 # @@protoc_insertion_point(module_scope)

@@ -1,8 +1,10 @@
 import datetime
 
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
+from stablewatch.v1 import control_pb2 as _control_pb2
 from stablewatch.v1 import predicates_pb2 as _predicates_pb2
 from stablewatch.v1 import snapshot_pb2 as _snapshot_pb2
+from stablewatch.v1 import state_pb2 as _state_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -135,12 +137,74 @@ class PredicateChange(_message.Message):
     previous_unknown: bool
     def __init__(self, name: _Optional[str] = ..., holds: _Optional[bool] = ..., previous_holds: _Optional[bool] = ..., first: _Optional[bool] = ..., unknown: _Optional[bool] = ..., previous_unknown: _Optional[bool] = ...) -> None: ...
 
+class Resolution(_message.Message):
+    __slots__ = ("resolution_id", "snapshot_id", "process_id", "task", "instance", "wait_began_at", "policy", "requested_by", "component", "deadlock", "sent_at", "reported_at", "outcome", "detail")
+    RESOLUTION_ID_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    PROCESS_ID_FIELD_NUMBER: _ClassVar[int]
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    WAIT_BEGAN_AT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REQUESTED_BY_FIELD_NUMBER: _ClassVar[int]
+    COMPONENT_FIELD_NUMBER: _ClassVar[int]
+    DEADLOCK_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    REPORTED_AT_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    resolution_id: int
+    snapshot_id: int
+    process_id: str
+    task: str
+    instance: int
+    wait_began_at: _timestamp_pb2.Timestamp
+    policy: str
+    requested_by: str
+    component: _containers.RepeatedCompositeFieldContainer[_state_pb2.WaitNode]
+    deadlock: str
+    sent_at: _timestamp_pb2.Timestamp
+    reported_at: _timestamp_pb2.Timestamp
+    outcome: _control_pb2.BreakOutcome
+    detail: str
+    def __init__(self, resolution_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., process_id: _Optional[str] = ..., task: _Optional[str] = ..., instance: _Optional[int] = ..., wait_began_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., policy: _Optional[str] = ..., requested_by: _Optional[str] = ..., component: _Optional[_Iterable[_Union[_state_pb2.WaitNode, _Mapping]]] = ..., deadlock: _Optional[str] = ..., sent_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., reported_at: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ..., outcome: _Optional[_Union[_control_pb2.BreakOutcome, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ResolveRequest(_message.Message):
+    __slots__ = ("snapshot_id",)
+    SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    snapshot_id: int
+    def __init__(self, snapshot_id: _Optional[int] = ...) -> None: ...
+
+class ResolveResponse(_message.Message):
+    __slots__ = ("resolutions",)
+    RESOLUTIONS_FIELD_NUMBER: _ClassVar[int]
+    resolutions: _containers.RepeatedCompositeFieldContainer[Resolution]
+    def __init__(self, resolutions: _Optional[_Iterable[_Union[Resolution, _Mapping]]] = ...) -> None: ...
+
+class ListResolutionsRequest(_message.Message):
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListResolutionsResponse(_message.Message):
+    __slots__ = ("resolutions", "next_page_token")
+    RESOLUTIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    resolutions: _containers.RepeatedCompositeFieldContainer[Resolution]
+    next_page_token: str
+    def __init__(self, resolutions: _Optional[_Iterable[_Union[Resolution, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
 class WatchEvent(_message.Message):
-    __slots__ = ("results", "changes", "snapshot_id")
+    __slots__ = ("results", "changes", "snapshot_id", "resolution")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     CHANGES_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
+    RESOLUTION_FIELD_NUMBER: _ClassVar[int]
     results: SnapshotResults
     changes: _containers.RepeatedCompositeFieldContainer[PredicateChange]
     snapshot_id: int
-    def __init__(self, results: _Optional[_Union[SnapshotResults, _Mapping]] = ..., changes: _Optional[_Iterable[_Union[PredicateChange, _Mapping]]] = ..., snapshot_id: _Optional[int] = ...) -> None: ...
+    resolution: Resolution
+    def __init__(self, results: _Optional[_Union[SnapshotResults, _Mapping]] = ..., changes: _Optional[_Iterable[_Union[PredicateChange, _Mapping]]] = ..., snapshot_id: _Optional[int] = ..., resolution: _Optional[_Union[Resolution, _Mapping]] = ...) -> None: ...

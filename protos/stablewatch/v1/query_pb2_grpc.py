@@ -76,6 +76,16 @@ class QueryStub:
                 request_serializer=stablewatch_dot_v1_dot_query__pb2.WatchRequest.SerializeToString,
                 response_deserializer=stablewatch_dot_v1_dot_query__pb2.WatchEvent.FromString,
                 _registered_method=True)
+        self.ResolveDeadlock = channel.unary_unary(
+                '/stablewatch.v1.Query/ResolveDeadlock',
+                request_serializer=stablewatch_dot_v1_dot_query__pb2.ResolveRequest.SerializeToString,
+                response_deserializer=stablewatch_dot_v1_dot_query__pb2.ResolveResponse.FromString,
+                _registered_method=True)
+        self.ListResolutions = channel.unary_unary(
+                '/stablewatch.v1.Query/ListResolutions',
+                request_serializer=stablewatch_dot_v1_dot_query__pb2.ListResolutionsRequest.SerializeToString,
+                response_deserializer=stablewatch_dot_v1_dot_query__pb2.ListResolutionsResponse.FromString,
+                _registered_method=True)
 
 
 class QueryServicer:
@@ -129,6 +139,19 @@ class QueryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ResolveDeadlock(self, request, context):
+        """Break the deadlocks a completed snapshot proves, one victim each (operator role under mTLS).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListResolutions(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_QueryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -171,6 +194,16 @@ def add_QueryServicer_to_server(servicer, server):
                     servicer.Watch,
                     request_deserializer=stablewatch_dot_v1_dot_query__pb2.WatchRequest.FromString,
                     response_serializer=stablewatch_dot_v1_dot_query__pb2.WatchEvent.SerializeToString,
+            ),
+            'ResolveDeadlock': grpc.unary_unary_rpc_method_handler(
+                    servicer.ResolveDeadlock,
+                    request_deserializer=stablewatch_dot_v1_dot_query__pb2.ResolveRequest.FromString,
+                    response_serializer=stablewatch_dot_v1_dot_query__pb2.ResolveResponse.SerializeToString,
+            ),
+            'ListResolutions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListResolutions,
+                    request_deserializer=stablewatch_dot_v1_dot_query__pb2.ListResolutionsRequest.FromString,
+                    response_serializer=stablewatch_dot_v1_dot_query__pb2.ListResolutionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -389,6 +422,60 @@ class Query:
             '/stablewatch.v1.Query/Watch',
             stablewatch_dot_v1_dot_query__pb2.WatchRequest.SerializeToString,
             stablewatch_dot_v1_dot_query__pb2.WatchEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ResolveDeadlock(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stablewatch.v1.Query/ResolveDeadlock',
+            stablewatch_dot_v1_dot_query__pb2.ResolveRequest.SerializeToString,
+            stablewatch_dot_v1_dot_query__pb2.ResolveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListResolutions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stablewatch.v1.Query/ListResolutions',
+            stablewatch_dot_v1_dot_query__pb2.ListResolutionsRequest.SerializeToString,
+            stablewatch_dot_v1_dot_query__pb2.ListResolutionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

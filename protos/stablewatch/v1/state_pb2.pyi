@@ -26,16 +26,20 @@ class WaitNode(_message.Message):
     def __init__(self, process: _Optional[str] = ..., task: _Optional[str] = ...) -> None: ...
 
 class Wait(_message.Message):
-    __slots__ = ("task", "targets", "model", "flow_control")
+    __slots__ = ("task", "targets", "model", "flow_control", "instance", "began_at_us")
     TASK_FIELD_NUMBER: _ClassVar[int]
     TARGETS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     FLOW_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    BEGAN_AT_US_FIELD_NUMBER: _ClassVar[int]
     task: str
     targets: _containers.RepeatedCompositeFieldContainer[WaitNode]
     model: WaitModel
     flow_control: bool
-    def __init__(self, task: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[WaitNode, _Mapping]]] = ..., model: _Optional[_Union[WaitModel, str]] = ..., flow_control: _Optional[bool] = ...) -> None: ...
+    instance: int
+    began_at_us: int
+    def __init__(self, task: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[WaitNode, _Mapping]]] = ..., model: _Optional[_Union[WaitModel, str]] = ..., flow_control: _Optional[bool] = ..., instance: _Optional[int] = ..., began_at_us: _Optional[int] = ...) -> None: ...
 
 class LocalState(_message.Message):
     __slots__ = ("active", "waits", "counters", "attributes")

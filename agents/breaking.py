@@ -1,0 +1,192 @@
+"""What every kind of wait shares for breaking proven deadlocks: instance ids, the victim's error,
+the once-per-wait dispatch of a ``BreakWait`` and the long-wait hints.
+
+DESIGN.md, "Breaking a proven deadlock": every wait an agent reports carries an instance id that is
+never reused in the process and the time it began. A detector that proves a deadlock names one
+wait by its instance; the agent breaks it at most once, only while it still waits, and answers with
+a ``BreakReport``. Each kind of wait (an application wait, a blocked send, an RPC call) lives in its
+own module and offers itself here as a :class:`WaitSource`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple, NoReturn, Protocol
+
+from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_GONE,
+    BreakReport,
+    BreakWait,
+    WaitHint,
+)
+
+__all__ = [
+    "DEFAULT_HINT_AFTER",
+    "BreakDispatcher",
+    "Broken",
+    "DeadlockVictim",
+    "HintWatch",
+    "OpenWait",
+    "WaitSource",
+    "hint_forever",
+    "new_instance",
+    "now_us",
+    "victim_message",
+]
+
+_log = logging.getLogger(__name__)
+
+#: How long a wait lasts before the agent hints the detector that a deadlock may have formed.
+DEFAULT_HINT_AFTER = 0.020
+
+# One counter for the whole process, shared by every agent and kind of wait: an instance is never
+# reused in the process. ``next`` on an itertools.count is atomic under the GIL.
+_instances = itertools.count(1)
+
+
+def new_instance() -> int:
+    """A wait instance id never handed out before in this process."""
+    return next(_instances)
+
+
+def now_us() -> int:
+    """The wall clock in microseconds since the Unix epoch, as ``Wait.began_at_us`` holds it."""
+    return time.time_ns() // 1000
+
+
+def victim_message(order: BreakWait) -> str:
+    """What the waiter is told: which deadlock, proven by which snapshot, and that it may retry."""
+    cycle = order.deadlock or "a wait cycle"
+    return (
+        f"stablewatch broke this wait to end a deadlock proven by snapshot {order.snapshot_id}: {cycle} "
+        "(retry after a back-off)"
+    )
+
+
+class DeadlockVictim(Exception):
+    """Raised in a waiter whose wait stablewatch broke to end a proven deadlock.
+
+    Safe to retry after a back-off: the wait did not complete (a blocked send's message was not sent).
+    """
+
+    def __init__(self, message: str, *, snapshot_id: int = 0, instance: int = 0) -> None:
+        super().__init__(message)
+        self.snapshot_id = snapshot_id
+        self.instance = instance
+
+    @classmethod
+    def of(cls, order: BreakWait) -> DeadlockVictim:
+        """The error for the waiter of the wait ``order`` breaks."""
+        return cls(victim_message(order), snapshot_id=order.snapshot_id, instance=order.instance)
+
+
+class OpenWait(NamedTuple):
+    """A wait now in progress, as the hint watch sees it."""
+
+    instance: int
+    task: str
+    began_at_us: int
+
+
+class Broken(NamedTuple):
+    """What a source did with a break it recognised."""
+
+    outcome: int  # BREAK_OUTCOME_BROKEN or BREAK_OUTCOME_ALREADY_BROKEN
+    detail: str
+
+
+class WaitSource(Protocol):
+    """One kind of wait an agent reports (application waits, blocked sends, RPC calls)."""
+
+    def break_wait(self, order: BreakWait) -> Broken | None:
+        """Break the wait ``order.instance`` if it is one of ours and still waiting; None if not ours (or ended).
+
+        Thread-safe; returns at once (the waiter gets its error on its own thread or task).
+        """
+
+    def open_waits(self) -> Iterable[OpenWait]:
+        """The waits now in progress (for the hints); cheap, and safe from the agent's event loop."""
+
+
+class BreakDispatcher:
+    """Routes a ``BreakWait`` to the source that holds the wait and builds the ``BreakReport``."""
+
+    def __init__(self, sources: Sequence[WaitSource]) -> None:
+        self._sources = tuple(sources)
+
+    def add(self, source: WaitSource) -> None:
+        """One more kind of wait (for instance a server's worker pool made after the agent)."""
+        self._sources += (source,)
+
+    def handle(self, order: BreakWait) -> BreakReport:
+        """Break ``order``'s wait at most once; a wait that is no longer anywhere is reported gone."""
+        for source in self._sources:
+            done = source.break_wait(order)
+            if done is not None:
+                return BreakReport(
+                    break_id=order.break_id, instance=order.instance, outcome=done.outcome, detail=done.detail
+                )
+        return BreakReport(
+            break_id=order.break_id,
+            instance=order.instance,
+            outcome=BREAK_OUTCOME_GONE,
+            detail=f"wait {order.instance} is not waiting here (it ended, or never began): nothing done",
+        )
+
+    def open_waits(self) -> Iterable[OpenWait]:
+        """Every source's waits now in progress."""
+        for source in self._sources:
+            yield from source.open_waits()
+
+
+class HintWatch:
+    """Which waits have lasted past the threshold and were not hinted yet (once per instance).
+
+    Pure bookkeeping: the agent calls :meth:`due` on a timer with the open waits and the time, and
+    sends what it returns. Remembers only instances still open, so it stays as small as the waits.
+    """
+
+    def __init__(self, after: float = DEFAULT_HINT_AFTER) -> None:
+        if not after > 0:
+            raise ValueError(f"the hint threshold must be positive, not {after!r}")
+        self.after = after
+        self._after_us = int(after * 1e6)
+        self._hinted: set[int] = set()
+
+    def due(self, waits: Iterable[OpenWait], now_us: int) -> list[WaitHint]:
+        """Hints for the waits that have lasted at least the threshold and were not hinted before."""
+        open_now: set[int] = set()
+        hints: list[WaitHint] = []
+        for wait in waits:
+            open_now.add(wait.instance)
+            waited = now_us - wait.began_at_us
+            if waited >= self._after_us and wait.instance not in self._hinted:
+                self._hinted.add(wait.instance)
+                hints.append(WaitHint(instance=wait.instance, task=wait.task, waited_ms=min(waited // 1000, 2**32 - 1)))
+        self._hinted &= open_now
+        return hints
+
+    def forget(self, instance: int) -> None:
+        """Hint ``instance`` again when it is next due (its hint was not delivered)."""
+        self._hinted.discard(instance)
+
+
+async def hint_forever(dispatcher: BreakDispatcher, watch: HintWatch, send: Callable[[WaitHint], bool]) -> NoReturn:
+    """Every half threshold, hint the detector of each wait that has lasted past it (once each).
+
+    The one hint loop of the embedded and the RPC-mode agents; a process without waits pays a timer.
+    A hint that ``send`` drops (False: no stream to the detector) is sent again on a later turn.
+    """
+    period = watch.after / 2
+    while True:
+        await asyncio.sleep(period)
+        try:
+            for hint in watch.due(dispatcher.open_waits(), now_us()):
+                if not send(hint):
+                    watch.forget(hint.instance)
+        except Exception:  # a hint is an optimisation: never let it end the loop (or the agent's stop)
+            _log.exception("could not look for long waits to hint")

@@ -1,0 +1,201 @@
+"""Breaking proven deadlocks, as the detector carries it out: orders out, reports in, every break recorded.
+
+:class:`~.resolver.Resolver` decides which waits to break and when; this room does the rest
+(DESIGN.md, "Breaking a proven deadlock"): it stores each break as a ``Resolution`` before it
+sends the ``BreakWait`` on the victim's control stream (so a crash never loses one that went out),
+takes the agent's ``BreakReport`` in (only from the process the break was sent to), gives up on a
+report that does not come, and hands every finished break to the archive, the metrics and the
+watchers. ``stablewatch_resolution_seconds`` measures, per wait reported broken, the time from the
+start of the snapshot that proved the deadlock to the agent's report: an upper bound on how long
+the deadlock lasted after that snapshot saw it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from stablewatch.detector.evaluation.victims import Victim
+from stablewatch.detector.service.metrics import RESOLUTION_OUTCOMES, DetectorMetrics
+from stablewatch.detector.service.resolver import DEFAULT_REPORT_TIMEOUT, NothingToResolve, Resolver
+from stablewatch.detector.service.store import Store
+from stablewatch.v1 import Evaluation, GlobalSnapshot, WaitNode
+from stablewatch.v1.bounds import MAX_TEXT_BYTES, quoted_prefix, too_long
+from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_BROKEN,
+    BREAK_OUTCOME_UNSPECIFIED,
+    BreakOutcome,
+    BreakReport,
+    BreakWait,
+)
+from stablewatch.v1.query_pb2 import Resolution
+
+__all__ = ["NothingToResolve", "Resolutions", "outcome_word"]
+
+_log = logging.getLogger(__name__)
+
+
+def outcome_word(resolution: Resolution) -> str:
+    """A break's outcome as a word of :data:`~.metrics.RESOLUTION_OUTCOMES` (``pending`` while its
+    report may still come)."""
+    if resolution.outcome != BREAK_OUTCOME_UNSPECIFIED:
+        return BreakOutcome.Name(resolution.outcome).removeprefix("BREAK_OUTCOME_").lower()
+    if not resolution.HasField("reported_at"):
+        return "pending"
+    return "not_attached" if resolution.detail.startswith(_NOT_ATTACHED) else "unanswered"
+
+
+_NOT_ATTACHED = "the victim's process is not attached"
+
+
+class Resolutions:
+    """Sends the breaks the resolver chooses and records what became of each."""
+
+    def __init__(
+        self,
+        *,
+        send: Callable[[str, BreakWait], bool],
+        metrics: DetectorMetrics,
+        publish: Callable[[Resolution], None],
+        policy: str | None = None,
+        report_timeout: float = DEFAULT_REPORT_TIMEOUT,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.policy = policy
+        self.store: Store | None = None  # set when the detector opens its store
+        self.archive: Callable[[Resolution], None] | None = None
+        self._send = send
+        self._metrics = metrics
+        self._publish = publish
+        self._clock = clock
+        self._resolver = Resolver(report_timeout=report_timeout)
+        self._pending: dict[int, Resolution] = {}  # break id -> the break, until its report
+
+    def after_snapshot(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float) -> list[Resolution]:
+        """With a policy (``--resolve``), break the deadlocks ``snapshot`` proves; the breaks sent."""
+        if self.policy is None:
+            return []
+        victims = self._resolver.victims(snapshot, evaluation, started_at, self.policy)
+        return [self._break(snapshot.snapshot_id, victim, self.policy, "detector") for victim in victims]
+
+    def resolve(self, snapshot_id: int, requested_by: str) -> list[Resolution]:
+        """An operator's request: break the deadlocks of completed snapshot ``snapshot_id`` now.
+
+        Raises KeyError for a snapshot the store does not hold complete, :class:`NothingToResolve`
+        (saying why) when it proves no deadlock or every deadlock it shows is being broken.
+        """
+        store = self._store()
+        snapshot, evaluation = store.snapshot(snapshot_id), store.evaluation(snapshot_id)
+        summary = store.summary(snapshot_id)
+        if snapshot is None or evaluation is None or summary is None:
+            raise KeyError(f"snapshot {snapshot_id} is not a completed snapshot this detector holds")
+        policy = self.policy or "youngest"
+        victims = self._resolver.victims(snapshot, evaluation, summary.started_at.ToMicroseconds() / 1e6, policy)
+        if not victims:
+            why = self._resolver.why_none(evaluation)
+            raise NothingToResolve(f"snapshot {snapshot_id} has nothing to break: {why}")
+        return [self._break(snapshot_id, victim, "operator", requested_by) for victim in victims]
+
+    def reported(self, process_id: str, report: BreakReport) -> Resolution | None:
+        """An agent answered a break; ignored (and logged) unless it is the victim's process answering
+        a break still waiting for its report."""
+        resolution = self._pending.get(report.break_id)
+        if resolution is None or resolution.process_id != process_id or resolution.instance != report.instance:
+            self._metrics.unexpected_reports.inc()
+            _log.warning(
+                "ignored a break report from %s for break %d: no such break is waiting for that process's answer",
+                quoted_prefix(process_id),
+                report.break_id,
+            )
+            return None
+        del self._pending[report.break_id]
+        now = self._clock()
+        self._resolver.reported(report.break_id, now)
+        resolution.reported_at.FromMicroseconds(int(now * 1e6))
+        resolution.outcome = report.outcome if report.outcome in BreakOutcome.values() else BREAK_OUTCOME_UNSPECIFIED
+        detail = report.detail
+        resolution.detail = quoted_prefix(detail, 1024) if too_long(detail, MAX_TEXT_BYTES) else detail[:4096]
+        self._finished(resolution)
+        return resolution
+
+    def expire(self) -> list[Resolution]:
+        """Give up on the breaks whose report is overdue; those given up."""
+        now = self._clock()
+        given_up = []
+        for break_id in self._resolver.overdue(now):
+            resolution = self._pending.pop(break_id, None)
+            if resolution is None:
+                continue
+            resolution.reported_at.FromMicroseconds(int(now * 1e6))
+            resolution.detail = f"no report from {resolution.process_id} within {self._resolver.report_timeout:g} s"
+            self._finished(resolution)
+            given_up.append(resolution)
+        return given_up
+
+    # -- internals --------------------------------------------------------------------------------
+
+    def _store(self) -> Store:
+        assert self.store is not None, "the detector sets the store when it starts"
+        return self.store
+
+    def _break(self, snapshot_id: int, victim: Victim, policy: str, requested_by: str) -> Resolution:
+        now = self._clock()
+        resolution = Resolution(
+            snapshot_id=snapshot_id,
+            process_id=victim.process,
+            task=victim.task,
+            instance=victim.instance,
+            policy=policy,
+            requested_by=requested_by,
+            component=[WaitNode(process=p, task=t) for p, t in victim.component],
+            deadlock=victim.deadlock_text,
+        )
+        if victim.began_at_us:
+            resolution.wait_began_at.FromMicroseconds(victim.began_at_us)
+        resolution.sent_at.FromMicroseconds(int(now * 1e6))
+        resolution = self._store().add_resolution(resolution)  # stored before it goes out
+        self._resolver.sent(victim, resolution.resolution_id, now)
+        self._metrics.breaks_sent.labels(requested_by if requested_by == "detector" else "operator").inc()
+        order = BreakWait(
+            break_id=resolution.resolution_id,
+            snapshot_id=snapshot_id,
+            instance=victim.instance,
+            task=victim.task,
+            deadlock=victim.deadlock_text,
+        )
+        _log.info(
+            "breaking wait %d of %s (task %r) to end the deadlock of snapshot %d: %s",
+            victim.instance, victim.process, victim.task, snapshot_id, victim.deadlock_text,
+        )  # fmt: skip
+        if self._send(victim.process, order):
+            self._pending[resolution.resolution_id] = resolution
+            self._publish(resolution)
+        else:
+            self._resolver.reported(resolution.resolution_id, now)
+            resolution.reported_at.FromMicroseconds(int(now * 1e6))
+            resolution.detail = f"{_NOT_ATTACHED}: the break was not sent"
+            self._finished(resolution)
+        return resolution
+
+    def _finished(self, resolution: Resolution) -> None:
+        """Store, count, archive and publish a break whose outcome is known."""
+        self._store().update_resolution(resolution)
+        word = outcome_word(resolution)
+        assert word in RESOLUTION_OUTCOMES, word
+        self._metrics.resolutions.labels(word).inc()
+        if resolution.outcome == BREAK_OUTCOME_BROKEN:
+            summary = self._store().summary(resolution.snapshot_id)
+            if summary is not None:
+                started = summary.started_at.ToMicroseconds() / 1e6
+                self._metrics.resolution_seconds.observe(
+                    max(0.0, resolution.reported_at.ToMicroseconds() / 1e6 - started)
+                )
+        if self.archive is not None:
+            self.archive(resolution)
+        self._publish(resolution)
+        _log.info(
+            "break %d of wait %d of %s: %s%s",
+            resolution.resolution_id, resolution.instance, resolution.process_id, word,
+            f" ({resolution.detail})" if resolution.detail else "",
+        )  # fmt: skip

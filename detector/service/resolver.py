@@ -1,0 +1,128 @@
+"""When to break a proven deadlock, and which wait: the detector's rules, with no I/O and no clock.
+
+DESIGN.md, "Breaking a proven deadlock". A completed snapshot whose deadlock predicate is **true**
+(never unknown, never on a cut that failed a channel's proof: such a snapshot never completes) gets
+one victim per deadlocked sink component, chosen by the pure policy of
+:func:`~stablewatch.detector.evaluation.victims.choose_victims`. After a break, the same deadlock
+(the same sink component) gets no second victim until a snapshot that *started after the agent's
+report* still shows it: a snapshot begun earlier may have recorded the victim still waiting. A wait
+named in a break is never named again (whatever the agent answered), so a deadlock that outlives
+its victim moves on to the next candidate. A break whose report never comes is given up after
+``report_timeout`` seconds, and counts as reported then.
+
+The caller (:mod:`.breaking`) passes the time in, sends the orders and stores what happened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+from stablewatch.detector.evaluation import Verdict, result_named
+from stablewatch.detector.evaluation.victims import Victim, choose_victims
+from stablewatch.v1 import Evaluation, GlobalSnapshot
+
+__all__ = ["DEFAULT_REPORT_TIMEOUT", "NothingToResolve", "Resolver"]
+
+#: Seconds a break waits for its agent's report before the detector gives up on it.
+DEFAULT_REPORT_TIMEOUT = 10.0
+# Waits already named in a break, remembered at most this many (oldest forgotten first). Instances
+# are never reused in a process, so forgetting one can only repeat a break that the agent ignores.
+_MAX_NAMED = 100_000
+
+
+# A hold outlives its report by this long: no snapshot runs longer (its deadline is far below), so
+# none that started before the report can still complete after it.
+_HOLD_SECONDS = 3600.0
+
+
+class NothingToResolve(Exception):
+    """A request to break the deadlock of a snapshot that proves none, or whose deadlocks are being broken."""
+
+
+@dataclass
+class _Hold:
+    """A deadlock with a break under way: no second victim until a later snapshot shows it again."""
+
+    break_id: int
+    reported_at: float | None = None  # when the agent answered (or the detector gave up waiting)
+    sent_at: float = 0.0
+
+
+class Resolver:
+    """Chooses the waits to break after each snapshot and remembers the breaks under way."""
+
+    def __init__(self, *, report_timeout: float = DEFAULT_REPORT_TIMEOUT) -> None:
+        if not report_timeout > 0:
+            raise ValueError(f"report_timeout must be positive, not {report_timeout!r}")
+        self.report_timeout = report_timeout
+        self._holds: dict[Hashable, _Hold] = {}
+        self._by_break: dict[int, Hashable] = {}
+        self._named: dict[tuple[str, int], None] = {}
+
+    def victims(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float, policy: str) -> list[Victim]:
+        """The waits to break now for ``snapshot`` (which started at ``started_at``), one per deadlock.
+
+        Empty unless its deadlock predicate is true; a deadlock with a break under way, or whose
+        break was reported after this snapshot started, is skipped.
+        """
+        result = result_named(evaluation, "deadlock")
+        if result is None or Verdict.of(result) is not Verdict.TRUE:
+            return []
+        for key in [k for k, hold in self._holds.items() if _expired(hold, started_at)]:
+            del self._holds[key]
+        chosen = []
+        for victim in choose_victims(snapshot, evaluation.wait_for, policy, exclude=self._named):
+            hold = self._holds.get(victim.key)
+            if hold is not None and (hold.reported_at is None or started_at <= hold.reported_at):
+                continue
+            chosen.append(victim)
+        return chosen
+
+    def why_none(self, evaluation: Evaluation) -> str:
+        """Why :meth:`victims` chose no wait for a snapshot (for an operator's request)."""
+        result = result_named(evaluation, "deadlock")
+        if result is None:
+            return "it has no deadlock result"
+        verdict = Verdict.of(result)
+        if verdict is not Verdict.TRUE:
+            return f"it proves no deadlock (deadlock is {verdict})"
+        if any(hold.reported_at is None for hold in self._holds.values()):
+            return "its deadlocks are being broken already (a break is waiting for its agent's report)"
+        return (
+            "every deadlock it shows was broken after it started, or has no wait that can be broken "
+            "(waits of agents too old to name them, or named in an earlier break)"
+        )
+
+    def sent(self, victim: Victim, break_id: int, now: float) -> None:
+        """A break for ``victim`` went out as ``break_id`` at ``now``."""
+        self._holds[victim.key] = _Hold(break_id, sent_at=now)
+        self._by_break[break_id] = victim.key
+        self._named[(victim.process, victim.instance)] = None
+        if len(self._named) > _MAX_NAMED:
+            del self._named[next(iter(self._named))]
+
+    def reported(self, break_id: int, now: float) -> bool:
+        """The agent answered ``break_id`` at ``now``; False when no such break is under way."""
+        key = self._by_break.pop(break_id, None)
+        if key is None:
+            return False
+        hold = self._holds.get(key)
+        if hold is not None and hold.break_id == break_id:
+            hold.reported_at = now
+        return True
+
+    def overdue(self, now: float) -> list[int]:
+        """Breaks whose report has not come within ``report_timeout``: given up (reported as of ``now``)."""
+        late = [
+            break_id
+            for break_id, key in self._by_break.items()
+            if now - self._holds[key].sent_at >= self.report_timeout
+        ]
+        for break_id in late:
+            self.reported(break_id, now)
+        return late
+
+
+def _expired(hold: _Hold, started_at: float) -> bool:
+    return hold.reported_at is not None and hold.reported_at < started_at - _HOLD_SECONDS
