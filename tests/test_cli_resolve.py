@@ -302,6 +302,7 @@ def test_watch_streams_breaks_as_json(system: System, capsys: pytest.CaptureFixt
         assert sent["outcome"] is None and "results" not in sent
         assert sent["snapshot_id"] == snapshot_id
         assert (sent["resolution"]["process_id"], sent["resolution"]["outcome"]) == ("b", "pending")
+        poll(lambda: system.breaks("b"), "the BreakWait at b")  # on b's own stream: it may come after the event
         (order,) = system.breaks("b")
         answer = BreakReport(break_id=order.break_id, instance=order.instance, outcome=BREAK_OUTCOME_GONE)
         system.agents["b"].send(AgentMessage(break_report=answer))

@@ -33,7 +33,14 @@ Wait edges (what the recorded state holds about calls; users add their own throu
 * **Queued request.** With ``server_interceptor(workers=pool)`` (or ``workers=N``), a request that
   arrives while all N workers are taken is queued: its task waits (OR) on every handler task running
   then, with an instance of its own from its arrival. It turns into a running handler when a worker
-  frees up (the pool is first in, first out).
+  frees up (the pool is first in, first out). With a pool from :meth:`RpcAgent.thread_pool`, a call
+  gRPC ends before its handler runs (its caller cancelled it, or its deadline passed) leaves the
+  picture then; a plain pool gives no sign of it (see :meth:`RpcAgent.server_interceptor`).
+* **Names.** A handler's task is ``{method}#{caller}:{seq}``: the caller's process id and its
+  sequence number for the call. A caller without an agent is named by its address,
+  ``{method}#grpc://{host}:{seq}`` (our own sequence number), from the moment the handler starts;
+  until then (a call that waits for a worker, or is about to get one) it is ``{method}#?:{seq}``,
+  as neither grpc server tells its interceptors the caller's address.
 * **Received.** A request is received when the server's interceptor takes it (its arrival in the
   process): a request waiting for a worker is part of the process's state (the queued wait above),
   not of the channel, so that a snapshot completes even when the request never runs (a deadlock). A
@@ -292,12 +299,20 @@ class RpcAgent:
 
         With ``workers``, requests that wait for a worker are reported as queued (waiting on the
         running handlers); without it they never are (a deadlock through a full pool is then missed,
-        never invented). The pool must serve only this server. A queued request can be broken
-        (refused before its handler runs) only in a pool made by :meth:`thread_pool`.
+        never invented). The pool must serve only this server; a method whose handler has a pool of
+        its own (``experimental_thread_pool``) runs there, and its calls are not counted in it.
+
+        Only a pool made by :meth:`thread_pool` lets a queued request be broken (refused before its
+        handler runs), and tells the agent when gRPC ends a call whose handler never ran (its
+        caller cancelled it, or its deadline passed, while it waited), which then leaves the
+        picture. A plain pool gives no such sign (grpc runs nothing of the interceptor's for that
+        call): the call stays in the picture as holding or waiting for a worker, which can hide a
+        pool deadlock or show a call that is gone. Neither pool hears of a call grpc refuses after
+        the interceptor saw it (``maximum_concurrent_rpcs`` exceeded).
         """
         if isinstance(workers, WorkerExecutor):
             interceptor = ServerInterceptor(self, self._pool(workers.max_workers, breakable=True))
-            workers.serve(interceptor.served)
+            workers.serve(interceptor.served, self.call_ended)
             return interceptor
         if workers is not None and (not isinstance(workers, int) or isinstance(workers, bool)):
             raise TypeError(f"workers: the pool from agent.thread_pool(n), or its size; not {workers!r}")
@@ -467,20 +482,58 @@ class RpcAgent:
                 pool.arrive(call)
         return call
 
-    def handler_started(self, call: IncomingCall) -> None:
-        """The call's handler runs now (a queued call has its worker)."""
+    def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None:
+        """The call's handler runs now (a queued call has its worker).
+
+        ``peer_address``: the caller's address (``context.peer()``), given for a call whose caller
+        has no agent; the call is named by it from now on, ``{method}#grpc://{host}:{seq}``.
+        """
+        call.started = True
         pool = call.pool
+        if peer_address is not None and call.peer is None:
+            self._name_by_address(call, _outside_peer(peer_address))
         # Once out of the queue a call never goes back: only a queued one needs the lock.
-        if pool is not None and call.name in pool.queued:
+        elif pool is not None and call.name in pool.queued:
             with self._lock:
                 pool.start(call.name)
+
+    def _name_by_address(self, call: IncomingCall, peer: str) -> None:
+        """Rename ``call`` (``{method}#?:{seq}``) after its caller's address ``peer`` as its handler starts."""
+        method, _, seq = call.name.rpartition("#?:")
+        name = f"{method}#{peer}:{seq}"
+        pool = call.pool
+        if pool is None:  # nothing else holds its name
+            call.peer, call.name = peer, name
+            return
+        with self._lock:  # renamed in the pool's picture at once: a capture sees one name or the other
+            pool.start(call.name)
+            pool.rename(call.name, name)
+            call.peer, call.name = peer, name
+
+    def call_ended(self, call: IncomingCall) -> None:
+        """gRPC ended ``call`` (its :class:`WorkerExecutor` tells, in grpc's polling thread): if its
+        handler never started (cancelled by its caller or its deadline before a worker ran it), it
+        leaves the pool's picture now, so that it no longer seems to wait for a worker or hold one.
+
+        Nothing is counted: the request was taken in on arrival, and no response goes out; the
+        caller sees the call end without this server's stamp and restarts the pair's counts.
+        """
+        if call.started or call.done:  # the common case: its handler ran, and ended it
+            return
+        with self._lock:
+            if call.started or call.done:
+                return
+            call.done = True
+            if call.pool is not None:
+                call.pool.end(call.name)
 
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None:
         """The handler ended: count the response (when the call is still ``active``) and free the worker.
 
         Returns the stamp to put in the trailing metadata, or None (calls refused for a bad stamp,
         uninstrumented or cancelled calls; a call refused as stale gets one). A caller without an
-        agent is counted as ``grpc://<host>`` so that the part names it as a peer outside the cut.
+        agent is counted as ``grpc://<host>`` so that the part names it as a peer outside the cut
+        (``peer_address`` is read only if the call was not named by its address when it started).
         """
         with self._lock:
             if call.done:
@@ -491,7 +544,7 @@ class RpcAgent:
             if not active or (call.error is not None and not call.instrumented):
                 return None  # a refusal for a bad stamp is counted nowhere; one for a stale stamp is a response
             if not call.instrumented:
-                self._core.send(_outside_peer(peer_address))
+                self._core.send(call.peer if call.peer is not None else _outside_peer(peer_address))
                 return None
             assert call.peer is not None
             stamp = self._core.send(call.peer)

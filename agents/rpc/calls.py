@@ -154,15 +154,23 @@ class IncomingCall:
     A call that has to queue for a worker gets a wait ``instance`` and the time it began
     (``began_at_us``); with the agent's :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`,
     ``work`` is its queued work item, which a break takes out of the pool's queue.
+
+    A call from a caller without an agent is named ``"{method}#?:{seq}"`` on arrival (a sync
+    server's interceptor is not told the caller's address) and ``"{method}#grpc://{host}:{seq}"``
+    when its handler starts, where ``peer`` becomes ``grpc://{host}``. Renaming then is safe: the
+    name a recorded state can hold before is a queued wait's (it stops waiting as it starts) or a
+    running target that waits on nothing yet; neither can be part of a deadlock, and a task in
+    one keeps its name.
     """
 
     name: str  # the handler's task: "{method}#{caller}:{seq}"
-    peer: str | None  # the caller's process id; None until known (an uninstrumented caller)
+    peer: str | None  # the caller's process id, or grpc://<host> once the handler of an uninstrumented call starts
     instrumented: bool
     error: str | None = None  # a bad or stale stamp, or a break: the handler refuses the call with `status`
     status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
     pool: WorkerPool | None = None
-    done: bool = False
+    started: bool = False  # its handler started
+    done: bool = False  # its handler ended, or gRPC ended the call before it started
     instance: int = 0
     began_at_us: int = 0
     work: Any = None  # a pool.QueuedWork while it waits in a WorkerExecutor's queue
@@ -173,7 +181,11 @@ class WorkerPool:
     """The worker threads of one sync server, as the server interceptor sees them (``workers=N``).
 
     ``running`` holds the calls that have (or are about to get) a worker, ``queued`` those that wait
-    for one, first in first out, as grpc's thread pool hands them out. ``breakable``: the pool is a
+    for one, first in first out, as grpc's thread pool hands them out. A method whose handler has a
+    pool of its own (grpc's ``experimental_thread_pool``) does not queue here: its calls are not in
+    it. A call leaves when its handler ends, or, with a
+    :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`, when gRPC ends it before its handler
+    started (cancelled by its caller or its deadline). ``breakable``: the pool is a
     :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`, which can take a queued call out of its
     queue; a plain pool's queued calls are reported with instance 0 (a break could only refuse one
     when a worker takes it, which in a deadlock never happens).
@@ -195,6 +207,12 @@ class WorkerPool:
     def start(self, name: str) -> None:
         if self.queued.pop(name, None) is not None:  # our picture lagged behind the pool
             self.running[name] = None
+
+    def rename(self, name: str, new_name: str) -> None:
+        """The running call ``name`` is called ``new_name`` from now on (its handler started)."""
+        if name in self.running:
+            del self.running[name]
+            self.running[new_name] = None
 
     def leave(self, name: str) -> None:
         """A queued call left the queue without a worker (broken: it runs beside the pool)."""
@@ -233,6 +251,6 @@ class CallEvents(Protocol):
         self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None
     ) -> IncomingCall: ...
 
-    def handler_started(self, call: IncomingCall) -> None: ...
+    def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None: ...
 
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None: ...

@@ -18,7 +18,13 @@ What travels (gRPC has metadata per call, not per message):
   before the counts between the two processes restarted) makes it abort with ``ABORTED`` the same way,
   but the refusal carries the server's stamp: it is a response like any other, and the caller may retry.
   The handler runs with :data:`CURRENT_TASK` set to the call's name, so the calls it makes wait in its
-  name.
+  name. A call from a caller without an agent is named ``{method}#?:{seq}`` on arrival (neither
+  server tells its interceptors the caller's address) and ``{method}#grpc://{host}:{seq}`` when its
+  handler starts (see :class:`~stablewatch.agents.rpc.calls.IncomingCall` for why that is safe).
+  Both servers' handlers are wrapped once per method: the call reaches its handler through a
+  context variable the interceptor sets, since each server runs a call's interceptors and its
+  handler in one context (the sync server's per-call ``contextvars.Context``, the asyncio server's
+  task for the call).
 * Client side, the end of the call is taken in before the caller sees it: the unary response (or the
   error) before ``result()``/``await`` returns it, the end of a response stream before the iterator
   stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc.calls.BadStamp` (an
@@ -51,8 +57,10 @@ import asyncio
 import contextvars
 import functools
 import inspect
+import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
+from concurrent import futures
 from typing import Any, NamedTuple
 
 import grpc
@@ -69,6 +77,8 @@ from stablewatch.agents.rpc.calls import (
 from stablewatch.agents.rpc.core import STAMP_KEY
 
 __all__ = ["CURRENT_TASK", "AioServerInterceptor", "ClientInterceptor", "ServerInterceptor", "aio_client_interceptors"]
+
+_log = logging.getLogger(__name__)
 
 #: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
@@ -109,8 +119,18 @@ def take_in_end(agent: CallEvents, call: OutgoingCall, ended: Any) -> None:
 # -- server side ----------------------------------------------------------------------------------
 
 
+def _start(agent: CallEvents, call: IncomingCall, context: Any) -> None:
+    """Tell the agent the call's handler starts; a caller without an agent is named by its address now
+    (the interceptor was not told it), and the handler's own calls wait in that name."""
+    if call.peer is None:
+        agent.handler_started(call, context.peer())
+        CURRENT_TASK.set(call.name)
+    else:
+        agent.handler_started(call)
+
+
 def _end_sync(agent: CallEvents, call: IncomingCall, context: grpc.ServicerContext) -> None:
-    stamp = agent.respond(call, "" if call.instrumented else context.peer(), context.is_active())
+    stamp = agent.respond(call, "" if call.peer is not None else context.peer(), context.is_active())
     if stamp is not None:
         trailing = context.trailing_metadata()
         context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
@@ -130,7 +150,7 @@ def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
 def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
     def run(request: Any, context: grpc.ServicerContext) -> Any:
         call = _served(served)
-        agent.handler_started(call)
+        _start(agent, call, context)
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
@@ -146,7 +166,7 @@ def _streaming_sync(
 ) -> Any:
     def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         call = _served(served)
-        agent.handler_started(call)
+        _start(agent, call, context)
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
@@ -172,27 +192,58 @@ class _MethodHandler(_Handler, grpc.RpcMethodHandler):
     """A method handler with its behavior wrapped (a plain tuple, as grpc reads it)."""
 
 
+def _own_pool(behavior: Any) -> futures.ThreadPoolExecutor | None:
+    """The thread pool a method's ``behavior`` runs in instead of the server's, if it has one: grpc's sync
+    server reads ``behavior.experimental_thread_pool`` (``_select_thread_pool_for_behavior``)."""
+    pool = getattr(behavior, "experimental_thread_pool", None)
+    return pool if isinstance(pool, futures.ThreadPoolExecutor) else None
+
+
 def _wrap(
     handler: grpc.RpcMethodHandler,
     wrap_unary: Callable[[Callable[..., Any]], Any],
     wrap_streaming: Callable[[Callable[..., Any]], Any],
 ) -> Any:
-    """``handler`` with its behavior wrapped (``wrap_unary`` for a unary response)."""
+    """``handler`` with its behavior wrapped (``wrap_unary`` for a unary response); a behavior's own
+    thread pool is kept on the wrapped one, so that grpc's sync server still runs the method there."""
     requests, responses = handler.request_streaming, handler.response_streaming
-    options = (requests, responses, handler.request_deserializer, handler.response_serializer)
-    if not requests and not responses:  # the common case first
-        return _MethodHandler(*options, wrap_unary(handler.unary_unary), None, None, None)
-    if requests and responses:
-        return _MethodHandler(*options, None, None, None, wrap_streaming(handler.stream_stream))
-    if requests:
-        return _MethodHandler(*options, None, None, wrap_unary(handler.stream_unary), None)
-    return _MethodHandler(*options, None, wrap_streaming(handler.unary_stream), None, None)
+    behavior = _behavior(handler)
+    wrapped = (wrap_streaming if responses else wrap_unary)(behavior)
+    pool = _own_pool(behavior)
+    if pool is not None:
+        wrapped.experimental_thread_pool = pool
+    behaviors: list[Any] = [None, None, None, None]  # unary_unary, unary_stream, stream_unary, stream_stream
+    behaviors[2 * requests + responses] = wrapped
+    return _MethodHandler(requests, responses, handler.request_deserializer, handler.response_serializer, *behaviors)
+
+
+def _behavior(handler: grpc.RpcMethodHandler) -> Any:
+    """The one behavior a method handler has (the one its kinds of request and response name)."""
+    if handler.request_streaming:
+        return handler.stream_stream if handler.response_streaming else handler.stream_unary
+    return handler.unary_stream if handler.response_streaming else handler.unary_unary
 
 
 # Wrapped handlers kept per server interceptor: one per method, unless an interceptor behind ours
 # makes a new handler for every call (then every call is wrapped anew, and the cache starts again
 # whenever it holds this many).
 _MAX_WRAPPED = 64
+
+
+class _Wrapped(NamedTuple):
+    handler: grpc.RpcMethodHandler  # kept alive, so that its id is not reused while it is a key
+    wrapped: Any
+    pool: WorkerPool | None  # the pool its calls queue in: None for a method with a pool of its own
+
+
+def _kept(
+    cache: dict[int, _Wrapped], handler: grpc.RpcMethodHandler, wrapped: Any, pool: WorkerPool | None
+) -> _Wrapped:
+    """Keep ``wrapped``, the wrapping of ``handler``, in ``cache`` (bounded); returns what it keeps."""
+    if len(cache) >= _MAX_WRAPPED:
+        cache.clear()
+    kept = cache[id(handler)] = _Wrapped(handler, wrapped, pool)
+    return kept
 
 
 class ServerInterceptor(grpc.ServerInterceptor):
@@ -203,7 +254,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
     where it joins the queue). The handler runs later in a worker, in the same ``contextvars.Context``
     (the sync server makes one per call for its interceptors and its handler): the interceptor puts
     the call there, in a variable of its own, and :data:`CURRENT_TASK`, so the handler is wrapped
-    once per method, not per call.
+    once per method, not per call. A method whose handler runs in a thread pool of its own (grpc's
+    ``experimental_thread_pool``) keeps it, and its calls never queue in ``workers``.
     """
 
     def __init__(self, agent: CallEvents, pool: WorkerPool | None) -> None:
@@ -211,7 +263,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
         self._pool = pool
         # One variable per interceptor: two of them in one server must not read each other's calls.
         self._served: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_served_call")
-        self._wrapped: dict[int, tuple[grpc.RpcMethodHandler, Any]] = {}  # id(handler) -> (handler, wrapped)
+        self._wrapped: dict[int, _Wrapped] = {}  # id(handler) -> its wrapping
 
     @property
     def served(self) -> contextvars.ContextVar[IncomingCall]:
@@ -224,20 +276,19 @@ class ServerInterceptor(grpc.ServerInterceptor):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, self._pool)
+        kept = self._wrapped.get(id(handler))
+        if kept is None or kept.handler is not handler:
+            agent, served = self._agent, self._served
+            wrapped = _wrap(
+                handler,
+                functools.partial(_unary_sync, agent, served),
+                functools.partial(_streaming_sync, agent, served),
+            )
+            kept = _kept(self._wrapped, handler, wrapped, None if _own_pool(_behavior(handler)) else self._pool)
+        call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, kept.pool)
         self._served.set(call)
         CURRENT_TASK.set(call.name)  # the calls its handler makes wait in its name
-        kept = self._wrapped.get(id(handler))
-        if kept is not None and kept[0] is handler:
-            return kept[1]
-        agent, served = self._agent, self._served
-        wrapped = _wrap(
-            handler, functools.partial(_unary_sync, agent, served), functools.partial(_streaming_sync, agent, served)
-        )
-        if len(self._wrapped) >= _MAX_WRAPPED:
-            self._wrapped.clear()
-        self._wrapped[id(handler)] = (handler, wrapped)  # the handler kept alive, so its id is not reused
-        return wrapped
+        return kept.wrapped
 
 
 class _StampingContext:
@@ -257,7 +308,7 @@ class _StampingContext:
 
 def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
     active = not context.done() and not context.cancelled()
-    stamp = agent.respond(call, "" if call.instrumented else context.peer(), active)
+    stamp = agent.respond(call, "" if call.peer is not None else context.peer(), active)
     if stamp is not None:
         trailing = context.trailing_metadata()
         context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
@@ -269,9 +320,39 @@ async def _call_behavior(behavior: Callable[..., Any], request: Any, context: An
     return await asyncio.to_thread(behavior, request, context)
 
 
-def _unary_aio(agent: CallEvents, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+class _AioServed:
+    """Where an asyncio handler, wrapped once per method, finds the call it serves.
+
+    grpc.aio runs a call's server interceptors and then its handler in one task (``_handle_rpc``
+    awaits the interceptors' chain, then the handler), so a variable the interceptor sets is the
+    handler's too. Not so if an interceptor ahead of ours awaits the rest of the chain in a task
+    of its own (``asyncio.wait_for`` on Python 3.11 does): the handler then runs unobserved (its
+    caller waits on a task this process does not report: a deadlock through it is missed, never
+    invented), and a warning says so once.
+    """
+
+    def __init__(self) -> None:
+        self.var: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_aio_served_call")
+        self._warned = False
+
+    def get(self) -> IncomingCall | None:
+        call = self.var.get(None)
+        if call is None and not self._warned:
+            self._warned = True
+            _log.warning(
+                "stablewatch: an asyncio handler ran outside the task its server interceptor saw the call in "
+                "(does an interceptor ahead of the agent's await its continuation in a task of its own?): "
+                "such calls are served without taking part in snapshots"
+            )
+        return call
+
+
+def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., Any]) -> Callable[..., Any]:
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        agent.handler_started(call)
+        call = served.get()
+        if call is None:
+            return await _call_behavior(behavior, request, context)
+        _start(agent, call, context)
         CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
         try:
             if call.error is not None:
@@ -283,11 +364,16 @@ def _unary_aio(agent: CallEvents, behavior: Callable[..., Any], call: IncomingCa
     return run
 
 
-def _streaming_aio(agent: CallEvents, behavior: Callable[..., Any], call: IncomingCall) -> Callable[..., Any]:
+def _streaming_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., Any]) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
         async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            agent.handler_started(call)
+            call = served.get()
+            if call is None:
+                async for response in behavior(request, context):
+                    yield response
+                return
+            _start(agent, call, context)
             CURRENT_TASK.set(call.name)
             closed = False
             try:
@@ -307,14 +393,22 @@ def _streaming_aio(agent: CallEvents, behavior: Callable[..., Any], call: Incomi
                     _end_aio(agent, call, context)
 
         return generate
-    return _unary_aio(agent, behavior, call)  # a handler that writes with context.write()
+    return _unary_aio(agent, served, behavior)  # a handler that writes with context.write()
 
 
 class AioServerInterceptor(grpc.aio.ServerInterceptor):
-    """The asyncio server's interceptor (``agent.aio_server_interceptor()``)."""
+    """The asyncio server's interceptor (``agent.aio_server_interceptor()``).
+
+    It takes the request in when the call arrives and puts the call in a variable of the call's
+    task, where the handler, wrapped once per method, finds it (see :class:`_AioServed`). Nothing
+    queues in an asyncio server, so a call from a caller without an agent is named by the caller's
+    address when its handler starts, before its name can appear in a recorded state.
+    """
 
     def __init__(self, agent: CallEvents) -> None:
         self._agent = agent
+        self._served = _AioServed()  # one per interceptor, as for the sync one
+        self._wrapped: dict[int, _Wrapped] = {}  # id(handler) -> its wrapping
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Any], handler_call_details: grpc.HandlerCallDetails
@@ -322,9 +416,16 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None:
             return None
-        agent = self._agent
-        call = agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
-        return _wrap(handler, lambda run: _unary_aio(agent, run, call), lambda run: _streaming_aio(agent, run, call))
+        kept = self._wrapped.get(id(handler))
+        if kept is None or kept.handler is not handler:
+            agent, served = self._agent, self._served
+            wrapped = _wrap(
+                handler, functools.partial(_unary_aio, agent, served), functools.partial(_streaming_aio, agent, served)
+            )
+            kept = _kept(self._wrapped, handler, wrapped, None)
+        call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
+        self._served.var.set(call)
+        return kept.wrapped
 
 
 # -- client side ----------------------------------------------------------------------------------

@@ -12,6 +12,16 @@ handler in one ``contextvars.Context`` made for the call, and submits the handle
 :class:`~stablewatch.agents.rpc.calls.IncomingCall` in a variable of that context, so ``submit``
 reads it from ``fn.__self__`` (the context) and leaves the work item on the call.
 
+A call gRPC ends before its handler starts (cancelled by its caller, or its deadline passed, while
+it waited for a worker) must leave the agent's picture of the pool then: it no longer exists, and
+a worker it seemed to hold or wait for would hide a pool deadlock or show a call that is gone.
+grpc runs no handler for it (the work item finds the call over and returns), so nothing of the
+interceptor's runs. ``submit`` therefore asks grpc to tell the agent when the call ends, as a
+servicer context's ``add_callback`` does (grpc's per-call state is the work item's third argument;
+its callbacks run once the call is over, whether or not a handler ran). Should a grpc version lay
+its work items out otherwise, the item is wrapped instead, to tell the agent once it has run,
+which for a queued call is when a worker frees up rather than when it was cancelled.
+
 Breaking a queued call (:meth:`QueuedWork.take` and :meth:`QueuedWork.run_aside`): its future is
 cancelled, so that no worker will run it (a worker that reaches it skips it; the queue, a
 ``SimpleQueue``, cannot give it back), and the work item runs at once on a thread of its own, where
@@ -22,6 +32,7 @@ If a worker took the item first, the cancel fails and nothing is broken: the han
 from __future__ import annotations
 
 import contextvars
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,7 +40,34 @@ from typing import Any, NamedTuple
 
 from stablewatch.agents.rpc.calls import IncomingCall
 
+try:  # grpc's per-call state of its sync server, where a call's end callbacks are kept
+    from grpc._server import _RPCState as _GRPC_CALL_STATE
+except ImportError:  # pragma: no cover - another grpc: the work item is wrapped instead
+    _GRPC_CALL_STATE = None
+
 __all__ = ["QueuedWork", "WorkerExecutor"]
+
+
+def _when_over(state: Any, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once grpc's call ``state`` is over (now, if it is already), as
+    ``ServicerContext.add_callback`` would. grpc holds the state's condition while it submits the
+    call (it is re-entrant), and runs the callbacks in its polling thread once the call is over."""
+    with state.condition:
+        callbacks = state.callbacks
+        if callbacks is not None:
+            callbacks.append(callback)
+            return
+    callback()
+
+
+def _run_then_end(
+    ended: Callable[[IncomingCall], None], call: IncomingCall, fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """A work item that tells the agent it has run (when grpc's call state could not be found)."""
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        ended(call)
 
 
 class QueuedWork(NamedTuple):
@@ -65,21 +103,34 @@ class WorkerExecutor(ThreadPoolExecutor):
         super().__init__(max_workers, thread_name_prefix=thread_name_prefix)
         self.max_workers = max_workers
         self._served: contextvars.ContextVar[IncomingCall] | None = None
+        self._ended: Callable[[IncomingCall], None] = _ignore
 
-    def serve(self, served: contextvars.ContextVar[IncomingCall]) -> None:
-        """Tie work items to calls through ``served``, the server interceptor's variable (once)."""
+    def serve(self, served: contextvars.ContextVar[IncomingCall], ended: Callable[[IncomingCall], None]) -> None:
+        """Tie work items to calls through ``served``, the server interceptor's variable (once), and
+        call ``ended(call)`` when gRPC ends a call (the agent frees its place if no handler ran)."""
         if self._served is not None and self._served is not served:
             raise ValueError("this worker pool already serves another server interceptor: give each server its own")
-        self._served = served
+        self._served, self._ended = served, ended
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        future = super().submit(fn, *args, **kwargs)
         served = self._served
         context = getattr(fn, "__self__", None)  # grpc submits a call's context.run
-        if served is not None and type(context) is contextvars.Context:
-            call = context.get(served, None)
-            if call is not None:
-                # Left on the call after the submit: a break reads it only for a call still queued,
-                # and a worker that has started the item makes take() fail.
-                call.work = QueuedWork(future, fn, args, kwargs)
+        call = context.get(served, None) if served is not None and type(context) is contextvars.Context else None
+        if call is None:
+            return super().submit(fn, *args, **kwargs)
+        # grpc's sync server (1.85 here) submits ``context.run, _unary_response_in_pool, rpc_event,
+        # state, ...`` (``_stream_response_in_pool`` alike): the call's state is the third argument.
+        state = args[2] if len(args) > 2 else None
+        if _GRPC_CALL_STATE is not None and type(state) is _GRPC_CALL_STATE:
+            _when_over(state, functools.partial(self._ended, call))
+        else:
+            fn, args = _run_then_end, (self._ended, call, fn, *args)
+        future = super().submit(fn, *args, **kwargs)
+        # Left on the call after the submit: a break reads it only for a call still queued, and a
+        # worker that has started the item makes take() fail.
+        call.work = QueuedWork(future, fn, args, kwargs)
         return future
+
+
+def _ignore(call: IncomingCall) -> None:
+    """No agent to tell (a pool not serving an interceptor gets no calls of one)."""
