@@ -13,8 +13,9 @@ $(STAMP): pyproject.toml
 	PYTHONWARNINGS='ignore:Editable installation' $(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
+# e.g. `make demo DEMO_ARGS=--stay`: the detectors' web pages stay up after the demo, until Ctrl-C.
 demo: $(STAMP)
-	$(BIN)/stablewatch demo
+	@$(BIN)/stablewatch demo $(DEMO_ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

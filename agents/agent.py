@@ -57,6 +57,10 @@ The contract with the service
   local one), checked every ``expire_interval`` seconds and reported as a failure. At most
   ``max_recordings`` run at once; beyond that a snapshot is refused, with a reason. A detector
   with a new store (a new epoch) makes the agent forget every snapshot of the old one.
+* **Several detectors.** ``detector`` may name several (a sequence, or addresses separated by
+  commas): the agent attaches to each on its own control stream and takes part in all their
+  snapshots, whose ids never collide (:mod:`stablewatch.agents.detectors`). ``agent.detectors``
+  tells where each stream stands; one detector down never holds up the others.
 * **One report per snapshot**, mostly: the part sent at the recording holds the state, the
   outbound counts and every inbound channel as it stands, which is all the detector needs for a
   channel that had nothing in flight. Only a channel whose in-flight messages arrive later sends
@@ -108,6 +112,7 @@ from stablewatch.agents.core import (
     SnapshotFailed,
     payload_bytes,
 )
+from stablewatch.agents.detectors import DetectorLinks, DetectorStatus, detector_addresses
 from stablewatch.agents.frames import COUNTER_OVERHEAD, ENTRY_OVERHEAD, entry_size
 from stablewatch.agents.inbound import InboundChannels
 from stablewatch.agents.inbox import Inbox, QueuedRun
@@ -165,7 +170,7 @@ class Agent:
         listen: str = "127.0.0.1:0",
         advertise: str | None = None,
         peers: PeerResolver | None = None,  # id -> "host:port", or a callable resolving an id
-        detector: str | None = None,
+        detector: str | Sequence[str] | None = None,
         handler: MessageHandler | None = None,
         state_provider: Callable[[], LocalState] | None = None,
         tls: TlsConfig | None = None,
@@ -199,7 +204,7 @@ class Agent:
         self._listen = listen
         self._advertise = advertise
         self._peers: PeerResolver = peers if peers is not None else {}
-        self._detector = detector
+        self._detector_addresses = detector_addresses(detector)
         self._handler: MessageHandler | None = None
         self._handler_is_async = False
         if handler is not None:
@@ -231,7 +236,7 @@ class Agent:
         self._delivery: asyncio.Task[None] | None = None
         self._server: grpc.aio.Server | None = None
         self._inbound: InboundChannels | None = None
-        self._control: ControlClient | None = None
+        self._links: DetectorLinks | None = None
         self._port = 0
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
         # Local snapshot ids live in their own space, from 2**63: the detector's are below.
@@ -260,24 +265,9 @@ class Agent:
         self._expiry = loop.create_task(self._expire_forever(), name=f"expiry-{self.process_id}")
         if self._metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve_http(self._metrics_port, self._metrics_bind)
-        if self._detector is not None:
-            self._control = ControlClient(
-                self.process_id,
-                self.address,
-                self._detector,
-                on_start=self._detector_start,
-                on_start_now=self._detector_start_now,
-                on_finish=self._finish_snapshot,
-                on_epoch=self._new_epoch,
-                credentials=self._tls.channel_credentials() if self._tls else None,
-                channel_options=self._client_options(),
-                incarnation=self.incarnation,
-                agent_version=__version__,
-                heartbeat_interval=self._heartbeat_interval,
-                on_event=self._control_event,
-                on_break=self.breaks.handle,
-            )
-            await self._control.start()
+        if self._detector_addresses:
+            self._links = DetectorLinks(self._detector_addresses, self._control_client, self._detector_changed)
+            await self._links.start()
             if self._hint_watch is not None:
                 hints = breaking.hint_forever(self.breaks, self._hint_watch, self._send_hint)
                 self._hints = loop.create_task(hints, name=f"hints-{self.process_id}")
@@ -288,8 +278,8 @@ class Agent:
             self._hints.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._hints
-        if self._control is not None:
-            await self._control.stop()
+        if self._links is not None:
+            await self._links.stop()
         for task in (self._expiry, self._delivery):
             if task is not None:
                 task.cancel()
@@ -336,7 +326,13 @@ class Agent:
 
     @property
     def detector_connected(self) -> bool:
-        return self._control is not None and self._control.connected
+        """Whether a detector (at least one, when several are given) has accepted this agent."""
+        return self._links is not None and self._links.connected
+
+    @property
+    def detectors(self) -> tuple[DetectorStatus, ...]:
+        """Each detector's control stream: its address, whether it is up, its id space, its latest event."""
+        return self._links.status() if self._links is not None else ()
 
     # -- the service's side --------------------------------------------------------------------
 
@@ -637,8 +633,8 @@ class Agent:
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
                 self.metrics.snapshot_failed()
-                if self._control is not None:
-                    self._control.report_failure(action.snapshot_id, action.reason)
+                if self._links is not None:
+                    self._links.report_failure(action.snapshot_id, action.reason)
 
     def _report(self, part: LocalSnapshotPart) -> None:
         for listener in self._part_listeners:
@@ -648,8 +644,8 @@ class Agent:
                 listener(part)
             except Exception:
                 _log.exception("a part listener of %s failed on snapshot %d", self.process_id, part.snapshot_id)
-        if self._control is not None:
-            self._control.report_part(part)
+        if self._links is not None:
+            self._links.report_part(part)
 
     async def _detector_start(self, snapshot_id: int, lifetime: float | None) -> None:
         await self.start_snapshot(snapshot_id, lifetime=lifetime)
@@ -664,9 +660,33 @@ class Agent:
     def _finish_snapshot(self, snapshot_id: int) -> None:
         self._core.finish_snapshot(snapshot_id)
 
-    def _new_epoch(self, epoch: int) -> None:
-        """The detector's ids start again (a new store): forget every snapshot of the old epoch."""
-        self._core.new_epoch()
+    def _control_client(
+        self, address: str, on_registered: Callable[[int], str | None], on_event: Callable[[str, str], None]
+    ) -> ControlClient:
+        """The control stream to the detector at ``address`` (see :class:`DetectorLinks`)."""
+
+        def new_epoch(epoch: int) -> None:
+            # That detector's ids start again (a new store): forget its old snapshots, not the others'.
+            self._core.new_epoch(client.id_space or 0)
+
+        client = ControlClient(
+            self.process_id,
+            self.address,
+            address,
+            on_start=self._detector_start,
+            on_start_now=self._detector_start_now,
+            on_finish=self._finish_snapshot,
+            on_epoch=new_epoch,
+            credentials=self._tls.channel_credentials() if self._tls else None,
+            channel_options=self._client_options(),
+            incarnation=self.incarnation,
+            agent_version=__version__,
+            heartbeat_interval=self._heartbeat_interval,
+            on_event=on_event,
+            on_break=self.breaks.handle,
+            on_registered=on_registered,
+        )
+        return client
 
     async def _expire_forever(self) -> None:
         """Drop recordings past their deadline, every ``expire_interval`` seconds."""
@@ -685,13 +705,14 @@ class Agent:
         self._carry_out(self._core.reset_outbound(dest, in_transit))
 
     def _send_hint(self, hint: WaitHint) -> bool:
-        if self._control is not None and self._control.send_hint(hint):
+        if self._links is not None and self._links.send_hint(hint):
             self.metrics.hinted()
             return True
         return False
 
-    def _control_event(self, event: str, detail: str) -> None:
-        self.metrics.control_connected(event == "connected")
+    def _detector_changed(self, address: str, connected: bool) -> None:
+        self.metrics.detector_connected(address, connected)
+        self.metrics.control_connected(self._links is not None and self._links.connected)
 
     async def _start_server(self) -> None:
         assert self._inbound is not None

@@ -34,6 +34,11 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   called for every snapshot started through this client and not yet finished: the detector aborts
   them, so the agent must not keep recording them. Starts and channel targets still waiting to
   run are skipped.
+* **Id spaces.** ``Registered`` names the detector's id space (its replica,
+  :mod:`stablewatch.v1.ids`), kept in :attr:`ControlClient.id_space`. ``on_registered(space)``,
+  when given, may refuse it (say, another detector of this agent already owns that space, and
+  their ids could collide): the stream is closed, reported as ``refused``, and retried with
+  backoff. (The agent sends a snapshot's parts to the detector whose space holds its id.)
 * **Reconnect.** The client retries with exponential backoff and jitter, capped at
   ``backoff_max``, until :meth:`ControlClient.stop`. A ``Refused`` registration (the same process
   id may still be attached through a previous, dying stream) is retried the same way, and so is
@@ -141,8 +146,13 @@ class ControlClient:
         rpc_mode: bool = False,
         on_channel_target: Callable[[ChannelTarget], None] | None = None,
         on_break: Callable[[BreakWait], BreakReport] | None = None,
+        on_registered: Callable[[int], str | None] | None = None,
     ) -> None:
         self.process_id = process_id
+        #: The detector's address, as dialled.
+        self.target = target
+        #: The id space of the detector's snapshot ids, once a registration named it.
+        self.id_space: int | None = None
         self._register = Register(
             process_id=process_id,
             address=address,
@@ -165,6 +175,7 @@ class ControlClient:
         self._on_epoch = on_epoch
         self._on_channel_target = on_channel_target
         self._on_break = on_break
+        self._on_registered = on_registered
         self._on_event = on_event
         self._heartbeat_interval = heartbeat_interval
         self._backoff_initial = backoff_initial
@@ -299,6 +310,13 @@ class ControlClient:
             if kind != "registered":
                 self._event("unreachable", f"expected Registered, got {kind}")
                 return False
+            space = reply.registered.id_space
+            refusal = self._on_registered(space) if self._on_registered is not None else None
+            if refusal is not None:
+                _log.warning("%s does not attach to the detector at %s: %s", self.process_id, self._target, refusal)
+                self._event("refused", refusal)
+                return False
+            self.id_space = space
             registered = True
             epoch = reply.registered.detector_epoch
             if self._epoch is None:

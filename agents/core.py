@@ -75,12 +75,14 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   the next message, at the marker. A snapshot then costs a channel nothing on the wire of its
   own. Markers of local snapshots always go at once: no detector starts their other processes,
   only markers do.
-* **Ids and epochs.** The detector's ids are below :data:`LOCAL_ID_BASE` and increase; ids at or
-  above it are the agents' own (local snapshots), a separate space. Finished ids are remembered
-  (a bounded memory; detector ids below the oldest one forgotten count as finished too), so late
-  markers start nothing. A new detector epoch (a new store: ids start again)
-  makes the old memory wrong: :meth:`SnapshotCore.new_epoch` forgets every detector snapshot, running or
-  finished.
+* **Ids and epochs.** The detectors' ids are below :data:`LOCAL_ID_BASE`; ids at or above it are
+  the agents' own (local snapshots), a separate space. Several detectors may run side by side:
+  each owns an id space (:func:`stablewatch.v1.ids.id_space`), its ids increase within it, and
+  every recording is keyed by its whole id, so their snapshots run independently, as concurrent
+  snapshots do. Finished ids are remembered (a bounded memory; a detector's ids below the oldest
+  one of its space forgotten count as finished too), so late markers start nothing. A new
+  detector epoch (a new store: its ids start again) makes the old memory of its space wrong:
+  :meth:`SnapshotCore.new_epoch` forgets every snapshot of that space, running or finished.
 
 Errors say whose fault they are: :class:`LocalProtocolError` for misuse by the driver,
 :class:`RemoteProtocolError` for a peer that broke the protocol (for example two markers of one
@@ -102,6 +104,7 @@ from stablewatch.v1 import (
     OutboundCount,
 )
 from stablewatch.v1.bounds import process_id_problem
+from stablewatch.v1.ids import LOCAL_ID_BASE, id_space
 
 __all__ = [
     "DEFAULT_LIFETIME",
@@ -129,8 +132,6 @@ DEFAULT_MAX_RECORDED_BYTES = 64 * 1024 * 1024
 DEFAULT_LIFETIME = 60.0
 #: Snapshots one process records at once; a further one is refused.
 DEFAULT_MAX_RECORDINGS = 16
-#: Snapshot ids from here on (uint64 on the wire) are local ones, never the detector's.
-LOCAL_ID_BASE = 1 << 63
 # Bytes charged per counter entry of a recorded message, so counters-only messages are bounded too.
 _COUNTER_COST = 16
 # How many finished snapshot ids are remembered, to ignore their late markers, starts and targets.
@@ -295,9 +296,9 @@ class SnapshotCore:
         self._arrivals = 0  # application messages arrived on all channels
         self._recordings: dict[int, _Recording] = {}
         self._finished = FinishedIds()
-        # Detector ids older than the finished ones forgotten from memory count as finished too
-        # (the detector's ids increase; local ones come from many agents, so not theirs).
-        self._forgotten_below = 0
+        # Per id space, a detector's ids older than its finished ones forgotten from memory count as
+        # finished too (a detector's ids increase; local ones come from many agents, so not theirs).
+        self._forgotten_below: dict[int, int] = {}
         self._now = 0.0  # the latest time the driver passed
         self._awaiting_state: int | None = None
         for dst in outbound:
@@ -503,18 +504,23 @@ class SnapshotCore:
                 failures.append(SnapshotFailed(snapshot_id, reason))
         return tuple(failures)
 
-    def new_epoch(self) -> None:
-        """The detector's id space changed (a new store): forget every snapshot of the old one.
+    def new_epoch(self, space: int = 0) -> None:
+        """The detector of id space ``space`` started again (a new store): forget its old snapshots.
 
-        Running recordings with detector ids are dropped without a report (the new detector never
-        heard of them), and finished detector ids are forgotten, so the new detector's ids, however
-        small, are recorded again. Local snapshots (ids from :data:`LOCAL_ID_BASE`) are kept.
+        Its running recordings are dropped without a report (the new detector never heard of
+        them), and its finished ids are forgotten, so the new detector's ids, however small, are
+        recorded again. Other detectors' snapshots and local ones (ids from
+        :data:`LOCAL_ID_BASE`) are kept.
         """
         self._check_ready()
-        for snapshot_id in [k for k in self._recordings if k < LOCAL_ID_BASE]:
+
+        def other(snapshot_id: int) -> bool:
+            return snapshot_id >= LOCAL_ID_BASE or id_space(snapshot_id) != space
+
+        for snapshot_id in [k for k in self._recordings if not other(k)]:
             del self._recordings[snapshot_id]
-        self._finished.keep_only(lambda k: k >= LOCAL_ID_BASE)
-        self._forgotten_below = 0
+        self._finished.keep_only(other)
+        self._forgotten_below.pop(space, None)
 
     def reset_outbound(self, dst: str, in_transit: int) -> tuple[Action, ...]:
         """The receiver on ``self -> dst`` restarted and will see only ``in_transit`` of our messages.
@@ -566,13 +572,16 @@ class SnapshotCore:
         return self._now
 
     def _is_finished(self, snapshot_id: int) -> bool:
-        return snapshot_id in self._finished or snapshot_id < self._forgotten_below
+        if snapshot_id in self._finished:
+            return True
+        return snapshot_id < LOCAL_ID_BASE and snapshot_id < self._forgotten_below.get(id_space(snapshot_id), 0)
 
     def _remember(self, snapshot_id: int) -> None:
         """Remember ``snapshot_id`` as finished, forgetting the oldest beyond the bounded memory."""
         forgotten = self._finished.add(snapshot_id)
         if forgotten is not None and forgotten < LOCAL_ID_BASE:
-            self._forgotten_below = max(self._forgotten_below, forgotten + 1)
+            space = id_space(forgotten)
+            self._forgotten_below[space] = max(self._forgotten_below.get(space, 0), forgotten + 1)
 
     def _record(self, src: str, messages: Sequence[AppMessage], first_arrival: int) -> tuple[Action, ...]:
         """Record a run of messages from ``src`` for every snapshot still recording that channel, and

@@ -80,7 +80,12 @@ class AgentMetrics:
         )
         rejected = counter("rejected_frames", "Channel frames rejected, by reason", "reason")
         self._rejected = {reason: rejected.labels(reason) for reason in REJECT_REASONS}
-        self._control_connected = gauge("control_connected", "1 while the control stream to the detector is up, else 0")
+        self._control_connected = gauge(
+            "control_connected", "1 while a control stream to a detector (any of them) is up, else 0"
+        )
+        self._detector_connected = gauge(
+            "detector_connected", "1 while the control stream to this detector is up, else 0", "detector"
+        )
         breaks = counter("breaks", "Waits broken to end a proven deadlock, by kind (application, send)", "kind")
         self._breaks = {kind: breaks.labels(kind) for kind in BREAK_KINDS}
         self._wait_hints = counter("wait_hints", "Waits that lasted past the hint threshold, hinted to the detector")
@@ -171,8 +176,12 @@ class AgentMetrics:
         (self._rejected.get(reason) or self._rejected["other"]).inc()
 
     def control_connected(self, connected: bool) -> None:
-        """The control stream to the detector went up (True) or down (False)."""
+        """Whether a control stream to a detector (any of them) is up."""
         self._control_connected.set(1 if connected else 0)
+
+    def detector_connected(self, detector: str, connected: bool) -> None:
+        """The control stream to the detector at ``detector`` went up (True) or down (False)."""
+        self._detector_connected.labels(detector).set(1 if connected else 0)
 
     def broke(self, kind: str) -> None:
         """A wait of `kind` (:data:`BREAK_KINDS`) was broken for a detector's ``BreakWait``."""

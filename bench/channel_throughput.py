@@ -35,18 +35,35 @@ snapshots) as medians of the per-round values, with ``ratio_spread``, ``batch_ra
 ``snapshots_completed`` and ``snapshots_per_s`` (what the detector achieved while measured); and
 the ``targets``: ratio >= 0.8, agent >= 200 000 messages/s, overhead <= 0.05.
 
-    python bench/channel_throughput.py [--seconds 10] [--warmup 2] [--rounds 5]
+``--detectors 2`` weighs two detectors side by side (issue 26) against one: a second detector
+(replica 1, its own id space) is served in this process too, both agents attach to both, and the
+agent pair gains a phase, ``agent+2 detectors``: each detector takes 5 snapshots a second on its
+own schedule (the second's started half an interval after the first's, so the agents see 10 a
+second, spread as one detector's would be; the ``agent+snapshots`` phase is one detector at 10 a
+second, the other attached and idle). The pair runs A-S-A-S-A, each snapshot phase between two
+agent windows, the two snapshot phases swapping places from round to round; each phase's overhead
+is taken against the mean of the two windows around it. The JSON line gains ``detectors``,
+``two_detectors_msgs_per_s`` (with ``two_detectors_spread``), ``overhead_one_at_10`` and
+``overhead_two_at_5`` (medians, with ``*_spread``), ``ratio_one_at_10`` and ``ratio_two_at_5``
+(each snapshot phase / raw), ``overhead_gap_points`` (two at 5 minus one at 10, in percentage
+points, computed per round; with its spread), ``two_at_5_snapshots_per_s`` (both detectors) and
+``two_at_5_snapshots_per_s_each``, and the target ``overhead_gap_within_2_points``.
 
-A full run takes about (3 x warm-up + 5 x seconds + 9) x rounds seconds: about 5 minutes by default.
+    python bench/channel_throughput.py [--seconds 10] [--warmup 2] [--rounds 5] [--detectors 1|2]
+
+A full run takes about (3 x warm-up + 5 x seconds + 9) x rounds seconds: about 5 minutes by
+default; with ``--detectors 2``, (3 x warm-up + 7 x seconds + 11) x rounds: about 7 minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import grpc
 from child import Child, emit
@@ -58,11 +75,18 @@ from stablewatch.agents.breaking import DEFAULT_HINT_AFTER
 from stablewatch.detector.service.coordinator import Coordinator
 from stablewatch.v1 import ChannelAck, ChannelFrame, channel_pb2_grpc
 
+if TYPE_CHECKING:
+    from rich.table import Table
+
 PAYLOAD = b"x" * 64
 FRAME_ENTRIES = 512
 REPORT_EVERY = 0.1  # seconds between the receiver's delivery counts
 CASES = ("raw", "agent", "agent+snapshots", "agent batches")
+TWO_DETECTORS = "agent+2 detectors"  # with --detectors 2: two detectors at 5 snapshots/s each
 AGAIN = "agent, again"  # the third phase of the agent pair (A-S-A)
+THIRD = "agent, third"  # with --detectors 2: the fifth phase of the agent pair (A-S-A-S-A)
+#: The snapshot phases: each detector's snapshots per second (the first detector's first).
+SCHEDULES: dict[str, tuple[float, ...]] = {"agent+snapshots": (10,), TWO_DETECTORS: (5, 5)}
 
 
 async def wait_for_stdin_close() -> None:
@@ -197,13 +221,43 @@ ROLES = {
 
 
 class Measured:
-    """One case of one round: steady-state throughput, and the snapshots that ran meanwhile."""
+    """One case of one round: steady-state throughput, and the snapshots that ran meanwhile.
 
-    def __init__(self, rate: float, seconds: float, snapshots: int, detector_cpu: float) -> None:
+    ``by_detector`` counts the snapshots completed by each detector that took some; ``baseline`` is
+    the agent pair's rate without snapshots in the windows around a snapshot phase (None: not set).
+    """
+
+    def __init__(
+        self,
+        rate: float,
+        seconds: float,
+        snapshots: int,
+        detector_cpu: float,
+        by_detector: tuple[int, ...] = (),
+        baseline: float | None = None,
+    ) -> None:
         self.rate = rate
         self.seconds = seconds
         self.snapshots = snapshots
         self.detector_cpu = detector_cpu
+        self.by_detector = by_detector
+        self.baseline = baseline
+
+    @property
+    def overhead(self) -> float:
+        """1 - this phase's rate / the agent windows' around it: what the snapshots cost."""
+        assert self.baseline is not None, "a snapshot phase measured without agent windows around it"
+        return 1 - self.rate / self.baseline
+
+
+async def snapshots_later(coordinator: Coordinator, completed: list[float], per_second: float, delay: float) -> None:
+    """:func:`take_snapshots` at ``per_second``, its schedule started ``delay`` seconds from now.
+
+    Two detectors' schedulers started together with the same seed would tick together; starting
+    the second half an interval late spreads their snapshots as one detector's at twice the rate.
+    """
+    await asyncio.sleep(delay)
+    await take_snapshots(coordinator, completed, per_second)
 
 
 async def run_pair(
@@ -214,6 +268,7 @@ async def run_pair(
     detector: str,
     sender_options: tuple[str, ...] = (),
     agent_options: tuple[str, ...] = (),
+    second: Coordinator | None = None,
 ) -> dict[str, Measured]:
     """One sender/receiver pair of ``kind`` (raw or agent), measured in ``phases`` back to back.
 
@@ -222,8 +277,11 @@ async def run_pair(
     other way round), so they differ only in the snapshots: not in the processes or where the
     operating system put them, which moves a 10-second figure by more than the overhead sought.
     ``agent_options`` go to both processes of an agent pair (``--no-hints``: the agents' hints off).
+    ``second``: a second detector's coordinator, for the ``agent+2 detectors`` phase (``detector``
+    then names both, comma-separated, and the agents attach to both).
     """
     with_detector = [] if kind == "raw" else ["--detector", detector, *agent_options]
+    coordinators = [coordinator] if second is None else [coordinator, second]
     receiver = await Child.start(__file__, f"{kind}-receiver", *with_detector)
     sender = None
     measured: dict[str, Measured] = {}
@@ -232,25 +290,32 @@ async def run_pair(
         sender = await Child.start(__file__, f"{kind}-sender", "--peer", str(address), *with_detector, *sender_options)
         await sender.read()  # ready
         if kind == "agent":
-            await attached(coordinator, {"sender", "receiver"})
+            for each in coordinators:
+                await attached(each, {"sender", "receiver"})
         sender.write("go\n")
         settle = float((await sender.read())["start"]) + args.warmup
         for case in phases:
-            finished: list[float] = []
-            snapshots = None
-            if case == "agent+snapshots":
-                snapshots = asyncio.ensure_future(take_snapshots(coordinator, finished))
+            rates = SCHEDULES.get(case, ())
+            if len(rates) > len(coordinators):
+                raise ValueError(f"{case!r} needs {len(rates)} detectors")
+            finished: list[list[float]] = [[] for _ in rates]
+            # The i-th of n detectors at the same rate starts i/n of an interval late (see snapshots_later).
+            snapshots = [
+                asyncio.ensure_future(snapshots_later(each, done, rate, number / (len(rates) * rate)))
+                for number, (each, done, rate) in enumerate(zip(coordinators, finished, rates, strict=False))
+            ]
             try:
                 first = await count_at(receiver, settle)
                 cpu_before = time.process_time()
                 last = await count_at(receiver, first[0] + args.seconds)
                 detector_cpu = (time.process_time() - cpu_before) / (last[0] - first[0])
             finally:
-                if snapshots is not None:
-                    await stop_snapshots(snapshots)
-            completed = sum(first[0] <= t <= last[0] for t in finished)
+                for task in snapshots:
+                    await stop_snapshots(task)
+            by_detector = tuple(sum(first[0] <= t <= last[0] for t in done) for done in finished)
             seconds = last[0] - first[0]
-            measured[case] = Measured((last[1] - first[1]) / seconds, seconds, completed, detector_cpu)
+            rate = (last[1] - first[1]) / seconds
+            measured[case] = Measured(rate, seconds, sum(by_detector), detector_cpu, by_detector)
             settle = time.monotonic() + 1.0  # the last snapshots finish, the pipeline refills
         return measured
     finally:
@@ -267,50 +332,84 @@ async def count_at(receiver: Child, moment: float) -> tuple[float, int]:
             return float(report["t"]), int(report["count"])
 
 
+def agent_windows(pair: dict[str, Measured], order: list[str]) -> dict[str, Measured]:
+    """An A-S-A(-S-A) pair's figures: each snapshot phase with the mean of the agent windows around
+    it as its baseline (a steady drift of the pair cancels), and ``agent`` the mean of them all.
+
+    ``order`` is the phases as run: agent windows and snapshot phases alternating, agent first.
+    """
+    windows = [pair.pop(case) for case in order[::2]]
+    for number, case in enumerate(order[1::2]):
+        pair[case].baseline = (windows[number].rate + windows[number + 1].rate) / 2
+    rate = statistics.mean(window.rate for window in windows)
+    seconds = sum(window.seconds for window in windows)
+    return {"agent": Measured(rate, seconds, 0, windows[0].detector_cpu), **pair}
+
+
 async def orchestrate(args: argparse.Namespace) -> None:
     rounds: list[dict[str, Measured]] = []
-    async with served_coordinator() as (coordinator, detector):
+    async with contextlib.AsyncExitStack() as stack:
+        coordinator, detector = await stack.enter_async_context(served_coordinator())
+        second = None
+        if args.detectors == 2:
+            second, second_address = await stack.enter_async_context(served_coordinator(id_space=1))
+            detector = f"{detector},{second_address}"
         for number in range(args.rounds):
             measured: dict[str, Measured] = {}
             if "raw" in args.cases:
                 measured.update(await run_pair("raw", ["raw"], args, coordinator, detector))
-            agent_phases = [case for case in ("agent", "agent+snapshots") if case in args.cases]
-            if agent_phases == ["agent", "agent+snapshots"]:
-                # A-S-A: the windows before and after the snapshots' average out the pair's drift.
-                pair = await run_pair("agent", [*agent_phases, AGAIN], args, coordinator, detector)
-                before, after = pair.pop("agent"), pair.pop(AGAIN)
-                rate = (before.rate + after.rate) / 2
-                measured.update(pair, agent=Measured(rate, before.seconds + after.seconds, 0, before.detector_cpu))
-            elif agent_phases:
-                measured.update(await run_pair("agent", agent_phases, args, coordinator, detector))
+            snapshot_phases = [case for case in ("agent+snapshots", TWO_DETECTORS) if case in args.cases]
+            if "agent" in args.cases and snapshot_phases:
+                # A-S-A (or A-S-A-S-A): the windows before and after each snapshot phase average out
+                # the pair's drift; two snapshot phases swap places from round to round.
+                if number % 2:
+                    snapshot_phases.reverse()
+                order = ["agent", snapshot_phases[0], AGAIN]
+                if len(snapshot_phases) == 2:
+                    order += [snapshot_phases[1], THIRD]
+                pair = await run_pair("agent", order, args, coordinator, detector, second=second)
+                measured.update(agent_windows(pair, order))
+            else:
+                agent_phases = [case for case in ("agent", *snapshot_phases) if case in args.cases]
+                if agent_phases:
+                    measured.update(await run_pair("agent", agent_phases, args, coordinator, detector, second=second))
             if "agent batches" in args.cases:
-                batches = await run_pair("agent", ["agent batches"], args, coordinator, detector, ("--batch",))
+                batches = await run_pair(
+                    "agent", ["agent batches"], args, coordinator, detector, ("--batch",), second=second
+                )
                 measured.update(batches)
             rounds.append(measured)
             rates = ", ".join(f"{case} {m.rate:,.0f}/s" for case, m in measured.items())
             print(f"round {number + 1}/{args.rounds}: {rates}", file=sys.stderr, flush=True)
-    if set(args.cases) == set(CASES):
+    if set(args.cases) == set(all_cases(args.detectors)):
         report(args, rounds)
+
+
+def all_cases(detectors: int) -> tuple[str, ...]:
+    """Every case of a run with ``detectors`` detectors: what the table and the JSON line need."""
+    return CASES if detectors == 1 else (*CASES, TWO_DETECTORS)
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     from rich.console import Console
 
-    rates = {case: [r[case].rate for r in rounds] for case in CASES}
+    cases = all_cases(args.detectors)
+    rates = {case: [r[case].rate for r in rounds] for case in cases}
     median = {case: statistics.median(values) for case, values in rates.items()}
     ratios = [r["agent"].rate / r["raw"].rate for r in rounds]
     batch_ratios = [r["agent batches"].rate / r["raw"].rate for r in rounds]
-    overheads = [1 - r["agent+snapshots"].rate / r["agent"].rate for r in rounds]
+    overheads = [r["agent+snapshots"].overhead for r in rounds]
     snapshot_seconds = sum(r["agent+snapshots"].seconds for r in rounds)
     snapshots = sum(r["agent+snapshots"].snapshots for r in rounds)
     ratio, overhead = statistics.median(ratios), statistics.median(overheads)
 
     table = rounds_table(
         f"64-byte messages, one channel, 2 processes: {args.rounds} interleaved rounds of "
-        f"{args.seconds:g} s per case after {args.warmup:g} s of warm-up",
+        f"{args.seconds:g} s per case after {args.warmup:g} s of warm-up"
+        + (", agents attached to 2 detectors" if args.detectors == 2 else ""),
         len(rounds),
     )
-    for case in CASES:
+    for case in cases:
         rounds_row(table, f"{case} msgs/s", rates[case], ",.0f")
     rounds_row(table, "agent / raw", ratios, ".3f", ">= 0.8")
     rounds_row(table, "agent batches / raw", batch_ratios, ".3f")
@@ -318,12 +417,14 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     rounds_row(table, "detector CPU (snapshots)", [r["agent+snapshots"].detector_cpu for r in rounds], ".1%")
     snapshot_rates = [r["agent+snapshots"].snapshots / r["agent+snapshots"].seconds for r in rounds]
     rounds_row(table, "snapshots/s completed", snapshot_rates, ".1f", "10 asked", snapshots / snapshot_seconds)
+    two = two_detector_figures(rounds, table) if args.detectors == 2 else {}
     Console().print(table)
     json_line(
         {
             "seconds": args.seconds,
             "warmup": args.warmup,
             "rounds": args.rounds,
+            "detectors": args.detectors,
             "raw_msgs_per_s": round(median["raw"]),
             "agent_msgs_per_s": round(median["agent"]),
             "with_snapshots_msgs_per_s": round(median["agent+snapshots"]),
@@ -340,13 +441,52 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
             "snapshot_overhead_spread": spread(overheads, 4),
             "snapshots_completed": snapshots,
             "snapshots_per_s": round(snapshots / snapshot_seconds, 2),
+            **{key: value for key, value in two.items() if key != "targets"},
             "targets": {
                 "ratio_at_least_0.8": ratio >= 0.8,
                 "agent_at_least_200k": median["agent"] >= 200_000,
                 "overhead_at_most_0.05": overhead <= 0.05,
+                **two.get("targets", {}),
             },
         }
     )
+
+
+def two_detector_figures(rounds: list[dict[str, Measured]], table: Table) -> dict[str, object]:
+    """One detector at 10 snapshots/s against two at 5/s each: rows of ``table``, and the JSON keys.
+
+    The gap (two at 5 minus one at 10, in percentage points) is taken within each round, where the
+    two phases ran on the same pair of processes between the same agent windows.
+    """
+    one = [r["agent+snapshots"] for r in rounds]
+    two = [r[TWO_DETECTORS] for r in rounds]
+    one_overheads = [m.overhead for m in one]
+    two_overheads = [m.overhead for m in two]
+    gaps = [100 * (b - a) for a, b in zip(one_overheads, two_overheads, strict=True)]
+    gap = statistics.median(gaps)
+    seconds = sum(m.seconds for m in two)
+    each = [sum(m.by_detector[n] for m in two) / seconds for n in range(2)]
+    rounds_row(table, "overhead, 2 detectors at 5/s", two_overheads, ".3f")
+    rounds_row(table, "detector CPU (2 detectors)", [m.detector_cpu for m in two], ".1%")
+    rounds_row(table, "gap, 2 at 5/s - 1 at 10/s (points)", gaps, "+.2f", "|gap| <= 2")
+    two_rates = [m.snapshots / m.seconds for m in two]
+    rounds_row(table, "snapshots/s completed, 2 detectors", two_rates, ".1f", "5 + 5 asked", sum(each))
+    raw = [r["raw"].rate for r in rounds]
+    return {
+        "two_detectors_msgs_per_s": round(statistics.median(m.rate for m in two)),
+        "two_detectors_spread": spread([m.rate for m in two]),
+        "overhead_one_at_10": round(statistics.median(one_overheads), 4),
+        "overhead_one_at_10_spread": spread(one_overheads, 4),
+        "overhead_two_at_5": round(statistics.median(two_overheads), 4),
+        "overhead_two_at_5_spread": spread(two_overheads, 4),
+        "ratio_one_at_10": round(statistics.median(m.rate / r for m, r in zip(one, raw, strict=True)), 4),
+        "ratio_two_at_5": round(statistics.median(m.rate / r for m, r in zip(two, raw, strict=True)), 4),
+        "overhead_gap_points": round(gap, 2),
+        "overhead_gap_points_spread": spread(gaps, 2),
+        "two_at_5_snapshots_per_s": round(sum(each), 2),
+        "two_at_5_snapshots_per_s_each": [round(value, 2) for value in each],
+        "targets": {"overhead_gap_within_2_points": abs(gap) <= 2},
+    }
 
 
 def main() -> None:
@@ -357,8 +497,14 @@ def main() -> None:
     parser.add_argument(
         "--cases",
         type=lambda text: text.split(","),
-        default=list(CASES),
-        help="comma-separated cases to run (all three for the table and the JSON line; fewer to profile one)",
+        help="comma-separated cases to run (all of them for the table and the JSON line; fewer to profile one)",
+    )
+    parser.add_argument(
+        "--detectors",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help=f"2: agents attach to two detectors, and the case {TWO_DETECTORS!r} (5 snapshots/s each) is added",
     )
     parser.add_argument("--role", choices=sorted(ROLES), help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
@@ -366,6 +512,10 @@ def main() -> None:
     parser.add_argument("--batch", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--no-hints", action="store_true", help=argparse.SUPPRESS)  # the agents' hints off
     args = parser.parse_args()
+    if args.cases is None:
+        args.cases = list(all_cases(args.detectors))
+    if TWO_DETECTORS in args.cases and args.detectors != 2:
+        parser.error(f"the case {TWO_DETECTORS!r} needs --detectors 2")
     asyncio.run(ROLES[args.role](args) if args.role else orchestrate(args))
 
 

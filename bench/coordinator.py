@@ -18,9 +18,12 @@ __all__ = ["attached", "served_coordinator", "stop_snapshots", "take_snapshots"]
 
 
 @contextlib.asynccontextmanager
-async def served_coordinator() -> AsyncIterator[tuple[Coordinator, str]]:
-    """A coordinator (heartbeats every second) on a free loopback port: it and its address."""
-    coordinator = Coordinator(heartbeat_interval=1.0)
+async def served_coordinator(id_space: int = 0) -> AsyncIterator[tuple[Coordinator, str]]:
+    """A coordinator (heartbeats every second) on a free loopback port: it and its address.
+
+    ``id_space``: its replica number; a second detector beside the first needs another one.
+    """
+    coordinator = Coordinator(heartbeat_interval=1.0, id_space=id_space)
     server = grpc.aio.server()
     control_pb2_grpc.add_ControlServicer_to_server(coordinator, server)
     address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"

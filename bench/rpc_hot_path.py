@@ -6,52 +6,74 @@ benchmark takes gRPC's transport away: a loopback channel hands each call straig
 side, which finds its handler through gRPC's own server interceptor pipeline
 (``grpc._interceptor.service_pipeline``) in a fresh ``contextvars.Context`` per call, as the sync
 server does, and runs it with a servicer context that keeps the metadata. So what is timed is the
-Python the instrumentation adds to a call, on both sides, with no noise but the CPU's. Cases:
+Python the instrumentation adds to a call, on both sides. It is timed in CPU time of the calling
+thread (``time.thread_time``), so that other processes on a shared machine do not count. Cases:
 
 * ``loopback``: the loopback alone (a plain method and a server without interceptors): the cost of
   the harness, to subtract;
 * ``stamp_only``: one stamp-sized entry carried each way, as ``rpc_overhead.py``'s stamp-only case
-  carries it, and nothing else;
-* ``instrumented``: two agents (no detector), the server's interceptor and the client's
-  instrumented channel, with no snapshot running: what the agents add to every call;
+  carries it, and nothing else: the floor of any instrumentation that tells the other side
+  something on every call;
+* ``instrumented``: two agents (no detector), the server's interceptor (``workers=4``) and the
+  client's instrumented channel, with no snapshot running: what the agents add to every call;
 * ``instrumented_recording``: the same while a snapshot records on both sides (started and never
   finished), so that every call is also checked against a running recording;
 * ``client_interceptor``: the server's interceptor and the client interceptor through
-  ``grpc.intercept_channel``.
+  ``grpc.intercept_channel``;
+* ``aio_loopback``, ``aio_stamp_only``, ``aio_instrumented``: the same for the asyncio API, awaited
+  in one event loop. The loopback runs the agent's asyncio client interceptor (or the stamp-only
+  method) with a continuation that serves the call at once, in a fresh ``contextvars.Context``:
+  the server's interceptors (the agent's ``aio_server_interceptor``, or the stamp-only one) and
+  the handler, as one task of ``grpc.aio`` runs them. What ``grpc.aio`` adds around an interceptor
+  (a task per intercepted call) is gRPC's, not timed here: ``rpc_overhead.py`` has it.
 
 Each case runs in interleaved rounds of ``--seconds`` (1) each, ``--rounds`` (5). The table and the
 last line (JSON) give the median µs per call and the spread (lowest and highest round), each case
-less ``loopback`` (``*_added_us``), and for the agents' cases the requests their client stamped
-(``*_stamped_requests``: one per call made).
+less its loopback (``*_added_us``), and for the agents' cases the requests their client stamped
+(``*_stamped_requests``: one per call made). ``hot_path_agent_us`` is the issue's measure: the
+agents' own Python per call, both sides, above the stamp-only floor (``instrumented`` less
+``stamp_only`` within each round; median and spread over rounds), target at most 4 µs;
+``hot_path_agent_recording_us`` the same with a recording running, ``aio_hot_path_agent_us`` the
+asyncio one (``aio_instrumented`` less ``aio_stamp_only``). ``targets`` holds the target met or not.
 
     python bench/rpc_hot_path.py [--seconds 1] [--rounds 5] [--profile CASE]
 
-``--profile CASE`` runs one case under cProfile for ``--seconds`` and prints where its time goes.
+``--profile CASE`` runs one case under cProfile for ``--seconds`` and prints where its time goes
+(cProfile's own cost per function call inflates the total several times: read the shares).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextvars
 import cProfile
 import pstats
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Generator, Sequence
 from typing import Any, NamedTuple
 
 import grpc
 from grpc import _interceptor
-from report import interleaved, json_line, medians_and_spreads, spread_row
+from report import interleaved, json_line, medians_and_spreads, spread, spread_row
 from rich.console import Console
 from rich.table import Table
-from rpc_overhead import StampOnlyMethod, StampOnlyServerInterceptor
+from rpc_overhead import AioStampOnlyMethod, AioStampOnlyServerInterceptor, StampOnlyMethod, StampOnlyServerInterceptor
 
 from stablewatch.agents.rpc.agent import RpcAgent
 
 METHOD = "/bench.Echo/Call"
 PAYLOAD = b"x" * 64
 _OK = grpc.StatusCode.OK
+#: The target of ``hot_path_agent_us`` (and of ``aio_hot_path_agent_us``), in µs per call.
+TARGET_US = 4.0
+#: Each agent case's floor, to compute the agents' own cost above it.
+AGENT_KEYS = {
+    "hot_path_agent_us": ("instrumented", "stamp_only"),
+    "hot_path_agent_recording_us": ("instrumented_recording", "stamp_only"),
+    "aio_hot_path_agent_us": ("aio_instrumented", "aio_stamp_only"),
+}
 
 
 class _Details(NamedTuple):
@@ -86,6 +108,19 @@ class ServerContext:
         return "ipv4:127.0.0.1:1"
 
     def abort(self, code: grpc.StatusCode, details: str) -> None:
+        raise RuntimeError(f"aborted: {code.name}: {details}")
+
+
+class AioServerContext(ServerContext):
+    """The part of a ``grpc.aio.ServicerContext`` that the agent uses."""
+
+    def done(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:  # type: ignore[override]
         raise RuntimeError(f"aborted: {code.name}: {details}")
 
 
@@ -128,10 +163,26 @@ class LoopbackMethod(grpc.UnaryUnaryMultiCallable):
     def __init__(self, server: LoopbackServer) -> None:
         self._server = server
 
-    def __call__(self, request: Any, timeout: Any = None, metadata: Any = None, **options: Any) -> Any:
+    def __call__(
+        self,
+        request: Any,
+        timeout: Any = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: Any = None,
+        compression: Any = None,
+    ) -> Any:
         return self._server.call(request, metadata or ())[0]
 
-    def with_call(self, request: Any, timeout: Any = None, metadata: Any = None, **options: Any) -> Any:
+    def with_call(
+        self,
+        request: Any,
+        timeout: Any = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: Any = None,
+        compression: Any = None,
+    ) -> Any:
         return self._server.call(request, metadata or ())
 
     def future(self, request: Any, timeout: Any = None, metadata: Any = None, **options: Any) -> Any:
@@ -166,33 +217,139 @@ class LoopbackChannel(grpc.Channel):
         return None
 
 
+# -- the asyncio loopback ------------------------------------------------------------------------------
+
+
+async def _echo(request: Any, context: Any) -> Any:
+    return request
+
+
+class AioLoopbackServer:
+    """One asyncio echo method behind a server's asyncio interceptors, served at once.
+
+    Each call runs its interceptors and its handler in a fresh ``contextvars.Context``, as
+    ``grpc.aio`` runs them in one task of the call. None of them suspends here, so the coroutine is
+    driven to its end by one ``send``, outside the event loop's scheduling.
+    """
+
+    def __init__(self, interceptors: Sequence[grpc.aio.ServerInterceptor]) -> None:
+        handler = grpc.unary_unary_rpc_method_handler(_echo)
+
+        async def query(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+            return handler
+
+        find: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]] = query
+        for interceptor in reversed(interceptors):  # the first interceptor sees the call first
+            find = _bind(interceptor, find)
+        self._find = find
+
+    async def _serve(self, request: Any, metadata: Sequence[tuple[str, str]]) -> tuple[Any, AioServerContext]:
+        handler = await self._find(HandlerCallDetails(METHOD, metadata))
+        context = AioServerContext(metadata)
+        return await handler.unary_unary(request, context), context
+
+    def call(self, request: Any, metadata: Sequence[tuple[str, str]]) -> tuple[Any, AioServerContext]:
+        serving = self._serve(request, metadata)
+        try:
+            contextvars.Context().run(serving.send, None)
+        except StopIteration as done:
+            return done.value
+        serving.close()
+        raise RuntimeError("the loopback server's coroutine suspended: it must run to its end at once")
+
+
+def _bind(
+    interceptor: grpc.aio.ServerInterceptor,
+    continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+) -> Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]:
+    async def find(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        return await interceptor.intercept_service(continuation, details)
+
+    return find
+
+
+class AioLoopbackCall:
+    """A finished asyncio unary call, as ``grpc.aio`` hands it out: awaiting it gives the response."""
+
+    def __init__(self, response: Any, context: AioServerContext) -> None:
+        self._response, self._context = response, context
+
+    def __await__(self) -> Generator[None, None, Any]:
+        yield from ()
+        return self._response
+
+    async def trailing_metadata(self) -> Sequence[tuple[str, str]]:
+        return self._context.trailing_metadata()
+
+    async def code(self) -> grpc.StatusCode:
+        return _OK
+
+    def cancel(self) -> bool:
+        return False
+
+
+class AioLoopbackMethod:
+    """An asyncio unary method (``channel.unary_unary(...)``) that serves each call at once."""
+
+    def __init__(self, server: AioLoopbackServer) -> None:
+        self._server = server
+
+    def __call__(self, request: Any, *, metadata: Any = None, **options: Any) -> AioLoopbackCall:
+        return AioLoopbackCall(*self._server.call(request, tuple(metadata or ())))
+
+
+class AioInterceptedMethod:
+    """An asyncio unary method through a unary-unary client interceptor, as ``grpc.aio`` calls it
+    (the details a channel builds, a continuation that starts the call), without its task."""
+
+    def __init__(self, interceptor: grpc.aio.UnaryUnaryClientInterceptor, method: AioLoopbackMethod) -> None:
+        self._interceptor = interceptor
+
+        async def continuation(details: grpc.aio.ClientCallDetails, request: Any) -> AioLoopbackCall:
+            return method(request, metadata=details.metadata)
+
+        self._continuation = continuation
+
+    async def __call__(self, request: Any) -> Any:
+        details = grpc.aio.ClientCallDetails(METHOD, None, None, None, None)
+        return await self._interceptor.intercept_unary_unary(self._continuation, details, request)
+
+
+# -- the cases --------------------------------------------------------------------------------------------
+
+
 def stamped_requests(agent: RpcAgent) -> int:
     """How many requests ``agent`` has sent with a stamp."""
     value = agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_stamped_messages_total", {"kind": "request"})
     return int(value or 0)
 
 
+def agents(recording: bool) -> tuple[RpcAgent, RpcAgent]:
+    """A client and a server agent (no detector); with ``recording``, a snapshot records in both."""
+    client, server = RpcAgent("client"), RpcAgent("server")
+    if recording:
+        for agent in (client, server):
+            agent.start_snapshot(1, lifetime=3600)
+    return client, server
+
+
 def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
-    """Each case's blocking unary method (called with the payload), and the client agent of each
+    """Each sync case's blocking unary method (called with the payload), and the client agent of each
     case that has one."""
     plain = LoopbackChannel(LoopbackServer([])).unary_unary(METHOD)
     stamp_only = StampOnlyMethod(LoopbackChannel(LoopbackServer([StampOnlyServerInterceptor()])).unary_unary(METHOD))
 
-    def agents(recording: bool) -> tuple[RpcAgent, LoopbackChannel]:
-        client, server = RpcAgent("client"), RpcAgent("server")
-        if recording:
-            for agent in (client, server):
-                agent.start_snapshot(1, lifetime=3600)
-        return client, LoopbackChannel(LoopbackServer([server.server_interceptor(workers=4)]))
+    def channel(server: RpcAgent) -> LoopbackChannel:
+        return LoopbackChannel(LoopbackServer([server.server_interceptor(workers=4)]))
 
     clients: dict[str, RpcAgent] = {}
-    clients["instrumented"], channel = agents(False)
-    instrumented = clients["instrumented"].instrument_channel(channel, "server").unary_unary(METHOD)
-    clients["instrumented_recording"], channel = agents(True)
-    recording = clients["instrumented_recording"].instrument_channel(channel, "server").unary_unary(METHOD)
-    clients["client_interceptor"], channel = agents(False)
+    clients["instrumented"], server = agents(False)
+    instrumented = clients["instrumented"].instrument_channel(channel(server), "server").unary_unary(METHOD)
+    clients["instrumented_recording"], server = agents(True)
+    recording = clients["instrumented_recording"].instrument_channel(channel(server), "server").unary_unary(METHOD)
+    clients["client_interceptor"], server = agents(False)
     interceptor = clients["client_interceptor"].client_interceptor("server")
-    intercepted = grpc.intercept_channel(channel, interceptor).unary_unary(METHOD)
+    intercepted = grpc.intercept_channel(channel(server), interceptor).unary_unary(METHOD)
     methods = {
         "loopback": plain,
         "stamp_only": stamp_only,
@@ -203,14 +360,49 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
     return methods, clients
 
 
+def aio_cases() -> tuple[dict[str, Callable[[bytes], Awaitable[Any]]], dict[str, RpcAgent]]:
+    """Each asyncio case's unary method (awaited with the payload), and its client agent if it has one."""
+    plain = AioLoopbackMethod(AioLoopbackServer([]))
+    stamp_only = AioStampOnlyMethod(AioLoopbackMethod(AioLoopbackServer([AioStampOnlyServerInterceptor()])))
+    client, server = agents(False)
+    (unary, *_) = client.aio_client_interceptors("server")  # the unary-unary one comes first
+    instrumented = AioInterceptedMethod(unary, AioLoopbackMethod(AioLoopbackServer([server.aio_server_interceptor()])))
+    methods = {"aio_loopback": plain, "aio_stamp_only": stamp_only, "aio_instrumented": instrumented}
+    return methods, {"aio_instrumented": client}
+
+
 def per_call(method: Callable[[bytes], Any], seconds: float) -> tuple[float, int]:
-    """Seconds per call, calling ``method`` in batches for ``seconds``, and the calls made."""
-    calls, start = 0, time.perf_counter()
-    while (elapsed := time.perf_counter() - start) < seconds:
+    """CPU seconds of this thread per call, calling ``method`` in batches for ``seconds``, and the calls made."""
+    calls, start = 0, time.thread_time()
+    while (elapsed := time.thread_time() - start) < seconds:
         for _ in range(1000):
             method(PAYLOAD)
         calls += 1000
     return elapsed / calls, calls
+
+
+async def aio_per_call(method: Callable[[bytes], Awaitable[Any]], seconds: float) -> tuple[float, int]:
+    """:func:`per_call` for an asyncio method, awaited in the running loop's task."""
+    calls, start = 0, time.thread_time()
+    while (elapsed := time.thread_time() - start) < seconds:
+        for _ in range(1000):
+            await method(PAYLOAD)
+        calls += 1000
+    return elapsed / calls, calls
+
+
+def profile(name: str, seconds: float) -> None:
+    """Run case ``name`` under cProfile for ``seconds`` and print where its time goes."""
+    methods, _ = cases()
+    aio_methods, _ = aio_cases()
+    profiler = cProfile.Profile()
+    if name in aio_methods:
+        loop = asyncio.new_event_loop()
+        profiler.runcall(loop.run_until_complete, aio_per_call(aio_methods[name], seconds))
+        loop.close()
+    else:
+        profiler.runcall(per_call, methods[name], seconds)
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
 
 
 def main() -> None:
@@ -219,36 +411,54 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
     parser.add_argument("--profile", metavar="CASE", help="profile one case instead of the benchmark")
     args = parser.parse_args()
-    methods, clients = cases()
     if args.profile:
-        profiler = cProfile.Profile()
-        profiler.runcall(per_call, methods[args.profile], args.seconds)
-        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+        profile(args.profile, args.seconds)
         return
-    calls = dict.fromkeys(methods, 0)
+    methods, clients = cases()
+    aio_methods, aio_clients = aio_cases()
+    clients |= aio_clients
+    loop = asyncio.new_event_loop()
+    calls: dict[str, int] = {name: 0 for name in (*methods, *aio_methods)}
 
     def microseconds_per_call(name: str, method: Callable[[bytes], Any]) -> float:
-        seconds, made = per_call(method, args.seconds)
+        if name in aio_methods:
+            seconds, made = loop.run_until_complete(aio_per_call(method, args.seconds))
+        else:
+            seconds, made = per_call(method, args.seconds)
         calls[name] += made
         return seconds * 1e6
 
-    results = interleaved(methods, args.rounds, microseconds_per_call)
+    try:
+        results = interleaved({**methods, **aio_methods}, args.rounds, microseconds_per_call)
+    finally:
+        loop.close()
 
-    table = Table(title=f"one unary call's Python, µs: {args.rounds} interleaved rounds of {args.seconds:g} s per case")
+    table = Table(
+        title=f"one unary call's Python, µs of CPU: {args.rounds} interleaved rounds of {args.seconds:g} s per case"
+    )
     for column in ("case", "median", "lowest", "highest", "added to loopback"):
         table.add_column(column, justify="left" if column == "case" else "right")
-    summary: dict[str, object] = {"seconds": args.seconds, "rounds": args.rounds}
+    summary: dict[str, object] = {"seconds": args.seconds, "rounds": args.rounds, "timer": "thread CPU time"}
     summary |= medians_and_spreads(results, "us", 2)
-    floor = statistics.median(results["loopback"])
     for name, values in results.items():
-        added = statistics.median(values) - floor
-        table.add_row(name, *spread_row(values, ".2f"), "" if name == "loopback" else f"{added:.2f}")
+        loopback = "aio_loopback" if name.startswith("aio_") else "loopback"
+        added = statistics.median(values) - statistics.median(results[loopback])
+        table.add_row(name, *spread_row(values, ".2f"), "" if name == loopback else f"{added:.2f}")
         summary[f"{name}_calls"] = calls[name]
-        if name != "loopback":
+        if name != loopback:
             summary[f"{name}_added_us"] = round(added, 2)
         if name in clients:  # the agent was really on the path: it stamped every request
             summary[f"{name}_stamped_requests"] = stamped_requests(clients[name])
-    Console().print(table)
+    for key, (case, floor) in AGENT_KEYS.items():  # paired within each round, against drift
+        above = [value - base for value, base in zip(results[case], results[floor], strict=True)]
+        summary[key] = round(statistics.median(above), 2)
+        summary[f"{key}_spread"] = spread(above, 2)
+        table.add_row(f"{key} ({case} - {floor})", *spread_row(above, ".2f"), "")
+    summary["targets"] = {
+        f"hot_path_agent_us_at_most_{TARGET_US:g}": summary["hot_path_agent_us"] <= TARGET_US,
+        f"aio_hot_path_agent_us_at_most_{TARGET_US:g}": summary["aio_hot_path_agent_us"] <= TARGET_US,
+    }
+    Console(width=140).print(table)
     json_line(summary)
 
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from stablewatch.agents.certificates import read_pem
 from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, load_predicate
 from stablewatch.detector.service.limits import parse_rate
+from stablewatch.v1.ids import space_problem
 
 __all__ = [
     "address",
@@ -64,6 +65,15 @@ def positive_int(text: str) -> int:
     value = int(_number(text, integer=True))
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {text}")
+    return value
+
+
+def replica(text: str) -> int:
+    """A detector's replica number: the id space of its snapshots (stablewatch.v1.ids)."""
+    value = int(_number(text, integer=True))
+    problem = space_problem(value)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 

@@ -1,5 +1,16 @@
 """``stablewatch demo``: the live demo (:mod:`.live_demo`), what it found, then the pipeline's history job.
 
+First, as soon as the detectors listen, where they are: each detector's web page (where it serves
+one), gRPC API and /metrics. Last, the pipeline's ``history`` job on every system's archive, with
+Spark, in a process of its own (the command is printed, to run again by hand): what each system
+went through, and a chart with one lane per system.
+
+The output holds only what a person reads: the detectors' routine log lines (a late snapshot
+part, a hint) appear with ``--verbose`` only, and the pipeline's Spark starts quietly
+(:mod:`stablewatch.pipeline.session`). Spark runs in its own process because its JVM is started
+by a ``fork`` (PySpark's), and a fork in this process, where gRPC threads are busy, makes gRPC
+log that it skips its fork handlers.
+
 Exit status 0 when the philosophers' deadlock, the job's termination, the bank's conservation and
 a shop deadlock broken with orders completed after it were all seen (and the history job ran,
 unless ``--no-history``), 1 otherwise.
@@ -12,19 +23,37 @@ import asyncio
 import dataclasses
 import importlib.util
 import json
+import logging
 import os
+import shlex
 import shutil
+import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from rich.console import Console, Group
+from rich.logging import RichHandler
 from rich.text import Text
 
 from stablewatch.cli import arguments
 from stablewatch.cli.live_demo import SHOP_POLICY, DemoReport, call_of, calls_text, run_demo
 from stablewatch.detector.evaluation.text import plural
 
-__all__ = ["add_parser", "demo_summary", "run", "shop_breaks_lines"]
+__all__ = [
+    "PROGRESS",
+    "add_parser",
+    "demo_summary",
+    "history_arguments",
+    "run",
+    "shop_breaks_lines",
+    "verbose_logging",
+    "where_text",
+]
+
+#: Per system, the attribute whose total over its processes tells the work it did (its chart lane's
+#: line): meals eaten, tasks done, orders completed (where the shop's client reports them).
+PROGRESS = {"philosophers": "meals", "job": "done", "shop": "orders"}
 
 
 def add_parser(commands: argparse._SubParsersAction) -> None:
@@ -43,42 +72,117 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     )
     demo.add_argument("--json", action="store_true", help="no live view; print one JSON object at the end")
     demo.add_argument(
-        "--stay", action="store_true", help="keep running for the whole duration, to query the detectors meanwhile"
+        "--stay",
+        action="store_true",
+        help="once the demo is over, keep the systems, the detectors and their web pages up until Ctrl-C",
+    )
+    demo.add_argument(
+        "--verbose",
+        action="store_true",
+        help="also show the detectors' routine log (late snapshot parts, hints), at debug level",
     )
     demo.add_argument(
         "--no-history",
         action="store_true",
-        help="skip the Spark history job on the philosophers' archive at the end",
+        help="skip the Spark history job on the systems' archives at the end",
     )
 
 
 def run(args: argparse.Namespace, console: Console) -> int:
+    where: dict[str, dict[str, str | None]] = {}
+    stayed = False
+
     def ready(systems: dict[str, dict[str, str | None]]) -> None:
         """The detectors listen: say where, whole, before anything else (a JSON line with --json)."""
+        where.update(systems)
         if args.json:
             print(json.dumps({"event": "ready", "systems": systems}), flush=True)
-            return
-        for name, where in systems.items():
-            console.print(f"{name}: gRPC API {where['address']}  metrics {where['metrics']}", soft_wrap=True)
-        console.print(f"e.g. stablewatch status --detector {next(iter(systems.values()))['address']}", soft_wrap=True)
+        else:
+            console.print(where_text(systems))
 
+    def staying(report: DemoReport) -> None:
+        """The demo is over and everything stays up: what was found, and where to look, until Ctrl-C."""
+        nonlocal stayed
+        stayed = True
+        if args.json:
+            print(json.dumps({"event": "staying", "systems": where}), flush=True)
+            return
+        console.print()
+        console.print(demo_summary(report))
+        console.print("\nEverything stays up until Ctrl-C.", style="bold")
+        console.print(where_text(where))
+
+    if args.verbose:
+        verbose_logging(None if args.json else console)
     report = asyncio.run(
-        run_demo(args.duration, args.data_dir, args.out, console, live=not args.json, stay=args.stay, on_ready=ready)
+        run_demo(
+            args.duration,
+            args.data_dir,
+            args.out,
+            console,
+            live=not args.json,
+            stay=args.stay,
+            on_ready=ready,
+            on_stay=staying,
+        )
     )
     found = report.deadlock_detected and report.termination_detected and report.conservation_ok
     found = found and report.shop_breaks >= 1 and report.shop_orders_after_break > 0
-    if not args.json:
+    if not args.json and not stayed:
         console.print()
         console.print(demo_summary(report))
     if not args.no_history:
-        report.history = _history(Path(report.archives["philosophers"]), args.out / "pipeline", console, args.json)
+        report.history = _history(report.archives, args.out / "pipeline", console, args.json)
     if args.json:
         print(json.dumps(dataclasses.asdict(report)))
     return 0 if found and (args.no_history or report.history is not None) else 1
 
 
-def _history(archive: Path, out: Path, console: Console, quiet: bool) -> dict[str, object] | None:
-    """Run the pipeline's ``history`` job on `archive` with Spark (local), print its summary; None if it cannot run."""
+def where_text(systems: Mapping[str, Mapping[str, str | None]]) -> Group:
+    """Where the detectors are: every web page first (where they serve one), then the gRPC APIs and /metrics."""
+    width = max(len(name) for name in systems)
+    lines: list[Text] = []
+    pages = {name: place["web"] for name, place in systems.items() if place.get("web")}
+    if pages:
+        lines.append(Text("The detectors' web pages, live:", style="bold"))
+        lines.extend(Text(f"  {name:<{width}}  {page}") for name, page in pages.items())
+    lines.append(Text("gRPC APIs and /metrics:"))
+    for name, place in systems.items():
+        lines.append(Text(f"  {name:<{width}}  {place['address']}  {place['metrics'] or ''}".rstrip()))
+    lines.append(Text(f"e.g. stablewatch status --detector {next(iter(systems.values()))['address']}"))
+    return Group(*lines)
+
+
+def verbose_logging(console: Console | None) -> logging.Handler:
+    """Show stablewatch's log down to debug (the detectors' routine lines: a late snapshot part, a hint)
+    on `console` (above the live view), or on stderr without one. Returns the handler it added."""
+    handler: logging.Handler
+    if console is None:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    else:
+        handler = RichHandler(console=console, show_path=False, markup=False)
+    logger = logging.getLogger("stablewatch")
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    return handler
+
+
+def history_arguments(archives: Mapping[str, str], out: Path) -> list[str]:
+    """The arguments of ``stablewatch pipeline`` for the history of every system's archive, with
+    each system's :data:`PROGRESS` attribute."""
+    arguments = ["history"]
+    for name, folder in archives.items():
+        arguments += ["--archive", f"{name}={folder}"]
+    for name, attribute in PROGRESS.items():
+        if name in archives:
+            arguments += ["--progress", f"{name}={attribute}"]
+    return [*arguments, "--out", str(out)]
+
+
+def _history(archives: Mapping[str, str], out: Path, console: Console, quiet: bool) -> dict[str, object] | None:
+    """Run the pipeline's ``history`` job on every system's archive with Spark (local), in a process of
+    its own (see the module doc); print what each system went through. None if it cannot run or failed."""
     if importlib.util.find_spec("pyspark") is None:
         from stablewatch.pipeline.cli import INSTALL_HINT
 
@@ -88,21 +192,29 @@ def _history(archive: Path, out: Path, console: Console, quiet: bool) -> dict[st
         print("stablewatch: the history job needs a Java 17 or later runtime for Spark, and none is on PATH "
               "(e.g. apt-get install openjdk-17-jre-headless)", file=sys.stderr)  # fmt: skip
         return None
-    from stablewatch.pipeline.history import run_history
+    from stablewatch.pipeline.story import stories_report
 
+    arguments = history_arguments(archives, out)
+    command = f"stablewatch pipeline {shlex.join(arguments)}"
     if not quiet:
-        console.print(f"\nThe pipeline's history job on {archive}, with Spark (local):")
-    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")  # the demo's Spark stays on loopback
-    history = run_history(archive, out, None if quiet else console)
-    episodes = history.tables["deadlock_episodes"]
-    return {
-        "archive": str(archive),
-        "out": str(out),
-        "evaluated": history.evaluated,
-        "deadlock_episodes": episodes.num_rows,
-        "chart": None if history.chart is None else str(history.chart),
-        "tables": [str(path) for path in history.files],
-    }
+        console.print(
+            f"\nThe pipeline's history job on the {len(archives)} archives, with Spark (local), about a minute:"
+        )
+        console.print(Text(command, style="dim"), soft_wrap=True)
+    environment = {"SPARK_LOCAL_IP": "127.0.0.1", **os.environ}  # the demo's Spark stays on loopback
+    job = [sys.executable, "-m", "stablewatch.pipeline.cli", *arguments, "--json"]
+    done = subprocess.run(job, stdout=subprocess.PIPE, text=True, env=environment, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode != 0 or not lines:
+        print(f"stablewatch: the history job failed (exit status {done.returncode})", file=sys.stderr)
+        return None
+    history: dict[str, object] = {"command": command, **json.loads(lines[-1])}
+    if not quiet:
+        systems = history["systems"]
+        assert isinstance(systems, dict)
+        chart = history["chart"]
+        console.print(stories_report(list(systems.values()), None if chart is None else str(chart), str(out)))
+    return history
 
 
 def shop_breaks_lines(report: DemoReport) -> list[Text]:

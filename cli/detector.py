@@ -42,6 +42,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="/metrics port (%(default)s; 0: any free port, which --json reports; -1 or none: off)")  # fmt: skip
     add("--metrics-address", metavar="HOST",
         help="where /metrics listens (default: the --listen host; 127.0.0.1 keeps it on this machine)")  # fmt: skip
+    add("--web-port", type=_web_port, default=config.web_port, metavar="N",
+        help="serve the web view (the live wait-for graph, predicates, timeline) on its own port N on "
+        "the --metrics-address, with the same TLS (default: at / on the metrics port; 0: any free "
+        "port, given as \"web\" by --json)")  # fmt: skip
     add("--interval", type=arguments.interval, default=config.interval, metavar="S",
         help="seconds between scheduled snapshots (%(default)s; 0 or off: only on demand)")  # fmt: skip
     add("--jitter", type=arguments.fraction, default=config.jitter, metavar="F",
@@ -71,8 +75,13 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="with --archive: write a batch once N snapshots wait (%(default)s)")  # fmt: skip
     add("--archive-age", type=arguments.positive, default=config.archive_age, metavar="S",
         help="with --archive: or once the oldest has waited S seconds (%(default)s)")  # fmt: skip
+    add("--replica", type=arguments.replica, default=config.replica, metavar="N",
+        help="this detector's replica number, when several run side by side over the same agents "
+        "(README: Running two detectors): each needs its own, 0 to 127; its snapshot ids never "
+        "collide with the others' (%(default)s)")  # fmt: skip
     add("--json", action="store_true",
-        help='print {"event": "ready", "address": ..., "metrics": ...} (the ports it bound) when serving')  # fmt: skip
+        help='print {"event": "ready", "address": ..., "metrics": ..., "web": ...} (what it serves where) '
+        "when ready")  # fmt: skip
     resolve = detector.add_argument_group(
         "breaking deadlocks", "end the deadlocks a snapshot proves by breaking one wait of each (DESIGN.md)"
     )
@@ -116,6 +125,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         listen=args.listen,
         metrics_port=args.metrics_port,
         metrics_address=(args.metrics_address or host).removeprefix("[").removesuffix("]"),
+        web_port=args.web_port,
         interval=args.interval,
         jitter=args.jitter,
         deadline=args.deadline,
@@ -144,6 +154,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         resolve=args.resolve,
         report_timeout=args.report_timeout,
         hints=args.hints,
+        replica=args.replica,
     )
     detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
     try:
@@ -154,6 +165,14 @@ def run(args: argparse.Namespace, console: Console) -> int:
     except KeyboardInterrupt:  # while starting, or a second Ctrl-C while stopping
         return EXIT_INTERRUPTED
     return 0
+
+
+def _web_port(text: str) -> int:
+    """--web-port: a port 0-65535 (0: any free one)."""
+    port = arguments.metrics_port(text)
+    if port is None:
+        raise argparse.ArgumentTypeError(f"expected a port 0-65535, not {text} (leave it out: on the metrics port)")
+    return port
 
 
 class _CannotStart(Exception):
@@ -185,8 +204,10 @@ async def _serve(detector: Detector, as_json: bool) -> None:
         raise
     log.info("gRPC (agent control, query API, health, reflection) on %s", detector.address)
     log.info("metrics on %s", detector.metrics_url or "nothing: /metrics is off")
+    log.info("web view on %s", detector.web_url or "nothing: neither a metrics port nor --web-port")
     if as_json:
-        print(json.dumps({"event": "ready", "address": detector.address, "metrics": detector.metrics_url}), flush=True)
+        urls = {"metrics": detector.metrics_url, "web": detector.web_url}
+        print(json.dumps({"event": "ready", "address": detector.address, **urls}), flush=True)
     await stop.wait()
     for signum in (signal.SIGINT, signal.SIGTERM):  # a second signal ends the process at once
         loop.remove_signal_handler(signum)

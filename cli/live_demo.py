@@ -20,11 +20,13 @@ its edges) to that ``ABORTED``, and the orders the client completed by then and 
 
 Every service is its own OS process (``stablewatch.examples``), embedding the agent or, for the
 shop, its gRPC interceptors; the detectors run in this process, each with its own gRPC API,
-/metrics endpoint and SQLite store. As soon as
-they listen, their addresses are printed whole (a JSON line with ``--json``). The demo ends when
-all four outcomes are seen (the bank's conservation, the philosophers' deadlock, the job's
-termination, and a shop deadlock broken with orders completed after it), or after ``duration``
-seconds, or on Ctrl-C; it stops every process it started and removes its temporary data; what it
+/metrics endpoint (and web page, where the detector serves one) and SQLite store. As soon as
+they listen, their addresses are printed whole (a JSON line with ``--json``). The demo ends
+:data:`LINGER` seconds after all four outcomes are seen (the bank's conservation, the
+philosophers' deadlock, the job's termination, and a shop deadlock broken with orders completed
+after it: the archive then shows each system after its outcome too), or after ``duration``
+seconds, or on Ctrl-C. With ``stay``, the systems and their detectors then stay up (their web pages
+too) until Ctrl-C. It stops every process it started and removes its temporary data; what it
 leaves is in the output folder: the wait-for graph of the philosophers' deadlock (DOT, and PNG when
 Graphviz is installed) and the Parquet archive of every finished snapshot, one per system
 (``archive/<system>``, replaced on every run), which the pipeline's jobs read. The ``demo``
@@ -79,6 +81,8 @@ BOOKS_EVERY = 0.5  # seconds between reads of the shop's books once a deadlock w
 BREAK_LINES = 3  # the latest breaks the live view shows under the shop
 VICTIM_TEXT = "stablewatch broke"  # in the details of the ABORTED a victim's caller sees
 VICTIM_SNAPSHOT = re.compile(r"proven by snapshot (\d+)")
+LINGER = 2.0  # seconds the demo goes on once every outcome was seen, so its history shows what came after
+JOB_WORK_MS = "80"  # at most per task: the job runs for a few seconds, long enough to be seen running
 
 
 @dataclass
@@ -282,7 +286,7 @@ class DemoReport:
     shop_break_report_ms: float | None = None  # from the detector sending that break to the agent's report
     shop_orders_at_break: int | None = None  # orders the client completed by the victim's ABORTED
     shop_orders_after_break: int = 0  # orders the client completed after it
-    history: dict[str, object] | None = None  # the pipeline's history job on the philosophers' archive
+    history: dict[str, object] | None = None  # the pipeline's history job on every system's archive
 
 
 async def run_demo(
@@ -293,12 +297,14 @@ async def run_demo(
     live: bool,
     stay: bool = False,
     on_ready: Callable[[dict[str, dict[str, str | None]]], None] | None = None,
+    on_stay: Callable[[DemoReport], None] | None = None,
 ) -> DemoReport:
     """Run the demo for at most ``duration`` seconds; see the module docstring.
 
-    ``on_ready`` gets every system's gRPC address and /metrics URL as soon as the detectors
-    listen. With ``stay`` it runs the whole ``duration`` (or until Ctrl-C) even once everything
-    is seen, so the detectors can be queried meanwhile (``stablewatch status --detector ...``).
+    ``on_ready`` gets every system's web page (None where the detector serves none), gRPC address
+    and /metrics URL as soon as the detectors listen. With ``stay``, once the demo is over (all
+    seen or ``duration`` passed, not Ctrl-C) ``on_stay`` gets its report, and everything stays up
+    until Ctrl-C (or SIGTERM), so the detectors and their web pages can be visited meanwhile.
     """
     temporary = data_dir is None
     work = Path(tempfile.mkdtemp(prefix="stablewatch-demo-")) if data_dir is None else data_dir
@@ -313,7 +319,14 @@ async def run_demo(
         _system(
             "philosophers", "philosophers", SEATS, ["--seats", ",".join(SEATS), "--deadlock-after", "3"], work, archives
         ),
-        _system("job", "job", WORKERS, ["--workers", ",".join(WORKERS), "--tasks", "30"], work, archives),
+        _system(
+            "job",
+            "job",
+            WORKERS,
+            ["--workers", ",".join(WORKERS), "--tasks", "30", "--work-ms", JOB_WORK_MS],
+            work,
+            archives,
+        ),
         _system("shop", "shop", list(SHOP), [], work, archives, resolve=SHOP_POLICY),
     ]
     started = time.monotonic()
@@ -327,18 +340,23 @@ async def run_demo(
         for system in systems:
             await system.detector.start()
         if on_ready is not None:
-            on_ready({s.name: {"address": s.detector.address, "metrics": s.detector.metrics_url} for s in systems})
+            on_ready({s.name: _where(s.detector) for s in systems})
         for system in systems:
             watchers.append(asyncio.ensure_future(_follow(system, started)))
             await _launch(system, work)
             if system.breaks is not None:
                 watchers.append(asyncio.ensure_future(_read_books(system)))
-        await _show(systems, started, duration, stop, console, live, stay)
+        await _show(systems, started, duration, stop, console, live)
         seconds = time.monotonic() - started
+        await _read_books_last(systems[-1])
+        report = _report(systems, seconds, out_dir, None if temporary else work)
+        if stay and not stop.is_set():
+            if on_stay is not None:
+                on_stay(report)
+            await stop.wait()
         for task in watchers:
             task.cancel()
-        await _stop_shop(systems[-1])
-        report = _report(systems, seconds, out_dir, None if temporary else work)
+        report.shop_stopped = await _stop_shop(systems[-1])
     finally:
         for task in watchers:
             task.cancel()
@@ -425,19 +443,30 @@ async def _read_once(system: _System) -> None:
     breaks.read(books)
 
 
-async def _stop_shop(system: _System) -> None:
-    """Read the shop's books one last time, then stop its processes."""
-    if system.shop is None:
+async def _read_books_last(system: _System) -> None:
+    """Read the shop's books one last time, for the report."""
+    if system.shop is None or system.breaks is None:
         return
-    if system.breaks is not None:
-        # Every break the store holds, oldest first: the final word on each, even one whose
-        # watch event had not been read yet.
-        for resolution in reversed(system.detector.store.resolutions(100_000)):
-            system.breaks.seen(resolution)
-        if system.breaks.first is not None:
-            await _read_once(system)
+    # Every break the store holds, oldest first: the final word on each, even one whose
+    # watch event had not been read yet.
+    for resolution in reversed(system.detector.store.resolutions(100_000)):
+        system.breaks.seen(resolution)
+    if system.breaks.first is not None:
+        await _read_once(system)
+
+
+async def _stop_shop(system: _System) -> bool:
+    """Stop the shop's processes; whether they all exited on SIGTERM (none had to be killed)."""
+    if system.shop is None:
+        return False
     codes = await asyncio.to_thread(system.shop.stop)
     system.stopped_cleanly = bool(codes) and all(code is not None for code in codes.values())
+    return system.stopped_cleanly
+
+
+def _where(detector: Detector) -> dict[str, str | None]:
+    """Where a detector listens: its web page (None when it serves none), gRPC API and /metrics."""
+    return {"web": detector.web_url, "address": detector.address, "metrics": detector.metrics_url}
 
 
 def calls_text(calls: Sequence[dict[str, str]]) -> str:
@@ -470,13 +499,17 @@ async def _show(
     stop: asyncio.Event,
     console: Console,
     live: bool,
-    stay: bool,
 ) -> None:
-    """Refresh the live view until every outcome is seen, time is up, or Ctrl-C."""
+    """Refresh the live view until every outcome was seen :data:`LINGER` seconds ago, time is up, or Ctrl-C."""
     deadline = started + duration
+    all_seen: float | None = None  # when every outcome was first seen
     view = Live(_view(systems, started, duration), console=console, refresh_per_second=4) if live else None
     with view if view is not None else contextlib.nullcontext():
-        while not stop.is_set() and time.monotonic() < deadline and (stay or not _done(systems)):
+        while not stop.is_set() and time.monotonic() < deadline:
+            if all_seen is None and _done(systems):
+                all_seen = time.monotonic()
+            if all_seen is not None and time.monotonic() >= all_seen + LINGER:
+                break
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.25)
             if view is not None:

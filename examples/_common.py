@@ -67,7 +67,11 @@ def service_parser(example: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument(
         "--peers-dir", required=True, type=Path, help="folder where processes publish their addresses (<id>.addr)"
     )
-    parser.add_argument("--detector", metavar="HOST:PORT", help="the detector's control address")
+    parser.add_argument(
+        "--detector",
+        metavar="HOST:PORT",
+        help="the detector's control address; several, separated by commas, when detectors run side by side",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the random choices (default 0)")
     parser.add_argument("--duration", type=float, help="seconds to run (default: until SIGTERM or SIGINT)")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")

@@ -19,13 +19,24 @@ message that causes them (``add_wait`` when the request leaves, ``remove_wait`` 
 that receives the fork), so a snapshot shows a wait exactly while the philosopher cannot go on.
 REQUEST never releases anyone's wait, so it is sent with ``wakes=False``.
 
-The deadlock. Thinking takes 10–50 ms and eating 10–30 ms, so the table runs normally at first (the
-classic protocol can deadlock by chance at any time, but seldom does at this pace). After
-``--deadlock-after`` seconds (default 3; negative: never forced) a philosopher stops putting its
-left fork down: once it has taken its left fork it keeps it and, after each meal, asks again for
-the right one. Every philosopher soon holds its left fork and waits on its right neighbour, which
-never grants: the wait-for graph has the cycle ``P0 -> P1 -> ... -> Pn-1 -> P0`` with no fork in
-flight along it, and the detector reports it (and it stays reported: deadlock is stable).
+The deadlock. Thinking takes 50–150 ms and eating 10–30 ms, so the table runs normally at first.
+(The classic protocol can deadlock by chance at any time, but seldom does at this pace: that takes
+all five holding their left fork at once, each waiting for its right neighbour's reply, while a
+philosopher spends most of its time thinking, even when a loaded machine delays the replies. It
+is likeliest when everyone gets hungry at once, so seat ``i`` sits down ``i`` ×
+:data:`SIT_DOWN_STEP` after seat 0.) After ``--deadlock-after`` seconds (default 3; negative: never
+forced) a philosopher stops putting its left fork down: once it has taken its left fork it keeps
+it and, after each meal, asks again for the right one. Every philosopher soon holds its left fork
+and waits on its right neighbour, which never grants: the wait-for graph has the cycle ``P0 -> P1
+-> ... -> Pn-1 -> P0`` with no fork in flight along it, and the detector reports it (and it stays
+reported: deadlock is stable).
+
+When the table sits down. Watched by a detector (``--detector``), a philosopher sits down to eat
+only once it records its first snapshot (or after :data:`FIRST_LOOK` seconds without one), and
+counts the ``--deadlock-after`` seconds from then: the detector's first snapshot sees the table
+before anyone is hungry and the next ones see it eating, however long the processes took to start
+and attach. Without a detector, it sits down once its neighbours are known.
+
 Attributes ``meals`` (meals eaten) and ``greedy`` show progress.
 
 Run five philosophers against a detector::
@@ -40,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import sys
 
@@ -52,6 +64,7 @@ from stablewatch.examples._common import (
     service_parser,
     service_rng,
 )
+from stablewatch.v1 import LocalSnapshotPart
 
 __all__ = ["Philosopher", "main"]
 
@@ -62,9 +75,11 @@ GRANT = b"grant"  # the receiver's right fork, lent
 RETURN = b"return"  # the receiver's left fork, given back
 _FORK = {"forks": 1}
 
-THINK = (0.010, 0.050)  # seconds
+THINK = (0.050, 0.150)  # seconds: long beside eating and a reply's delay, so no deadlock by chance
 EAT = (0.010, 0.030)
 STUCK_AFTER = 1.0  # seconds of waiting before the philosopher says it is stuck
+FIRST_LOOK = 10.0  # seconds a watched philosopher waits for its first snapshot before sitting down anyway
+SIT_DOWN_STEP = 0.25  # seconds between two seats sitting down: not everyone hungry at once, nor on new channels
 
 
 class Philosopher:
@@ -78,6 +93,7 @@ class Philosopher:
         self.seats = seats
         self.left = seats[me - 1]  # shares our left fork; we lend it to them
         self.right = seats[(me + 1) % len(seats)]  # owns our right fork; we borrow it
+        self.sits_down_after = me * SIT_DOWN_STEP  # seconds after the table is looked at
         self.rng = service_rng(args, "table")
         self.deadlock_after: float = args.deadlock_after
         self.fork_home = True  # our left fork is here (not lent to the left neighbour)
@@ -89,10 +105,14 @@ class Philosopher:
         self.meals = 0
         self._wait: int | None = None  # the registered wait's token
         self._ready = asyncio.Event()  # both forks in hand
+        self._watched = args.detector is not None  # it sits down at its first snapshot
+        self._looked_at = asyncio.Event()  # it recorded a snapshot
+        self._clock_from: float | None = None  # when it sat down: the --deadlock-after clock (loop time)
         agent.state.set_counter("forks", 1)
         agent.state.set_attribute("meals", 0)
         agent.state.set_attribute("greedy", False)
         agent.on_message(self.on_message)
+        agent.on_part(self._recorded)
 
     # -- the synchronous steps ----------------------------------------------------------------------
 
@@ -161,19 +181,33 @@ class Philosopher:
         else:
             log.warning("unknown message %r from %s", kind, src)
 
+    def _recorded(self, part: LocalSnapshotPart) -> None:
+        """A snapshot part of ours went to the detector (handed over on the agent's loop)."""
+        self._looked_at.set()
+
+    def _greedy_now(self, now: float) -> bool:
+        """Whether --deadlock-after seconds have passed on the greedy clock (never when negative)."""
+        if self.deadlock_after < 0 or self._clock_from is None:
+            return False
+        return now >= self._clock_from + self.deadlock_after
+
     # -- the philosopher's life ---------------------------------------------------------------------
 
     async def run(self) -> None:
         await self.peers.wait_for_peers(s for s in self.seats if s != self.agent.process_id)
         loop = asyncio.get_running_loop()
-        greedy_at = loop.time() + self.deadlock_after if self.deadlock_after >= 0 else None
+        if self._watched:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._looked_at.wait(), FIRST_LOOK)
+        self._clock_from = loop.time()
+        await asyncio.sleep(self.sits_down_after)
         while True:
             if not self.hungry:
                 await asyncio.sleep(self.rng.uniform(*THINK))
                 self.get_hungry()
             await self._await_forks()
             await asyncio.sleep(self.rng.uniform(*EAT))
-            if not self.greedy and greedy_at is not None and loop.time() >= greedy_at:
+            if not self.greedy and self._greedy_now(loop.time()):
                 self.greedy = True
                 self.agent.state.set_attribute("greedy", True)
                 log.info("greedy from now on: keeping my left fork (after %d meals)", self.meals + 1)
@@ -201,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         "--deadlock-after",
         type=float,
         default=3.0,
-        help="seconds after which philosophers keep their left fork (default 3; negative: never)",
+        help="seconds after which philosophers keep their left fork, from the first snapshot when "
+        "watched by a detector (default 3; negative: never)",
     )
     args = parser.parse_args(argv)
     if args.id not in args.seats:

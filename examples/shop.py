@@ -65,6 +65,7 @@ from typing import Any
 import grpc
 
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.state import LocalStateKeeper
 from stablewatch.examples._common import PeerDirectory, configure_logging
 
 __all__ = [
@@ -256,6 +257,8 @@ class Shop:
         self.rng = random.Random(f"{args.seed}/{service}")
         self.rng_lock = threading.Lock()
         self.stopping = threading.Event()
+        #: The agent's local state, when there is an agent: the client reports its orders in it.
+        self.state: LocalStateKeeper | None = None
 
     def _call(self, method: str, request: bytes) -> bytes:
         with self.books.call(method):
@@ -332,6 +335,8 @@ class Shop:
             try:
                 with self.books.handling(PLACE):  # counts the Places completed
                     self._call(PLACE, f"order-{number}-{sequence}".encode())
+                if self.state is not None:  # what snapshots (and the demo's history) see of the orders
+                    self.state.set_attribute("orders", self.books.counts.get(PLACE, 0))
             except grpc.RpcError as error:
                 if self.stopping.is_set():
                     return
@@ -363,21 +368,22 @@ def _instrument(
     Callable[[grpc.Channel, str], grpc.Channel],
     Callable[[], None],
     futures.ThreadPoolExecutor,
+    LocalStateKeeper | None,
 ]:
     """This process's RPC-mode agent: its server interceptors, how a channel to a given service is
-    instrumented, how to stop it, and the server's worker pool. Without ``--detector`` there is no
-    agent: plain gRPC.
+    instrumented, how to stop it, the server's worker pool and the agent's local state. Without
+    ``--detector`` there is no agent: plain gRPC.
     """
     if args.detector is None:
         pool = futures.ThreadPoolExecutor(workers, thread_name_prefix=f"{args.service}-worker")
-        return [], lambda channel, service: channel, lambda: None, pool
+        return [], lambda channel, service: channel, lambda: None, pool, None
     agent = RpcAgent(args.service, detector=args.detector).start()
     # The lines a service adds: its worker pool from the agent (so that a request queued in a
     # deadlocked pool can be refused when stablewatch breaks it), an interceptor on its server, and
     # each channel instrumented (naming its peer).
     pool = agent.thread_pool(workers, thread_name_prefix=f"{args.service}-worker")
     server_interceptors = [agent.server_interceptor(workers=pool)]
-    return server_interceptors, agent.instrument_channel, agent.stop, pool
+    return server_interceptors, agent.instrument_channel, agent.stop, pool, agent.state
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -387,10 +393,11 @@ def serve(args: argparse.Namespace) -> int:
         signal.signal(signum, lambda *_: stop.set())
     workload = WORKLOADS[args.workload]
     workers = args.workers or workload.workers.get(args.service, 1)
-    server_interceptors, instrument_channel, stop_agent, pool = _instrument(args, workers)
+    server_interceptors, instrument_channel, stop_agent, pool, state = _instrument(args, workers)
     directory = PeerDirectory(args.peers_dir) if args.peers_dir else None
     peers = Peers(dict(args.peer), directory, instrument_channel)
     shop = Shop(args.service, args, peers)
+    shop.state = state
 
     admin = grpc.server(futures.ThreadPoolExecutor(1, thread_name_prefix="admin"))
     status = grpc.unary_unary_rpc_method_handler(lambda request, context: json.dumps(shop.books.status()).encode())
@@ -464,7 +471,12 @@ def parser() -> argparse.ArgumentParser:
         "--peer", type=_peer, action="append", default=[], metavar="SERVICE=HOST:PORT", help="a peer's address"
     )
     parser.add_argument("--peers-dir", type=Path, help="or: a folder where the services publish their addresses")
-    parser.add_argument("--detector", metavar="HOST:PORT", help="the detector's address (default: no stablewatch)")
+    parser.add_argument(
+        "--detector",
+        metavar="HOST:PORT",
+        help="the detector's address; several, separated by commas, when detectors run side by side "
+        "(default: no stablewatch)",
+    )
     parser.add_argument("--workers", type=int, help="worker threads of the server (default: the workload's)")
     parser.add_argument("--concurrency", type=int, help="the client's Places at once (default: the workload's)")
     parser.add_argument("--confirm-rate", type=_probability, help="Reserves that call back (default: the workload's)")

@@ -4,6 +4,10 @@ The same ``main`` runs under ``spark-submit`` through :mod:`.jobs`. Spark starts
 flags are parsed, and this module imports PySpark only then, so that a missing PySpark is
 reported with how to install it.
 
+``history`` reads one archive, or several systems' archives side by side (``--archive
+NAME=DIR``, repeated): then each system's tables go to ``OUT/NAME`` and the chart has one lane per
+system telling what happened to it (:func:`~stablewatch.pipeline.history.run_histories`).
+
 Exit statuses: 0 done, 1 the job failed inside Spark, 2 bad flags or bad input (the message names
 the file and the reason), 130 interrupted.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import re
 import sys
 from collections import Counter
 from collections.abc import Sequence
@@ -39,6 +44,25 @@ def _expected_total(text: str) -> tuple[str, int]:
     except ValueError:
         pass
     raise argparse.ArgumentTypeError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
+
+
+_NAME = re.compile(r"[A-Za-z0-9_.-]+")
+
+
+def _named_archive(text: str) -> tuple[str | None, Path]:
+    """``NAME=DIR`` (a system's archive) or ``DIR``: the name is a word before the first ``=``."""
+    name, sep, folder = text.partition("=")
+    if sep and _NAME.fullmatch(name) and folder:
+        return name, Path(folder)
+    return None, Path(text)
+
+
+def _named_word(text: str) -> tuple[str, str]:
+    """``NAME=ATTRIBUTE``: a system's name and one of its attributes."""
+    name, sep, word = text.partition("=")
+    if sep and _NAME.fullmatch(name) and word.strip():
+        return name, word.strip()
+    raise argparse.ArgumentTypeError(f"expected NAME=ATTRIBUTE, e.g. philosophers=meals, not {text!r}")
 
 
 def _count(text: str) -> int:
@@ -75,8 +99,18 @@ def parser() -> argparse.ArgumentParser:
         description="Analyse the detector's snapshot archive with Spark (local[*] unless spark-submit sets a master).",
     )
     jobs = top.add_subparsers(dest="job", required=True)
+    one = argparse.ArgumentParser(add_help=False)
+    one.add_argument("--archive", type=Path, required=True, metavar="DIR", help="the detector's archive folder")
+    several = argparse.ArgumentParser(add_help=False)
+    several.add_argument(
+        "--archive",
+        type=_named_archive,
+        action="append",
+        required=True,
+        metavar="[NAME=]DIR",
+        help="the detector's archive folder; repeat as NAME=DIR for several systems, one chart lane each",
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--archive", type=Path, required=True, metavar="DIR", help="the detector's archive folder")
     common.add_argument("--out", type=Path, required=True, metavar="DIR", help="where the job writes its tables")
     common.add_argument(
         "--expect",
@@ -119,14 +153,22 @@ def parser() -> argparse.ArgumentParser:
     days.add_argument("--from-day", type=_day, metavar="YYYY-MM-DD", help="first day partition to read")
     days.add_argument("--to-day", type=_day, metavar="YYYY-MM-DD", help="last day partition to read")
 
-    evaluate = jobs.add_parser("evaluate", parents=[common, days], help="every predicate for every snapshot")
+    evaluate = jobs.add_parser("evaluate", parents=[one, common, days], help="every predicate for every snapshot")
     evaluate.add_argument("--from-id", type=_count, metavar="ID", help="first snapshot id")
     evaluate.add_argument("--to-id", type=_count, metavar="ID", help="last snapshot id")
 
     history = jobs.add_parser(
         "history",
-        parents=[common, days],
+        parents=[several, common, days],
         help="deadlock episodes and the deadlocks broken, termination, drift, backlog, outcomes; a chart",
+    )
+    history.add_argument(
+        "--progress",
+        type=_named_word,
+        action="append",
+        default=[],
+        metavar="NAME=ATTRIBUTE",
+        help="the attribute whose total tells system NAME's work, drawn in its lane (e.g. philosophers=meals)",
     )
     history.add_argument(
         "--evaluations",
@@ -137,7 +179,7 @@ def parser() -> argparse.ArgumentParser:
     history.add_argument("--bucket", type=_count, default=60, metavar="S", help="backlog time buckets (%(default)s s)")
     history.add_argument("--no-chart", action="store_true", help="do not draw history.png")
 
-    follow = jobs.add_parser("follow", parents=[common], help="evaluate each new batch of snapshots as it lands")
+    follow = jobs.add_parser("follow", parents=[one, common], help="evaluate each new batch of snapshots as it lands")
     follow.add_argument("--checkpoint", type=Path, metavar="DIR", help="streaming checkpoint (default OUT/_checkpoint)")
     follow.add_argument("--once", action="store_true", help="process what is there now, then stop")
     follow.add_argument("--interval", type=_seconds, default=5.0, metavar="S", help="look for new batches every S s")
@@ -147,7 +189,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one pipeline job; returns the exit status."""
-    args = parser().parse_args(argv)
+    top = parser()
+    args = top.parse_args(argv)
+    archives = _archives(top, args)
     if importlib.util.find_spec("pyspark") is None:
         print(f"stablewatch: the pipeline needs PySpark, which is not installed: {INSTALL_HINT}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -160,7 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     console = Console()
     try:
-        check_archive(args.archive)  # before Spark starts: bad input fails fast
+        for archive in archives.values():
+            check_archive(archive)  # before Spark starts: bad input fails fast
         for spec in args.predicate:
             load_predicate(spec)
         return _JOBS[args.job](args, console)
@@ -172,6 +217,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
+
+
+def _archives(top: argparse.ArgumentParser, args: argparse.Namespace) -> dict[str, Path]:
+    """The archives on the command line, by system (a folder's own name when not named); for
+    ``history``, the flags that go with several checked (a usage error, status 2, otherwise)."""
+    if args.job != "history":
+        return {args.archive.name: args.archive}
+    found: dict[str, Path] = {}
+    for name, folder in args.archive:
+        name = name or folder.name
+        if name in found:
+            top.error(f"two archives are named {name!r}: name each one NAME=DIR")
+        found[name] = folder
+    if args.evaluations is not None and len(found) > 1:
+        top.error("--evaluations reads the evaluations of one archive, not of several systems'")
+    unknown = sorted(name for name, _ in args.progress if name not in found)
+    if unknown:
+        top.error(f"--progress names no archive's system: {', '.join(unknown)}")
+    return found
 
 
 def _fail(args: argparse.Namespace, message: str) -> None:
@@ -245,8 +309,10 @@ def _evaluate(args: argparse.Namespace, console: Console) -> int:
 def _history(args: argparse.Namespace, console: Console) -> int:
     from stablewatch.pipeline.history import run_history
 
+    if len(args.archive) > 1 or args.archive[0][0] is not None:
+        return _histories(args, console)
     history = run_history(
-        args.archive,
+        args.archive[0][1],
         args.out,
         None if args.json else console,
         **_evaluation_options(args),
@@ -269,6 +335,43 @@ def _history(args: argparse.Namespace, console: Console) -> int:
             "tables": [str(path) for path in history.files],
             "chart": None if history.chart is None else str(history.chart),
         }
+        print(json.dumps(report, default=str), flush=True)
+    return 0
+
+
+def _histories(args: argparse.Namespace, console: Console) -> int:
+    """``history`` over several systems' archives: their tables, their stories, one chart of lanes."""
+    from stablewatch.pipeline.history import run_histories
+
+    archives = {name or folder.name: folder for name, folder in args.archive}
+    found = run_histories(
+        archives,
+        args.out,
+        None if args.json else console,
+        progress=dict(args.progress),
+        chart=not args.no_chart,
+        **_evaluation_options(args),
+        evaluations=args.evaluations,
+        bucket_seconds=args.bucket,
+        first_day=args.from_day,
+        last_day=args.to_day,
+    )
+    if args.json:
+        systems = {}
+        for name, history in found.systems.items():
+            outcomes = Counter(history.tables["breaks"].column("outcome").to_pylist())
+            systems[name] = {
+                "archive": str(archives[name]),
+                "evaluated": history.evaluated,
+                "aborted": history.aborted,
+                "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
+                "termination_episodes": history.tables["termination_episodes"].num_rows,
+                "breaks": history.tables["breaks"].num_rows,
+                "deadlocks_broken": outcomes["broken"],
+                "tables": [str(path) for path in history.files],
+                **found.stories[name].as_dict(),
+            }
+        report = {"out": str(found.out), "chart": None if found.chart is None else str(found.chart), "systems": systems}
         print(json.dumps(report, default=str), flush=True)
     return 0
 

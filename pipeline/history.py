@@ -12,7 +12,9 @@
 * :func:`conservation_drift` and :func:`conservation_summary` — observed, expected and drift
   of every counter over time.
 * :func:`channel_backlog` — percentiles of the messages and bytes in flight per channel, over
-  time buckets and over the whole range; :func:`timeline` — one row per snapshot for the chart.
+  time buckets and over the whole range; :func:`timeline` — one row per snapshot for the charts,
+  with each snapshot's verdicts; :func:`attribute_totals` — each numeric attribute's total over
+  the processes, per snapshot (the work a system did: meals eaten, tasks done).
 * :func:`snapshot_outcomes` and :func:`abort_reasons` — how snapshots ended and how long they took.
 * :func:`breaks` and :func:`breaks_over_time` — the deadlocks the detector broke (the archive's
   ``resolutions`` table, empty in an archive without one): each break's victim, outcome and
@@ -20,7 +22,9 @@
   breaks; :func:`deadlock_episodes` counts the breaks of each episode.
 
 Every function is lazy; :func:`build_history` evaluates (or reads earlier evaluations), collects
-the tables (aggregates, small), writes them and draws the chart. :func:`run_history` is the job.
+the tables (aggregates, small), writes them and draws the chart. :func:`run_history` is the job;
+:func:`run_histories` runs it on several systems' archives and draws one chart with a lane per
+system, each telling the system's story (:mod:`.story`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -38,17 +43,20 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from rich.console import Console
 
 from stablewatch.detector.evaluation import Verdict
-from stablewatch.pipeline.chart import draw_history
+from stablewatch.pipeline.chart import draw_history, draw_lanes
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, write_evaluations
 from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
 from stablewatch.pipeline.session import get_session
+from stablewatch.pipeline.story import Story, stories_report, tell
 from stablewatch.pipeline.summary import history_report
-from stablewatch.pipeline.tables import Archive, open_archive
+from stablewatch.pipeline.tables import Archive, check_archive, open_archive
 from stablewatch.pipeline.verdict import verdict
 
 __all__ = [
+    "Histories",
     "History",
     "abort_reasons",
+    "attribute_totals",
     "breaks",
     "breaks_over_time",
     "build_history",
@@ -59,6 +67,7 @@ __all__ = [
     "deadlocked_nodes",
     "episodes",
     "recurring_processes",
+    "run_histories",
     "run_history",
     "runs",
     "snapshot_outcomes",
@@ -273,35 +282,84 @@ def channel_backlog(channels: DataFrame, snapshots: DataFrame, bucket_seconds: i
 
 
 def timeline(evaluations: DataFrame, snapshots: DataFrame, channels: DataFrame) -> DataFrame:
-    """One row per completed snapshot: deadlock verdict, deadlocked processes, messages and bytes in flight.
+    """One row per completed snapshot: its verdicts, what was deadlocked, messages and bytes in flight.
 
-    Columns: ``snapshot_id, started_at, deadlock, deadlocked_processes, messages_in_flight,
-    recorded_bytes, busiest_channel_messages``.
+    Columns: ``snapshot_id, started_at, deadlock, termination, conservation, deadlocked_processes,
+    deadlocked_nodes, messages_in_flight, recorded_bytes, busiest_channel_messages``. ``deadlock``
+    and ``termination`` are those predicates' verdicts; ``conservation`` is every conserved
+    counter's at once (false when one was off, else unknown when one was undecided, else true;
+    null without any counter); ``deadlocked_nodes`` counts processes and tasks.
     """
-    deadlock = evaluations.filter(F.col("name") == "deadlock").select("snapshot_id", verdict().alias("deadlock"))
-    processes = (
+
+    def predicate(name: str) -> DataFrame:
+        return evaluations.filter(F.col("name") == name).select("snapshot_id", verdict().alias(name))
+
+    # The worst verdict over the counters: false above unknown above true.
+    rank = F.when(verdict() == Verdict.FALSE.value, 2).when(verdict() == Verdict.UNKNOWN.value, 1).otherwise(0)
+    worst = F.max(rank)
+    conservation = (
+        evaluations.filter(F.col("name").startswith("conservation("))
+        .groupBy("snapshot_id")
+        .agg(
+            F.when(worst == 2, Verdict.FALSE.value)
+            .when(worst == 1, Verdict.UNKNOWN.value)
+            .otherwise(Verdict.TRUE.value)
+            .alias("conservation")
+        )
+    )
+    deadlocked = (
         deadlocked_nodes(evaluations)
         .groupBy("snapshot_id")
-        .agg(F.countDistinct("process").alias("deadlocked_processes"))
+        .agg(
+            F.countDistinct("process").alias("deadlocked_processes"),
+            F.countDistinct("label").alias("deadlocked_nodes"),
+        )
     )
     busiest = channels.groupBy("snapshot_id").agg(F.max("recorded").alias("busiest_channel_messages"))
     completed = snapshots.filter(F.col("outcome") == "completed")
     return (
         completed.select("snapshot_id", "started_at", "messages_in_flight", "recorded_bytes")
-        .join(deadlock, "snapshot_id", "left")
-        .join(processes, "snapshot_id", "left")
+        .join(predicate("deadlock"), "snapshot_id", "left")
+        .join(predicate("termination"), "snapshot_id", "left")
+        .join(conservation, "snapshot_id", "left")
+        .join(deadlocked, "snapshot_id", "left")
         .join(busiest, "snapshot_id", "left")
-        .fillna(0, ["deadlocked_processes", "busiest_channel_messages"])
+        .fillna(0, ["deadlocked_processes", "deadlocked_nodes", "busiest_channel_messages"])
         .select(
             "snapshot_id",
             "started_at",
             "deadlock",
+            "termination",
+            "conservation",
             "deadlocked_processes",
+            "deadlocked_nodes",
             "messages_in_flight",
             "recorded_bytes",
             "busiest_channel_messages",
         )
         .orderBy("started_at", "snapshot_id")
+    )
+
+
+def attribute_totals(processes: DataFrame, snapshots: DataFrame) -> DataFrame:
+    """Each numeric attribute's total over the processes of every completed snapshot, in start order.
+
+    Columns: ``snapshot_id, started_at, attribute, total``. Attributes that are not numbers (a
+    flag, a name) are left out. One row per snapshot and attribute.
+    """
+    # Every value read as text, then as a number where it is one (true/false and text are not).
+    values = processes.filter(F.coalesce(F.col("attributes"), F.lit("")) != "").select(
+        "snapshot_id", F.explode(F.from_json("attributes", "map<string, string>")).alias("attribute", "value")
+    )
+    numbers = values.select("snapshot_id", "attribute", F.col("value").try_cast("double").alias("value"))
+    completed = snapshots.filter(F.col("outcome") == "completed").select("snapshot_id", "started_at")
+    return (
+        numbers.filter(F.col("value").isNotNull())
+        .groupBy("snapshot_id", "attribute")
+        .agg(F.sum("value").alias("total"))
+        .join(completed, "snapshot_id")
+        .select("snapshot_id", "started_at", "attribute", "total")
+        .orderBy("attribute", "started_at", "snapshot_id")
     )
 
 
@@ -444,6 +502,7 @@ def build_history(
         "channel_backlog": channel_backlog(channels, snapshots),
         "channel_backlog_over_time": channel_backlog(channels, snapshots, bucket_seconds),
         "timeline": timeline(evaluations, snapshots, channels),
+        "attributes": attribute_totals(archive.table("processes"), snapshots),
         "snapshot_outcomes": snapshot_outcomes(snapshots),
         "abort_reasons": abort_reasons(snapshots),
         "breaks": found,
@@ -513,3 +572,49 @@ def run_history(
     if console is not None:
         console.print(history_report(history))
     return history
+
+
+@dataclass
+class Histories:
+    """The history of several systems: each one's :class:`History` and :class:`~.story.Story`, one chart."""
+
+    systems: dict[str, History]
+    stories: dict[str, Story]
+    out: Path
+    chart: Path | None = None
+
+
+def run_histories(
+    archives: Mapping[str, Path],
+    out: Path,
+    console: Console | None = None,
+    *,
+    progress: Mapping[str, str] | None = None,
+    chart: bool = True,
+    spark: SparkSession | None = None,
+    **options: Any,
+) -> Histories:
+    """The ``history`` job on several systems' archives (system name -> archive folder), one after the other.
+
+    Each system's tables go to ``out/<system>`` (as :func:`run_history` writes them, without its
+    chart); ``out/history.png`` has one lane per system, in the order given, and `console` (when
+    given) gets each system's story. `progress` names, per system, the attribute whose total tells
+    its work (e.g. ``meals``). `options` are :func:`run_history`'s. Every archive is checked before
+    any work: ArchiveError (naming the folder) for one that is not an archive.
+    """
+    for archive in archives.values():
+        check_archive(Path(archive))
+    progress = progress or {}
+    out = Path(out)
+    systems = {
+        name: run_history(Path(archive), out / name, None, chart=False, spark=spark, **options)
+        for name, archive in archives.items()
+    }
+    stories = {name: tell(name, history.tables, progress.get(name)) for name, history in systems.items()}
+    histories = Histories(systems, stories, out)
+    if chart:
+        histories.chart = draw_lanes(list(stories.values()), out / "history.png")
+    if console is not None:
+        rows = [story.as_dict() for story in stories.values()]
+        console.print(stories_report(rows, None if histories.chart is None else str(histories.chart), str(out)))
+    return histories

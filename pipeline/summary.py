@@ -15,6 +15,7 @@ from rich.text import Text
 
 from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.evaluation.text import plural
+from stablewatch.pipeline.story import duration_text
 
 __all__ = ["ReportedHistory", "evaluate_report", "history_report"]
 
@@ -46,13 +47,8 @@ def _when(moment: datetime | None) -> str:
 
 
 def _duration(seconds: float | None) -> str:
-    if seconds is None:
-        return "—"
-    if seconds < 120:
-        return f"{seconds:.0f} s"
-    if seconds < 7200:
-        return f"{seconds / 60:.1f} min"
-    return f"{seconds / 3600:.1f} h"
+    """A duration to read, in milliseconds below a second (a snapshot takes a few): never ``0 s``."""
+    return "—" if seconds is None else duration_text(seconds)
 
 
 def _terminated(terminations: list[dict[str, Any]]) -> str:
@@ -71,10 +67,14 @@ def _names(names: Sequence[str] | None, shown: int = 6) -> str:
     return ", ".join(names[:shown]) + (f", … ({len(names) - shown} more)" if len(names) > shown else "")
 
 
+#: Columns whose cells are never cut nor wrapped: snapshot ids are read whole.
+_WHOLE = frozenset({"snapshots", "snapshot"})
+
+
 def _table(title: str, columns: Sequence[str], rows: list[list[Any]], total: int) -> Table:
     table = Table(title=title if total <= len(rows) else f"{title} ({len(rows)} of {total})", title_justify="left")
     for column in columns:
-        table.add_column(column)
+        table.add_column(column, no_wrap=column in _WHOLE)
     for row in rows:
         table.add_row(*(str(cell) for cell in row))
     return table
@@ -184,7 +184,7 @@ def _deadlock_tables(
                 f"{_when(e['began_after'])} → {_when(e['began_at'])}",
                 "ongoing" if e["ongoing"] else _when(e["ended_at"]),
                 _duration(e["duration_seconds"]),
-                f"{e['first_snapshot_id']}..{e['last_snapshot_id']} ({e['snapshots']})",
+                f"{e['first_snapshot_id']}..\n{e['last_snapshot_id']} ({e['snapshots']})",  # one id a line
                 _names(e["processes"]),
                 _names(e["tasks"]),
                 *([f"{e.get('broken') or 0} of {e.get('breaks') or 0}"] if with_breaks else []),

@@ -3,9 +3,15 @@
     python -P -m stablewatch.testing.deadlock_node --id A --peer B --kind asyncio --detector HOST:PORT
 
 Each process prints one JSON line per event on stdout and takes commands on stdin, one JSON
-object a line: ``{"cmd": "peers", "peers": {"B": "127.0.0.1:1234"}}``, ``{"cmd": "go"}`` and
-``{"cmd": "exit"}``. Events: ``ready`` (with its address), ``victim`` (the ``DeadlockVictim`` it
-got, with its message and instance), ``done`` (its work completed) and ``stopped``.
+object a line: ``{"cmd": "peers", "peers": {"B": "127.0.0.1:1234"}}``, ``{"cmd": "hold"}``,
+``{"cmd": "go"}``, ``{"cmd": "metrics", "samples": {"key": ["sample_name", {"label": "value"}]}}``
+and ``{"cmd": "exit"}``. Events: ``ready`` (with its address), ``holding``, ``victim`` (the
+``DeadlockVictim`` it got, with its message and instance), ``done`` (its work completed),
+``metrics`` (the samples' ``values`` in its agent's registry, None for a sample it has not got) and
+``stopped``. ``hold`` makes a lock kind's service take its own lock before ``go``: once both hold
+theirs, ``go`` deadlocks them for sure (without it, a service that starts late may lend its lock
+before taking it, and the other completes without a deadlock).
+:class:`DeadlockProcess` runs one from another process (a test, a benchmark) and reads its events.
 
 The kinds of wait (``--kind``), one per way an embedded agent's wait can be broken:
 
@@ -18,19 +24,25 @@ The kinds of wait (``--kind``), one per way an embedded agent's wait can be brok
 * ``flow``: the services pass balls back and forth from their message handlers over channels with
   windows and receive queues of two, so both handlers block in ``send`` with the other's queue
   full: a flow-control deadlock. The victim's ``send`` raises ``DeadlockVictim`` (that ball is
-  kept, not sent) and from then on it keeps every ball it gets; ``done`` once all balls are at rest.
+  kept, not sent) and from then on it keeps every ball it gets (this kind has no ``done``: a later
+  snapshot without the deadlock tells it is over).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import queue
+import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, DeadlockVictim, ThreadedAgent
+from stablewatch.agents.metrics import BREAK_KINDS
 
 REQUEST = b"request"  # "give me your lock"; wakes no one
 GRANT = b"grant"  # the receiver may use the sender's lock
@@ -208,11 +220,19 @@ class DeadlockNode:
             if command["cmd"] == "peers":
                 self.peers.update(command["peers"])
                 emit(event="peers")
+            elif command["cmd"] == "hold":
+                with self.locks.mutex:
+                    self.locks.holding = True  # a request for my lock now waits until my work puts it down
+                emit(event="holding")
             elif command["cmd"] == "go":
                 if self.kind == "threaded":
                     work = asyncio.ensure_future(asyncio.to_thread(self.work_threaded))
                 else:
                     work = asyncio.ensure_future(self.work_asyncio() if self.kind == "asyncio" else self.serve_balls())
+            elif command["cmd"] == "metrics":
+                registry = self.agent.metrics.registry
+                values = {key: registry.get_sample_value(*sample) for key, sample in command["samples"].items()}
+                emit(event="metrics", values=values)
             elif command["cmd"] == "exit":
                 break
         if work is not None and self.kind != "threaded":
@@ -224,12 +244,124 @@ class DeadlockNode:
         emit(event="stopped")
 
 
+# -- running one from another process ----------------------------------------------------------------
+
+
+class DeadlockProcess:
+    """One deadlock node as an OS process: JSON commands in on stdin, JSON events out on stdout.
+
+        a = DeadlockProcess("A", "B", "asyncio", "127.0.0.1:50051,127.0.0.1:50052")
+        b = DeadlockProcess("B", "A", "asyncio", "127.0.0.1:50051,127.0.0.1:50052")
+        introduce([a, b])          # each learns the other's address
+        for node in (a, b):
+            node.command("hold")   # each takes its own lock ...
+            node.expect("holding")
+        for node in (a, b):
+            node.command("go")     # ... and asks for the other's: a resolving detector breaks one wait
+        a.expect("done")
+
+    Starting returns once the node is ready. ``events`` holds every event the node has printed so
+    far, in order, and ``expect`` waits for the next of a kind; stderr is drained into ``stderr``.
+    """
+
+    def __init__(self, process_id: str, peer: str, kind: str, detector: str) -> None:
+        self.process_id = process_id
+        command = [sys.executable, "-P", "-m", "stablewatch.testing.deadlock_node"]
+        command += ["--id", process_id, "--peer", peer, "--kind", kind, "--detector", detector]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        self.events: list[dict[str, Any]] = []
+        self.stderr: list[str] = []
+        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._drain, daemon=True).start()
+        try:
+            self.address = str(self.expect("ready", timeout=60)["address"])
+        except BaseException:
+            self.kill()
+            raise
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            event = json.loads(line)
+            self.events.append(event)
+            self._lines.put(event)
+        self._lines.put(None)
+
+    def _drain(self) -> None:
+        assert self.process.stderr is not None
+        for line in self.process.stderr:
+            self.stderr.append(line)
+
+    def command(self, cmd: str, **fields: object) -> None:
+        """Send one command (``{"cmd": cmd, **fields}``)."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
+        self.process.stdin.flush()
+
+    def expect(self, kind: str, timeout: float = 30) -> dict[str, Any]:
+        """The next event of ``kind`` (skipping others); TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                event = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise TimeoutError(f"{self.process_id}: no {kind!r} event within {timeout:g} s") from None
+            if event is None:
+                self._lines.put(None)  # the stream stays ended for later calls
+                tail = "".join(self.stderr)[-2000:]
+                raise TimeoutError(f"{self.process_id} exited ({self.process.poll()}) before a {kind!r} event: {tail}")
+            if event["event"] == kind:
+                return event
+
+    def metrics(self, samples: dict[str, tuple[str, dict[str, str]]], timeout: float = 30) -> dict[str, float | None]:
+        """The values of these samples (``{key: (sample name, labels)}``) in the node's agent's metrics."""
+        self.command("metrics", samples={key: [name, labels] for key, (name, labels) in samples.items()})
+        return self.expect("metrics", timeout)["values"]
+
+    def breaks(self) -> int:
+        """Waits its agent broke (``stablewatch_agent_breaks_total``, every kind)."""
+        samples = {kind: ("stablewatch_agent_breaks_total", {"kind": kind}) for kind in BREAK_KINDS}
+        return int(sum(value or 0 for value in self.metrics(samples).values()))
+
+    def victims(self) -> list[dict[str, Any]]:
+        """The ``victim`` events printed so far."""
+        return [event for event in list(self.events) if event["event"] == "victim"]
+
+    def kill(self) -> None:
+        """End the process at once (SIGKILL)."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+    def stop(self) -> int:
+        """End the process politely (``exit``: the agent stops), killing it if it lingers; its exit status."""
+        if self.process.poll() is None:
+            with contextlib.suppress(BrokenPipeError, OSError):
+                self.command("exit")
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.process.returncode
+
+
+def introduce(nodes: list[DeadlockProcess]) -> None:
+    """Tell each node every node's address, and wait until each has taken them."""
+    peers = {node.process_id: node.address for node in nodes}
+    for node in nodes:
+        node.command("peers", peers=peers)
+        node.expect("peers")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m stablewatch.testing.deadlock_node")
     parser.add_argument("--id", required=True)
     parser.add_argument("--peer", required=True)
     parser.add_argument("--kind", choices=("asyncio", "threaded", "flow"), required=True)
-    parser.add_argument("--detector", required=True)
+    parser.add_argument("--detector", required=True, help="the detector's address, or several separated by commas")
     asyncio.run(DeadlockNode(parser.parse_args()).run())
 
 

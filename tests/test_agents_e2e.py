@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from cuts import assert_consistent
 from detector_stub import StubDetector
 
 from stablewatch.testing.token_nodes import Node, connect_all, wait_quiet
-from stablewatch.v1 import GlobalSnapshot
 
 TOKENS = 100
 
@@ -25,15 +25,6 @@ def start_nodes() -> Iterator[callable]:
     yield start
     for node in started:
         node.stop()
-
-
-def assert_consistent(snapshot: GlobalSnapshot, total: int) -> None:
-    for channel in snapshot.channels:
-        received = channel.received_before_recording + len(channel.messages)
-        assert received == channel.sent_before_marker, f"channel {channel.src}->{channel.dst}"
-    held = sum(p.state.counters["tokens"] for p in snapshot.processes)
-    in_flight = sum(m.counters["tokens"] for c in snapshot.channels for m in c.messages)
-    assert held + in_flight == total
 
 
 def test_snapshots_during_transfers_are_consistent_and_conserve_tokens(detector: StubDetector, start_nodes) -> None:

@@ -13,23 +13,18 @@
 from __future__ import annotations
 
 import contextlib
-import json
-import queue
-import subprocess
-import sys
-import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
-from command_line import DetectorProcess, LineReader
+from command_line import DetectorProcess
 
 from polling import poll
 from stablewatch.examples.shop import ROLES, SERVICES
 from stablewatch.examples.shop_processes import ShopProcesses
-from stablewatch.v1 import query_pb2, query_pb2_grpc
+from stablewatch.testing.deadlock_node import DeadlockProcess, introduce
+from stablewatch.v1 import query_pb2
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 
 pytestmark = pytest.mark.timeout(240)
@@ -51,14 +46,6 @@ def resolving(tmp_path: Path) -> Iterator[DetectorProcess]:
     )
     yield detector
     assert detector.stop() == 0
-
-
-def resolutions(address: str) -> list[query_pb2.Resolution]:
-    with grpc.insecure_channel(address) as channel:
-        reply = query_pb2_grpc.QueryStub(channel).ListResolutions(
-            query_pb2.ListResolutionsRequest(page_size=1000), timeout=10
-        )
-    return list(reply.resolutions)
 
 
 def aborted_places(shop: ShopProcesses) -> list[dict[str, object]]:
@@ -84,7 +71,7 @@ def test_the_shops_deadlocks_are_broken_once_each_and_orders_go_on(tmp_path: Pat
         shop.stop()
         for role in ROLES:
             print(f"--- {role} ---\n{shop.log(role)[-1500:]}")
-    breaks = resolutions(resolving.address)
+    breaks = resolving.resolutions()
     broken = [r for r in breaks if r.outcome == BREAK_OUTCOME_BROKEN]
     assert len(broken) >= 3, breaks
     for resolution in broken:
@@ -106,17 +93,15 @@ def test_churn_is_never_broken(tmp_path: Path) -> None:
     shop = ShopProcesses(tmp_path / "shop", "churn", detector.address)
     try:
         shop.start()
-        with grpc.insecure_channel(detector.address) as channel:
-            query = query_pb2_grpc.QueryStub(channel)
 
-            def completed() -> int:
-                page = query.ListSnapshots(query_pb2.ListSnapshotsRequest(page_size=1000), timeout=10)
-                return sum(1 for s in page.snapshots if s.outcome == query_pb2.SNAPSHOT_OUTCOME_COMPLETED)
+        def completed() -> int:
+            page = detector.query.ListSnapshots(query_pb2.ListSnapshotsRequest(page_size=1000), timeout=10)
+            return sum(1 for s in page.snapshots if s.outcome == query_pb2.SNAPSHOT_OUTCOME_COMPLETED)
 
-            poll(lambda: completed() >= 150, "150 completed snapshots of the churning shop", timeout=120)
+        poll(lambda: completed() >= 150, "150 completed snapshots of the churning shop", timeout=120)
         shop.check_running()
         assert aborted_places(shop) == []
-        assert resolutions(detector.address) == []
+        assert detector.resolutions() == []
         assert shop.placed() > 0
     finally:
         shop.stop()
@@ -126,65 +111,24 @@ def test_churn_is_never_broken(tmp_path: Path) -> None:
 # -- embedded agents: an application wait (asyncio, threaded) and a blocked send ------------------
 
 
-class DeadlockNode:
-    """``stablewatch.testing.deadlock_node`` as an OS process, its JSON events read on a thread."""
-
-    def __init__(self, pid: str, peer: str, kind: str, detector: str) -> None:
-        command = [sys.executable, "-P", "-m", "stablewatch.testing.deadlock_node"]
-        command += ["--id", pid, "--peer", peer, "--kind", kind, "--detector", detector]
-        self.pid = pid
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.stdout = LineReader(self.process.stdout)
-        self.stderr = LineReader(self.process.stderr)
-        self.events: list[dict[str, object]] = []
-        self.address = str(self.next("ready")["address"])
-
-    def next(self, kind: str, timeout: float = 30) -> dict[str, object]:
-        """The next event of ``kind`` (earlier ones of other kinds are kept in ``events``)."""
-        deadline = time.monotonic() + timeout
-        while True:
-            line = self.stdout.next(max(0.1, deadline - time.monotonic()), lambda: "".join(self.stderr.seen))
-            event = json.loads(line)
-            self.events.append(event)
-            if event["event"] == kind:
-                return event
-
-    def command(self, **command: object) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps(command) + "\n")
-        self.process.stdin.flush()
-
-    def stop(self) -> int:
-        if self.process.poll() is None:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self.command(cmd="exit")
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        return self.process.returncode
-
-
 @contextlib.contextmanager
-def deadlocking_pair(folder: Path, kind: str) -> Iterator[tuple[DetectorProcess, list[DeadlockNode]]]:
+def deadlocking_pair(folder: Path, kind: str) -> Iterator[tuple[DetectorProcess, list[DeadlockProcess]]]:
     detector = DetectorProcess(folder / "data", "--resolve", "youngest", "--interval", "1", "--members", "A,B")
-    nodes: list[DeadlockNode] = []
+    nodes: list[DeadlockProcess] = []
     try:
-        nodes = [DeadlockNode("A", "B", kind, detector.address), DeadlockNode("B", "A", kind, detector.address)]
-        peers = {node.pid: node.address for node in nodes}
+        nodes = [DeadlockProcess("A", "B", kind, detector.address), DeadlockProcess("B", "A", kind, detector.address)]
+        introduce(nodes)
+        if kind != "flow":  # both hold their own lock first: "go" then deadlocks them for sure
+            for node in nodes:
+                node.command("hold")
+                node.expect("holding")
         for node in nodes:
-            node.command(cmd="peers", peers=peers)
-            node.next("peers")
-        for node in nodes:
-            node.command(cmd="go")
+            node.command("go")
         yield detector, nodes
     finally:
         codes = [node.stop() for node in nodes]
         for node in nodes:
-            print(f"--- {node.pid} ---\n{''.join(node.stderr.seen)[-2000:]}")
+            print(f"--- {node.process_id} ---\n{''.join(node.stderr)[-2000:]}")
         assert detector.stop() == 0
         assert codes == [0] * len(nodes), codes
 
@@ -194,13 +138,13 @@ def test_an_application_wait_of_an_embedded_agent_is_broken_and_both_complete(tm
     """Each holds its lock and waits for the other's: one wait is broken, the victim gives its lock
     away, its peer completes, then the victim asks again and completes too."""
     with deadlocking_pair(tmp_path, kind) as (detector, nodes):
-        dones = {node.pid: node.next("done", timeout=60) for node in nodes}
-        victims = [event for node in nodes for event in node.events if event["event"] == "victim"]
+        dones = {node.process_id: node.expect("done", timeout=60) for node in nodes}
+        victims = [event for node in nodes for event in node.victims()]
         assert len(victims) == 1, [node.events for node in nodes]
         (victim,) = victims
         assert victim["kind"] == kind and "stablewatch broke this wait" in str(victim["message"])
         assert set(dones) == {"A", "B"}
-        breaks = poll(lambda: resolutions(detector.address), "the break in the detector's list")
+        breaks = poll(lambda: detector.resolutions(), "the break in the detector's list")
         (broken,) = [r for r in breaks if r.outcome == BREAK_OUTCOME_BROKEN]
         assert broken.instance == victim["instance"]
         assert {(n.process, n.task) for n in broken.component} == {("A", ""), ("B", "")}
@@ -210,32 +154,17 @@ def test_a_blocked_send_in_a_flow_control_deadlock_is_broken(tmp_path: Path) -> 
     """Handlers pass balls both ways over windows of two: both block in send. The victim's send
     raises DeadlockVictim (that ball not sent), the play winds down, and no deadlock remains."""
     with deadlocking_pair(tmp_path, "flow") as (detector, nodes):
-        victim = next(event for event in _events_until_victim(nodes) if event["event"] == "victim")
+        (victim,) = poll(lambda: [event for node in nodes for event in node.victims()], "the victim", timeout=60)
         assert victim["kind"] == "flow" and "stablewatch broke this wait" in str(victim["message"])
         breaks = poll(
-            lambda: [r for r in resolutions(detector.address) if r.outcome == BREAK_OUTCOME_BROKEN],
+            lambda: [r for r in detector.resolutions() if r.outcome == BREAK_OUTCOME_BROKEN],
             "the break reported broken",
         )
         assert [r.instance for r in breaks] == [victim["instance"]]
-        with grpc.insecure_channel(detector.address) as channel:
-            query = query_pb2_grpc.QueryStub(channel)
 
-            def no_deadlock() -> bool:
-                results = query.TriggerSnapshot(query_pb2.TriggerSnapshotRequest(timeout_ms=5000), timeout=10)
-                deadlock = next(r for r in results.results if r.name == "deadlock")
-                return not deadlock.holds and not deadlock.unknown
+        def no_deadlock() -> bool:
+            results = detector.query.TriggerSnapshot(query_pb2.TriggerSnapshotRequest(timeout_ms=5000), timeout=10)
+            deadlock = next(r for r in results.results if r.name == "deadlock")
+            return not deadlock.holds and not deadlock.unknown
 
-            poll(no_deadlock, "a snapshot without a deadlock after the break", timeout=30, interval=0.2)
-
-
-def _events_until_victim(nodes: list[DeadlockNode]) -> list[dict[str, object]]:
-    """Read the nodes' events until one of them reports a victim (within a minute)."""
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        for node in nodes:
-            try:
-                node.next("victim", timeout=0.2)
-            except queue.Empty:
-                continue
-            return [event for n in nodes for event in n.events]
-    raise TimeoutError("no victim within a minute")
+        poll(no_deadlock, "a snapshot without a deadlock after the break", timeout=30, interval=0.2)

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 import pytest
 from fake_detector import FakeDetector, serve
+from pool_service import PoolService
 from rpc_harness import SERVICE, Service, call
 
 from polling import async_poll, poll, run
@@ -74,22 +75,6 @@ def order(wait: Wait, break_id: int = 1) -> BreakWait:
 
 def sample(agent: RpcAgent, name: str, labels: dict[str, str] | None = None) -> float:
     return agent.metrics.registry.get_sample_value(f"stablewatch_agent_rpc_{name}", labels or {}) or 0.0
-
-
-class PoolService:
-    """A sync gRPC server on 127.0.0.1 whose worker pool comes from its agent (``agent.thread_pool``)."""
-
-    def __init__(self, handlers: dict[str, Callable[[bytes, Any], bytes]], agent: RpcAgent, workers: int) -> None:
-        self.pool = agent.thread_pool(workers)
-        self.server = grpc.server(self.pool, interceptors=[agent.server_interceptor(workers=self.pool)])
-        methods = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in handlers.items()}
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-        self.server.start()
-
-    def stop(self) -> None:
-        self.server.stop(grace=0).wait(10)
-        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Ring:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
+from cuts import assert_consistent
 from detector_stub import SnapshotAborted, StubDetector
 
 from polling import async_poll, poll, run
@@ -60,18 +61,6 @@ def registered_incarnation(detector: StubDetector, process_id: str) -> int | Non
 
 def total_received(node: Node) -> int:
     return sum(node.stats()["received"].values())
-
-
-def assert_consistent(snapshot: GlobalSnapshot, total: int | None) -> int:
-    """The per-channel proof for every channel; tokens held + in flight (== ``total`` unless None)."""
-    for channel in snapshot.channels:
-        received = channel.received_before_recording + len(channel.messages)
-        assert received == channel.sent_before_marker, f"snapshot {snapshot.snapshot_id} {channel.src}->{channel.dst}"
-    held = sum(p.state.counters["tokens"] for p in snapshot.processes)
-    in_flight = sum(m.counters["tokens"] for c in snapshot.channels for m in c.messages)
-    if total is not None:
-        assert held + in_flight == total, f"snapshot {snapshot.snapshot_id}"
-    return held + in_flight
 
 
 def assert_clean(stats: list[dict[str, Any]], total: int | None = None) -> None:

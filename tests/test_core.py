@@ -26,6 +26,7 @@ from stablewatch.agents.core import (
 )
 from stablewatch.detector.assembly import Assembler, Completed, recorded_messages
 from stablewatch.v1 import AckPosition, GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState
+from stablewatch.v1.ids import ID_SPACES
 
 TOKENS = "tokens"
 
@@ -702,15 +703,15 @@ def test_max_recordings_must_be_positive() -> None:
 def test_after_thousands_of_finished_ids_small_ids_are_ignored_until_a_new_epoch() -> None:
     """A detector on a fresh store starts again at small ids: the new epoch makes them heard."""
     core = SnapshotCore("p", ["q"])
-    for snapshot_id in range(1000, 1000 + 5000):
-        core.finish_snapshot(snapshot_id)
+    for k in range(1000, 1000 + 5000):  # the detector of space 0: its ids are multiples of 128
+        core.finish_snapshot(k * ID_SPACES)
     assert core.remembered_snapshots == 4096
-    assert core.start_snapshot(1, now=0.0) == ()  # taken for a late start of a forgotten one
-    record(core, core.start_snapshot(6000, now=0.0))  # a running one of the old epoch
+    assert core.start_snapshot(ID_SPACES, now=0.0) == ()  # taken for a late start of a forgotten one
+    record(core, core.start_snapshot(6000 * ID_SPACES, now=0.0))  # a running one of the old epoch
     core.new_epoch()
     assert core.active_snapshots == []
     assert core.remembered_snapshots == 0
-    assert isinstance(core.start_snapshot(1, now=0.0)[0], RecordState)
+    assert isinstance(core.start_snapshot(ID_SPACES, now=0.0)[0], RecordState)
 
 
 def test_local_ids_are_a_space_of_their_own() -> None:
@@ -719,11 +720,62 @@ def test_local_ids_are_a_space_of_their_own() -> None:
     for offset in range(5000):
         core.finish_snapshot(LOCAL_ID_BASE + offset)
     record(core, core.start_snapshot(LOCAL_ID_BASE + 9000, now=0.0))
-    assert isinstance(core.start_snapshot(7, now=0.0)[0], RecordState)
-    assert only_part(core.record_state(7, LocalState())).snapshot_id == 7
+    assert isinstance(core.start_snapshot(7 * ID_SPACES, now=0.0)[0], RecordState)
+    assert only_part(core.record_state(7 * ID_SPACES, LocalState())).snapshot_id == 7 * ID_SPACES
     core.new_epoch()  # detector snapshots go; the local one stays, and so does its memory
     assert core.active_snapshots == [LOCAL_ID_BASE + 9000]
     assert core.receive_marker("q", LOCAL_ID_BASE + 4999, now=0.0) == ()
+
+
+def test_a_new_epoch_forgets_only_its_own_id_space() -> None:
+    """Detector 1 restarts on a fresh store: detector 0's snapshots, running or finished, stay."""
+    core = SnapshotCore("p", ["q"])
+    core.receive_message("q", token(b"before"))
+    for snapshot_id in (2 * ID_SPACES, 2 * ID_SPACES + 1, LOCAL_ID_BASE + 5):  # spaces 0, 1 and local
+        record(core, core.start_snapshot(snapshot_id, now=0.0), balance(1))
+    core.finish_snapshot(ID_SPACES)  # space 0
+    core.finish_snapshot(ID_SPACES + 1)  # space 1
+    core.new_epoch(1)
+    assert core.active_snapshots == [2 * ID_SPACES, LOCAL_ID_BASE + 5]
+    assert core.remembered_snapshots == 1
+    assert core.start_snapshot(ID_SPACES, now=0.0) == ()  # still finished
+    assert core.receive_marker("q", ID_SPACES, now=0.0) == ()
+    # Detector 1's old ids are heard again, as new snapshots of its new epoch.
+    assert isinstance(core.start_snapshot(ID_SPACES + 1, now=0.0)[0], RecordState)
+    part = only_part(core.record_state(ID_SPACES + 1, balance(1)))
+    assert inbound(part, "q").received_before_recording == 1
+    # Detector 0's running snapshot goes on: a message in flight, then its marker.
+    late = parts(core.receive_message("q", token(b"late")))
+    assert {p.snapshot_id: payloads(inbound(p, "q")) for p in late} == {
+        2 * ID_SPACES: [b"late"],
+        ID_SPACES + 1: [b"late"],
+        LOCAL_ID_BASE + 5: [b"late"],
+    }
+    assert core.receive_marker("q", 2 * ID_SPACES, now=0.0) == ()  # its channel closes
+    after = parts(core.receive_message("q", token(b"after")))
+    assert sorted(p.snapshot_id for p in after) == [ID_SPACES + 1, LOCAL_ID_BASE + 5]
+
+
+def test_the_forgotten_ids_memory_is_kept_per_id_space() -> None:
+    """Thousands of detector 0's ids forgotten never make detector 1's smaller ids look finished."""
+    core = SnapshotCore("p", ["q"])
+    for k in range(1000, 1000 + 5000):
+        core.finish_snapshot(k * ID_SPACES)  # space 0, far ahead of detector 1's clock
+    assert core.start_snapshot(5 * ID_SPACES, now=0.0) == ()  # below space 0's forgotten ones
+    # Detector 1's ids are far smaller, yet none of them was ever finished.
+    for k in (5, 6):
+        assert isinstance(core.start_snapshot(k * ID_SPACES + 1, now=0.0)[0], RecordState)
+        assert only_part(core.record_state(k * ID_SPACES + 1, LocalState())).snapshot_id == k * ID_SPACES + 1
+        core.finish_snapshot(k * ID_SPACES + 1)
+    # Detector 1's own finished ids, forgotten in turn, are below only in space 1.
+    for k in range(10, 10 + 5000):
+        core.finish_snapshot(k * ID_SPACES + 1)
+    assert core.start_snapshot(7 * ID_SPACES + 1, now=0.0) == ()
+    record(core, core.start_snapshot(7 * ID_SPACES + 2, now=0.0))  # space 2 never forgot anything
+    assert core.active_snapshots == [7 * ID_SPACES + 2]
+    core.new_epoch(1)  # detector 1's new store: its small ids are heard again; space 0's stay finished
+    assert core.start_snapshot(5 * ID_SPACES, now=0.0) == ()
+    assert isinstance(core.start_snapshot(7 * ID_SPACES + 1, now=0.0)[0], RecordState)
 
 
 # -- messages that arrived but were not received yet ---------------------------------------------

@@ -1,44 +1,113 @@
 """`stablewatch demo`: real services in their own processes, four detectors, four outcomes (the
-shop's deadlock broken, and orders completing after it); what the demo reads in the shop's books."""
+shop's deadlock broken, and orders completing after it), each system's history told by Spark;
+what the demo reads in the shop's books; a quiet output."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
+import urllib.request
 from pathlib import Path
+from typing import IO
 
 import pytest
+from rich.console import Console
 
-from stablewatch.cli.demo import shop_breaks_lines
+from polling import poll
+from stablewatch.cli.demo import history_arguments, shop_breaks_lines, verbose_logging, where_text
 from stablewatch.cli.live_demo import DemoReport, ShopBreaks, call_of, write_graph
+from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import evaluate
+from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.examples.shop import CHARGE, CONFIRM, PLACE, RESERVE, SERVICES
 from stablewatch.v1 import GlobalSnapshot, LocalState, ProcessSnapshot, Wait, WaitNode
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 from stablewatch.v1.query_pb2 import Resolution
 
 PNG_MAGIC = b"\x89PNG"
+#: What a new user must not have to ignore in the demo's output: gRPC's note when Spark's JVM is
+#: forked, Java's warning of the incubating vector module Spark 4 adds, a detector's routine
+#: rejection of a late snapshot part.
+NOISE = ("fork_posix.cc", "skipping fork() handlers", "Using incubator modules", "rejected a snapshot part")
+
+
+class Output:
+    """A child's output read as it comes, line by line (stdout) and whole (stderr), by two threads."""
+
+    def __init__(self, process: subprocess.Popen[str]) -> None:
+        assert process.stdout is not None and process.stderr is not None
+        self.lines: list[str] = []
+        self.errors: list[str] = []
+        self._threads = [
+            threading.Thread(target=self._read, args=(process.stdout, self.lines), daemon=True),
+            threading.Thread(target=self._read, args=(process.stderr, self.errors), daemon=True),
+        ]
+        for thread in self._threads:
+            thread.start()
+
+    @staticmethod
+    def _read(stream: IO[str], into: list[str]) -> None:
+        for line in stream:
+            into.append(line)
+
+    def event(self, name: str) -> dict[str, object] | None:
+        """The first JSON line of event `name` printed so far."""
+        for line in list(self.lines):
+            if line.startswith("{") and json.loads(line).get("event") == name:
+                return json.loads(line)
+        return None
+
+    def join(self) -> None:
+        for thread in self._threads:
+            thread.join(timeout=30)
+
+
+def _get(url: str) -> int:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        response.read()
+        return response.status
 
 
 def test_demo_reports_the_deadlocks_the_break_termination_and_conservation(tmp_path: Path) -> None:
     script = Path(sys.executable).with_name("stablewatch")
     out = tmp_path / "out"
-    run = subprocess.run(
-        [str(script), "demo", "--duration", "90", "--json", "--data-dir", str(tmp_path / "data"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=360,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    lines = run.stdout.strip().splitlines()
-    # The addresses come first, whole, as soon as the detectors listen.
-    ready = json.loads(lines[0])
-    assert ready["event"] == "ready"
-    assert set(ready["systems"]) == {"bank", "philosophers", "job", "shop"}
-    assert all(s["address"].startswith("127.0.0.1:") for s in ready["systems"].values())
+    command = [str(script), "demo", "--duration", "90", "--json", "--stay"]
+    command += ["--data-dir", str(tmp_path / "data"), "--out", str(out)]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    output = Output(process)
+    try:
+        # The addresses come first, whole, as soon as the detectors listen: each web page first.
+        ready = poll(lambda: output.event("ready"), "the detectors' addresses", timeout=60, interval=0.1)
+        assert output.lines[0].startswith('{"event": "ready"')
+        systems = ready["systems"]
+        assert isinstance(systems, dict) and list(systems) == ["bank", "philosophers", "job", "shop"]
+        assert all(s["address"].startswith("127.0.0.1:") for s in systems.values())
+        # --stay: once the demo is over, everything stays up, the web pages too, until Ctrl-C.
+        poll(lambda: output.event("staying"), "the demo to be over and stay up", timeout=120, interval=0.1)
+        for where in systems.values():
+            assert where["web"].startswith("http://127.0.0.1:"), where
+            assert _get(where["web"]) == 200
+            assert _get(where["metrics"]) == 200
+        assert process.poll() is None
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=360) == 0, "".join(output.errors)[-3000:]
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait(timeout=30)
+        output.join()
+    # Quiet: none of the libraries' noise (nor the detectors' routine lines) on the demo's output.
+    errors = "".join(output.errors)
+    for noise in NOISE:
+        assert noise not in errors and noise not in "".join(output.lines), errors[-3000:]
+    lines = [line.strip() for line in output.lines]
     report = json.loads(lines[-1])
     assert report["deadlock_detected"] is True
     assert sorted(report["deadlock_cycle"]) == ["P0", "P1", "P2", "P3", "P4"]
@@ -77,7 +146,7 @@ def test_demo_reports_the_deadlocks_the_break_termination_and_conservation(tmp_p
         assert Path(report["graph_png"]).read_bytes().startswith(PNG_MAGIC)
     else:
         assert report["graph_png"] is None
-    # Every finished snapshot is archived, and the Spark history job ran on the philosophers' archive.
+    # Every finished snapshot is archived, and the Spark history job ran on every system's archive.
     assert set(report["archives"]) == {"bank", "philosophers", "job", "shop"}
     check = subprocess.run(
         [str(script), "archive", "check", "--archive", report["archives"]["bank"], "--json"],
@@ -87,11 +156,28 @@ def test_demo_reports_the_deadlocks_the_break_termination_and_conservation(tmp_p
     )
     assert check.returncode == 0, check.stderr
     history = report["history"]
-    assert history["archive"] == report["archives"]["philosophers"]
-    assert history["evaluated"] >= 5
-    assert history["deadlock_episodes"] == 1  # the philosophers deadlock once, for good
+    assert history["command"].startswith(f"stablewatch pipeline history --archive bank={out}/archive/bank ")
+    told = history["systems"]
+    assert list(told) == ["bank", "philosophers", "job", "shop"]  # the chart's lanes, top to bottom
+    assert all(told[name]["archive"] == report["archives"][name] for name in told)
+    states = {name: [phase["state"] for phase in system["phases"]] for name, system in told.items()}
+    # Each system's story, from its first snapshot: the bank's tokens conserved throughout...
+    assert states["bank"] == ["running"], told["bank"]["sentence"]
+    assert "tokens = 3000 conserved in all" in told["bank"]["sentence"]
+    # ...the philosophers eating (seen eating in several snapshots), then deadlocked for good...
+    assert states["philosophers"] == ["running", "deadlocked"], told["philosophers"]["sentence"]
+    assert told["philosophers"]["phases"][0]["snapshots"] >= 5
+    assert re.search(r"\(meals \d+ → \d+\)", told["philosophers"]["sentence"])
+    assert told["philosophers"]["deadlock_episodes"] == 1
+    # ...the job running, then terminated...
+    assert states["job"] == ["running", "terminated"], told["job"]["sentence"]
+    assert re.search(r"\(done \d+ → 156\)", told["job"]["sentence"])  # every task of the job
+    # ...and the shop deadlocked, broken, going on and deadlocking anew.
+    assert states["shop"].count("deadlocked") >= 2 and "running" in states["shop"][1:], told["shop"]["sentence"]
+    assert told["shop"]["deadlocks_broken"] >= 1
+    assert Path(history["chart"]) == out / "pipeline" / "history.png"
     assert Path(history["chart"]).read_bytes().startswith(PNG_MAGIC)
-    assert all(Path(table).exists() for table in history["tables"])
+    assert all(Path(table).exists() for system in told.values() for table in system["tables"])
     # Termination is reported only after the job's own predicate says every task is done.
     job = report["systems"]["job"]["first_seen_seconds"]
     assert job["all_tasks_done"] <= job["termination"]
@@ -268,3 +354,58 @@ def test_the_summary_tells_how_the_shop_deadlock_was_broken() -> None:
 def test_the_summary_says_when_no_shop_deadlock_was_broken() -> None:
     text = "\n".join(line.plain for line in shop_breaks_lines(_shop_report()))
     assert text == "  its detector (--resolve youngest) broke no deadlock in time"
+
+
+# -- the demo's output ------------------------------------------------------------------------------
+
+
+def test_the_web_pages_come_first() -> None:
+    def at(port: int, web: bool = True) -> dict[str, str | None]:
+        return {
+            "web": f"http://127.0.0.1:{port}/" if web else None,
+            "address": f"127.0.0.1:{port + 1}",
+            "metrics": f"http://127.0.0.1:{port}/metrics",
+        }
+
+    console = Console(record=True, width=100)
+    console.print(where_text({"bank": at(8000), "philosophers": at(8010)}))
+    lines = console.export_text().splitlines()
+    assert lines[:3] == [
+        "The detectors' web pages, live:",
+        "  bank          http://127.0.0.1:8000/",
+        "  philosophers  http://127.0.0.1:8010/",
+    ]
+    assert "  philosophers  127.0.0.1:8011  http://127.0.0.1:8010/metrics" in lines
+    console = Console(record=True, width=100)
+    console.print(where_text({"bank": at(8000, web=False)}))  # a detector that serves no page
+    assert console.export_text().splitlines()[0] == "gRPC APIs and /metrics:"
+
+
+def test_the_history_covers_every_system_with_its_work() -> None:
+    archives = {name: f"out/archive/{name}" for name in ("bank", "philosophers", "job", "shop")}
+    assert history_arguments(archives, Path("out/pipeline")) == [
+        "history",
+        *("--archive", "bank=out/archive/bank", "--archive", "philosophers=out/archive/philosophers"),
+        *("--archive", "job=out/archive/job", "--archive", "shop=out/archive/shop"),
+        *("--progress", "philosophers=meals", "--progress", "job=done", "--progress", "shop=orders"),
+        *("--out", "out/pipeline"),
+    ]
+
+
+def test_late_parts_are_logged_only_with_verbose(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A detector's rejection of a late part is counted in its metrics; the demo shows it with --verbose only."""
+    detector = Detector(DetectorConfig(data_dir=tmp_path / "data"))
+    late = PartRejected("late", "snapshot 7 already finished")
+    detector._rejected(late)  # what the demo's detectors do with one, without --verbose
+    assert capsys.readouterr().err == ""
+    console = Console(record=True, width=200)
+    handler = verbose_logging(console)
+    try:
+        detector._rejected(late)
+    finally:
+        logger = logging.getLogger("stablewatch")
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert "rejected a snapshot part: late: snapshot 7 already finished" in console.export_text()
+    counted = detector.metrics.registry.get_sample_value("stablewatch_rejected_parts_total", {"reason": "late"})
+    assert counted == 2

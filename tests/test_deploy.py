@@ -2,7 +2,15 @@
 
 The metric names are taken from the real code (``DetectorMetrics`` and ``AgentMetrics``), so a
 renamed metric breaks this test instead of silently breaking an alert or a dashboard panel. The
-alert rules' behaviour is tested by ``promtool test rules`` when promtool is on PATH.
+alert rules' behaviour is tested by ``promtool test rules`` when promtool is on PATH, and the
+Alertmanager configuration by ``amtool check-config`` when amtool is (tests/test_alertmanager.py
+runs it for real).
+
+Both deployments run two detectors side by side (replicas 0 and 1): the compose file and the
+Kubernetes StatefulSet must start each with its own ``--replica`` and store, and Prometheus must
+label each target with its replica. The alerts about the watched system merge the replicas in the
+rule (one alert per system, which outlives either detector); the alerts about one detector keep
+``instance`` and ``replica``, and Prometheus relabels no alert it sends.
 
 The deployments run mutual TLS: the compose file, the Kubernetes manifests and the Prometheus
 scrape config must name the certificate files that deploy/tls/make-certs.sh (compose) or
@@ -15,9 +23,9 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import ssl
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +49,8 @@ DEPLOY = ROOT / "deploy"
 PROMETHEUS = DEPLOY / "prometheus"
 DASHBOARD = DEPLOY / "grafana" / "stablewatch-dashboard.json"
 COMPOSE = DEPLOY / "compose" / "docker-compose.yml"
+ALERTMANAGER = DEPLOY / "alertmanager" / "alertmanager.yml"
+KUBERNETES_PROMETHEUS = PROMETHEUS / "kubernetes.yml"
 KUBERNETES = DEPLOY / "kubernetes"
 MAKE_CERTS = DEPLOY / "tls" / "make-certs.sh"
 # What make-certs.sh writes for the services, and where compose mounts it.
@@ -54,25 +64,38 @@ DETECTOR_TLS = [
     "/tls/ca.pem",
 ]
 PROMETHEUS_TLS = {"ca_file": "/tls/ca.pem", "cert_file": "/tls/prometheus.pem", "key_file": "/tls/prometheus-key.pem"}
+# Where deploy/prometheus/kubernetes.yml expects the Secret stablewatch-prometheus-tls.
+K8S_PROMETHEUS_TLS = "/etc/prometheus/stablewatch-tls"
+# The two detectors of the compose file, by replica number.
+DETECTORS = {0: "detector-0", 1: "detector-1"}
 
-ALERTS = {
+# Alerts about the watched system: one per job, whichever detectors report it.
+SYSTEM_ALERTS = {
     "StablewatchDeadlock",
     "StablewatchConservationViolated",
     "StablewatchCutOpen",
+    "StablewatchDeadlockBroken",
+    "StablewatchBreakUnanswered",
+}
+# Alerts about one detector: one per instance.
+DETECTOR_ALERTS = {
+    "StablewatchDetectorDown",
     "StablewatchNoRecentSnapshot",
     "StablewatchSnapshotsAborting",
     "StablewatchPartsRejected",
     "StablewatchRefused",
     "StablewatchNoAgents",
-    "StablewatchDeadlockBroken",
-    "StablewatchBreakUnanswered",
 }
+ALERTS = SYSTEM_ALERTS | DETECTOR_ALERTS
+# The labels a detector's target has and the other's has not.
+REPLICA_LABELS = ("instance", "replica")
 GRPC_PORT = int(DetectorConfig().listen.rsplit(":", 1)[1])
 METRICS_PORT = DetectorConfig().metrics_port
 DS = "${DS_PROMETHEUS}"
 # A PromQL identifier that names a stablewatch series or recording rule.
 _NAME = re.compile(r"(?<![\w:])stablewatch[_:][\w:]*")
 _PROMTOOL_MISSING = "promtool is not on PATH (Debian: apt-get install prometheus); the rule unit tests did not run"
+_AMTOOL_MISSING = "amtool is not on PATH (Debian: apt-get install prometheus-alertmanager); the config was not checked"
 
 
 # -- helpers ------------------------------------------------------------------------------------------------
@@ -169,6 +192,32 @@ def _promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess
     return subprocess.run([promtool, *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False)
 
 
+def _relabelled(config: dict[str, Any], meta: dict[str, str]) -> dict[str, str]:
+    """A target's labels after a scrape job's ``replace`` relabel rules (Prometheus' defaults:
+    separator ``;``, replacement ``$1``, the regex anchored at both ends)."""
+    labels = dict(meta)
+    for rule in config.get("relabel_configs", []):
+        assert rule.get("action", "replace") == "replace", rule
+        value = rule.get("separator", ";").join(labels.get(name, "") for name in rule["source_labels"])
+        match = re.fullmatch(rule.get("regex", "(.*)"), value)
+        if match:
+            replacement = re.sub(r"\$\{?(\d+)\}?", r"\\\1", rule.get("replacement", "$1"))
+            labels[rule["target_label"]] = match.expand(replacement)
+    return labels
+
+
+def _detector_job(path: Path) -> dict[str, Any]:
+    (job,) = [job for job in _load(path)["scrape_configs"] if job["job_name"] == "stablewatch-detector"]
+    return job
+
+
+def _compose_detectors() -> dict[int, dict[str, Any]]:
+    """The compose file's detector services, by the replica number their command gives."""
+    services = _load(COMPOSE)["services"]
+    detectors = {name: s for name, s in services.items() if s.get("image", "").startswith("stablewatch:")}
+    return {int(_flag(s["command"], "--replica")): s | {"name": name} for name, s in detectors.items()}
+
+
 # -- parsing ------------------------------------------------------------------------------------------------
 
 
@@ -229,6 +278,48 @@ def test_break_alerts() -> None:
         assert "stablewatch resolutions" in rule["annotations"]["description"]
 
 
+def _alerts() -> dict[str, dict[str, Any]]:
+    return {rule["alert"]: rule for rule in _rules() if "alert" in rule}
+
+
+def test_system_alerts_merge_the_replicas() -> None:
+    """An alert about the watched system aggregates `instance` and `replica` away in its rule, so it
+    is one alert for both detectors, which goes on when one dies; its annotations name no detector,
+    and the queries they run aggregate the same way."""
+    merge = re.compile(r"\b(max|sum) without \(instance, replica\) \(")
+    for name in SYSTEM_ALERTS:
+        rule = _alerts()[name]
+        assert merge.match(rule["expr"]), (name, rule["expr"])
+        # Counts of breaks add up (each break is sent by one detector); what detectors report is maxed.
+        assert rule["expr"].startswith("sum" if "resolved_total" in rule["expr"] else "max"), name
+        assert "$labels.job" in rule["annotations"]["summary"], name
+        queries = 0
+        for text in rule["annotations"].values():
+            assert "$labels.instance" not in text and "$labels.replica" not in text, (name, text)
+            for query in re.findall(r'printf "([^"]*)"[^|}]*\|\s*query\b', text):
+                assert merge.match(query), (name, query)
+                queries += 1
+        assert queries == (name in {"StablewatchDeadlock", "StablewatchConservationViolated"}), name
+
+
+def test_detector_alerts_stay_per_detector() -> None:
+    """An alert about one detector keeps `instance` (and `replica` where the rule keeps labels): two
+    detectors in trouble are two alerts, each saying which."""
+    for name in DETECTOR_ALERTS:
+        rule = _alerts()[name]
+        assert "without" not in rule["expr"], name
+        for grouping in re.findall(r"\b(?:by|on) \(([^)]*)\)", rule["expr"]):
+            assert {"job", *REPLICA_LABELS} <= {label.strip() for label in grouping.split(",")}, (name, grouping)
+        assert "$labels.instance" in rule["annotations"]["summary"], name
+    down = _alerts()["StablewatchDetectorDown"]
+    assert down["labels"]["severity"] == "warning"
+    # It names the detectors' scrape job: the same in both Prometheus configurations.
+    job = re.fullmatch(r'up\{job="([^"]+)"\} == 0', down["expr"])
+    assert job is not None, down["expr"]
+    for path in (PROMETHEUS / "prometheus.yml", KUBERNETES_PROMETHEUS):
+        assert _detector_job(path)["job_name"] == job.group(1), path
+
+
 def test_rules_use_only_detector_metrics(detector_names: set[str]) -> None:
     rules = _rules()
     recorded = {rule["record"] for rule in rules if "record" in rule}
@@ -257,7 +348,8 @@ def test_promtool_rule_unit_tests() -> None:
 
 
 def test_promtool_checks_config_and_rules(tmp_path: Path, pki: dict[str, Path]) -> None:
-    """promtool checks that the TLS files exist: a copy of the folder points them at test certificates."""
+    """promtool checks that the TLS files exist: a copy of the folder points them at test
+    certificates. The hosts the configs name need not resolve: promtool checks the syntax."""
     folder = tmp_path / "prometheus"
     shutil.copytree(PROMETHEUS, folder)
     tls = tmp_path / "tls"
@@ -266,17 +358,30 @@ def test_promtool_checks_config_and_rules(tmp_path: Path, pki: dict[str, Path]) 
         ("ca.pem", "ca_cert"),
         ("prometheus.pem", "nobody_cert"),
         ("prometheus-key.pem", "nobody_key"),
+        ("ca.crt", "ca_cert"),
+        ("tls.crt", "nobody_cert"),
+        ("tls.key", "nobody_key"),
     ):
         shutil.copy(pki[source], tls / name)
-    config = folder / "prometheus.yml"
-    config.write_text(config.read_text().replace(f"{TLS_MOUNT}/", f"{tls}/"))
-    result = _promtool("check", "config", "prometheus.yml", cwd=folder)
-    assert result.returncode == 0, result.stdout + result.stderr
+    for name, mount in (("prometheus.yml", TLS_MOUNT), ("kubernetes.yml", K8S_PROMETHEUS_TLS)):
+        config = folder / name
+        text = config.read_text()
+        assert f"{mount}/" in text, name
+        config.write_text(text.replace(f"{mount}/", f"{tls}/"))
+        result = _promtool("check", "config", name, cwd=folder)
+        assert result.returncode == 0, result.stdout + result.stderr
     result = _promtool("check", "rules", "alerts.yml")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 # -- Prometheus configuration -------------------------------------------------------------------------------
+
+
+def _assert_alerts_sent_as_made(config: dict[str, Any]) -> None:
+    """Prometheus relabels no alert: the rules already merge the replicas where that is meant, and
+    an alert that dropped `instance` or `replica` on the way out would be two alerts in Prometheus
+    but one in Alertmanager, resolved there when either detector dies."""
+    assert "alert_relabel_configs" not in config["alerting"], config["alerting"]
 
 
 def test_prometheus_config() -> None:
@@ -286,8 +391,15 @@ def test_prometheus_config() -> None:
     assert "alerts.yml" in config["rule_files"]
     jobs = {job["job_name"]: job for job in config["scrape_configs"]}
     assert set(jobs) == {"stablewatch-detector", "stablewatch-agents"}
-    targets = [t for group in jobs["stablewatch-detector"]["static_configs"] for t in group["targets"]]
-    assert targets == [f"localhost:{METRICS_PORT}"]
+    # One target per replica, each labelled with its replica number: the compose file's services.
+    groups = jobs["stablewatch-detector"]["static_configs"]
+    replicas = {int(group["labels"]["replica"]): group["targets"] for group in groups}
+    assert replicas == {n: [f"{name}:{METRICS_PORT}"] for n, name in DETECTORS.items()}
+    _assert_alerts_sent_as_made(config)
+    ((alertmanager,),) = [
+        group["targets"] for am in config["alerting"]["alertmanagers"] for group in am["static_configs"]
+    ]
+    assert alertmanager == "alertmanager:9093"
     # /metrics is HTTPS with client certificates wherever the detector runs mutual TLS.
     assert jobs["stablewatch-detector"]["scheme"] == "https"
     assert jobs["stablewatch-detector"]["tls_config"] == PROMETHEUS_TLS
@@ -298,6 +410,78 @@ def test_prometheus_config() -> None:
             for path in files:
                 for group in _load(path):
                     assert group["targets"] and all(":" in target for target in group["targets"]), path
+
+
+def test_kubernetes_prometheus_config() -> None:
+    """The Kubernetes variant finds each replica's pod through the headless Service's SRV records,
+    labels it with the pod's index, and sends the alerts the same way."""
+    config = _load(KUBERNETES_PROMETHEUS)
+    compose_config = _load(PROMETHEUS / "prometheus.yml")
+    assert config["rule_files"] == compose_config["rule_files"]
+    _assert_alerts_sent_as_made(config)
+    job = _detector_job(KUBERNETES_PROMETHEUS)
+    assert job["scheme"] == "https"
+    assert job["tls_config"] == {
+        "ca_file": f"{K8S_PROMETHEUS_TLS}/ca.crt",
+        "cert_file": f"{K8S_PROMETHEUS_TLS}/tls.crt",
+        "key_file": f"{K8S_PROMETHEUS_TLS}/tls.key",
+    }
+    (sd,) = job["dns_sd_configs"]
+    (service,) = _k8s()["Service"]
+    (statefulset,) = _k8s()["StatefulSet"]
+    name = service["metadata"]["name"]
+    ports = {p["name"] for p in service["spec"]["ports"]}
+    assert sd["type"] == "SRV"
+    assert sd["names"] == [f"_metrics._tcp.{name}.monitoring.svc.cluster.local"] and "metrics" in ports
+    # What DNS answers for each pod of the StatefulSet, and the labels the rules make of it.
+    for index in range(statefulset["spec"]["replicas"]):
+        pod = f"{statefulset['metadata']['name']}-{index}"
+        meta = {
+            "__address__": f"{pod}.{name}.monitoring.svc.cluster.local:{METRICS_PORT}",
+            "__meta_dns_srv_record_target": f"{pod}.{name}.monitoring.svc.cluster.local.",
+            "__meta_dns_srv_record_port": str(METRICS_PORT),
+        }
+        labels = _relabelled(job, meta)
+        assert labels["replica"] == str(index)
+        assert labels["instance"] == pod
+        assert labels["__address__"] == meta["__address__"]  # a name the detector's certificate carries
+
+
+# -- Alertmanager configuration -----------------------------------------------------------------------------
+
+
+def test_alertmanager_config() -> None:
+    """One route to a webhook, grouped by alert and system (the detectors' alerts of one kind in
+    one group); an inhibition between two alerts about one detector holds for that detector only,
+    and one that involves a system alert cannot ask for the labels it merged away."""
+    config = _load(ALERTMANAGER)
+    route = config["route"]
+    assert route["group_by"][0] == "alertname" and "job" in route["group_by"]
+    assert not set(REPLICA_LABELS) & set(route["group_by"])
+    receivers = {receiver["name"]: receiver for receiver in config["receivers"]}
+    (webhook,) = receivers[route["receiver"]]["webhook_configs"]
+    assert webhook["url"].startswith("http") and webhook["send_resolved"] is True
+    for rule in config["inhibit_rules"]:
+        names = set()
+        for matcher in (*rule["source_matchers"], *rule["target_matchers"]):
+            alert = re.fullmatch(r'alertname="(\w+)"', matcher)
+            assert alert is not None and alert.group(1) in ALERTS, matcher
+            names.add(alert.group(1))
+        if names <= DETECTOR_ALERTS:
+            assert {"job", "instance"} <= set(rule["equal"]), rule
+        else:
+            assert not set(REPLICA_LABELS) & set(rule["equal"]), rule
+
+
+def test_amtool_checks_alertmanager_config() -> None:
+    amtool = shutil.which("amtool")
+    if amtool is None:
+        pytest.skip(_AMTOOL_MISSING)
+    result = subprocess.run(
+        [amtool, "check-config", str(ALERTMANAGER)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
 
 
 # -- Grafana dashboard --------------------------------------------------------------------------------------
@@ -403,44 +587,73 @@ def test_grafana_provisioning_matches_compose() -> None:
 def test_compose_file() -> None:
     compose = _load(COMPOSE)
     services = compose["services"]
-    assert set(services) == {"certs", "detector", "prometheus", "grafana"}
-    build = services["detector"]["build"]
-    context = (COMPOSE.parent / build["context"]).resolve()
-    assert context == ROOT
-    assert (context / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
-    ports = {p.split(":")[-1] for p in services["detector"]["ports"]}
-    assert {str(GRPC_PORT), str(METRICS_PORT), "9090"} <= ports
-    # Prometheus shares the detector's network, so prometheus.yml's localhost target reaches it.
-    assert services["prometheus"]["network_mode"] == "service:detector"
-    assert "prometheus" in services["detector"]["networks"]["default"]["aliases"]
+    assert set(services) == {"certs", *DETECTORS.values(), "prometheus", "alertmanager", "grafana"}
+    for name in DETECTORS.values():
+        build = services[name]["build"]
+        context = (COMPOSE.parent / build["context"]).resolve()
+        assert context == ROOT
+        assert (context / build["dockerfile"]).resolve() == DEPLOY / "Dockerfile"
+    # Prometheus scrapes the detectors by service name, and Grafana finds Prometheus by its own.
+    assert "network_mode" not in services["prometheus"]
+    assert {p.split(":")[-1] for p in services["prometheus"]["ports"]} == {"9090"}
+    assert {p.split(":")[-1] for p in services["alertmanager"]["ports"]} == {"9093"}
+    assert {*DETECTORS.values(), "alertmanager"} <= set(services["prometheus"]["depends_on"])
+    host_ports: list[str] = []
     for service in services.values():
+        host_ports += [p.split(":")[0] for p in service.get("ports", [])]
         for volume in service.get("volumes", []):
             source = volume.split(":")[0]
             if source.startswith("."):
                 assert (COMPOSE.parent / source).exists(), f"{source} is mounted but does not exist"
             else:
                 assert source in compose["volumes"], source
+    assert len(host_ports) == len(set(host_ports)), host_ports
     mounted = {v.split(":")[1] for v in services["prometheus"]["volumes"]}
     assert "/etc/prometheus" in mounted
+    (config,) = [v for v in services["alertmanager"]["volumes"] if v.endswith(":/etc/alertmanager:ro")]
+    assert (COMPOSE.parent / config.split(":")[0]).resolve() == ALERTMANAGER.parent
+    assert "--config.file=/etc/alertmanager/alertmanager.yml" in services["alertmanager"]["command"]
+
+
+def test_compose_runs_two_detectors() -> None:
+    """Replicas 0 and 1, each with its own store and archive, both published on the host; and
+    prometheus.yml scrapes exactly these, each labelled with the replica its command gives."""
+    detectors = _compose_detectors()
+    assert {n: d["name"] for n, d in detectors.items()} == DETECTORS
+    data = set()
+    for detector in detectors.values():
+        command = detector["command"]
+        assert command.count("--replica") == 1
+        (volume,) = [v for v in detector["volumes"] if v.split(":")[1] == "/data"]
+        data.add(volume.split(":")[0])
+        assert _flag(command, "--archive").startswith("/data/")
+        ports = {p.split(":")[-1] for p in detector["ports"]}
+        assert ports == {str(GRPC_PORT), str(METRICS_PORT)}
+    assert len(data) == len(detectors), "each detector needs its own store"
+    job = _detector_job(PROMETHEUS / "prometheus.yml")
+    targets = {group["targets"][0]: group["labels"]["replica"] for group in job["static_configs"]}
+    assert targets == {f"{d['name']}:{METRICS_PORT}": str(n) for n, d in detectors.items()}
 
 
 def test_compose_runs_mutual_tls() -> None:
-    """The certs service makes the files before the detector starts; only it holds the CA's key."""
+    """The certs service makes the files before the detectors start; only it holds the CA's key."""
     services = _load(COMPOSE)["services"]
-    certs, detector = services["certs"], services["detector"]
+    certs = services["certs"]
     assert f"../tls/{MAKE_CERTS.name}:/make-certs.sh:ro" in certs["volumes"]
     assert certs["command"] == ["/ca", TLS_MOUNT]
-    assert detector["depends_on"]["certs"]["condition"] == "service_completed_successfully"
-    command = detector["command"]
-    assert command[: len(DETECTOR_TLS)] == DETECTOR_TLS
-    health = detector["healthcheck"]["test"]
-    assert health[:3] == ["CMD", "stablewatch", "health"]
-    assert _flag(health, "--tls-ca") == "/tls/ca.pem"
-    assert _flag(health, "--tls-cert") == "/tls/detector.pem"
+    for name in DETECTORS.values():
+        detector = services[name]
+        assert detector["depends_on"]["certs"]["condition"] == "service_completed_successfully"
+        command = detector["command"]
+        assert command[: len(DETECTOR_TLS)] == DETECTOR_TLS
+        health = detector["healthcheck"]["test"]
+        assert health[:3] == ["CMD", "stablewatch", "health"]
+        assert _flag(health, "--tls-ca") == "/tls/ca.pem"
+        assert _flag(health, "--tls-cert") == "/tls/detector.pem"
     for name, service in services.items():
         mounts = {v.split(":")[0]: v.split(":")[1:] for v in service.get("volumes", [])}
         assert ("tls-ca" in mounts) == (name == "certs"), f"{name} must not see the CA's key"
-        if name in ("detector", "prometheus"):
+        if name in (*DETECTORS.values(), "prometheus"):
             assert mounts["tls"] == [TLS_MOUNT, "ro"], name
     script = MAKE_CERTS.read_text()
     for name in ("detector", "prometheus"):  # the files DETECTOR_TLS and PROMETHEUS_TLS name
@@ -460,35 +673,51 @@ def test_dockerfile() -> None:
 
 def test_kubernetes_manifests() -> None:
     objects = _k8s()
-    assert {"Deployment", "Service", "PersistentVolumeClaim", "Issuer", "Certificate"} == set(objects)
-    (deployment,), (service,), (claim,) = objects["Deployment"], objects["Service"], objects["PersistentVolumeClaim"]
-    spec = deployment["spec"]
-    assert spec["replicas"] == 1
-    assert spec["strategy"]["type"] == "Recreate"
+    assert {"StatefulSet", "Service", "Issuer", "Certificate"} == set(objects)
+    (statefulset,), (service,) = objects["StatefulSet"], objects["Service"]
+    spec = statefulset["spec"]
+    assert spec["replicas"] == 2
+    assert spec["podManagementPolicy"] == "Parallel"  # one replica down never holds the other back
+    assert spec["serviceName"] == service["metadata"]["name"]
+    assert service["spec"]["clusterIP"] == "None"  # headless: a DNS name per replica
     pod = spec["template"]
     labels = pod["metadata"]["labels"]
     assert spec["selector"]["matchLabels"].items() <= labels.items()
     assert service["spec"]["selector"].items() <= labels.items()
-    annotations = pod["metadata"]["annotations"]
-    assert annotations["prometheus.io/scrape"] == "true"
-    assert annotations["prometheus.io/scheme"] == "https"
-    assert annotations["prometheus.io/port"] == str(METRICS_PORT)
-    assert annotations["prometheus.io/path"] == "/metrics"
+    # Scraped by deploy/prometheus/kubernetes.yml with a replica label, not by a generic job.
+    assert not any(key.startswith("prometheus.io/") for key in pod["metadata"].get("annotations", {}))
     (container,) = pod["spec"]["containers"]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"grpc": GRPC_PORT, "metrics": METRICS_PORT}
+    # Each replica its own store: a claim per pod, not a volume the pods share.
     (data,) = [m for m in container["volumeMounts"] if m["mountPath"] == "/data"]
-    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
-    assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    (claim,) = spec["volumeClaimTemplates"]
+    assert claim["metadata"]["name"] == data["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteOnce"]
+    assert data["name"] not in {v["name"] for v in pod["spec"]["volumes"]}
+    assert _flag(container["args"], "--archive").startswith("/data/")
     service_ports = {p["name"]: (p["port"], p["targetPort"]) for p in service["spec"]["ports"]}
     assert service_ports == {"grpc": (GRPC_PORT, "grpc"), "metrics": (METRICS_PORT, "metrics")}
-    assert "prometheus.io/scrape" not in service["metadata"].get("annotations", {})  # scraped once, per pod
+    assert "prometheus.io/scrape" not in service["metadata"].get("annotations", {})
+
+
+def test_kubernetes_replica_is_the_pod_index() -> None:
+    """--replica comes from the pod's index label through the downward API, as $(VAR) expansion."""
+    (statefulset,) = _k8s()["StatefulSet"]
+    (container,) = statefulset["spec"]["template"]["spec"]["containers"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    reference = re.fullmatch(r"\$\((\w+)\)", _flag(container["args"], "--replica"))
+    assert reference is not None, container["args"]
+    source = env[reference.group(1)]["valueFrom"]["fieldRef"]["fieldPath"]
+    assert source == "metadata.labels['apps.kubernetes.io/pod-index']"
+    assert container["args"].count("--replica") == 1
 
 
 def test_kubernetes_runs_mutual_tls_with_cert_manager() -> None:
-    """The detector mounts the Secret its Certificate fills, and its probes speak TLS."""
+    """The detectors mount the Secret their Certificate fills, it names each replica, and their
+    probes speak TLS."""
     objects = _k8s()
-    (deployment,) = objects["Deployment"]
+    (statefulset,) = objects["StatefulSet"]
     certificates = {c["metadata"]["name"]: c["spec"] for c in objects["Certificate"]}
     issuers = {i["metadata"]["name"]: i["spec"] for i in objects["Issuer"]}
     for name, certificate in certificates.items():
@@ -496,13 +725,19 @@ def test_kubernetes_runs_mutual_tls_with_cert_manager() -> None:
     assert certificates["stablewatch-ca"]["isCA"] is True
     assert issuers["stablewatch-ca"]["ca"]["secretName"] == certificates["stablewatch-ca"]["secretName"]
 
-    pod = deployment["spec"]["template"]["spec"]
+    pod = statefulset["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     (tls,) = [m for m in container["volumeMounts"] if m["name"] == "tls"]
     assert tls["readOnly"] is True
     secret = {v["name"]: v for v in pod["volumes"]}["tls"]["secret"]["secretName"]
     (detector,) = [c for c in certificates.values() if c["secretName"] == secret]
-    assert "stablewatch-detector" in detector["dnsNames"]  # the Service's name, where agents dial
+    service = statefulset["spec"]["serviceName"]
+    assert service in detector["dnsNames"]  # the Service's name, where the CLI dials
+    for index in range(statefulset["spec"]["replicas"]):  # each replica's name, where agents dial
+        pod_name = f"{statefulset['metadata']['name']}-{index}.{service}"
+        assert {pod_name, f"{pod_name}.monitoring.svc", f"{pod_name}.monitoring.svc.cluster.local"} <= set(
+            detector["dnsNames"]
+        )
     assert "127.0.0.1" in detector["ipAddresses"]  # the probes dial it there
     assert {"server auth", "client auth"} <= set(detector["usages"])  # client: the probes show it
     args = container["args"]
@@ -542,12 +777,28 @@ def _sans(path: Path) -> list[str]:
     return [str(getattr(name, "value", name)) for name in names]
 
 
+def _scrape_as(url: str, server_name: str, made: Path) -> bytes:
+    """GET a detector's /metrics as Prometheus does, verifying its certificate for ``server_name``
+    (a compose service name that does not resolve here, so the socket dials the URL's address)."""
+    context = ssl.create_default_context(cafile=made / "ca.pem")
+    context.load_cert_chain(made / "prometheus.pem", made / "prometheus-key.pem")
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    with (
+        socket.create_connection((host, int(port)), timeout=10) as raw,
+        context.wrap_socket(raw, server_hostname=server_name) as tls,
+    ):
+        tls.sendall(f"GET /metrics HTTP/1.0\r\nHost: {server_name}:{port}\r\n\r\n".encode())
+        response = b"".join(iter(lambda: tls.recv(65536), b""))
+    assert response.startswith(b"HTTP/1.0 200") or response.startswith(b"HTTP/1.1 200"), response[:200]
+    return response
+
+
 def test_make_certs_names_each_identity(made: Path) -> None:
     assert "stablewatch://process/orders-1" in _sans(made / "agent-orders-1.pem")
     assert "stablewatch://role/operator" in _sans(made / "operator.pem")
     assert "stablewatch://role/reader" in _sans(made / "reader.pem")
     assert not any(name.startswith("stablewatch://") for name in _sans(made / "prometheus.pem"))
-    assert {"detector", "localhost", "127.0.0.1"} <= set(_sans(made / "detector.pem"))
+    assert {"detector", *DETECTORS.values(), "localhost", "127.0.0.1"} <= set(_sans(made / "detector.pem"))
     assert not (made / "ca-key.pem").exists()  # the CA's key stays in the CA folder
     bad = subprocess.run(
         [str(MAKE_CERTS), str(made.parent / "ca"), str(made), "not/an id"], capture_output=True, text=True, timeout=60
@@ -596,12 +847,11 @@ def test_made_certificates_work_with_the_detector(made: Path, tmp_path: Path) ->
         assert caught.value.code == grpc.StatusCode.PERMISSION_DENIED
         with client("detector") as probe:
             assert probe.health() == "SERVING"
-        context = ssl.create_default_context(cafile=made / "ca.pem")
-        context.load_cert_chain(made / "prometheus.pem", made / "prometheus-key.pem")
         url = running.detector.metrics_url
         assert url is not None
-        # Prometheus scrapes localhost:9464 in compose: a name the certificate must carry.
-        with urllib.request.urlopen(url.replace("127.0.0.1", "localhost"), timeout=10, context=context) as response:
-            assert b"stablewatch_refused_total" in response.read()
+        # Prometheus scrapes detector-0:9464 and detector-1:9464 in compose, with its certificate:
+        # names the detector's certificate must carry.
+        for name in DETECTORS.values():
+            assert b"stablewatch_refused_total" in _scrape_as(url, name, made), name
     finally:
         running.stop()

@@ -21,6 +21,7 @@ import grpc
 import pytest
 from certs import credentials, tls_config
 from control_streams import register
+from mtls_detector import mtls_detector
 
 from polling import async_poll, poll
 from stablewatch.agents import Agent
@@ -28,7 +29,6 @@ from stablewatch.agents.certificates import channel_credentials
 from stablewatch.agents.peer_identity import process_uri
 from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.auth import METHOD_PERMISSIONS
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.limits import Limits
 from stablewatch.testing.detector import Running
 from stablewatch.v1 import (
@@ -48,28 +48,10 @@ TIMEOUT = 10.0
 REFUSED = "stablewatch_refused_total"
 
 
-def start(data_dir: Path, pki: dict[str, Path], **settings: object) -> Running:
-    """A detector with mutual TLS on 127.0.0.1 (and /metrics over HTTPS on a free port)."""
-    config = DetectorConfig(
-        data_dir=data_dir,
-        listen="127.0.0.1:0",
-        metrics_port=0,
-        interval=None,
-        tls_cert=pki["server_cert"],
-        tls_key=pki["server_key"],
-        tls_client_ca=pki["ca_cert"],
-        **settings,  # type: ignore[arg-type]
-    )
-    return Running(config)
-
-
 @pytest.fixture(scope="module")
 def mtls(tmp_path_factory: pytest.TempPathFactory, pki: dict[str, Path]) -> Iterator[Running]:
-    running = start(tmp_path_factory.mktemp("mtls"), pki)
-    try:
+    with mtls_detector(tmp_path_factory.mktemp("mtls"), pki) as running:
         yield running
-    finally:
-        running.stop()
 
 
 def client(running: Running, pki: dict[str, Path], name: str | None) -> DetectorClient:
@@ -279,8 +261,7 @@ def test_every_query_method_has_a_permission() -> None:
 
 def test_trigger_rate_limit_holds(tmp_path: Path, pki: dict[str, Path]) -> None:
     """Two triggers per hour: the third call is RESOURCE_EXHAUSTED, says when to retry, and is counted."""
-    running = start(tmp_path, pki, limits=Limits(trigger_rate=(2, 3600)))
-    try:
+    with mtls_detector(tmp_path, pki, limits=Limits(trigger_rate=(2, 3600))) as running:
         operator = credentials(pki, "operator")
         for _ in range(2):  # no agent attached: each gets past the limit and fails on that
             assert query_code(running, operator, "TriggerSnapshot") == grpc.StatusCode.FAILED_PRECONDITION
@@ -289,8 +270,6 @@ def test_trigger_rate_limit_holds(tmp_path: Path, pki: dict[str, Path]) -> None:
         assert caught.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert running.metric(REFUSED, reason="rate_limited") == 1
         assert query_code(running, credentials(pki, "reader"), "ListMembers") == grpc.StatusCode.OK  # reads go on
-    finally:
-        running.stop()
 
 
 # -- /metrics over HTTPS ----------------------------------------------------------------------------------

@@ -125,13 +125,13 @@ def test_a_snapshot_of_processes_with_nothing_in_flight_costs_each_one_part_and_
 
             await async_poll(every_hello_in, "every hello in")
             for agent in agents:
-                report_part = agent._control.report_part  # type: ignore[union-attr]
+                report_part = agent._links.clients[0].report_part  # type: ignore[union-attr]
 
                 def counting(part: LocalSnapshotPart, name: str = agent.process_id, send=report_part) -> bool:  # type: ignore[no-untyped-def]
                     written[name] += 1
                     return send(part)
 
-                agent._control.report_part = counting  # type: ignore[union-attr,method-assign]
+                agent._links.clients[0].report_part = counting  # type: ignore[union-attr,method-assign]
             results = await detector.take_snapshot(deadline=10)
             assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
             assert results.snapshot.processes == 3 and results.snapshot.channels == 6

@@ -9,6 +9,9 @@ A scripted archive of 25 snapshots a minute apart, processes P0..P4 holding 20 t
 * 21-23: every process passive, nothing in flight: terminated, until 24;
 * 24-25: P4 and P0 wait on each other (episode 3, still going at the end).
 
+Every process reports the attribute ``work`` (the snapshot's number) and ``role`` (a name, not a
+number).
+
 The detector broke (the ``resolutions`` table, :data:`BREAKS`): in episode 1 a wait of P1 that was
 gone by then (6) and one of P0 (8); in episode 2 the wait of P2's task t0, by an operator (17);
 in episode 3 one of P4, whose agent never answered (24).
@@ -54,6 +57,7 @@ def scripted_snapshot(sid: int) -> GlobalSnapshot:
             active=not terminated and pid == ("P2" if sid in CYCLES else "P0" if 14 <= sid <= 17 else "P1")
         )
         state.counters["tokens"] = 15 if (sid, pid) == (15, "P4") else 20
+        state.attributes.update({"work": sid, "role": "branch"})
         if sid in CYCLES and pid in CYCLES[sid]:
             other = CYCLES[sid][1 - CYCLES[sid].index(pid)]
             state.waits.append(Wait(targets=[WaitNode(process=other)]))
@@ -212,6 +216,18 @@ def test_conservation_backlog_and_outcomes(history: History) -> None:
     assert [r["snapshot_id"] for r in timeline if r["deadlock"] == "unknown"] == [13]
 
 
+def test_the_timeline_has_every_verdict_and_the_attributes_their_totals(history: History) -> None:
+    rows = {r["snapshot_id"]: r for r in history.tables["timeline"].to_pylist()}
+    assert [sid for sid, r in rows.items() if r["termination"] == "true"] == [21, 22, 23]
+    assert [sid for sid, r in rows.items() if r["conservation"] == "false"] == [15]
+    assert rows[1]["conservation"] == "true" and rows[5]["deadlocked_nodes"] == 2
+    # Episode 2: P2, its task t0 and P3 — three nodes of two processes.
+    assert (rows[14]["deadlocked_nodes"], rows[14]["deadlocked_processes"]) == (3, 2)
+    totals = history.tables["attributes"].to_pylist()
+    assert {r["attribute"] for r in totals} == {"work"}  # the role is no number
+    assert [(r["snapshot_id"], r["total"]) for r in totals] == [(sid, 5.0 * sid) for sid in sorted(rows)]
+
+
 def test_tables_chart_and_summary_are_written(history: History) -> None:
     for path in history.files:
         assert pq.read_table(path).num_rows == history.tables[path.stem].num_rows
@@ -281,3 +297,60 @@ def test_empty_tables_are_one_line_each(spark: SparkSession, tmp_path: Path) -> 
     for title in [*titles, "busiest channels (messages in flight per snapshot)"]:
         assert title not in lines
     assert "snapshot outcomes" in lines  # a table with rows is still a table
+
+
+def quiet_archive(root: Path) -> Path:
+    """Three snapshots of two processes, one active: nothing happens."""
+    items = []
+    for sid in range(1, 4):
+        snapshot = GlobalSnapshot(snapshot_id=sid, expected_members=["P0", "P1"])
+        snapshot.started_at.FromDatetime(at(sid))
+        snapshot.completed_at.FromDatetime(at(sid) + timedelta(seconds=1))
+        for pid in ("P0", "P1"):
+            snapshot.processes.append(ProcessSnapshot(process_id=pid, state=LocalState(active=pid == "P0")))
+        items.append(Archived(summary_of(snapshot), snapshot))
+    return write_archive(root, items)
+
+
+def test_several_systems_side_by_side_one_lane_each(
+    spark: SparkSession, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scripted_root = scripted_archive(tmp_path / "scripted")
+    quiet = quiet_archive(tmp_path / "quiet")
+    out = tmp_path / "out"
+    args = ["history", "--archive", f"scripted={scripted_root}", "--archive", f"quiet={quiet}"]
+    status = cli.main([*args, "--progress", "scripted=work", "--out", str(out), "--json"])
+    assert status == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert list(printed["systems"]) == ["scripted", "quiet"]  # the lanes' order: as given
+    scripted, calm = printed["systems"]["scripted"], printed["systems"]["quiet"]
+    assert (scripted["deadlock_episodes"], scripted["deadlocks_broken"], scripted["evaluated"]) == (3, 2, 24)
+    assert scripted["sentence"] == (
+        "running 4.0 min, then deadlocked 3 times (longest 5.0 min), terminated 1 time (longest 3.0 min) "
+        "and running again in between, deadlocked at the end; work 5 → 125 in all; "
+        "2 deadlocks broken (4 breaks sent); tokens off in 1 snapshot (drift up to -5)"
+    )
+    assert [p["state"] for p in scripted["phases"]][:3] == ["running", "deadlocked", "running"]
+    assert calm["sentence"] == "running throughout (2.0 min, 3 snapshots)"
+    assert Path(printed["chart"]) == out / "history.png" and (out / "history.png").read_bytes()[:4] == b"\x89PNG"
+    assert all(Path(table).parent == out / "scripted" / "history" for table in scripted["tables"])
+    assert (out / "quiet" / "history" / "timeline.parquet").is_file()
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--archive", "a=x", "--archive", "a=y"], "two archives are named 'a'"),
+        (["--archive", "x/bank", "--archive", "y/bank"], "two archives are named 'bank'"),
+        (["--archive", "a=x", "--progress", "b=meals"], "--progress names no archive's system: b"),
+        (["--archive", "a=x", "--archive", "b=y", "--evaluations", "e"], "--evaluations reads the evaluations of one"),
+        (["--archive", "a=x", "--progress", "meals"], "expected NAME=ATTRIBUTE"),
+    ],
+)
+def test_bad_flags_for_several_systems_are_usage_errors(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["history", *flags, "--out", "o"])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err

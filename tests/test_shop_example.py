@@ -9,87 +9,31 @@
 
 from __future__ import annotations
 
-import json
 import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import grpc
 import pytest
+from command_line import DetectorProcess
 
 from polling import poll
 from stablewatch.examples.shop import CHARGE, CONFIRM, PLACE, RESERVE, ROLES, SERVICES, WORKLOADS
 from stablewatch.examples.shop_processes import ShopProcesses
-from stablewatch.v1 import query_pb2, query_pb2_grpc
+from stablewatch.v1 import query_pb2
 
 pytestmark = pytest.mark.timeout(180)
 
-STABLEWATCH = [str(Path(sys.executable).with_name("stablewatch"))]
 CALL_NAME = re.compile(r"^(?P<method>/shop\.\w+/\w+)#(?P<caller>\w+):(?P<seq>\d+)$")
-
-
-class DetectorProcess:
-    """``stablewatch detector --json`` on a free port, its log in a file; stopped by :meth:`stop`."""
-
-    def __init__(self, folder: Path, *args: str) -> None:
-        command = [*STABLEWATCH, "detector", "--json", "--listen", "127.0.0.1:0", "--metrics-port", "-1"]
-        command += ["--data-dir", str(folder / "data"), "--members", ",".join(ROLES), *args]
-        self.log_path = folder / "detector.log"
-        with self.log_path.open("wb") as log:
-            self.process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log)
-        try:
-            assert self.process.stdout is not None
-            line = self.process.stdout.readline()  # the ready line comes first, once it serves
-            assert line, f"the detector exited with {self.process.wait()}:\n{self.log()}"
-            ready = json.loads(line)
-        except BaseException:
-            self.stop()
-            raise
-        self.address: str = ready["address"]
-        self.channel = grpc.insecure_channel(self.address)
-        self.query = query_pb2_grpc.QueryStub(self.channel)
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def latest(self) -> query_pb2.SnapshotResults | None:
-        """The latest results; None before the first snapshot completed."""
-        try:
-            return self.query.GetLatestResults(query_pb2.GetLatestResultsRequest(), timeout=10)
-        except grpc.RpcError as error:
-            if error.code() == grpc.StatusCode.NOT_FOUND:
-                return None
-            raise
-
-    def members(self) -> set[str]:
-        reply = self.query.ListMembers(query_pb2.ListMembersRequest(), timeout=10)
-        return {member.process_id for member in reply.members}
-
-    def stop(self) -> int:
-        if hasattr(self, "channel"):
-            self.channel.close()
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=10)
-        if self.process.stdout is not None:
-            self.process.stdout.close()
-        return self.process.returncode
 
 
 @pytest.fixture
 def detector(tmp_path: Path) -> Iterator[DetectorProcess]:
-    running = DetectorProcess(tmp_path, "--interval", "0.1", "--deadline", "2", "--min-members", str(len(ROLES)))
+    options = ["--interval", "0.1", "--deadline", "2", "--min-members", str(len(ROLES)), "--members", ",".join(ROLES)]
+    running = DetectorProcess(tmp_path / "data", *options)
     yield running
     code = running.stop()
-    print(f"--- detector (exit {code}) ---\n{running.log()[-3000:]}")
+    print(f"--- detector (exit {code}) ---\n{running.log()}")
     assert code == 0
 
 

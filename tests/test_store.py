@@ -10,6 +10,7 @@ from samples import evaluation, global_snapshot, predicate_results
 
 from stablewatch.detector.service.store import DB_FILENAME, RESTART_REASON, SCHEMA_VERSION, Store, StoreError
 from stablewatch.v1 import PredicateResult
+from stablewatch.v1.ids import ID_SPACES
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_ABORTED,
     SNAPSHOT_OUTCOME_COMPLETED,
@@ -64,15 +65,16 @@ def test_creates_the_data_directory_and_a_wal_database(tmp_path: Path) -> None:
 
 
 def test_completed_snapshot_and_results_round_trip(tmp_path: Path) -> None:
-    snapshot, results = global_snapshot(1), predicate_results()
+    results = predicate_results()
     with Store(tmp_path) as store:
         snapshot_id = store.allocate_id(0)
-        assert snapshot_id == 1
+        assert snapshot_id == 128  # the first id of space 0 (ids are multiples of 128 there)
+        snapshot = global_snapshot(snapshot_id)
         store.begin(snapshot_id, T0, members=2)
-        returned = store.complete(snapshot, evaluation(1, results), T0 + 2.5)
+        returned = store.complete(snapshot, evaluation(snapshot_id, results), T0 + 2.5)
 
         summary = returned.snapshot
-        assert summary.snapshot_id == 1
+        assert summary.snapshot_id == snapshot_id
         assert summary.outcome == SNAPSHOT_OUTCOME_COMPLETED
         assert summary.abort_reason == ""
         assert summary.started_at.ToNanoseconds() == round(T0 * 1e9)
@@ -80,16 +82,17 @@ def test_completed_snapshot_and_results_round_trip(tmp_path: Path) -> None:
         assert (summary.processes, summary.channels, summary.messages_in_flight) == (2, 3, 3)
         assert list(returned.results) == results
 
-        assert store.snapshot(1) == snapshot
-        assert store.results(1) == returned
-        assert store.summary(1) == summary
+        assert store.snapshot(snapshot_id) == snapshot
+        assert store.results(snapshot_id) == returned
+        assert store.summary(snapshot_id) == summary
         assert store.latest_results() == returned
-        assert store.evaluation(1) == evaluation(1, results)  # the stored value, never recomputed
-        assert store.wait_for_graph(1) == evaluation(1, results).wait_for
+        # The stored value, never recomputed.
+        assert store.evaluation(snapshot_id) == evaluation(snapshot_id, results)
+        assert store.wait_for_graph(snapshot_id) == evaluation(snapshot_id, results).wait_for
     with Store(tmp_path) as store:  # and the same after a reopen
-        assert store.snapshot(1) == snapshot
-        assert store.results(1) == returned
-        assert store.evaluation(1) == evaluation(1, results)
+        assert store.snapshot(snapshot_id) == snapshot
+        assert store.results(snapshot_id) == returned
+        assert store.evaluation(snapshot_id) == evaluation(snapshot_id, results)
 
 
 def test_running_and_aborted_summaries(store: Store) -> None:
@@ -125,15 +128,46 @@ def test_unknown_ids_read_as_none(store: Store) -> None:
 
 
 def test_ids_increase_across_restarts_including_unused_ones(tmp_path: Path) -> None:
+    with Store(tmp_path) as store:  # space 0: the multiples of 128
+        assert [store.allocate_id(0) for _ in range(3)] == [128, 256, 384]
+        store.begin(256, T0, members=1)  # 128 and 384 are never written
     with Store(tmp_path) as store:
-        assert [store.allocate_id(0) for _ in range(3)] == [1, 2, 3]
-        store.begin(2, T0, members=1)  # 1 and 3 are never written
+        assert store.allocate_id(0) == 512
+        store.begin(1000, T0, members=1)  # an id chosen elsewhere raises the sequence
+        assert store.allocate_id(0) == 1024
     with Store(tmp_path) as store:
-        assert store.allocate_id(0) == 4
-        store.begin(10, T0, members=1)  # an id chosen elsewhere raises the sequence
-        assert store.allocate_id(0) == 11
+        assert store.allocate_id(0) == 1152
+
+
+def test_ids_of_another_space_increase_across_restarts(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
-        assert store.allocate_id(0) == 12
+        first = [store.allocate_id(0, space=1) for _ in range(3)]
+        assert first == [1, 129, 257]  # the ids ≡ 1 (mod 128), from the smallest
+        clocked = store.allocate_id(T0, space=1)
+        assert clocked % ID_SPACES == 1
+        assert abs(clocked - int(T0 * 1_000_000)) < ID_SPACES  # still the clock's time, to 127 µs
+        assert store.allocate_id(T0, space=1) == clocked + ID_SPACES  # the clock did not move
+    with Store(tmp_path) as store:
+        again = [store.allocate_id(T0 - 3600, space=1) for _ in range(3)]  # the clock went back
+    assert again == [clocked + k * ID_SPACES for k in (2, 3, 4)]
+
+
+def test_a_space_that_is_no_replica_is_refused(store: Store) -> None:
+    for space in (-1, ID_SPACES, 1.0, True):
+        with pytest.raises(ValueError, match="replica"):
+            store.allocate_id(T0, space=space)  # type: ignore[arg-type]
+    assert store.allocate_id(0) == 128  # nothing was handed out by the refused calls
+
+
+def test_two_replicas_never_hand_out_the_same_id(tmp_path: Path) -> None:
+    """Two detectors side by side, each with its own store, given the very same clock readings."""
+    with Store(tmp_path / "a") as a, Store(tmp_path / "b") as b:
+        nows = [0.0, 0.0, T0, T0, T0 + 0.000_001, T0 - 5, T0 + 1, T0 + 1]
+        from_a = [a.allocate_id(now, space=0) for now in nows]
+        from_b = [b.allocate_id(now, space=1) for now in nows]
+    assert not set(from_a) & set(from_b)
+    assert from_a == sorted(set(from_a)) and from_b == sorted(set(from_b))  # each increases
+    assert {i % ID_SPACES for i in from_a} == {0} and {i % ID_SPACES for i in from_b} == {1}
 
 
 def test_begin_refuses_an_existing_or_invalid_id(store: Store) -> None:
@@ -154,11 +188,12 @@ def test_begin_refuses_an_existing_or_invalid_id(store: Store) -> None:
 def test_running_snapshots_are_aborted_on_reopen(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         done = completed(store)
-        store.begin(store.allocate_id(0), T0, members=2)
+        first = store.allocate_id(0)
+        store.begin(first, T0, members=2)
         running = store.allocate_id(0)
         store.begin(running, T0, members=2)
     with Store(tmp_path) as store:
-        for snapshot_id in (running - 1, running):
+        for snapshot_id in (first, running):
             summary = store.summary(snapshot_id)
             assert summary is not None
             assert summary.outcome == SNAPSHOT_OUTCOME_ABORTED
@@ -187,30 +222,31 @@ def test_latest_results_skips_aborted_and_running(store: Store) -> None:
 
 def test_list_pages_newest_first(store: Store) -> None:
     made = [completed(store), aborted(store), completed(store), aborted(store), completed(store)]
-    assert made == [1, 2, 3, 4, 5]
-    assert ids(store.list(2)) == [5, 4]
-    assert ids(store.list(2, before_id=4)) == [3, 2]
-    assert ids(store.list(2, before_id=2)) == [1]
-    assert ids(store.list(2, before_id=1)) == []
-    assert ids(store.list(100)) == [5, 4, 3, 2, 1]
-    assert ids(store.list(3, before_id=2**64 - 1)) == [5, 4, 3]
+    assert made == [128, 256, 384, 512, 640]
+    one, two, three, four, five = made
+    assert ids(store.list(2)) == [five, four]
+    assert ids(store.list(2, before_id=four)) == [three, two]
+    assert ids(store.list(2, before_id=two)) == [one]
+    assert ids(store.list(2, before_id=one)) == []
+    assert ids(store.list(100)) == [five, four, three, two, one]
+    assert ids(store.list(3, before_id=2**64 - 1)) == [five, four, three]
     assert [s.outcome for s in store.list(2)] == [SNAPSHOT_OUTCOME_COMPLETED, SNAPSHOT_OUTCOME_ABORTED]
     store.begin(2**63 - 1, T0, members=1)  # the largest id SQLite can hold
-    assert ids(store.list(2)) == [2**63 - 1, 5]
-    assert ids(store.list(2, before_id=2**64 - 1)) == [2**63 - 1, 5]
-    assert ids(store.list(2, before_id=2**63 - 1)) == [5, 4]
+    assert ids(store.list(2)) == [2**63 - 1, five]
+    assert ids(store.list(2, before_id=2**64 - 1)) == [2**63 - 1, five]
+    assert ids(store.list(2, before_id=2**63 - 1)) == [five, four]
     with pytest.raises(ValueError, match="page_size"):
         store.list(0)
 
 
 def test_predicate_history_newest_first(store: Store) -> None:
-    completed(store, deadlock=False)
-    completed(store, deadlock=True)
+    first = completed(store, deadlock=False)
+    second = completed(store, deadlock=True)
     aborted(store)
-    completed(store, deadlock=False)
-    assert store.predicate_history("deadlock", 10) == [(4, False), (2, True), (1, False)]
-    assert store.predicate_history("deadlock", 2) == [(4, False), (2, True)]
-    assert store.predicate_history("user.score", 1) == [(4, True)]
+    fourth = completed(store, deadlock=False)
+    assert store.predicate_history("deadlock", 10) == [(fourth, False), (second, True), (first, False)]
+    assert store.predicate_history("deadlock", 2) == [(fourth, False), (second, True)]
+    assert store.predicate_history("user.score", 1) == [(fourth, True)]
     assert store.predicate_history("no such predicate", 10) == []
     assert store.predicate_history("deadlock", 0) == []
     with pytest.raises(ValueError, match="limit"):
@@ -270,31 +306,30 @@ def test_a_failed_complete_leaves_the_snapshot_running(tmp_path: Path) -> None:
 
 def test_retention_by_count_deletes_oldest_first(tmp_path: Path) -> None:
     with Store(tmp_path, max_snapshots=3, max_age_seconds=None) as store:
-        for _ in range(5):
-            completed(store)
-        aborted(store)
+        made = [completed(store) for _ in range(5)] + [aborted(store)]
         assert store.apply_retention(now=T0) == 3
-        assert ids(store.list(10)) == [6, 5, 4]
-        assert store.snapshot(1) is None and store.results(1) is None
-        assert store.predicate_history("deadlock", 10) == [(5, True), (4, True)]  # results went with them
+        assert ids(store.list(10)) == made[:2:-1]
+        assert store.snapshot(made[0]) is None and store.results(made[0]) is None
+        # Their results went with them.
+        assert store.predicate_history("deadlock", 10) == [(made[4], True), (made[3], True)]
         assert store.apply_retention(now=T0) == 0
-        assert store.allocate_id(0) == 7
+        assert store.allocate_id(0) == made[-1] + ID_SPACES
 
 
 def test_retention_never_deletes_running_rows(tmp_path: Path) -> None:
     with Store(tmp_path, max_snapshots=2, max_age_seconds=60) as store:
-        store.begin(store.allocate_id(0), T0 - 10_000, members=2)  # id 1: old and still running
+        oldest = store.allocate_id(0)
+        store.begin(oldest, T0 - 10_000, members=2)  # old and still running
         for _ in range(3):
             completed(store, T0)
-        store.begin(store.allocate_id(0), T0, members=2)  # id 5: the newest, running
+        newest = store.allocate_id(0)
+        store.begin(newest, T0, members=2)  # the newest, running
         # The bound counts every row; only finished ones can go.
         assert store.apply_retention(now=T0 + 10_000) == 3
-        assert ids(store.list(10)) == [5, 1]
+        assert ids(store.list(10)) == [newest, oldest]
         assert [s.outcome for s in store.list(10)] == [SNAPSHOT_OUTCOME_RUNNING, SNAPSHOT_OUTCOME_RUNNING]
         # Still completes after retention.
-        store.complete(
-            global_snapshot(1), evaluation(1, predicate_results()), T0 + 10_001
-        )  # still completes after retention
+        store.complete(global_snapshot(oldest), evaluation(oldest, predicate_results()), T0 + 10_001)
 
 
 def test_retention_by_age(tmp_path: Path) -> None:
@@ -302,24 +337,24 @@ def test_retention_by_age(tmp_path: Path) -> None:
         first = completed(store, T0)
         second = aborted(store, T0 + 50)
         third = completed(store, T0 + 100)
-        store.begin(store.allocate_id(0), T0 - 1_000, members=1)  # running: never deleted by age
+        running = store.allocate_id(0)
+        store.begin(running, T0 - 1_000, members=1)  # running: never deleted by age
         assert store.apply_retention(now=T0 + 149) == 1
         assert store.summary(first) is None
         assert store.summary(second) is not None
         assert store.apply_retention(now=T0 + 200) == 1  # exactly max_age old is kept
         assert store.summary(third) is not None
         assert store.apply_retention(now=T0 + 10_000) == 1
-        assert ids(store.list(10)) == [4]
+        assert ids(store.list(10)) == [running]
 
 
 def test_ids_are_not_reused_after_retention_empties_the_store(tmp_path: Path) -> None:
     with Store(tmp_path, max_snapshots=0, max_age_seconds=None) as store:
-        for _ in range(3):
-            completed(store)
+        made = [completed(store) for _ in range(3)]
         assert store.apply_retention(now=T0) == 3
         assert store.list(10) == []
     with Store(tmp_path) as store:
-        assert store.allocate_id(0) == 4
+        assert store.allocate_id(0) == made[-1] + ID_SPACES
 
 
 def test_retention_without_bounds_deletes_nothing(tmp_path: Path) -> None:
@@ -466,10 +501,13 @@ def test_closed_store_refuses_calls(tmp_path: Path) -> None:
 def test_ids_follow_the_clock_in_microseconds_and_never_repeat(tmp_path: Path) -> None:
     with Store(tmp_path) as store:
         first = store.allocate_id(T0)
-        assert first == int(T0 * 1_000_000)
-        assert store.allocate_id(T0) == first + 1  # the clock did not move: one above
-        assert store.allocate_id(T0 - 3600) == first + 2  # the clock went back: still above
-        assert store.allocate_id(T0 + 1) == int((T0 + 1) * 1_000_000)
+        # The clock's microseconds rounded down to the space (0: multiples of 128).
+        assert first == int(T0 * 1_000_000) // ID_SPACES * ID_SPACES
+        assert int(T0 * 1_000_000) - first < ID_SPACES
+        assert store.allocate_id(T0) == first + ID_SPACES  # the clock did not move: the next of the space
+        assert store.allocate_id(T0 - 3600) == first + 2 * ID_SPACES  # the clock went back: still above
+        later = int((T0 + 1) * 1_000_000)
+        assert store.allocate_id(T0 + 1) == later - later % ID_SPACES
 
 
 def test_a_fresh_store_starts_above_an_old_detectors_ids_and_has_a_new_epoch(tmp_path: Path) -> None:
@@ -501,13 +539,14 @@ def test_baselines_are_kept_once(store: Store) -> None:
 
 def test_unarchived_snapshots_until_marked(store: Store) -> None:
     done = completed(store)
-    store.begin(2, T0, members=1)
-    store.abort(2, "deadline", T0 + 1, "deadline")
-    store.begin(3, T0, members=1)  # running: not archived yet
-    assert store.unarchived(10) == [done, 2]
+    gone, running = done + ID_SPACES, done + 2 * ID_SPACES
+    store.begin(gone, T0, members=1)
+    store.abort(gone, "deadline", T0 + 1, "deadline")
+    store.begin(running, T0, members=1)  # running: not archived yet
+    assert store.unarchived(10) == [done, gone]
     store.mark_archived([done])
-    assert store.unarchived(10) == [2]
-    assert store.summary(2).abort_kind == "deadline"
+    assert store.unarchived(10) == [gone]
+    assert store.summary(gone).abort_kind == "deadline"
 
 
 def test_a_version_1_store_is_upgraded_in_place(tmp_path: Path) -> None:
@@ -541,5 +580,5 @@ def test_a_version_1_store_is_upgraded_in_place(tmp_path: Path) -> None:
         graph = store.wait_for_graph(3)
         assert graph is not None and ("a", "b") in {(e.waiter.process, e.target.process) for e in graph.edges}
         assert store.expected_totals() == {"tokens": 14}  # the baseline the newest results were checked against
-        assert store.allocate_id(0) == 4
+        assert store.allocate_id(0) == 128  # the next id of space 0 above the old last id 3
         assert store.unarchived(10) == [3]

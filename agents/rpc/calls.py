@@ -15,7 +15,7 @@ import grpc
 
 from stablewatch.agents import breaking
 from stablewatch.agents.rpc.core import STAMP_KEY, Stamp
-from stablewatch.v1 import WAIT_MODEL_OR, Wait
+from stablewatch.v1 import WAIT_MODEL_OR, RecordedMessage, Wait
 
 __all__ = [
     "BadStamp",
@@ -146,6 +146,11 @@ class OutgoingCall:
         message = self.broken
         return None if message is None else DeadlockBroken(message, instance=self.instance)
 
+    def response_message(self) -> RecordedMessage:
+        """The call's response as a channel state holds it: it wakes only its caller's task. The
+        core builds it only if a recording needs it (a bound method costs less than a partial)."""
+        return RecordedMessage(wakes_task=self.caller_task)
+
 
 @dataclass(slots=True)
 class IncomingCall:
@@ -166,9 +171,9 @@ class IncomingCall:
     name: str  # the handler's task: "{method}#{caller}:{seq}"
     peer: str | None  # the caller's process id, or grpc://<host> once the handler of an uninstrumented call starts
     instrumented: bool
+    pool: WorkerPool | None = None  # before the defaults set less often: one is made per call, positionally
     error: str | None = None  # a bad or stale stamp, or a break: the handler refuses the call with `status`
     status: grpc.StatusCode = grpc.StatusCode.INVALID_ARGUMENT
-    pool: WorkerPool | None = None
     started: bool = False  # its handler started
     done: bool = False  # its handler ended, or gRPC ended the call before it started
     instance: int = 0
@@ -219,8 +224,9 @@ class WorkerPool:
         self.queued.pop(name, None)
 
     def end(self, name: str) -> None:
-        self.running.pop(name, None)
-        self.queued.pop(name, None)
+        """The call ``name`` left (its handler ended, or gRPC ended it): a queued call takes its worker."""
+        if self.running.pop(name, False) is False:  # not running (rare): it may have been queued
+            self.queued.pop(name, None)
         while self.queued and len(self.running) < self.workers:
             head = next(iter(self.queued))
             del self.queued[head]

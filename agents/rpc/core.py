@@ -60,21 +60,34 @@ request when its handler starts, a response when the caller gets it.
   :data:`LOCAL_ID_BASE`, or a color beyond the wall clock plus ``max_skew`` (the detector's ids
   are microseconds of wall time) raise :class:`RemoteProtocolError` before anything changes: a bad
   stamp never starts a recording.
-* **Bounds.** At most ``max_recordings`` jumps are kept and ``max_recordings`` snapshots run at
-  once: beyond, a start is refused with a :class:`SnapshotFailed` (and a stamp still raises the
-  color, without a recording). A jump whose recorded bytes pass ``max_recorded_bytes`` fails
-  with its snapshots.
+* **Bounds.** At most ``max_recordings`` snapshots run at once: beyond, a start is refused with
+  a :class:`SnapshotFailed`. At most ``max_recordings`` jumps are kept: a new one makes room by
+  dropping the oldest kept jump that no snapshot claims (a start always finds one); when every
+  kept jump is claimed, a stamp still raises the color, without a recording. A jump whose
+  recorded bytes pass ``max_recorded_bytes`` fails with its snapshots.
 * **Deadlines.** A snapshot runs until ``lifetime`` after its start (``default_lifetime`` if none
-  is given); a jump that no start claimed is kept ``default_lifetime``, and a claimed one until its
-  last snapshot ends (the control stream is ordered, so the starts of its other ids came before).
-  :meth:`ColorCore.expire` drops what passed its deadline, reporting unfinished snapshots as
-  failed; :meth:`ColorCore.finish_snapshot` forgets one the detector completed or aborted.
-* **Epochs.** :meth:`ColorCore.new_epoch` (a new detector id space) drops every jump and
-  snapshot without a report. The color stays: old ids still travel in other processes' stamps,
-  and a lower color would let a message of higher color pass unrecorded.
+  is given). A jump is kept ``default_lifetime`` from when it was made, and beyond that while a
+  snapshot claims it: a jump whose last claim ended stays until then, as the start of another
+  detector's id in its range may still come (see "Several detectors"). :meth:`ColorCore.expire`
+  drops what passed its deadline, reporting unfinished snapshots as failed;
+  :meth:`ColorCore.finish_snapshot` forgets one the detector completed or aborted.
+* **Several detectors.** Detectors side by side each start their own snapshots, with ids of
+  their own id space (:mod:`stablewatch.v1.ids`), on their own control streams. The core keeps
+  one color sequence for all of them: their ids interleave in one total order (each is its
+  start time in microseconds), a color is the highest id of any detector, and a jump to ``c``
+  is the recording for every id ``<= c`` of its range, whichever detector's. A message of color
+  ``>= k`` is still delivered only after its receiver recorded ``k``, so every detector's cuts
+  stay consistent, and one capture serves the snapshots of both detectors that fall in its
+  range. Claims, targets and finished ids are kept per whole id, so the detectors' snapshots
+  never mix.
+* **Epochs.** :meth:`ColorCore.new_epoch` (a detector started again on a new store: its ids
+  start again) drops that detector's snapshots without a report and forgets its finished ids;
+  other detectors' snapshots and every jump stay (a jump that lost its last claim keeps its
+  deadline). The color stays: old ids still travel in other processes' stamps, and a lower
+  color would let a message of higher color pass unrecorded.
 * **Cost.** :meth:`ColorCore.send` and :meth:`ColorCore.receive` run for every message: a few
-  comparisons and counts, plus, for a message of color below ours, one pass over the running
-  jumps and their snapshots. The :class:`RecordedMessage` is built only if a jump records it.
+  comparisons and counts, plus, for a message of color below ours, one pass over the kept jumps
+  (at most ``max_recordings``) and their snapshots. The :class:`RecordedMessage` is built only if a jump records it.
 
 Errors say whose fault they are: :class:`LocalProtocolError` for misuse by the driver,
 :class:`RemoteProtocolError` for a peer (or detector) that broke the protocol.
@@ -103,6 +116,7 @@ from stablewatch.agents.core import (
 )
 from stablewatch.v1 import LocalSnapshotPart, LocalState, OutboundCount, RecordedMessage
 from stablewatch.v1.bounds import process_id_problem
+from stablewatch.v1.ids import id_space, space_problem
 
 __all__ = [
     "DEFAULT_MAX_SKEW",
@@ -179,6 +193,7 @@ class _Peer:
     incarnation: int | None = None  # the peer's, once a stamp or a target named it
     view: int = 0  # the peer's session with us: the one whose messages `received` counts
     received: int = 0
+    stamp: Stamp | None = None  # the last stamp sent to it: the next one, unless the color or `session` moved
 
 
 @dataclass(slots=True)
@@ -316,7 +331,10 @@ class ColorCore:
         if known is None:
             known = self._new_peer(peer)
         known.sent += 1
-        return Stamp(self._color, self.incarnation, known.session, self.process_id)
+        stamp = known.stamp  # one Stamp per color and session, not per message
+        if stamp is None or stamp.color != self._color or stamp.session != known.session:
+            stamp = known.stamp = Stamp(self._color, self.incarnation, known.session, self.process_id)
+        return stamp
 
     def receive(self, stamp: Stamp, message: MessageSource, *, now: float, wall: float) -> tuple[Action, ...]:
         """A message with ``stamp`` is about to be delivered (at ``now``; ``wall`` judges its color).
@@ -397,9 +415,8 @@ class ColorCore:
             return (self._refuse(snapshot_id, f"refused, {running}"),)
         deadline = now + (lifetime or self.default_lifetime)
         if snapshot_id > self._color:
-            if len(self._jumps) >= self.max_recordings:
-                kept = f"{len(self._jumps)} recordings are kept, the bound (max_recordings)"
-                return (self._refuse(snapshot_id, f"refused, {kept}"),)
+            # Its jump is kept for sure: fewer snapshots run than the bound, so if the kept jumps
+            # reach the bound, one of them is unclaimed and makes room.
             recording = self._jump(snapshot_id, now)
             self._claim(self._jumps[-1], snapshot_id, deadline)  # its part comes with the state
             return recording
@@ -501,15 +518,23 @@ class ColorCore:
         else:
             self._finished.add(snapshot_id)
 
-    def new_epoch(self) -> None:
-        """The detector's id space changed: drop every jump and snapshot without a report.
+    def new_epoch(self, space: int = 0) -> None:
+        """The detector of id space ``space`` started again (a new store): forget its snapshots.
 
-        The color stays (see "Epochs" in the module docstring); so do the channel counts.
+        Its running snapshots are dropped without a report (the new detector never heard of them)
+        and its finished ids are forgotten, so its new ids, however small, run again. Other
+        detectors' snapshots stay, and so does every jump: one whose last claim went is kept
+        until its deadline. The color stays (see "Epochs" in the module docstring); so do the
+        channel counts.
         """
         self._check_ready()
-        self._jumps.clear()
-        self._claims.clear()
-        self._finished = FinishedIds()
+        problem = space_problem(space)
+        if problem is not None:
+            raise LocalProtocolError(problem)
+        for snapshot_id in [k for k in self._claims if id_space(k) == space]:
+            claim = self._claims.pop(snapshot_id)
+            del claim.jump.claims[snapshot_id]
+        self._finished.keep_only(lambda k: id_space(k) != space)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -568,10 +593,20 @@ class ColorCore:
                 failures.extend(self._fail_jump(jump, reason))
         return failures
 
+    def _make_room(self) -> bool:
+        """Whether a new jump may be kept, after dropping the oldest unclaimed one if the bound needs it."""
+        if len(self._jumps) < self.max_recordings:
+            return True
+        for index, jump in enumerate(self._jumps):
+            if not jump.claims:
+                del self._jumps[index]
+                return True
+        return False
+
     def _jump(self, hi: int, now: float) -> tuple[Action, ...]:
         """Raise the color to ``hi``, keeping a jump for ``(color, hi]`` unless the bound refuses it."""
         lo, self._color = self._color, hi
-        if len(self._jumps) >= self.max_recordings:
+        if not self._make_room():
             return _NOTHING  # the ids passed unrecorded: their starts will fail
         peers = sorted(self._peers.items())
         jump = _Jump(
@@ -590,11 +625,10 @@ class ColorCore:
         return claim
 
     def _end_claim(self, claim: _Claim) -> None:
-        """Forget a claim; its jump goes with its last claim."""
-        jump = claim.jump
-        del jump.claims[claim.snapshot_id]
-        if not jump.claims:
-            self._jumps.remove(jump)
+        """Forget a claim. Its jump stays until its own deadline, even after its last claim: another
+        detector's start for an id of its range may still come (its control stream is not ordered
+        with this one's), and only this jump can serve it."""
+        del claim.jump.claims[claim.snapshot_id]
         self._finished.add(claim.snapshot_id)
 
     def _record(self, src: str, color: int, message: MessageSource) -> list[Action]:

@@ -84,15 +84,29 @@ _log = logging.getLogger(__name__)
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
 
 
+_running_loop, _current_thread = asyncio._get_running_loop, threading.current_thread  # looked up once
+
+
 def current_task_name() -> str:
     """The waiter of a call made here: the running handler's call name, else the asyncio task's or thread's name."""
     name = CURRENT_TASK.get()
     if name:
         return name
-    if asyncio._get_running_loop() is None:  # a thread without a loop: no exception to raise and catch
-        return threading.current_thread().name
-    task = asyncio.current_task()
-    return task.get_name() if task is not None else threading.current_thread().name
+    loop = _running_loop()
+    if loop is None:  # a thread without a loop: no exception to raise and catch
+        return _current_thread().name
+    task = asyncio.current_task(loop)
+    return task.get_name() if task is not None else _current_thread().name
+
+
+def _aio_task_name(loop: asyncio.AbstractEventLoop) -> str:
+    """:func:`current_task_name` in a coroutine of ``loop`` (finding the running loop costs more than
+    the rest: an asyncio call looks it up once)."""
+    name = CURRENT_TASK.get()
+    if name:
+        return name
+    task = asyncio.current_task(loop)
+    return task.get_name() if task is not None else _current_thread().name
 
 
 def stamp_of(metadata: Any) -> str | None:
@@ -132,8 +146,9 @@ def _start(agent: CallEvents, call: IncomingCall, context: Any) -> None:
 def _end_sync(agent: CallEvents, call: IncomingCall, context: grpc.ServicerContext) -> None:
     stamp = agent.respond(call, "" if call.peer is not None else context.peer(), context.is_active())
     if stamp is not None:
+        entry = stamp_entry(stamp)
         trailing = context.trailing_metadata()
-        context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
+        context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
 
 def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
@@ -148,15 +163,31 @@ def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
 
 
 def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
+    # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
+    # an agent, a call still active) is written out here rather than through _start and _end_sync.
+    handler_started, respond, get = agent.handler_started, agent.respond, served.get
+
     def run(request: Any, context: grpc.ServicerContext) -> Any:
-        call = _served(served)
-        _start(agent, call, context)
+        call = get(None)
+        if call is None:
+            call = _served(served)  # raises
+        if call.peer is None:
+            _start(agent, call, context)
+        else:
+            handler_started(call)
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
             return behavior(request, context)
         finally:
-            _end_sync(agent, call, context)
+            if call.peer is None:
+                _end_sync(agent, call, context)
+            else:
+                stamp = respond(call, "", context.is_active())
+                if stamp is not None:
+                    trailing = context.trailing_metadata()
+                    entry = stamp_entry(stamp)
+                    context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
     return run
 
@@ -314,10 +345,15 @@ def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerCo
         context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
 
 
-async def _call_behavior(behavior: Callable[..., Any], request: Any, context: Any) -> Any:
+def _awaitable(behavior: Callable[..., Any]) -> Callable[..., Any]:
+    """``behavior`` as a coroutine function: itself, or a sync one run in a thread (decided once per method)."""
     if inspect.iscoroutinefunction(behavior):
-        return await behavior(request, context)
-    return await asyncio.to_thread(behavior, request, context)
+        return behavior
+
+    async def in_thread(request: Any, context: Any) -> Any:
+        return await asyncio.to_thread(behavior, request, context)
+
+    return in_thread
 
 
 class _AioServed:
@@ -348,18 +384,34 @@ class _AioServed:
 
 
 def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., Any]) -> Callable[..., Any]:
+    # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
+    # an agent) is written out here rather than through _start and _end_aio.
+    behave, get, handler_started, respond = _awaitable(behavior), served.var.get, agent.handler_started, agent.respond
+
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        call = served.get()
+        call = get(None)
         if call is None:
-            return await _call_behavior(behavior, request, context)
-        _start(agent, call, context)
+            call = served.get()  # None again, and warned once
+            if call is None:
+                return await behave(request, context)
+        if call.peer is None:
+            _start(agent, call, context)
+        else:
+            handler_started(call)
         CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
         try:
             if call.error is not None:
                 await _StampingContext(agent, call, context).abort(call.status, call.error)
-            return await _call_behavior(behavior, request, _StampingContext(agent, call, context))
+            return await behave(request, _StampingContext(agent, call, context))
         finally:
-            _end_aio(agent, call, context)
+            if call.peer is None:
+                _end_aio(agent, call, context)
+            else:
+                stamp = respond(call, "", not context.done() and not context.cancelled())
+                if stamp is not None:
+                    trailing = context.trailing_metadata()
+                    entry = stamp_entry(stamp)
+                    context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
     return run
 
@@ -675,10 +727,11 @@ class _AioClient:
 
     async def _unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
         agent = self._agent
-        call = agent.call_out(self._peer, method_name(details.method), current_task_name(), self._instrumented)
+        loop = _running_loop()  # looked up once: for the caller's name and for the cancel
+        call = agent.call_out(self._peer, method_name(details.method), _aio_task_name(loop), self._instrumented)
         try:
             grpc_call = await continuation(_aio_details_with(details, call), request)
-            call.cancel = _cancel_soon(grpc_call)  # breakable from now on
+            call.cancel = _cancel_soon(loop, grpc_call)  # breakable from now on
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
@@ -695,7 +748,9 @@ class _AioClient:
         except BaseException:  # interrupted here: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
-        agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+        stamp = stamp_of(await grpc_call.trailing_metadata())
+        # The status matters only without the server's stamp (as in take_in_end).
+        agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
         return response
 
     async def _streaming(self, continuation: Callable[..., Any], details: Any, request: Any) -> AsyncIterator[Any]:
@@ -723,11 +778,10 @@ class _AioClient:
         agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
 
 
-def _cancel_soon(grpc_call: Any) -> Callable[[], bool]:
-    """A cancel of the asyncio ``grpc_call`` that any thread may call: it runs on the call's loop
+def _cancel_soon(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> Callable[[], bool]:
+    """A cancel of the asyncio ``grpc_call`` that any thread may call: it runs on ``loop``, the call's
     (grpc.aio objects belong to their loop). True when it was scheduled (the call ends cancelled
     unless it ends first); False when the loop is closed."""
-    loop = asyncio.get_running_loop()
 
     def cancel() -> bool:
         try:

@@ -66,7 +66,15 @@ class RpcAgentMetrics:
         breaks = counter("breaks", "Waits broken to end a proven deadlock, by kind (call, queued)", "kind")
         self._breaks = {kind: breaks.labels(kind) for kind in BREAK_KINDS}
         self._control_connected = Gauge(
-            f"{PREFIX}_control_connected", "1 while the control stream to the detector is up, else 0", registry=registry
+            f"{PREFIX}_control_connected",
+            "1 while a control stream to a detector (any of them) is up, else 0",
+            registry=registry,
+        )
+        self._detector_connected = Gauge(
+            f"{PREFIX}_detector_connected",
+            "1 while the control stream to this detector is up, else 0",
+            ["detector"],
+            registry=registry,
         )
 
     def stamped(self, kind: str) -> None:
@@ -104,9 +112,18 @@ class RpcAgentMetrics:
         """A wait of `kind` (:data:`BREAK_KINDS`) was broken for a detector's ``BreakWait``."""
         self._breaks[kind].inc()
 
+    @property
+    def stamped_counts(self) -> dict[str, int]:
+        """The stamped-messages counts by kind, for an owner that adds to them under its own lock."""
+        return self._stamped.counts
+
     def control_connected(self, connected: bool) -> None:
-        """The control stream to the detector went up (True) or down (False)."""
+        """Whether a control stream to a detector (any of them) is up."""
         self._control_connected.set(1 if connected else 0)
+
+    def detector_connected(self, detector: str, connected: bool) -> None:
+        """The control stream to the detector at ``detector`` went up (True) or down (False)."""
+        self._detector_connected.labels(detector).set(1 if connected else 0)
 
     def serve_http(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
         """Serve this registry on ``http://addr:port/metrics`` from a daemon thread (port 0: any free one)."""

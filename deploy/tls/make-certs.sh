@@ -7,8 +7,9 @@
 # any identity. OUT_DIR receives what the services mount (PEM, EC P-256):
 #
 #   ca.pem                             the CA certificate everyone trusts
-#   detector.pem, detector-key.pem     the detector: DNS detector, stablewatch-detector, localhost,
-#                                      IP 127.0.0.1 (server and client use: its own health probe)
+#   detector.pem, detector-key.pem     the detectors (both replicas): DNS detector, detector-0,
+#                                      detector-1, stablewatch-detector, localhost, IP 127.0.0.1
+#                                      (server and client use: their own health probes)
 #   prometheus.pem, prometheus-key.pem Prometheus scraping /metrics (no role: /metrics only)
 #   operator.pem, operator-key.pem     URI stablewatch://role/operator: read and trigger snapshots
 #   reader.pem, reader-key.pem         URI stablewatch://role/reader: read only
@@ -85,7 +86,7 @@ EOF
 }
 
 leaf detector "stablewatch detector" serverAuth,clientAuth \
-    "DNS:detector,DNS:stablewatch-detector,DNS:localhost,IP:127.0.0.1" "$DETECTOR_UID"
+    "DNS:detector,DNS:detector-0,DNS:detector-1,DNS:stablewatch-detector,DNS:localhost,IP:127.0.0.1" "$DETECTOR_UID"
 leaf prometheus "prometheus" clientAuth "DNS:prometheus" "$PROMETHEUS_UID"
 leaf operator "stablewatch operator" clientAuth "URI:stablewatch://role/operator" "$DETECTOR_UID"
 leaf reader "stablewatch reader" clientAuth "URI:stablewatch://role/reader" "$DETECTOR_UID"

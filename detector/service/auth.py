@@ -135,7 +135,13 @@ class Authorizer:
         """Raise :class:`Denied` unless the peer of this call has ``permission``."""
         if permission in (Permission.OPEN, Permission.AGENT):
             return
-        uris = peer_uris(context)
+        self.check_uris(peer_uris(context), permission, method)
+
+    def check_uris(self, uris: tuple[str, ...] | None, permission: Permission, method: str) -> None:
+        """Raise :class:`Denied` unless a peer whose verified certificate has these URI SANs (None: no
+        certificate) has ``permission``: the rule of :meth:`check`, for the web view's HTTPS too."""
+        if permission in (Permission.OPEN, Permission.AGENT):
+            return
         if uris is None:
             if self.required:
                 raise Denied(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated", f"{method} needs a client certificate")

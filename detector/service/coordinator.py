@@ -72,6 +72,7 @@ from stablewatch.v1.bounds import (
     text_problem,
     too_long,
 )
+from stablewatch.v1.ids import id_space, next_id, space_problem
 
 __all__ = ["ABORT_KINDS", "ENDED_NOTICE_DELAY", "Coordinator", "Member", "NoAgents", "SnapshotAborted"]
 
@@ -152,6 +153,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         detector_id: str = "stablewatch",
         heartbeat_interval: float = 1.0,
         epoch: int = 0,
+        id_space: int = 0,
         first_snapshot_id: int = 1,
         on_rejected: Callable[[PartRejected], None] | None = None,
         on_membership: Callable[[], None] | None = None,
@@ -166,6 +168,11 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self.ended_notice_delay = ended_notice_delay
         self.heartbeat_interval = heartbeat_interval
         self.epoch = epoch
+        problem = space_problem(id_space)
+        if problem is not None:
+            raise ValueError(problem)
+        #: This detector's replica: its snapshot ids are those of this id space (stablewatch.v1.ids).
+        self.id_space = id_space
         self.members: dict[str, Member] = {}
         self.joining: dict[str, Member] = {}  # registered, still forgetting another detector's ids
         self.limits = limits or Limits()
@@ -197,13 +204,16 @@ class Coordinator(control_pb2_grpc.ControlServicer):
     ) -> tuple[int, asyncio.Future[GlobalSnapshot]]:
         """Tell every attached agent to record; returns the id and a future of the global snapshot.
 
-        Ids must increase; by default the next after the last one. The future fails with
+        Ids must increase and lie in this detector's id space; by default the next one of the space
+        after the last. The future fails with
         :class:`SnapshotAborted` when the snapshot is given up. ``deadline`` (seconds) travels to
         the agents, which drop their recording after it; ``expected`` and ``expected_count`` say
         which processes the cut should hold besides the attached ones (see the assembler).
         """
         if snapshot_id is None:
-            snapshot_id = self._next_id
+            snapshot_id = next_id(self._next_id - 1, 0, self.id_space)
+        if id_space(snapshot_id) != self.id_space:
+            raise ValueError(f"snapshot id {snapshot_id} is not in this detector's id space {self.id_space}")
         if snapshot_id < self._next_id:
             raise ValueError(f"snapshot id {snapshot_id} is not above the last one ({self._next_id - 1})")
         self._next_id = snapshot_id + 1
@@ -416,7 +426,10 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             self.joining[member.process_id] = member
         interval_ms = round(self.heartbeat_interval * 1000)
         registered = control_pb2.Registered(
-            detector_id=self.detector_id, heartbeat_interval_ms=interval_ms, detector_epoch=self.epoch
+            detector_id=self.detector_id,
+            heartbeat_interval_ms=interval_ms,
+            detector_epoch=self.epoch,
+            id_space=self.id_space,
         )
         member.send(DetectorMessage(registered=registered))
         return member

@@ -7,14 +7,16 @@ and that value is stored (:class:`~.store.Store`), published as metrics and push
 (:class:`~.watch.WatchHub`); with an archive folder, every finished snapshot (completed or
 aborted) is also written to the Parquet archive
 (:class:`~stablewatch.detector.archive.writer.ArchiveWriter`). One gRPC server carries the control
-stream, the query API, health checking and reflection; /metrics is served on its own HTTP port.
+stream, the query API, health checking and reflection; /metrics is served on its own HTTP port,
+and the web view (:mod:`~.web_http`) at ``/`` beside it or on a port of its own: the loop
+publishes what it shows (:class:`~.web_view.LiveView`) and never waits for it.
 
 Security (SECURITY.md): with ``tls_cert`` and ``tls_key`` the gRPC server speaks TLS, and /metrics
 HTTPS with the same certificate; with ``tls_client_ca`` too, every client must show a certificate
 from that CA (mutual TLS), which binds agents to their process ids and gives query clients their
-roles (:mod:`~.auth`). Plaintext is meant for loopback: a detector that listens elsewhere without
-TLS, or without client certificates, says so in a warning at start. The bounds of
-:class:`~.limits.Limits` hold in every mode.
+roles (:mod:`~.auth`); the web view then serves readers only. Plaintext is meant for loopback: a
+detector that listens elsewhere without TLS, or without client certificates, says so in a warning
+at start. The bounds of :class:`~.limits.Limits` hold in every mode.
 """
 
 from __future__ import annotations
@@ -43,16 +45,19 @@ from stablewatch.detector.service.health_check import HealthService
 from stablewatch.detector.service.limits import LimitExceeded, Limits, TokenBucket
 from stablewatch.detector.service.malformed import MalformedInterceptor
 from stablewatch.detector.service.metrics import DetectorMetrics
-from stablewatch.detector.service.metrics_http import serve_metrics
+from stablewatch.detector.service.metrics_http import serve_http, serve_metrics
 from stablewatch.detector.service.query import QueryService
 from stablewatch.detector.service.resolutions import Resolutions
 from stablewatch.detector.service.resolver import DEFAULT_REPORT_TIMEOUT
 from stablewatch.detector.service.scheduler import Scheduler
 from stablewatch.detector.service.store import Store
 from stablewatch.detector.service.watch import WatchHub
+from stablewatch.detector.service.web_http import WebApp
+from stablewatch.detector.service.web_view import LiveView
 from stablewatch.v1 import Evaluation, GlobalSnapshot, control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
 from stablewatch.v1.bounds import quoted_prefix
 from stablewatch.v1.control_pb2 import BreakReport, WaitHint
+from stablewatch.v1.ids import space_problem
 from stablewatch.v1.query_pb2 import Resolution, SnapshotResults, SnapshotSummary, WatchEvent
 
 if TYPE_CHECKING:
@@ -73,6 +78,8 @@ class DetectorConfig:
     listen: str = "127.0.0.1:50051"  # control stream and query API
     metrics_port: int | None = 9464  # /metrics over HTTP; None: not served
     metrics_address: str = "127.0.0.1"
+    # The web view's own port (on metrics_address, with the same TLS); None: at / on the metrics port.
+    web_port: int | None = None
     interval: float | None = 1.0  # seconds between scheduled snapshots; None: on demand only
     jitter: float = 0.1  # each interval is stretched or shrunk by up to this fraction
     deadline: float = 5.0  # a snapshot not complete by then is aborted
@@ -100,6 +107,8 @@ class DetectorConfig:
     resolve: str | None = None
     report_timeout: float = DEFAULT_REPORT_TIMEOUT  # seconds a break waits for its agent's report
     hints: bool = True  # an agent's long-wait hint starts a snapshot at once (rate limited)
+    # Detectors side by side: each needs its own replica number, its snapshot ids' space (0-127).
+    replica: int = 0
 
     def __post_init__(self) -> None:
         if (self.tls_cert is None) != (self.tls_key is None):
@@ -108,6 +117,9 @@ class DetectorConfig:
             raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key as well")
         if self.resolve is not None and self.resolve not in POLICIES:
             raise ValueError(f"resolve must be one of {', '.join(POLICIES)} (or None: off), not {self.resolve!r}")
+        problem = space_problem(self.replica)
+        if problem is not None:
+            raise ValueError(problem)
 
 
 class TooFewMembers(NoAgents):
@@ -133,6 +145,7 @@ class Detector:
         self._authorizer = Authorizer(required=config.tls_client_ca is not None)
         self.coordinator = Coordinator(
             heartbeat_interval=config.heartbeat_interval,
+            id_space=config.replica,
             on_rejected=self._rejected,
             on_membership=self._membership_changed,
             on_refused=self.refused,
@@ -159,6 +172,9 @@ class Detector:
         self._server: grpc.aio.Server | None = None
         self._port = 0
         self._metrics_server = None
+        self._web_server = None
+        #: What the web view shows, published from the loop (read by the web view's threads).
+        self.web = LiveView(config.listen, config.expected_members, config.expected_member_count)
         self._heartbeats: asyncio.Task[None] | None = None
         self._scheduler: Scheduler | None = None
         self._triggered: set[asyncio.Task[SnapshotResults]] = set()
@@ -223,20 +239,26 @@ class Detector:
                 await self._archive.close()
             self._store.close()
             raise
+        self.web.load(self._store, self.address)
         for warning in exposure_warnings(config):
             _log.warning("%s", warning)
         await self._server.start()
         for name in ("", *names[:2]):
             await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
+        tls = {"cert_file": config.tls_cert, "key_file": config.tls_key, "client_ca_file": config.tls_client_ca}
+        web = WebApp(self.web, self._authorizer, self.refused)
         if config.metrics_port is not None:
+            beside = web if config.web_port is None else None
             self._metrics_server = serve_metrics(
-                self.metrics.registry,
-                config.metrics_port,
-                config.metrics_address,
-                cert_file=config.tls_cert,
-                key_file=config.tls_key,
-                client_ca_file=config.tls_client_ca,
+                self.metrics.registry, config.metrics_port, config.metrics_address, beside=beside, **tls
             )
+        if config.web_port is not None:
+            try:
+                self._web_server = serve_http(web, config.web_port, config.metrics_address, name="web-http", **tls)
+            except OSError as error:  # told apart from /metrics (no errno: the CLI shows this message)
+                where = f"{config.metrics_address}:{config.web_port}"
+                raise OSError(f"the web view on {where}: {error.strerror or error}") from error
+        _log.debug("web view on %s", self.web_url or "nothing (no metrics port)")
         self._heartbeats = asyncio.ensure_future(self._watch_heartbeats())
         # What exists by now (modules, the store, the server) lives as long as the detector: out of
         # the collector's way, or every full collection walks it all (14 ms at start-up on a quiet
@@ -270,12 +292,16 @@ class Detector:
             if task is not None:
                 await asyncio.gather(task, return_exceptions=True)
         self._watch.close()
+        self.web.close()  # its event streams end
         await self._health.enter_graceful_shutdown()
         if self._server is not None:
             await self._server.stop(grace=0.5)
         if self._metrics_server is not None:
             await asyncio.to_thread(self._metrics_server.shutdown)
             self._metrics_server.server_close()
+        if self._web_server is not None:
+            await asyncio.to_thread(self._web_server.shutdown)
+            self._web_server.server_close()
         if self._archive is not None:
             await self._archive.close()
         if self._store is not None:
@@ -288,12 +314,19 @@ class Detector:
 
     @property
     def metrics_url(self) -> str | None:
-        if self._metrics_server is None:
-            return None
+        return None if self._metrics_server is None else self._http_url(self._metrics_server.server_port, "metrics")
+
+    @property
+    def web_url(self) -> str | None:
+        """The web view's page (``http(s)://host:port/``), or None when it is not served."""
+        server = self._web_server if self.config.web_port is not None else self._metrics_server
+        return None if server is None else self._http_url(server.server_port, "")
+
+    def _http_url(self, port: int, path: str) -> str:
         scheme = "http" if self.config.tls_cert is None else "https"
         host = self.config.metrics_address
         host = f"[{host}]" if ":" in host else host
-        return f"{scheme}://{host}:{self._metrics_server.server_port}/metrics"
+        return f"{scheme}://{host}:{port}/{path}"
 
     @property
     def store(self) -> Store:
@@ -318,7 +351,7 @@ class Detector:
             )
         store = self.store
         started = time.time()
-        snapshot_id = store.allocate_id(started)
+        snapshot_id = store.allocate_id(started, self.config.replica)
         store.begin(snapshot_id, started, attached)
         clock = time.perf_counter()
         try:
@@ -368,7 +401,8 @@ class Detector:
     def _finished(
         self, summary: SnapshotSummary, snapshot: GlobalSnapshot | None = None, evaluation: Evaluation | None = None
     ) -> None:
-        """Hand a finished (stored) snapshot to the archive, if there is one."""
+        """Hand a finished (stored) snapshot to the web view, and to the archive if there is one."""
+        self.web.finished(summary, snapshot, evaluation)
         if self._archive is not None:
             self._archive.add(summary, snapshot, evaluation)
 
@@ -502,10 +536,14 @@ class Detector:
 
     def _publish_resolution(self, resolution: Resolution) -> None:
         self._watch.publish_resolution(resolution)
+        self.web.add_resolution(resolution)
 
     def _rejected(self, rejected: PartRejected) -> None:
         self.metrics.rejected_parts.labels(rejected.reason).inc()
-        _log.warning("rejected a snapshot part: %s", rejected)
+        # A late part is routine (an agent that attached, or recorded from a peer's marker, while a
+        # snapshot it was no member of ended): counted, and logged only at debug level.
+        level = logging.DEBUG if rejected.reason == "late" else logging.WARNING
+        _log.log(level, "rejected a snapshot part: %s", rejected)
 
     def refused(self, reason: str, detail: str) -> None:
         """Count a refused stream or call (reason: one of limits.REFUSAL_REASONS) and log why."""
@@ -518,6 +556,7 @@ class Detector:
 
     def _membership_changed(self) -> None:
         self.metrics.agents_attached.set(len(self.coordinator.members))
+        self.web.set_members(self.coordinator.members.values())
 
 
 def exposure_warnings(config: DetectorConfig) -> list[str]:
@@ -537,8 +576,15 @@ def exposure_warnings(config: DetectorConfig) -> list[str]:
                 "anyone who reaches it can attach as any process, trigger snapshots and read every global state "
                 "(SECURITY.md)"
             )
-    if config.metrics_port is not None and config.tls_cert is None and not _is_loopback(config.metrics_address):
-        warnings.append(f"/metrics is served in plaintext on {config.metrics_address}, beyond this machine")
+    if config.tls_cert is None and not _is_loopback(config.metrics_address):
+        if config.metrics_port is not None:
+            web = " and so is the web view (members, results, wait-for graphs)" if config.web_port is None else ""
+            warnings.append(f"/metrics is served in plaintext on {config.metrics_address}, beyond this machine{web}")
+        if config.web_port is not None:
+            warnings.append(
+                f"the web view (members, results, wait-for graphs) is served in plaintext on "
+                f"{config.metrics_address}:{config.web_port}, beyond this machine"
+            )
     return warnings
 
 

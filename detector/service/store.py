@@ -9,7 +9,8 @@ with a clear :class:`StoreError` instead of corrupting the first one's ids.
 Theory of operation:
 
 * A snapshot's life is ``allocate_id`` -> ``begin`` (a RUNNING row) -> ``complete`` or ``abort``.
-  An id is the snapshot's start time in microseconds since the Unix epoch, raised to one above
+  An id is the snapshot's start time in microseconds since the Unix epoch, in the detector's id
+  space (:mod:`stablewatch.v1.ids`: detectors side by side never share an id), raised above
   the last id when the clock has not moved on: ids grow within a store and, because they follow
   the clock, a fresh store (a new data directory) starts above any earlier detector's ids. The
   last id is persisted as soon as it is handed out, so an id is never handed out twice, even when
@@ -54,6 +55,7 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from stablewatch.detector import lockfile
 from stablewatch.detector.service import migration
 from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult, WaitForGraph
+from stablewatch.v1.ids import next_id, space_problem
 from stablewatch.v1.query_pb2 import (
     SNAPSHOT_OUTCOME_ABORTED,
     SNAPSHOT_OUTCOME_COMPLETED,
@@ -307,15 +309,20 @@ class Store:
 
     # -- writing ----------------------------------------------------------------------------------
 
-    def allocate_id(self, now: float) -> int:
-        """A new snapshot id: `now` in microseconds, or one above every id handed out before (also by
-        earlier processes) if that is larger; persisted now."""
+    def allocate_id(self, now: float, space: int = 0) -> int:
+        """A new snapshot id of id space `space` (the detector's replica): `now` in microseconds, or
+        above every id handed out before (also by earlier processes) if that is larger; persisted now."""
         _check_time("now", now)
-        (snapshot_id,) = self._db.execute(
-            "UPDATE meta SET value = max(value + 1, ?) WHERE key = 'last_id' RETURNING value",
-            (min(max(int(now * 1_000_000), 1), _MAX_ID),),
-        ).fetchone()
-        return int(snapshot_id)
+        problem = space_problem(space)
+        if problem is not None:
+            raise ValueError(problem)
+        with self._write() as db:
+            (last,) = db.execute("SELECT value FROM meta WHERE key = 'last_id'").fetchone()
+            snapshot_id = next_id(int(last), min(int(now * 1_000_000), _MAX_ID), space)
+            if snapshot_id > _MAX_ID:
+                raise StoreError(f"{self.path}: snapshot ids are exhausted (the last one is {last})")
+            db.execute("UPDATE meta SET value = ? WHERE key = 'last_id'", (snapshot_id,))
+        return snapshot_id
 
     def begin(self, snapshot_id: int, started_at: float, members: int) -> None:
         """Record that snapshot `snapshot_id` started at `started_at` with `members` processes (RUNNING)."""

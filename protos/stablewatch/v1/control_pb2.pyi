@@ -100,14 +100,16 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., part: _Optional[_Union[_snapshot_pb2.LocalSnapshotPart, _Mapping]] = ..., failure: _Optional[_Union[SnapshotFailure, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., break_report: _Optional[_Union[BreakReport, _Mapping]] = ..., hint: _Optional[_Union[WaitHint, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("detector_id", "heartbeat_interval_ms", "detector_epoch")
+    __slots__ = ("detector_id", "heartbeat_interval_ms", "detector_epoch", "id_space")
     DETECTOR_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     DETECTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    ID_SPACE_FIELD_NUMBER: _ClassVar[int]
     detector_id: str
     heartbeat_interval_ms: int
     detector_epoch: int
-    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., detector_epoch: _Optional[int] = ...) -> None: ...
+    id_space: int
+    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., detector_epoch: _Optional[int] = ..., id_space: _Optional[int] = ...) -> None: ...
 
 class Refused(_message.Message):
     __slots__ = ("reason",)
