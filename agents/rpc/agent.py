@@ -136,10 +136,23 @@ _log = logging.getLogger(__name__)
 
 #: A request as a channel state holds it, built only if the core records it (see ``MessageSource``).
 _REQUEST = functools.partial(RecordedMessage, no_wake=True)
-#: Stamps seen and sent repeat from call to call (they change with a color or a session): their
-#: texts and metadata entries are cached, bounded. A bad stamp raises and is never cached.
-_decode = functools.lru_cache(maxsize=256)(Stamp.decode)
-_encode = functools.lru_cache(maxsize=256)(Stamp.encode)
+#: Stamps seen repeat from call to call (they change with a color or a session): each text is
+#: decoded once, and the stamp looked up by its text (a plain dict: a lookup costs less than an
+#: ``lru_cache`` call). Bounded: it starts again when full. A bad stamp raises and is never kept.
+#: (The stamps sent are encoded once each by the core: ``ColorCore.send_entry``.)
+_stamps: dict[str | bytes, Stamp] = {}
+_MAX_STAMPS = 256
+
+
+def _decode(text: str | bytes) -> Stamp:
+    """``Stamp.decode(text)``, kept in ``_stamps`` (look there first: ``_stamps.get(text) or _decode(text)``)."""
+    stamp = Stamp.decode(text)
+    if len(_stamps) >= _MAX_STAMPS:
+        _stamps.clear()
+    _stamps[text] = stamp
+    return stamp
+
+
 # Looked up once: each runs for every call.
 _new_instance = breaking.new_instance
 _time_ns, _monotonic, _time = time.time_ns, time.monotonic, time.time
@@ -376,20 +389,22 @@ class RpcAgent:
         ``waits`` is False for a call with a response stream (see "Response streams" in the module docstring).
         """
         seq = next(self._seqs)
-        call = OutgoingCall(seq, peer, method, caller_task, instrumented, waits)
-        if waits:
-            call.instance, call.began_at_us = _new_instance(), _time_ns() // 1000
+        if waits:  # the fields in order (metadata and settled at their defaults): no attribute set after
+            instance, began_at_us = _new_instance(), _time_ns() // 1000
+            call = OutgoingCall(seq, peer, method, caller_task, instrumented, True, (), False, instance, began_at_us)
+        else:
+            call = OutgoingCall(seq, peer, method, caller_task, instrumented, False)
         lock = self._lock
         lock.acquire()
         try:
-            stamp = self._core.send(peer)
+            entry = self._core.send_entry(peer)
             self._outgoing[seq] = call
             if instrumented:
                 self._stamped["request"] += 1  # self.metrics.stamped("request")
         finally:
             lock.release()
         if instrumented:
-            call.metadata = ((STAMP_KEY, f"{seq}:{_encode(stamp)}"),)  # request_entry(stamp, seq)
+            call.metadata = ((STAMP_KEY, f"{seq}:{entry[1]}"),)  # request_entry(stamp, seq)
         return call
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
@@ -403,7 +418,7 @@ class RpcAgent:
         stamp = error = stale = None
         if stamp_text is not None and call.instrumented:
             try:
-                stamp = _decode(stamp_text)
+                stamp = _stamps.get(stamp_text) or _decode(stamp_text)
                 if stamp.process_id != call.peer:
                     raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
             except RemoteProtocolError as exc:
@@ -417,7 +432,7 @@ class RpcAgent:
             try:
                 if stamp is not None:
                     try:
-                        actions = self._core.receive(stamp, call.response_message, now=_monotonic(), wall=_time())
+                        actions = self._core.receive(stamp, call.response_message, _monotonic(), _time())
                     except RemoteProtocolError as exc:
                         error = str(exc)
                     except StaleStamp as exc:
@@ -470,7 +485,7 @@ class RpcAgent:
             seq_text, colon, stamp_text = entry.partition(":") if type(entry) is str else ("", "", "")
             if not (colon and seq_text.isdigit() and seq_text.isascii() and len(seq_text) <= 20):
                 seq_text, stamp_text = split_request(entry)  # bytes, or a bad entry (ValueError)
-            stamp = _decode(stamp_text)
+            stamp = _stamps.get(stamp_text) or _decode(stamp_text)
         except (ValueError, RemoteProtocolError) as exc:
             return self._refuse(method, str(exc), pool)
         process_id = stamp.process_id
@@ -479,7 +494,7 @@ class RpcAgent:
         lock.acquire()
         try:
             try:
-                actions = self._core.receive(stamp, _REQUEST, now=_monotonic(), wall=_time())
+                actions = self._core.receive(stamp, _REQUEST, _monotonic(), _time())
             except RemoteProtocolError as exc:
                 error = str(exc)
             except StaleStamp as exc:
@@ -499,7 +514,10 @@ class RpcAgent:
                 if actions:
                     self._carry_out(actions)
                 if pool is not None:
-                    pool.arrive(call)
+                    if not pool.queued and len(pool.running) < pool.workers:
+                        pool.running[call.name] = None  # pool.arrive(call): it runs at once, written out
+                    else:
+                        pool.arrive(call)
         finally:
             lock.release()
         if error is not None:
@@ -564,10 +582,10 @@ class RpcAgent:
             if call.pool is not None:
                 call.pool.end(call.name)
 
-    def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None:
+    def respond(self, call: IncomingCall, peer_address: str, active: bool) -> tuple[str, str] | None:
         """The handler ended: count the response (when the call is still ``active``) and free the worker.
 
-        Returns the stamp to put in the trailing metadata, or None (calls refused for a bad stamp,
+        Returns the stamp's metadata entry to add to the trailing metadata, or None (calls refused for a bad stamp,
         uninstrumented or cancelled calls; a call refused as stale gets one). A caller without an
         agent is counted as ``grpc://<host>`` so that the part names it as a peer outside the cut
         (``peer_address`` is read only if the call was not named by its address when it started).
@@ -579,18 +597,19 @@ class RpcAgent:
                 return None
             call.done = True
             pool = call.pool
-            if pool is not None:
+            # pool.end(call.name), in a call only when a call queues or this one did not run (rare).
+            if pool is not None and (pool.queued or pool.running.pop(call.name, False) is False):
                 pool.end(call.name)
             if not active or (call.error is not None and not call.instrumented):
                 return None  # a refusal for a bad stamp is counted nowhere; one for a stale stamp is a response
             if not call.instrumented:
                 self._core.send(call.peer if call.peer is not None else _outside_peer(peer_address))
                 return None
-            stamp = self._core.send(call.peer)  # type: ignore[arg-type]  # an instrumented call has its peer
+            entry = self._core.send_entry(call.peer)  # type: ignore[arg-type]  # an instrumented call has its peer
             self._stamped["response"] += 1  # self.metrics.stamped("response")
         finally:
             lock.release()
-        return stamp
+        return entry
 
     def callee_task(self, call: OutgoingCall) -> str:
         """The name the callee gives the handler of ``call``: ``"{method}#{caller}:{seq}"``."""

@@ -259,4 +259,5 @@ class CallEvents(Protocol):
 
     def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None: ...
 
-    def respond(self, call: IncomingCall, peer_address: str, active: bool) -> Stamp | None: ...
+    def respond(self, call: IncomingCall, peer_address: str, active: bool) -> tuple[str, str] | None:
+        """Returns the response's stamp as the metadata entry to add to the trailing metadata, or None."""

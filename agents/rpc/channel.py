@@ -38,8 +38,14 @@ from typing import Any
 import grpc
 
 from stablewatch.agents.rpc.calls import CallEvents, OutgoingCall, RefusedResponse
+from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
+    CURRENT_TASK,
     ClientInterceptor,
+    _current_tasks,
+    _current_thread,
+    _get_ident,
+    _threads,
     current_task_name,
     method_name,
     stamp_of,
@@ -73,9 +79,17 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        # _blocking(...)[0], written out (see the class docstring).
+        # _blocking(...)[0], written out (see the class docstring), and current_task_name() for a call
+        # made by a thread outside any handler and task.
+        name = CURRENT_TASK.get()
+        if not name:
+            if _current_tasks is not None and not _current_tasks:
+                thread = _threads.get(_get_ident())
+                name = (thread if thread is not None else _current_thread()).name
+            else:
+                name = current_task_name()
         agent = self._agent
-        call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented)
+        call = agent.call_out(self._peer, self._method, name, self._instrumented)
         stamped = call.metadata
         if stamped:
             metadata = (*metadata, *stamped) if metadata else stamped
@@ -86,7 +100,11 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         except BaseException as error:
             _take_in_failure(agent, call, error)
             raise
-        stamp = stamp_of(grpc_call.trailing_metadata())
+        stamp = None
+        for key, value in grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
+            if key == STAMP_KEY:
+                stamp = value if type(value) is str else stamp_of(((key, value),))
+                break
         # A RefusedResponse propagates to the caller; the status matters only without the stamp.
         agent.call_returned(call, stamp, None if stamp is not None else grpc_call.code())
         return response

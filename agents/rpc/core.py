@@ -194,6 +194,10 @@ class _Peer:
     view: int = 0  # the peer's session with us: the one whose messages `received` counts
     received: int = 0
     stamp: Stamp | None = None  # the last stamp sent to it: the next one, unless the color or `session` moved
+    entry: tuple[str, str] = (STAMP_KEY, "")  # `stamp`'s metadata entry, encoded once per stamp
+    # The last stamp received from it (the driver decodes each text once, so the same object comes
+    # again): its checks that do not depend on the wall clock passed, and need not run again.
+    checked: Stamp | None = None
 
 
 @dataclass(slots=True)
@@ -325,18 +329,25 @@ class ColorCore:
 
     def send(self, peer: str) -> Stamp:
         """Count one message to ``peer``, sent now, and return the stamp it must carry."""
+        self.send_entry(peer)
+        return self._peers[peer].stamp  # type: ignore[return-value]  # send_entry set it
+
+    def send_entry(self, peer: str) -> tuple[str, str]:
+        """:meth:`send`, returning the stamp as the metadata entry that carries it,
+        ``(STAMP_KEY, stamp.encode())`` (the same tuple while the stamp stays the same)."""
         if self._awaiting is not None:  # _check_ready, inlined: this runs for every message
             self._check_ready()
         known = self._peers.get(peer)
         if known is None:
             known = self._new_peer(peer)
         known.sent += 1
-        stamp = known.stamp  # one Stamp per color and session, not per message
+        stamp = known.stamp  # one Stamp (and one encoding) per color and session, not per message
         if stamp is None or stamp.color != self._color or stamp.session != known.session:
             stamp = known.stamp = Stamp(self._color, self.incarnation, known.session, self.process_id)
-        return stamp
+            known.entry = (STAMP_KEY, stamp.encode())
+        return known.entry
 
-    def receive(self, stamp: Stamp, message: MessageSource, *, now: float, wall: float) -> tuple[Action, ...]:
+    def receive(self, stamp: Stamp, message: MessageSource, now: float, wall: float) -> tuple[Action, ...]:
         """A message with ``stamp`` is about to be delivered (at ``now``; ``wall`` judges its color).
 
         Raises :class:`RemoteProtocolError` for a bad stamp and :class:`StaleStamp` for a stale one,
@@ -349,14 +360,17 @@ class ColorCore:
         if self._awaiting is not None:
             self._check_ready()
         color, incarnation, session, src = stamp
-        if (
+        peer = self._peers.get(src)
+        if peer is not None and peer.checked is stamp:  # checked before: only the color's bound is left
+            if color > (wall + self.max_skew) * 1_000_000:
+                raise self._bad_stamp(stamp, wall)
+        elif (
             not (0 <= color < LOCAL_ID_BASE and 0 <= incarnation < _UINT64 and 0 <= session < _UINT64)
             or color > (wall + self.max_skew) * 1_000_000
             or not src
             or src == self.process_id
         ):
             raise self._bad_stamp(stamp, wall)
-        peer = self._peers.get(src)
         actions: list[Action] | tuple[Action, ...] = _NOTHING
         if peer is None or peer.incarnation != incarnation or peer.view != session:
             if peer is None:
@@ -369,6 +383,7 @@ class ColorCore:
                     f"{self.process_id} counts incarnation {peer.incarnation}, session {peer.view}"
                 )
             actions = self._adopt(src, peer, incarnation, session)
+        peer.checked = stamp
         if color > self._color:
             recording = self._jump(color, now)  # before the count: m excludes this message
             peer.received += 1
@@ -380,7 +395,7 @@ class ColorCore:
             recorded = self._record(src, color, message)
             if recorded:
                 return (*actions, *recorded)
-        return tuple(actions)
+        return actions if actions is _NOTHING else tuple(actions)
 
     def record_state(self, color: int, state: LocalState) -> tuple[Action, ...]:
         """Hand over the state captured for the :class:`RecordState` just returned.

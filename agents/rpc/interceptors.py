@@ -58,6 +58,7 @@ import contextvars
 import functools
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent import futures
@@ -72,7 +73,6 @@ from stablewatch.agents.rpc.calls import (
     OutgoingCall,
     RefusedResponse,
     WorkerPool,
-    stamp_entry,
 )
 from stablewatch.agents.rpc.core import STAMP_KEY
 
@@ -84,7 +84,15 @@ _log = logging.getLogger(__name__)
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
 
 
-_running_loop, _current_thread = asyncio._get_running_loop, threading.current_thread  # looked up once
+_running_loop, _current_thread, _get_ident = asyncio._get_running_loop, threading.current_thread, threading.get_ident
+#: asyncio's current task of each loop running a task step now (``_asyncio``'s own dict on Python 3.11
+#: to 3.13; later versions keep it elsewhere, and this stays None). When it is empty, no task runs in
+#: this thread, and the running loop need not be looked up: that costs a ``getpid()`` on every call.
+_current_tasks: dict[Any, Any] | None = (
+    getattr(asyncio.tasks, "_current_tasks", None) if sys.version_info < (3, 14) else None
+)
+#: The Thread of each thread's ident, as ``threading.current_thread()`` reads it (without its frame).
+_threads: dict[int, threading.Thread] = threading._active  # type: ignore[attr-defined]
 
 
 def current_task_name() -> str:
@@ -92,6 +100,9 @@ def current_task_name() -> str:
     name = CURRENT_TASK.get()
     if name:
         return name
+    if _current_tasks is not None and not _current_tasks:  # no task runs here: a thread's call
+        thread = _threads.get(_get_ident())  # current_thread(), written out
+        return (thread if thread is not None else _current_thread()).name
     loop = _running_loop()
     if loop is None:  # a thread without a loop: no exception to raise and catch
         return _current_thread().name
@@ -144,9 +155,8 @@ def _start(agent: CallEvents, call: IncomingCall, context: Any) -> None:
 
 
 def _end_sync(agent: CallEvents, call: IncomingCall, context: grpc.ServicerContext) -> None:
-    stamp = agent.respond(call, "" if call.peer is not None else context.peer(), context.is_active())
-    if stamp is not None:
-        entry = stamp_entry(stamp)
+    entry = agent.respond(call, "" if call.peer is not None else context.peer(), context.is_active())
+    if entry is not None:
         trailing = context.trailing_metadata()
         context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
@@ -183,10 +193,9 @@ def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall],
             if call.peer is None:
                 _end_sync(agent, call, context)
             else:
-                stamp = respond(call, "", context.is_active())
-                if stamp is not None:
+                entry = respond(call, "", context.is_active())
+                if entry is not None:
                     trailing = context.trailing_metadata()
-                    entry = stamp_entry(stamp)
                     context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
     return run
@@ -325,6 +334,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
 class _StampingContext:
     """An aio servicer context whose ``abort`` carries the response's stamp (aio sends the status at once)."""
 
+    __slots__ = ("_agent", "_call", "_context")  # one is made per call
+
     def __init__(self, agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
         self._agent, self._call, self._context = agent, call, context
 
@@ -339,10 +350,10 @@ class _StampingContext:
 
 def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
     active = not context.done() and not context.cancelled()
-    stamp = agent.respond(call, "" if call.peer is not None else context.peer(), active)
-    if stamp is not None:
+    entry = agent.respond(call, "" if call.peer is not None else context.peer(), active)
+    if entry is not None:
         trailing = context.trailing_metadata()
-        context.set_trailing_metadata((*trailing, stamp_entry(stamp)) if trailing else (stamp_entry(stamp),))
+        context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
 
 def _awaitable(behavior: Callable[..., Any]) -> Callable[..., Any]:
@@ -387,6 +398,7 @@ def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., An
     # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
     # an agent) is written out here rather than through _start and _end_aio.
     behave, get, handler_started, respond = _awaitable(behavior), served.var.get, agent.handler_started, agent.respond
+    set_task = CURRENT_TASK.set
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         call = get(None)
@@ -398,7 +410,7 @@ def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., An
             _start(agent, call, context)
         else:
             handler_started(call)
-        CURRENT_TASK.set(call.name)  # the handler's own task: nothing to restore
+        set_task(call.name)  # the handler's own task: nothing to restore
         try:
             if call.error is not None:
                 await _StampingContext(agent, call, context).abort(call.status, call.error)
@@ -407,10 +419,9 @@ def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., An
             if call.peer is None:
                 _end_aio(agent, call, context)
             else:
-                stamp = respond(call, "", not context.done() and not context.cancelled())
-                if stamp is not None:
+                entry = respond(call, "", not context.done() and not context.cancelled())
+                if entry is not None:
                     trailing = context.trailing_metadata()
-                    entry = stamp_entry(stamp)
                     context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
 
     return run
@@ -460,6 +471,7 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, agent: CallEvents) -> None:
         self._agent = agent
         self._served = _AioServed()  # one per interceptor, as for the sync one
+        self._served_var = self._served.var
         self._wrapped: dict[int, _Wrapped] = {}  # id(handler) -> its wrapping
 
     async def intercept_service(
@@ -476,7 +488,7 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
             )
             kept = _kept(self._wrapped, handler, wrapped, None)
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
-        self._served.var.set(call)
+        self._served_var.set(call)
         return kept.wrapped
 
 
@@ -721,17 +733,61 @@ class ClientInterceptor(
         return self._invoke(continuation, client_call_details, request_iterator, _StreamOutcome)
 
 
+_AioDetails = grpc.aio.ClientCallDetails
+_current_task = asyncio.current_task
+_new_tuple, _partial = tuple.__new__, functools.partial
+
+
 class _AioClient:
     def __init__(self, agent: CallEvents, peer: str, instrumented: bool) -> None:
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
+        # The loop of the latest call (a BaseEventLoop's only), to find the running loop without
+        # asyncio's lookup, which costs a getpid() per call: a BaseEventLoop knows the thread it
+        # runs in, and a thread runs one loop at a time.
+        self._loop: asyncio.BaseEventLoop | None = None
 
-    async def _unary(self, continuation: Callable[..., Any], details: Any, request: Any) -> Any:
+    def _running_loop(self) -> Any:
+        """The running loop (``asyncio._get_running_loop()``), as cheaply as it can be known."""
+        loop = self._loop
+        if loop is not None and loop._thread_id == _get_ident():  # type: ignore[attr-defined]
+            return loop
+        loop = _running_loop()
+        self._loop = loop if isinstance(loop, asyncio.BaseEventLoop) else None
+        return loop
+
+    async def _unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
+        # This runs for every asyncio unary call (``bench/rpc_hot_path.py`` times it): the unary-unary
+        # interceptor is this method itself (no coroutine around it), and the common case of
+        # _aio_details_with, method_name, _aio_task_name and self._running_loop is written out.
         agent = self._agent
-        loop = _running_loop()  # looked up once: for the caller's name and for the cancel
-        call = agent.call_out(self._peer, method_name(details.method), _aio_task_name(loop), self._instrumented)
+        loop = self._loop  # looked up once: for the caller's name and for the cancel
+        if loop is None or loop._thread_id != _get_ident():  # type: ignore[attr-defined]
+            loop = self._running_loop()
+        name = CURRENT_TASK.get()
+        if not name:
+            task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
+            name = task.get_name() if task is not None else _current_thread().name
+        method = client_call_details.method
+        text = method if type(method) is str else method_name(method)
+        call = agent.call_out(self._peer, text, name, self._instrumented)
+        stamped = call.metadata
+        if stamped and type(client_call_details) is _AioDetails:
+            metadata = client_call_details.metadata
+            details = _new_tuple(  # _AioDetails(...) with the stamp added, without its __new__'s frame
+                _AioDetails,
+                (
+                    method,
+                    client_call_details.timeout,
+                    (*metadata, *stamped) if metadata else stamped,
+                    client_call_details.credentials,
+                    client_call_details.wait_for_ready,
+                ),
+            )
+        else:
+            details = _aio_details_with(client_call_details, call)
         try:
-            grpc_call = await continuation(_aio_details_with(details, call), request)
-            call.cancel = _cancel_soon(loop, grpc_call)  # breakable from now on
+            grpc_call = await continuation(details, request)
+            call.cancel = _partial(_cancel_soon, loop, grpc_call)  # breakable from now on
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
@@ -748,7 +804,11 @@ class _AioClient:
         except BaseException:  # interrupted here: nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
-        stamp = stamp_of(await grpc_call.trailing_metadata())
+        stamp = None
+        for key, value in await grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
+            if key == STAMP_KEY:
+                stamp = value if type(value) is str else stamp_of(((key, value),))
+                break
         # The status matters only without the server's stamp (as in take_in_end).
         agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
         return response
@@ -778,26 +838,19 @@ class _AioClient:
         agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
 
 
-def _cancel_soon(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> Callable[[], bool]:
-    """A cancel of the asyncio ``grpc_call`` that any thread may call: it runs on ``loop``, the call's
-    (grpc.aio objects belong to their loop). True when it was scheduled (the call ends cancelled
-    unless it ends first); False when the loop is closed."""
-
-    def cancel() -> bool:
-        try:
-            loop.call_soon_threadsafe(grpc_call.cancel)
-        except RuntimeError:  # the loop is closed: so is the call
-            return False
-        return True
-
-    return cancel
+def _cancel_soon(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> bool:
+    """Cancel the asyncio ``grpc_call`` from any thread: it runs on ``loop``, the call's (grpc.aio
+    objects belong to their loop). True when it was scheduled (the call ends cancelled unless it ends
+    first); False when the loop is closed. A call's cancel is this, with both bound (a partial)."""
+    try:
+        loop.call_soon_threadsafe(grpc_call.cancel)
+    except RuntimeError:  # the loop is closed: so is the call
+        return False
+    return True
 
 
 class _AioUnaryUnary(_AioClient, grpc.aio.UnaryUnaryClientInterceptor):
-    async def intercept_unary_unary(
-        self, continuation: Callable[..., Any], client_call_details: Any, request: Any
-    ) -> Any:
-        return await self._unary(continuation, client_call_details, request)
+    intercept_unary_unary = _AioClient._unary  # one coroutine less per call than a method awaiting it
 
 
 class _TakenIn:
