@@ -13,32 +13,49 @@ large, local large; `--rounds` of them):
   ``evaluate`` in finish order keeping baselines, the same Parquet table written.
 
 Then ``big``: one snapshot of `--big-nodes` (1 M) processes and `--big-edges` (3 M) wait edges,
-larger than ``MAX_BLOB_BYTES`` so archived as rows only, evaluated by the pipeline (rebuilt from
-rows, reduced on DataFrames, finished by the shared algorithm); and, unless ``--no-big-local``,
-by the shared ``evaluate`` on the snapshot rebuilt from its rows in one process.
+larger than ``MAX_BLOB_BYTES`` so archived as rows only (generated once into `--workdir`), in
+the same run:
+
+* the core: its wait-for graph held in memory as the detector holds it (networkx), reduced by
+  ``deadlocked_nodes`` and ``deadlock_cycle`` (best of 3, as ``predicates.py`` times them);
+* ``local``, unless ``--no-big-local``: one process of its own (no Spark imported), from the
+  archive to every built-in result: the archive's reader reads the snapshot's rows as Arrow
+  columns and the columnar evaluation builds and reduces its graph in compact form. Its peak
+  RSS is its own (``VmHWM``);
+* ``spark``: the pipeline's ``evaluate`` to the result rows in hand (collected as Arrow);
+* the reference: the detector's own built-in results of the snapshot (``find_deadlock`` and
+  ``built_in_results`` on the graph above), which both must equal byte for byte.
 
 Prints a table, then one JSON object as the last line: ``rows_small``, ``rows_large``,
 ``spark_seconds_small``, ``spark_seconds_large``, ``local_seconds_small``,
 ``local_seconds_large`` (best of the rounds; ``*_spread`` is max - min), ``identical`` (every
-result row equal between spark and local, both archives and the big snapshot), ``scaling``
-(spark large / spark small), ``ratio_large`` (spark large / local large),
-``big_snapshot_seconds`` and the targets met. Targets: identical; scaling <= 12; ratio_large <= 1.0.
-Archives are generated once into `--workdir` and reused. Spark's driver gets `--driver-memory`
-(8g; in ``local[*]`` the executors live in the driver's JVM) unless ``PYSPARK_SUBMIT_ARGS`` is set:
-the default 1g cannot hold the big snapshot's million-node graph.
+result row equal between spark and local, both archives), ``scaling`` (spark large / spark
+small), ``ratio_large`` (spark large / local large); for the big snapshot ``big_local_seconds``
+(with ``big_local_phases``: read, graph, deadlock, results), ``big_core_seconds``,
+``big_local_over_core``, ``big_snapshot_seconds`` (Spark), ``big_spark_over_local``,
+``big_local_peak_mb``, ``big_identical`` (Spark and local equal to the detector's); and the
+targets met. Targets: identical; scaling <= 12; ratio_large <= 1.0; big_identical;
+big_local_seconds <= 5 x big_core_seconds; big_snapshot_seconds <= big_local_seconds.
+`--only archives` or `--only big` runs one part. Archives are generated once into `--workdir`
+and reused. Spark's driver gets `--driver-memory` (8g; in ``local[*]`` the executors live in the
+driver's JVM) unless ``PYSPARK_SUBMIT_ARGS`` is set.
 
     python bench/pipeline.py
     python bench/pipeline.py --rows-small 20000 --rows-large 200000 --big-nodes 20000 --big-edges 60000 --rounds 1
+    python bench/pipeline.py --only big --big-nodes 100000 --big-edges 300000
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import random
 import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime, timedelta
@@ -54,8 +71,10 @@ from rich.console import Console
 from rich.table import Table
 
 from stablewatch.detector.archive.files import ensure_archive, read_table, write_batch
-from stablewatch.detector.archive.schema import snapshot_from_rows, snapshot_rows
-from stablewatch.detector.evaluation import evaluate, new_baselines
+from stablewatch.detector.archive.schema import snapshot_rows
+from stablewatch.detector.evaluation import built_in_results, coverage, evaluate, new_baselines
+from stablewatch.detector.evaluation.deadlock import deadlock_cycle, deadlocked_nodes
+from stablewatch.detector.evaluation.waitfor import build_wait_for, find_deadlock, wait_counts
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, order_key, result_table, write_evaluations
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.tables import open_archive
@@ -233,6 +252,12 @@ def main() -> None:
     parser.add_argument("--big-nodes", type=int, default=1_000_000)
     parser.add_argument("--big-edges", type=int, default=3_000_000)
     parser.add_argument("--no-big-local", action="store_true", help="skip the single-process run of the big snapshot")
+    parser.add_argument(
+        "--only",
+        choices=("all", "archives", "big"),
+        default="all",
+        help="run only the archives' cases or only the big snapshot",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=418)
     parser.add_argument("--driver-memory", default="8g", help="Spark driver memory (%(default)s)")
@@ -244,7 +269,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     generated: dict[str, dict[str, Any]] = {}
-    for name, target in (("warmup", 5_000), ("small", args.rows_small), ("large", args.rows_large)):
+    sizes = [("warmup", 5_000)]
+    if args.only != "big":
+        sizes += [("small", args.rows_small), ("large", args.rows_large)]
+    for name, target in sizes:
         root = work / f"archive-{name}-{target}-{args.processes}-{args.batch}-{args.seed}"
         seconds, (rows, snapshots) = timed(
             lambda r=root, t=target: write_generated(r, t, args.processes, args.batch, args.seed)
@@ -255,7 +283,24 @@ def main() -> None:
     startup, spark = timed(get_session)
     warmup, _ = timed(lambda: evaluate_with_spark(spark, generated["warmup"]["root"], work / "out-warmup"))
     console.print(f"Spark: {spark.sparkContext.master}, started in {startup:.1f} s, warmed up in {warmup:.1f} s")
+    result: dict[str, Any] = {"startup_seconds": round(startup, 2), "warmup_seconds": round(warmup, 2)}
+    targets: dict[str, bool] = {}
+    if args.only != "big":
+        figures, met = measure_archives(spark, args, work, generated, console)
+        result.update(figures)
+        targets.update(met)
+    if args.only != "archives":
+        big = measure_big(spark, args, work, console)
+        result.update(big_figures(args, big))
+        targets.update(big_targets(big))
+    result.update(rounds=args.rounds, cores=os.cpu_count(), master=spark.sparkContext.master, targets=targets)
+    json_line(result)
 
+
+def measure_archives(
+    spark: Any, args: argparse.Namespace, work: Path, generated: dict[str, dict[str, Any]], console: Console
+) -> tuple[dict[str, Any], dict[str, bool]]:
+    """The many-snapshot archives, small and large, Spark and one process in interleaved rounds."""
     times: dict[str, list[float]] = {f"{how}_{size}": [] for size in ("small", "large") for how in ("spark", "local")}
     phases: dict[str, list[dict[str, float]]] = {"small": [], "large": []}
     identical = True
@@ -274,9 +319,6 @@ def main() -> None:
             console.print(f"round {round_ + 1} {size}: spark {times[f'spark_{size}'][-1]:.1f} s, local {seconds:.1f} s")
             del local
 
-    big = measure_big(spark, args, work, console)
-    identical = identical and big.get("identical", True)
-
     stats = {key: describe(values) for key, values in times.items()}
     table = Table(title=f"pipeline evaluate vs single process ({os.cpu_count()} cores, {args.rounds} rounds)")
     for column in ("case", "rows", "snapshots", "best s", "median s", "spread s", "identical"):
@@ -293,11 +335,6 @@ def main() -> None:
                 f"{s['spread']:.1f}",
                 str(generated[size]["identical"]),
             )
-    table.add_row(
-        "big snapshot (spark)", f"{big['rows']:,}", "1", f"{big['seconds']:.1f}", "", "", str(big.get("identical", ""))
-    )
-    if "local_seconds" in big:
-        table.add_row("big snapshot (local)", f"{big['rows']:,}", "1", f"{big['local_seconds']:.1f}", "", "", "")
     console.print(table)
     for size in ("small", "large"):
         best = min(phases[size], key=lambda p: sum(p.values()))
@@ -305,7 +342,7 @@ def main() -> None:
 
     spark_small, spark_large = stats["spark_small"]["best"], stats["spark_large"]["best"]
     local_large = stats["local_large"]["best"]
-    result = {
+    figures = {
         "rows_small": generated["small"]["rows"],
         "rows_large": generated["large"]["rows"],
         "snapshots_small": generated["small"]["snapshots"],
@@ -317,35 +354,29 @@ def main() -> None:
         **{f"{key}_median": round(s["median"], 2) for key, s in stats.items()},
         **{f"{key}_spread": round(s["spread"], 2) for key, s in stats.items()},
         "spark_phases_large": {k: round(v, 2) for k, v in min(phases["large"], key=lambda p: sum(p.values())).items()},
-        "startup_seconds": round(startup, 2),
-        "warmup_seconds": round(warmup, 2),
         "identical": identical,
         "scaling": round(spark_large / spark_small, 2),
         "ratio_large": round(spark_large / local_large, 3),
-        "big_snapshot_seconds": round(big["seconds"], 2),
-        "big_local_seconds": round(big["local_seconds"], 2) if "local_seconds" in big else None,
-        "big_nodes": args.big_nodes,
-        "big_edges": args.big_edges,
-        "big_blob_dropped_by_writer": big["blob_dropped"],
-        "big_rounds": big["rounds"],
-        "big_remaining_edges": big["remaining"],
-        "big_deadlocked": big["deadlocked"],
-        "rounds": args.rounds,
-        "cores": os.cpu_count(),
-        "master": spark.sparkContext.master,
-        "targets": {
-            "identical": identical,
-            "scaling_at_most_12": spark_large / spark_small <= 12,
-            "spark_within_1x_of_local_at_large": spark_large <= local_large,
-        },
     }
-    json_line(result)
+    met = {
+        "identical": identical,
+        "scaling_at_most_12": spark_large / spark_small <= 12,
+        "spark_within_1x_of_local_at_large": spark_large <= local_large,
+    }
+    return figures, met
 
 
-def measure_big(spark: Any, args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any]:
-    """Archive one big snapshot as rows only and evaluate it with the pipeline (and in one process)."""
-    root = work / f"archive-big-{args.big_nodes}-{args.big_edges}-{args.seed}"
-    snapshot = big_snapshot(args.big_nodes, args.big_edges, args.seed)
+# -- the big snapshot ---------------------------------------------------------------------------------------
+
+
+def write_big(root: Path, snapshot: GlobalSnapshot) -> tuple[int, bool]:
+    """Archive `snapshot` as rows only (once: reused when complete).
+
+    Returns the rows and whether the writer dropped the blob (else it is dropped here)."""
+    done = root / ".bench-complete"
+    if done.exists():
+        count, blob_dropped = json.loads(done.read_text())
+        return count, blob_dropped
     rows = snapshot_rows(summary_of(snapshot), snapshot)
     blob_dropped = rows["snapshots"][0]["snapshot"] is None
     rows["snapshots"][0]["snapshot"] = None  # a small test size fits a blob: archive it as rows only anyway
@@ -353,39 +384,145 @@ def measure_big(spark: Any, args: argparse.Namespace, work: Path, console: Conso
     ensure_archive(root)
     write_batch(root, rows)
     count = rows_of(rows)
-    del rows
+    done.write_text(json.dumps([count, blob_dropped]))
+    return count, blob_dropped
+
+
+def core_and_reference(snapshot: GlobalSnapshot, repeat: int = 3) -> tuple[float, list[bytes]]:
+    """The deadlock reduction of `snapshot`'s wait-for graph held in memory (networkx, as the detector
+    holds it): ``deadlocked_nodes`` and ``deadlock_cycle``, best of `repeat`, as ``predicates.py``
+    times it; and the detector's own built-in results of `snapshot`, serialized (the reference)."""
+    gc.disable()  # millions of small dicts that live for the whole run: freeze them, as predicates.py does
+    wait_for = build_wait_for(snapshot)
+    gc.freeze()
+    gc.enable()
+    G = wait_for.graph
+    seconds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        dead = deadlocked_nodes(G)
+        deadlock_cycle(G, dead)
+        seconds.append(time.perf_counter() - start)
+        del dead
+    found = find_deadlock(wait_for)
+    results = built_in_results(snapshot, found, wait_counts(wait_for), {}, coverage(snapshot))
+    reference = [r.SerializeToString(deterministic=True) for r in results]
+    del G, wait_for, found, results
+    gc.unfreeze()
+    return min(seconds), reference
+
+
+#: The single process's run, in a process of its own that imports only what it uses (no Spark): the
+#: archive's rows of the big snapshot read as columns, to every built-in result (the columnar
+#: evaluation). Prints one JSON line: seconds (wall and CPU) and per phase, its own peak RSS
+#: (VmHWM), and the results (hex).
+LOCAL_CHILD = """
+import json, sys, time
+from stablewatch.detector.archive.reader import read_snapshot_rows
+from stablewatch.detector.evaluation.columnar import compact_wait_for, find_compact_deadlock, light_results
+
+phases = {}
+start, cpu = time.perf_counter(), time.process_time()
+at = start
+def phase(name):
+    global at
+    now = time.perf_counter()
+    phases[name] = round(now - at, 3)
+    at = now
+
+rows = read_snapshot_rows(sys.argv[1], 1)
+phase("read")
+wait_for = compact_wait_for(rows)
+phase("graph")
+found = find_compact_deadlock(wait_for)
+phase("deadlock")
+results = light_results(rows, found, wait_for.counts, {})
+phase("results")
+seconds, cpu = at - start, time.process_time() - cpu
+# This process's own high-water mark: ru_maxrss would carry the parent's across the spawn (Linux).
+status = open("/proc/self/status").read()
+peak = int(status.split("VmHWM:")[1].split()[0]) / 1024
+serialized = [r.SerializeToString(deterministic=True).hex() for r in results]
+print(json.dumps({"seconds": seconds, "cpu": cpu, "phases": phases, "peak_mb": peak, "results": serialized}))
+"""
+
+
+def measure_big(spark: Any, args: argparse.Namespace, work: Path, console: Console) -> dict[str, Any]:
+    """One big snapshot archived as rows only: its deadlock reduction in memory (the core), the
+    single process from the archive (a child process), and the Spark pipeline, same run."""
+    root = work / f"archive-big-{args.big_nodes}-{args.big_edges}-{args.seed}"
+    snapshot = big_snapshot(args.big_nodes, args.big_edges, args.seed)
+    count, blob_dropped = write_big(root, snapshot)
     console.print(f"big snapshot: {count:,} rows, blob {'dropped by the writer' if blob_dropped else 'dropped'}")
+    core, reference = core_and_reference(snapshot)
+    del snapshot
+    gc.collect()
+    console.print(f"big snapshot, deadlock reduction in memory (networkx): {core:.2f} s")
+    big: dict[str, Any] = {"rows": count, "blob_dropped": blob_dropped, "core_seconds": core}
+
+    if not args.no_big_local:
+        child = subprocess.run(
+            [sys.executable, "-c", LOCAL_CHILD, str(root)], capture_output=True, text=True, check=True
+        )
+        local = json.loads(child.stdout.strip().splitlines()[-1])
+        expected = [bytes.fromhex(r) for r in local.pop("results")]
+        big.update(local=local, local_identical=expected == reference)
+        console.print(
+            f"big snapshot, one process: {local['seconds']:.2f} s ({local['phases']}), "
+            f"peak {local['peak_mb']:.0f} MB, identical to the detector's {expected == reference}"
+        )
 
     def pipeline() -> tuple[Any, list[dict[str, Any]]]:
         evaluated = evaluate_archive(open_archive(spark, root))
-        return evaluated, evaluated.evaluations.orderBy("position").toArrow().to_pylist()
+        # Collected, then put in order for the comparison (a sort on Spark would shuffle the evidence).
+        return evaluated, evaluated.evaluations.toArrow().sort_by("position").to_pylist()
 
     seconds, (evaluated, found) = timed(pipeline)
     deadlock = next(r for r in found if r["name"] == "deadlock")
-    big: dict[str, Any] = {
-        "rows": count,
-        "seconds": seconds,
-        "blob_dropped": blob_dropped,
-        "rounds": evaluated.rounds,
-        "remaining": evaluated.remaining,
-        "deadlocked": len(json.loads(deadlock["evidence"]).get("deadlocked", [])),
-    }
-    console.print(
-        f"big snapshot, pipeline: {seconds:.1f} s, {evaluated.rounds} rounds, {evaluated.remaining:,} edges left"
+    big.update(
+        seconds=seconds,
+        rounds=evaluated.rounds,
+        remaining=evaluated.remaining,
+        deadlocked=len(json.loads(deadlock["evidence"]).get("deadlocked", [])),
+        spark_identical=[r["result"] for r in found] == reference,
     )
-    if not args.no_big_local:
-
-        def local() -> list[bytes]:
-            parts = ("snapshots", "processes", "counters", "wait_edges", "channels", "messages")
-            tables = {name: read_table(root, name).to_pylist() for name in parts}
-            rebuilt = snapshot_from_rows(tables["snapshots"][0], *(tables[name] for name in parts[1:]))
-            return [r.SerializeToString(deterministic=True) for r in evaluate(rebuilt, {}).results]
-
-        del snapshot
-        big["local_seconds"], expected = timed(local)
-        big["identical"] = [r["result"] for r in found] == expected
-        console.print(f"big snapshot, one process: {big['local_seconds']:.1f} s, identical {big['identical']}")
+    console.print(
+        f"big snapshot, pipeline: {seconds:.1f} s, {evaluated.rounds} rounds, {evaluated.remaining:,} edges left, "
+        f"identical to the detector's {big['spark_identical']}"
+    )
     return big
+
+
+def big_figures(args: argparse.Namespace, big: dict[str, Any]) -> dict[str, Any]:
+    local = big.get("local") or {}
+    local_seconds = local.get("seconds")
+    return {
+        "big_nodes": args.big_nodes,
+        "big_edges": args.big_edges,
+        "big_rows": big["rows"],
+        "big_blob_dropped_by_writer": big["blob_dropped"],
+        "big_snapshot_seconds": round(big["seconds"], 2),
+        "big_local_seconds": None if local_seconds is None else round(local_seconds, 2),
+        "big_local_cpu_seconds": None if local_seconds is None else round(local["cpu"], 2),
+        "big_local_phases": local.get("phases"),
+        "big_local_peak_mb": None if local_seconds is None else round(local["peak_mb"]),
+        "big_core_seconds": round(big["core_seconds"], 3),
+        "big_local_over_core": None if local_seconds is None else round(local_seconds / big["core_seconds"], 2),
+        "big_spark_over_local": None if local_seconds is None else round(big["seconds"] / local_seconds, 3),
+        "big_identical": big["spark_identical"] and big.get("local_identical", True),
+        "big_rounds": big["rounds"],
+        "big_remaining_edges": big["remaining"],
+        "big_deadlocked": big["deadlocked"],
+    }
+
+
+def big_targets(big: dict[str, Any]) -> dict[str, bool]:
+    met = {"big_identical": big["spark_identical"] and big.get("local_identical", True)}
+    local = big.get("local")
+    if local is not None:
+        met["big_local_within_5x_core"] = local["seconds"] <= 5 * big["core_seconds"]
+        met["big_spark_within_1x_local"] = big["seconds"] <= local["seconds"]
+    return met
 
 
 if __name__ == "__main__":

@@ -5,8 +5,9 @@ The detector archives every finished global snapshot as day-partitioned Parquet 
 default or any cluster through ``spark-submit``:
 
 * ``evaluate`` — every predicate for every snapshot, in parallel across snapshots, with the
-  detector's own :func:`~stablewatch.detector.evaluation.evaluate`; a snapshot too large for one
-  worker is first reduced on DataFrames (:mod:`.reduce`);
+  detector's own :func:`~stablewatch.detector.evaluation.evaluate`; a snapshot archived without its
+  blob is evaluated from its rows in columnar form, its graph reduced on DataFrames first only
+  when too large to take whole (:mod:`.reduce`);
 * ``history`` — deadlock and termination episodes, recurring processes, the deadlocks the
   detector broke, conservation drift, channel backlog and snapshot outcomes, as tables, a
   terminal summary and a chart;

@@ -144,9 +144,10 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--finish-edges",
         type=_count,
-        default=1_000_000,
+        default=10_000_000,  # reduce.DEFAULT_FINISH_EDGES (not imported here: it needs PySpark)
         metavar="EDGES",
-        help="no more rounds once this many wait edges or fewer remain: one process finishes them (%(default)s)",
+        help="a snapshot with this many wait edges or fewer is evaluated whole in compact form by one "
+        "process; a larger one is reduced on DataFrames first, until this many or fewer remain (%(default)s)",
     )
     common.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     days = argparse.ArgumentParser(add_help=False)

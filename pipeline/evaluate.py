@@ -4,13 +4,20 @@ Theory of operation. The ``snapshots`` table holds, for each snapshot up to ``MA
 the serialized ``GlobalSnapshot``. Those are evaluated in parallel across snapshots
 (``mapInArrow``), each by :func:`stablewatch.detector.evaluation.evaluate`, the function the
 detector itself calls: the same predicate on the same snapshot gives the same result, by
-construction. A completed snapshot without a blob (too large) is rebuilt from its rows: its
-wait-for graph is built and reduced on DataFrames (:mod:`.reduce`), the shared algorithm
-(``find_deadlock``) finishes what remains, and the detector's own
-:func:`~stablewatch.detector.evaluation.built_in_results` (what ``evaluate`` runs once it has the
-graph) turns that evidence, the whole graph's counts and the snapshot rebuilt without its waits
-into the results (they do not read the waits; the processes the waits name are kept for the cut's
-coverage).
+construction.
+
+A completed snapshot without a blob (too large) is evaluated from its rows, without rebuilding
+its ``GlobalSnapshot``: the archive's reader reads them as Arrow columns on the driver (which
+holds the archive's files: it checks every one), and the detector's columnar evaluation
+(:mod:`stablewatch.detector.evaluation.columnar`) applies the same rules to whole columns. Its
+wait-for graph, up to ``finish_edges`` wait edges, is built and reduced whole in compact form by
+the shared algorithm; a larger one is built and reduced on DataFrames first (:mod:`.reduce`),
+round by round until a round releases little, and what remains is finished by the same
+algorithm in compact form. The detector's own result functions
+(:func:`~stablewatch.detector.evaluation.predicates.deadlock_result`, ``termination_result``,
+``conservation_results``: what ``evaluate`` runs once it has the graph) turn that evidence, the
+whole graph's counts and the other facts of the rows into the results. Their evidence is written
+as JSON field by field (:func:`evidence_json`), as ``MessageToJson`` would write it.
 
 Conservation needs the expected totals the detector would have had: the configured ones, and
 for every other counter the baseline set by the first closed snapshot that saw it, in the order
@@ -24,24 +31,36 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
+import json
+import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
+import numpy as np
 import pyarrow as pa
 from google.protobuf import json_format
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 
-from stablewatch.detector.archive.schema import TABLES, snapshot_from_rows
-from stablewatch.detector.evaluation import UserPredicate, built_in_results, evaluate, load_predicate, new_baselines
+from stablewatch.detector.archive.reader import read_snapshot_rows
+from stablewatch.detector.archive.schema import TABLES, ArchiveError
+from stablewatch.detector.evaluation import UserPredicate, evaluate, load_predicate, new_baselines
+from stablewatch.detector.evaluation.columnar import (
+    LightFacts,
+    RowsError,
+    compact_edges,
+    compact_wait_for,
+    find_compact_deadlock,
+    light_facts,
+)
 from stablewatch.detector.evaluation.plugins import entry_point_predicates
-from stablewatch.detector.evaluation.predicates import conservation
-from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts, WaitFor, find_deadlock
+from stablewatch.detector.evaluation.predicates import conservation, conservation_results, deadlock_result
+from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts
 from stablewatch.pipeline.reduce import (
     DEFAULT_FINISH_EDGES,
     DEFAULT_MAX_ROUNDS,
@@ -50,7 +69,6 @@ from stablewatch.pipeline.reduce import (
     graph_counts,
     numbered_edges,
     reduce_wait_for,
-    remaining_graphs,
     remaining_rows,
     wait_for_frames,
 )
@@ -63,6 +81,7 @@ __all__ = [
     "Totals",
     "evaluate_archive",
     "evaluate_blobs",
+    "evidence_json",
     "find_totals",
     "order_key",
     "result_table",
@@ -146,13 +165,128 @@ def find_totals(candidates: Iterable[tuple[str, tuple[int, int], int]], configur
 # -- results as rows ----------------------------------------------------------------------------------------
 
 
-def _evidence_json(result: PredicateResult) -> str:
+def evidence_json(result: PredicateResult) -> str:
+    """The evidence of `result` as JSON (``""`` when it has none), exactly as protobuf's ``MessageToJson``
+    writes it (snake_case names, sorted keys, no indent, int64 as strings, defaults left out).
+
+    The built-in evidence is written field by field, several times faster than ``MessageToJson``'s
+    reflection: the evidence of a million-node deadlock or of a million holdings is millions of
+    small messages. Lists of names that ``json.dumps`` would not escape (printable ASCII without
+    quotes or backslashes, as process ids are) are joined as text; others go through
+    ``json.dumps``. User predicates' details go through ``MessageToJson`` itself.
+    """
     kind = result.WhichOneof("evidence")
     if not kind:
         return ""
-    return json_format.MessageToJson(
-        getattr(result, kind), indent=None, preserving_proto_field_name=True, sort_keys=True
+    evidence = getattr(result, kind)
+    write = _EVIDENCE.get(kind)
+    if write is None:
+        return json_format.MessageToJson(evidence, indent=None, preserving_proto_field_name=True, sort_keys=True)
+    return _object(write(evidence))
+
+
+#: A character that ``json.dumps`` (ensure_ascii) writes otherwise than itself.
+_ESCAPED = re.compile(r"[^\x20\x21\x23-\x5b\x5d-\x7e]")
+
+
+class _Raw(str):
+    """Text that is JSON already."""
+
+
+def _object(fields: dict[str, Any]) -> str:
+    """``json.dumps(fields, sort_keys=True)``, the values that are :class:`_Raw` written as they are."""
+    return (
+        "{"
+        + ", ".join(
+            f"{json.dumps(k)}: {v if isinstance(v, _Raw) else json.dumps(v, sort_keys=True)}"
+            for k, v in sorted(fields.items())
+        )
+        + "}"
     )
+
+
+def _plain(texts: list[str]) -> bool:
+    return _ESCAPED.search("".join(texts)) is None
+
+
+def _nodes(nodes: Any) -> _Raw:
+    """A list of ``WaitNode`` as JSON."""
+    processes = [node.process for node in nodes]
+    tasks = [node.task for node in nodes]
+    if not processes:
+        return _Raw("[]")
+    if not (_plain(processes) and _plain(tasks)):
+        return _Raw(
+            json.dumps(
+                [_fields(("process", p), ("task", t)) for p, t in zip(processes, tasks, strict=True)], sort_keys=True
+            )
+        )
+    if all(processes) and not any(tasks):  # processes alone, the usual case: one join
+        return _Raw('[{"process": "' + '"}, {"process": "'.join(processes) + '"}]')
+    items = []
+    for process, task in zip(processes, tasks, strict=True):
+        fields = ([f'"process": "{process}"'] if process else []) + ([f'"task": "{task}"'] if task else [])
+        items.append("{" + ", ".join(fields) + "}")
+    return _Raw("[" + ", ".join(items) + "]")
+
+
+def _fields(*pairs: tuple[str, Any]) -> dict[str, Any]:
+    """The pairs whose value is not the default (proto3 leaves those out)."""
+    return {name: value for name, value in pairs if value}
+
+
+def _channel(channel: Any) -> dict[str, str]:
+    return _fields(("src", channel.src), ("dst", channel.dst))
+
+
+def _deadlock_json(evidence: Any) -> dict[str, Any]:
+    written: dict[str, Any] = {name: _nodes(getattr(evidence, name)) for name in ("deadlocked", "cycle", "knot")}
+    written = {name: nodes for name, nodes in written.items() if nodes != "[]"}
+    if evidence.empty_channels:
+        written["empty_channels"] = [_channel(c) for c in evidence.empty_channels]
+    if evidence.separate_deadlocks:
+        written["separate_deadlocks"] = evidence.separate_deadlocks  # uint32: a number
+    return written
+
+
+def _holdings(holdings: Any) -> _Raw:
+    """A list of ``CounterHolding`` as JSON (int64 amounts as strings)."""
+    processes = [h.process for h in holdings]
+    amounts = [h.amount for h in holdings]
+    if all(processes) and all(amounts) and _plain(processes) and not any(h.HasField("channel") for h in holdings):
+        return _Raw(
+            "["
+            + ", ".join(f'{{"amount": "{a}", "process": "{p}"}}' for a, p in zip(amounts, processes, strict=True))
+            + "]"
+        )
+    written = []
+    for holding, process, amount in zip(holdings, processes, amounts, strict=True):
+        fields = _fields(("process", process), ("amount", str(amount) if amount else ""))
+        if holding.HasField("channel"):
+            fields["channel"] = _channel(holding.channel)
+        written.append(fields)
+    return _Raw(json.dumps(written, sort_keys=True))
+
+
+def _conservation_json(evidence: Any) -> dict[str, Any]:
+    written: dict[str, Any] = _fields(("counter", evidence.counter), ("baseline", evidence.baseline))
+    for name in ("expected", "observed", "drift"):
+        value = getattr(evidence, name)
+        if value:
+            written[name] = str(value)  # int64: a string
+    if evidence.holdings:
+        written["holdings"] = _holdings(evidence.holdings)
+    return written
+
+
+def _termination_json(evidence: Any) -> dict[str, Any]:
+    return _fields(
+        ("active_processes", list(evidence.active_processes)),
+        ("busy_channels", [_channel(c) for c in evidence.busy_channels]),
+    )
+
+
+_EVIDENCE = {"deadlock": _deadlock_json, "conservation": _conservation_json, "termination": _termination_json}
 
 
 def result_table(heads: pa.RecordBatch | pa.Table, per_snapshot: Sequence[Sequence[PredicateResult]]) -> pa.Table:
@@ -171,7 +305,7 @@ def result_table(heads: pa.RecordBatch | pa.Table, per_snapshot: Sequence[Sequen
         summary=[r.summary for r in flat],
         error=[r.error for r in flat],
         missing_processes=[list(r.missing_processes) for r in flat],
-        evidence=[_evidence_json(r) for r in flat],
+        evidence=[evidence_json(r) for r in flat],
         result=[r.SerializeToString(deterministic=True) for r in flat],
     )
     return pa.Table.from_pydict({name: columns[name] for name in EVALUATIONS.names}, schema=EVALUATIONS)
@@ -221,55 +355,28 @@ _NO_WAITS = WaitCounts(0, 0, 0, 0)  # a snapshot without waits has no row in gra
 
 @dataclass
 class _Large:
-    """A snapshot archived without its blob: its head, the snapshot rebuilt without waits, its graph's deadlock."""
+    """A snapshot archived without its blob, as far as it is evaluated: its head, what its results read
+    besides the graph, its conservation results with the configured totals, and its graph's deadlock."""
 
     head: dict[str, Any]
-    light: bytes  # the serialized GlobalSnapshot without waits (see _light_snapshot)
-    counts: WaitCounts = _NO_WAITS  # of the whole wait-for graph, which only the DataFrames hold
-    deadlock: Deadlock | None = None  # find_deadlock on what the reduction left
+    facts: LightFacts
+    conservation: list[PredicateResult]
+    counts: WaitCounts = _NO_WAITS  # of the whole wait-for graph
+    deadlock: Deadlock | None = None  # the shared algorithm's evidence, on the whole graph or what rounds left
 
 
-def _group_rows(table: pa.Table) -> dict[int, list[dict[str, Any]]]:
-    groups: dict[int, list[dict[str, Any]]] = {}
-    for row in table.to_pylist():
-        groups.setdefault(row["snapshot_id"], []).append(row)
-    return groups
-
-
-def _light_snapshot(
-    head: Mapping[str, Any], rows: Mapping[str, Mapping[int, list[dict[str, Any]]]], targets: Sequence[str]
-) -> GlobalSnapshot:
-    """Rebuild snapshot `head` from its rows without its waits; the processes they name join ``outside_peers``.
-
-    Coverage, termination and conservation read processes, channels, messages, counters and the
-    names the cut must hold: ``outside_peers`` now carries the wait targets' processes, so the
-    cut's coverage is that of the whole snapshot.
-    """
-    sid = head["snapshot_id"]
-    peers = sorted({*(head.get("outside_peers") or []), *targets})
-    return snapshot_from_rows(
-        {**head, "outside_peers": peers},
-        rows["processes"].get(sid, []),
-        rows["counters"].get(sid, []),
-        [],
-        rows["channels"].get(sid, []),
-        rows["messages"].get(sid, []),
-    )
-
-
-def _chunks(heads: Sequence[dict[str, Any]], max_rows: int) -> Iterator[list[dict[str, Any]]]:
-    """Split `heads` so that each chunk's rows (as the heads count them) stay under `max_rows`, one head at least."""
-    chunk: list[dict[str, Any]] = []
-    rows = 0
-    for head in heads:
-        size = 2 * head["processes"] + 2 * head["channels"] + head["messages_in_flight"]
-        if chunk and rows + size > max_rows:
-            yield chunk
-            chunk, rows = [], 0
-        chunk.append(head)
-        rows += size
-    if chunk:
-        yield chunk
+def _by_snapshot(table: pa.Table) -> dict[int, pa.Table]:
+    """`table`'s rows per snapshot id."""
+    if table.num_rows == 0:
+        return {}
+    ids = table["snapshot_id"].to_numpy()
+    if (ids == ids[0]).all():
+        return {int(ids[0]): table}
+    order = np.argsort(ids, kind="stable")
+    ordered = ids[order]
+    starts = np.flatnonzero(np.concatenate([[True], ordered[1:] != ordered[:-1]]))
+    bounds = [*starts.tolist(), len(ids)]
+    return {int(ordered[a]): table.take(pa.array(order[a:b])) for a, b in itertools.pairwise(bounds)}
 
 
 def _rows_of(archive: Archive, table: str, heads: Sequence[Mapping[str, Any]]) -> DataFrame:
@@ -279,43 +386,50 @@ def _rows_of(archive: Archive, table: str, heads: Sequence[Mapping[str, Any]]) -
     return archive.table(table).filter(F.col("day").isin(days) & F.col("snapshot_id").isin(ids))
 
 
-def _rebuild_light(archive: Archive, heads: Sequence[dict[str, Any]], max_rows: int) -> dict[int, _Large]:
-    """Rebuild each large snapshot without its waits, collecting the rows of a bounded chunk at a time."""
+def _large_snapshots(
+    archive: Archive, heads: Sequence[dict[str, Any]], configured: Mapping[str, int], finish_edges: int
+) -> tuple[dict[int, _Large], list[int]]:
+    """Evaluate the snapshots `heads` as far as their rows allow, one at a time.
+
+    Each snapshot's rows are read as Arrow columns by the archive's own reader, here on the driver,
+    which has the archive's files (it checks every one): Spark's scan and Arrow transfer of a
+    million-process snapshot's rows cost more than its whole evaluation. One with at most
+    `finish_edges` wait edges is evaluated whole in compact form (its graph built and reduced by
+    the shared algorithm, :mod:`stablewatch.detector.evaluation.columnar`); of a larger one only
+    the processes its waits name are read, and its graph is left to the DataFrame reduction: its
+    id is returned.
+    """
     large: dict[int, _Large] = {}
-    for chunk in _chunks(heads, max_rows):
-        rows = {
-            name: _group_rows(_rows_of(archive, name, chunk).toArrow())
-            for name in ("processes", "counters", "channels", "messages")
-        }
-        named = (
-            _rows_of(archive, "wait_edges", chunk)
-            .filter(F.col("target_process").isNotNull() & (F.col("target_process") != ""))
-            .select("snapshot_id", "target_process")
-            .distinct()
-            .toArrow()
-        )
-        targets: dict[int, list[str]] = {}
-        for sid, process in zip(
-            named.column("snapshot_id").to_pylist(), named.column("target_process").to_pylist(), strict=True
-        ):
-            targets.setdefault(sid, []).append(process)
-        for head in chunk:
-            sid = head["snapshot_id"]
-            light = _light_snapshot(head, rows, targets.get(sid, []))
-            large[sid] = _Large(head, light.SerializeToString(deterministic=True))
-    return large
+    reduced: list[int] = []
+    for head in heads:
+        sid = head["snapshot_id"]
+        whole = (head["wait_edges"] or 0) <= finish_edges
+        try:
+            rows = read_snapshot_rows(archive.root, sid, waits=whole)
+            facts = light_facts(rows)
+            item = _Large(head, facts, conservation_results(facts.holdings, configured, facts.cut))
+            if whole:
+                wait_for = compact_wait_for(rows)
+                item.counts, item.deadlock = wait_for.counts, find_compact_deadlock(wait_for)
+            else:
+                reduced.append(sid)
+        except RowsError as error:
+            raise ArchiveError(f"{archive.root}: {error}") from None
+        del rows
+        large[sid] = item
+    return large, reduced
 
 
-def _reduce_large(archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int) -> tuple[int, int]:
-    """Build, reduce and finish the wait-for graphs of the `large` snapshots, all at once.
+def _reduce_large(
+    archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int, min_release: float
+) -> tuple[int, int]:
+    """Build, reduce and finish the wait-for graphs of the `large` snapshots on DataFrames, all at once.
 
-    Returns the rounds run and the edges left to the shared algorithm.
-
-    When all their counted edges together are `finish_edges` or fewer, no round runs: the edges
-    go straight to the shared algorithm.
+    Returns the rounds run and the edges left to the shared algorithm. When all their counted
+    edges together are `finish_edges` or fewer, no round runs: the edges go straight to it.
     """
     with _no_broadcast_joins(archive.spark):
-        return _reduce_large_graphs(archive, large, max_rounds, finish_edges)
+        return _reduce_large_graphs(archive, large, max_rounds, finish_edges, min_release)
 
 
 @contextlib.contextmanager
@@ -340,8 +454,11 @@ def _no_broadcast_joins(spark: SparkSession) -> Iterator[None]:
                 spark.conf.set(key, value)
 
 
+_REMAINING = ["snapshot_id", "process", "task", "is_or", "rank", "sub", "target_process", "target_task", "position"]
+
+
 def _reduce_large_graphs(
-    archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int
+    archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int, min_release: float
 ) -> tuple[int, int]:
     heads = [item.head for item in large.values()]
     processes, *tables = (
@@ -353,27 +470,35 @@ def _reduce_large_graphs(
         counts = WaitCounts(row["waiters"], row["edges"], row["discounted"], row["outside"])
         large[row["snapshot_id"]].counts = counts
     rounds = 0
-    if max_rounds and sum(item.counts[1] for item in large.values()) > finish_edges:
+    if max_rounds and sum(item.counts.edges for item in large.values()) > finish_edges:
         nodes, edges = numbered_edges(frames)
-        remaining, rounds = reduce_wait_for(edges, max_rounds, finish_edges)
+        remaining, rounds = reduce_wait_for(edges, max_rounds, finish_edges, min_release)
         rows = remaining_rows(frames, nodes, remaining)
     else:
         rows = counted_rows(frames)
-    table = rows.toArrow()
-    graphs = remaining_graphs(table)
+    table = rows.select(*_REMAINING, "flow_control").toArrow()
+    graphs = _by_snapshot(table)
     for sid, item in large.items():
         # The remaining graph holds every deadlocked node and the edges among them, all the evidence reads.
-        item.deadlock = find_deadlock(WaitFor(sid, graphs.get(sid) or nx.DiGraph(), ()))
+        edges = graphs.get(sid, table.schema.empty_table())
+        item.deadlock = find_compact_deadlock(compact_edges(edges, item.counts))
     return rounds, table.num_rows
 
 
-def _evaluate_large(item: _Large, totals: Totals, plugin_names: Sequence[str]) -> list[PredicateResult]:
-    """Every result of a large snapshot, in ``evaluate``'s order, by the detector's ``built_in_results``
-    from the reduced graph's evidence and the whole graph's counts; user predicates are not run on it."""
+def _large_results(
+    item: _Large, configured: Mapping[str, int], totals: Totals, plugin_names: Sequence[str]
+) -> list[PredicateResult]:
+    """Every result of a large snapshot, in ``evaluate``'s order, by the detector's own result functions
+    from the graph's evidence and the rows' facts; user predicates are not run on it."""
     assert item.deadlock is not None
     head = item.head
+    facts = item.facts
     expected = totals.before((head["finished_us"], head["snapshot_id"]))
-    results = built_in_results(GlobalSnapshot.FromString(item.light), item.deadlock, item.counts, expected)
+    results = [deadlock_result(item.deadlock, item.counts, facts.cut), facts.termination]
+    if expected == dict(configured):
+        results += item.conservation
+    else:  # an earlier snapshot set a baseline
+        results += conservation_results(facts.holdings, expected, facts.cut)
     reason = "snapshot archived without its blob (too large for one worker): user predicates need the whole snapshot"
     results += [
         PredicateResult(name=name, holds=False, unknown=True, summary=f"not evaluated: {reason}", error=reason)
@@ -392,10 +517,11 @@ class Evaluated:
     evaluations: DataFrame
     snapshots: int  # completed snapshots evaluated
     aborted: int  # aborted snapshots in the range (not evaluated)
-    large: int  # snapshots evaluated through the DataFrame reduction
-    rounds: int  # reduction rounds run
-    remaining: int  # wait edges left to the shared algorithm after the rounds
+    large: int  # snapshots evaluated from their rows (without a blob, or above reduce_above)
+    rounds: int  # reduction rounds run on DataFrames
+    remaining: int  # wait edges the shared algorithm finished in compact form (a whole graph's, or what rounds left)
     totals: Totals
+    reduced: int = 0  # large snapshots whose graphs went through the DataFrame reduction
 
 
 def _heads(archive: Archive, first_id: int | None, last_id: int | None) -> DataFrame:
@@ -416,16 +542,18 @@ def evaluate_snapshots(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
-    max_rows: int = 2_000_000,
+    min_release: float = 0.0,
 ) -> Evaluated:
     """Evaluate the completed snapshots among `snapshots` (rows of `archive`'s ``snapshots`` table).
 
     Snapshots without a blob, and those with more than `reduce_above` wait edges when it is set,
-    go through the DataFrame reduction (at most `max_rounds` rounds, none once `finish_edges`
-    edges or fewer remain; their rows are collected `max_rows` at a time); the others are
-    evaluated by the shared function in parallel.
+    are evaluated from their rows, read as Arrow columns one snapshot at a time: one with at most
+    `finish_edges` wait edges whole, in compact form by the shared algorithm; a larger one
+    through the DataFrame reduction first (at most `max_rounds` rounds, none once `finish_edges`
+    edges or fewer remain, the last one a round that removed less than `min_release` of its
+    edges). The others are evaluated by the shared function in parallel.
     `expected` are the conservation totals known before these snapshots (configured, or earlier
-    baselines). Runs the Spark jobs that count the snapshots, find the baselines and reduce the
+    baselines). Runs the Spark jobs that count the snapshots, find the baselines and evaluate the
     large snapshots; returns the result rows lazily.
     """
     configured = dict(expected or {})
@@ -439,23 +567,36 @@ def evaluate_snapshots(
             F.count(F.when(F.col("outcome") == "completed", 1)).alias("completed"),
             F.count(F.when(F.col("outcome") != "completed", 1)).alias("aborted"),
         ).first()
-        heads = completed.filter(routed).drop("snapshot").toArrow().sort_by("snapshot_id")
-        large = _rebuild_light(archive, heads.to_pylist(), max_rows)
-        candidates = _small_candidates(small, configured)
+        heads = completed.filter(routed).select(*_HEAD, "finished_us", "wait_edges").toArrow().sort_by("snapshot_id")
+        large, reduced = _large_snapshots(archive, heads.to_pylist(), configured, finish_edges)
+        assert outcomes is not None
+        # Without a snapshot left for them, the jobs over blobs would only start Python workers.
+        any_small = outcomes["completed"] > len(large)
+        candidates = _small_candidates(small, configured) if any_small else []
         for sid, item in large.items():
             key = (item.head["finished_us"], sid)
-            light = GlobalSnapshot.FromString(item.light)
-            candidates += [(counter, key, total) for counter, total in _baseline_candidates(light, configured)]
+            taken = new_baselines(Evaluation(results=item.conservation))
+            candidates += [(counter, key, total) for counter, total in taken.items()]
         totals = find_totals(candidates, configured)
-        rounds, remaining = _reduce_large(archive, large, max_rounds, finish_edges) if large else (0, 0)
+        rounds, left = 0, 0
+        if reduced:
+            rounds, left = _reduce_large(
+                archive, {sid: large[sid] for sid in reduced}, max_rounds, finish_edges, min_release
+            )
+    remaining = left + sum(item.counts.edges for sid, item in large.items() if sid not in set(reduced))
 
-    evaluations = evaluate_blobs(small, totals, predicates)
+    evaluations = evaluate_blobs(small, totals, predicates) if any_small or not large else None
     if large:
         names = [plugin.name for plugin in _plugins(tuple(predicates))]
-        results = [_evaluate_large(large[sid], totals, names) for sid in heads.column("snapshot_id").to_pylist()]
-        evaluations = evaluations.unionByName(archive.spark.createDataFrame(result_table(heads, results)))
-    assert outcomes is not None
-    return Evaluated(evaluations, outcomes["completed"], outcomes["aborted"], len(large), rounds, remaining, totals)
+        results = [
+            _large_results(large[sid], configured, totals, names) for sid in heads.column("snapshot_id").to_pylist()
+        ]
+        rows = archive.spark.createDataFrame(result_table(heads, results))
+        evaluations = rows if evaluations is None else evaluations.unionByName(rows)
+    assert evaluations is not None
+    return Evaluated(
+        evaluations, outcomes["completed"], outcomes["aborted"], len(large), rounds, remaining, totals, len(reduced)
+    )
 
 
 def _small_candidates(small: DataFrame, configured: Mapping[str, int]) -> list[tuple[str, tuple[int, int], int]]:
@@ -481,6 +622,7 @@ def evaluate_archive(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
+    min_release: float = 0.0,
 ) -> Evaluated:
     """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive);
     see :func:`evaluate_snapshots` for the rest."""
@@ -492,6 +634,7 @@ def evaluate_archive(
         reduce_above=reduce_above,
         max_rounds=max_rounds,
         finish_edges=finish_edges,
+        min_release=min_release,
     )
 
 

@@ -1,22 +1,28 @@
 """Deadlock in wait-for graphs too large for one worker: graph reduction on DataFrames, then the shared algorithm.
 
 Theory of operation. A snapshot archived without its blob (over ``MAX_BLOB_BYTES``) may hold
-millions of wait-for nodes: too many for one Python process and networkx. Its wait-for graph is
-built from the archive's rows with the very rules of :func:`~stablewatch.detector.evaluation.waitfor.build_wait_for`
-(:func:`wait_for_frames`), then reduced on DataFrames (:func:`reduce_wait_for`): each round
-releases every node without remaining out-edges, drops the edges into them, and drops every
-edge of an OR waiter that had one (it is released too). An AND waiter is released once it has
-lost all its edges. Each round cuts the lineage (``localCheckpoint``) and the rounds are capped:
-a chain of n links would cost n rounds, so after the cap the edges that remain go to one process
-(:func:`remaining_graphs`) and :func:`~stablewatch.detector.evaluation.waitfor.find_deadlock`
-finishes the job there. Graph reduction is confluent (Holt, 1972): whatever was released in
-whatever order, the nodes never released are the same, so stopping after any round and
-finishing elsewhere gives exactly the deadlocked set of the whole graph.
+millions of wait-for nodes. Up to :data:`~stablewatch.pipeline.evaluate.DEFAULT_COLUMNAR_EDGES`
+wait edges, one process holds its whole graph in compact form
+(:mod:`stablewatch.detector.evaluation.columnar`) and this module is not needed. Above that, the
+graph is built from the archive's rows with the very rules of
+:func:`~stablewatch.detector.evaluation.waitfor.build_wait_for` (:func:`wait_for_frames`), then
+reduced on DataFrames (:func:`reduce_wait_for`): each round releases every node without remaining
+out-edges, drops the edges into them, and drops every edge of an OR waiter that had one (it is
+released too). An AND waiter is released once it has lost all its edges. Each round cuts the
+lineage (``localCheckpoint``), and the rounds stop when one releases little (a deadlocked
+remainder is never released, however many rounds run) or at a cap (a chain of n links would cost
+n rounds). The edges that remain go to one process as Arrow columns
+(:func:`~stablewatch.detector.evaluation.columnar.compact_edges`), where the shared algorithm
+finishes the job (:func:`~stablewatch.detector.evaluation.columnar.find_compact_deadlock`). Graph
+reduction is confluent (Holt, 1972): whatever was released in whatever order, the nodes never
+released are the same, so stopping after any round and finishing elsewhere gives exactly the
+deadlocked set of the whole graph.
 
-The remaining graph keeps the whole graph's node order for its waiters and each waiter's edge
-order, so the deadlock evidence (the cycle found, rotated to its smallest node; the knot; the
-empty channels; the number of separate deadlocks) is the shared function's on the whole graph:
-it only looks at deadlocked nodes and the edges among them, which reduction never removes.
+The remaining edges keep the whole graph's node order for their waiters and each waiter's edge
+order (:func:`remaining_rows`), so the deadlock evidence (the cycle found, rotated to its smallest
+node; the knot; the empty channels; the number of separate deadlocks) is the shared function's on
+the whole graph: it only looks at deadlocked nodes and the edges among them, which reduction
+never removes. (:func:`remaining_graphs` builds networkx graphs from the same rows, for checks.)
 
 References
 ----------
@@ -37,6 +43,7 @@ from stablewatch.detector.evaluation.deadlock import AND, OR
 __all__ = [
     "DEFAULT_FINISH_EDGES",
     "DEFAULT_MAX_ROUNDS",
+    "DEFAULT_MIN_RELEASE",
     "WaitForFrames",
     "counted_rows",
     "graph_counts",
@@ -49,8 +56,12 @@ __all__ = [
 
 #: Reduction rounds on DataFrames before what remains is finished by one process.
 DEFAULT_MAX_ROUNDS = 8
-#: Edges that one process finishes without reducing on DataFrames first (networkx holds them in about 1 GB).
-DEFAULT_FINISH_EDGES = 1_000_000
+#: Wait edges that one process takes whole, in compact form, without reducing on DataFrames first:
+#: a snapshot with as many, or a remainder after rounds. The compact form of a million processes and
+#: three million edges, with everything the results read, peaked at 1.7 GB in one process.
+DEFAULT_FINISH_EDGES = 10_000_000
+#: A round that removes less than this share of the edges it started with is the last one.
+DEFAULT_MIN_RELEASE = 0.1
 
 _SHIFT = 2**31  # packs two int32 positions into one sortable int64
 _ID = "snapshot_id"
@@ -304,7 +315,7 @@ def numbered_edges(frames: WaitForFrames) -> tuple[DataFrame, DataFrame]:
 
 
 def reduce_wait_for(
-    edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS, finish_edges: int = 0
+    edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS, finish_edges: int = 0, min_release: float = 0.0
 ) -> tuple[DataFrame, int]:
     """Release waiters round by round; return the edges that remain and the number of rounds run.
 
@@ -312,8 +323,12 @@ def reduce_wait_for(
     distinct edge; a node is a waiter while it has edges, so every other node is free. A round
     releases the targets that have no edges and removes the edges into them, and every edge of an
     OR waiter that had one. It stops at a fixpoint (then the waiters that remain are exactly the
-    deadlocked nodes), after `max_rounds` rounds, or as soon as at most `finish_edges` edges
-    remain (one process finishes those faster than more rounds would). Each round is
+    deadlocked nodes), after `max_rounds` rounds, as soon as at most `finish_edges` edges remain
+    (one process finishes those faster than more rounds would), or after a round that removed
+    less than `min_release` of the edges it started with: what remains is then mostly deadlocked,
+    which no round releases (a million-node graph kept two thirds of its edges after eight
+    rounds), and one process finishes it in compact form
+    (:func:`~stablewatch.detector.evaluation.columnar.compact_edges`). Each round is
     materialized with ``localCheckpoint``, so the plan does not grow with the rounds.
 
     Whatever remains has the same deadlocked nodes as `edges` (reduction is confluent): finish it
@@ -337,9 +352,10 @@ def reduce_wait_for(
         )
         rounds += 1
         after_size = after.count()
+        little = size - after_size < min_release * size
         remaining, unchanged = after, after_size == size
         size = after_size
-        if unchanged:
+        if unchanged or little:
             break
     return remaining, rounds
 

@@ -84,10 +84,14 @@ def evaluate_report(verdicts: pa.Table, evaluated: int, aborted: int, large: int
     """The ``evaluate`` summary: how many snapshots, and each predicate's true/false/unknown counts.
 
     `verdicts` has columns ``name`` and one per :class:`Verdict` word (one row per predicate).
+    `large` snapshots were evaluated from their rows (archived without their blob), their graphs
+    reduced on DataFrames in `rounds` rounds first when too large to take whole.
     """
     line = f"evaluated {evaluated} snapshots ({aborted} aborted, not evaluated)"
     if large:
-        line += f"; {large} too large for one worker, reduced on DataFrames in {rounds} rounds"
+        line += f"; {plural(large, 'snapshot')} evaluated from {'its' if large == 1 else 'their'} rows"
+        if rounds:
+            line += f", reduced on DataFrames in {plural(rounds, 'round')} first"
     table = _table(
         "predicates",
         ["predicate", *Verdict],

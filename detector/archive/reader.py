@@ -1,5 +1,5 @@
-"""Reading the archive back: whole snapshots and the breaks, for users and the pipeline, and a check
-of every file.
+"""Reading the archive back: whole snapshots and the breaks, for users and the pipeline, one snapshot's
+rows as columns for the columnar evaluation, and a check of every file.
 
 Snapshots and the check go batch by batch (a ``snapshots`` file and the files of the same day and batch name in the
 other tables), so memory holds one batch at a time. Every file is checked as it is read
@@ -14,16 +14,29 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from stablewatch.detector.archive.files import batch_range, check_marker, parquet_files, read_file
-from stablewatch.detector.archive.schema import TABLES, ArchiveError, resolution_from_row, snapshot_from_rows
+from stablewatch.detector.archive.schema import (
+    METADATA_KEY,
+    SCHEMA_VERSION,
+    TABLES,
+    ArchiveError,
+    resolution_from_row,
+    snapshot_from_rows,
+    table_schema,
+)
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import Resolution
 
-__all__ = ["ArchiveCheck", "check", "read_resolutions", "read_snapshots"]
+if TYPE_CHECKING:
+    from stablewatch.detector.evaluation.columnar import SnapshotRows
+
+__all__ = ["ArchiveCheck", "check", "read_resolutions", "read_snapshot_rows", "read_snapshots"]
 
 _PARTS = ("processes", "counters", "wait_edges", "channels", "messages")
 # Times an agent reported (or copied from one): any int64, which a Python datetime may not hold,
@@ -79,6 +92,94 @@ def read_snapshots(
             except ArchiveError as error:
                 raise ArchiveError(f"{path}: {error}") from None
             yield head, snapshot
+
+
+def read_snapshot_rows(root: Path, snapshot_id: int, waits: bool = True) -> SnapshotRows:
+    """The rows of completed snapshot `snapshot_id` in the archive at `root`, as Arrow columns: the
+    columns the columnar evaluation reads (:data:`~stablewatch.detector.evaluation.columnar.COLUMNS`)
+    and no others, only this snapshot's rows (the row groups of other snapshots are skipped).
+    Without `waits`, of the wait edges only the target processes are read (the others null): what
+    the results besides the wait-for graph need.
+
+    What :func:`stablewatch.detector.evaluation.columnar.evaluate_rows` evaluates without rebuilding
+    the ``GlobalSnapshot``: a snapshot of a million processes reads in a second. ArchiveError
+    naming the file when one is corrupt, foreign or newer, and when the snapshot is not in the
+    archive or was aborted.
+    """
+    # numpy, which the columnar evaluation needs, only for a caller of this function.
+    from stablewatch.detector.evaluation.columnar import COLUMNS, SnapshotRows
+
+    root = Path(root)
+    check_marker(root)
+    for path in parquet_files(root, "snapshots"):
+        ids = batch_range(path.name)
+        if ids is not None and not ids[0] <= snapshot_id <= ids[1]:
+            continue
+        names = [f.name for f in TABLES["snapshots"] if f.name not in ("snapshot", "day")]
+        heads = _columns(path, "snapshots", names, snapshot_id)
+        if not heads.num_rows:
+            continue
+        # The lists of names stay Arrow arrays: a million expected members are one column, not a million strs.
+        head: dict[str, Any] = {
+            name: heads[name][0].values if pa.types.is_list(heads.schema.field(name).type) else heads[name][0].as_py()
+            for name in heads.column_names
+        }
+        head["day"] = path.parent.name.removeprefix("day=")
+        if head["outcome"] != "completed":
+            raise ArchiveError(f"{path}: snapshot {snapshot_id} was {head['outcome']}: it has no global state")
+        tables = {}
+        for table, columns in COLUMNS.items():
+            sibling = root / table / path.parent.name / path.name
+            wanted = ["target_process"] if table == "wait_edges" and not waits else list(columns)
+            read = _columns(sibling, table, wanted, snapshot_id) if sibling.exists() else None
+            if read is None:
+                read = TABLES[table].empty_table().select(wanted)
+            for name in columns:
+                if name not in wanted:
+                    read = read.append_column(
+                        TABLES[table].field(name), pa.nulls(read.num_rows, TABLES[table].field(name).type)
+                    )
+            tables[table] = read.select(list(columns))
+        return SnapshotRows(head, **tables)
+    raise ArchiveError(f"{root}: snapshot {snapshot_id} is not in the archive")
+
+
+def _columns(path: Path, table: str, columns: list[str], snapshot_id: int) -> pa.Table:
+    """`columns` of the rows of `snapshot_id` in one file of `table`, checked as :func:`.files.read_file`
+    checks a whole file; a column added after the file's schema version reads as nulls."""
+    try:
+        file = pq.ParquetFile(path)
+        version_text = (file.schema_arrow.metadata or {}).get(METADATA_KEY)
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"{path}: not a readable Parquet file ({exc})") from exc
+    if version_text is None or not version_text.isdigit():
+        raise ArchiveError(f"{path}: not a stablewatch archive file (no {METADATA_KEY.decode()} metadata)")
+    version = int(version_text)
+    if version > SCHEMA_VERSION:
+        raise ArchiveError(
+            f"{path}: schema version {version} is newer than this stablewatch reads ({SCHEMA_VERSION}); "
+            "upgrade stablewatch"
+        )
+    try:
+        expected = table_schema(table, version)
+    except ArchiveError as error:
+        raise ArchiveError(f"{path}: {error}") from None
+    schema = file.schema_arrow
+    present = [name for name in columns if name in expected.names]
+    if any(name not in schema.names or schema.field(name).type != expected.field(name).type for name in present):
+        raise ArchiveError(f"{path}: its columns do not match the {table} table of schema version {version}")
+    try:
+        wanted = list(dict.fromkeys(["snapshot_id", *present]))
+        read = pq.read_table(path, columns=wanted, filters=[("snapshot_id", "==", snapshot_id)])
+    except (OSError, pa.ArrowException) as exc:
+        raise ArchiveError(f"{path}: corrupt Parquet file ({exc})") from exc
+    read = read.filter(pc.equal(read["snapshot_id"], snapshot_id))  # whatever the row-group statistics let through
+    return pa.table(
+        {
+            name: read[name] if name in present else pa.nulls(read.num_rows, TABLES[table].field(name).type)
+            for name in columns
+        }
+    )
 
 
 def read_resolutions(root: Path) -> list[Resolution]:

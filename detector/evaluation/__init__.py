@@ -13,9 +13,11 @@ The public API is small:
   :class:`Victim`;
 * :class:`UserPredicate` and :func:`load_predicate` — user predicates as plugins.
 
-The modules underneath are the algorithms: :mod:`.deadlock` (graph reduction), :mod:`.waitfor`
-(snapshot to wait-for graph), :mod:`.victims` (which wait ends a deadlock), :mod:`.cut`,
-:mod:`.predicates`, :mod:`.plugins`.
+The modules underneath are the algorithms: :mod:`.deadlock` (graph reduction, on networkx graphs
+and on compact ones), :mod:`.waitfor` (snapshot to wait-for graph), :mod:`.victims` (which wait
+ends a deadlock), :mod:`.cut`, :mod:`.predicates`, :mod:`.plugins`; and :mod:`.columnar`, the
+built-in results of a snapshot from its archive rows as columns, for snapshots of millions of
+processes (it needs numpy, and is not imported here).
 """
 
 from stablewatch.detector.evaluation.cut import coverage

@@ -18,7 +18,7 @@ from __future__ import annotations
 from stablewatch.detector.evaluation.text import names, plural
 from stablewatch.v1 import CutCoverage, GlobalSnapshot
 
-__all__ = ["coverage", "describe_missing"]
+__all__ = ["coverage", "cut_coverage", "describe_missing"]
 
 
 def coverage(snapshot: GlobalSnapshot) -> CutCoverage:
@@ -41,8 +41,17 @@ def coverage(snapshot: GlobalSnapshot) -> CutCoverage:
     for channel in snapshot.channels:
         named.add(channel.src)
         named.add(channel.dst)
-    missing = sorted(named - members)
-    unnamed = max(0, snapshot.expected_member_count - len(members) - len(missing))
+    return cut_coverage(len(members), sorted(named - members), snapshot.expected_member_count)
+
+
+def cut_coverage(members: int, missing: list[str], expected_count: int) -> CutCoverage:
+    """The coverage of a cut of `members` distinct processes that lacks the processes `missing`
+    (named but not members, sorted), when `expected_count` processes were expected by number.
+
+    :func:`coverage` is this over a ``GlobalSnapshot``; :mod:`.columnar` finds the same facts in
+    the archive's rows.
+    """
+    unnamed = max(0, expected_count - members - len(missing))
     return CutCoverage(closed=not missing and not unnamed, missing_processes=missing, missing_unnamed=unnamed)
 
 

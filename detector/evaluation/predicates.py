@@ -17,11 +17,13 @@ What a cut may claim depends on whether it is closed (:mod:`.cut`):
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import heapq
+from collections.abc import Mapping, Sequence
 
 from stablewatch.detector.evaluation.cut import coverage, describe_missing
 from stablewatch.detector.evaluation.text import SHOWN, names, plural
 from stablewatch.detector.evaluation.waitfor import (
+    Channel,
     Deadlock,
     WaitCounts,
     build_wait_for,
@@ -37,15 +39,18 @@ from stablewatch.v1 import (
     CutCoverage,
     GlobalSnapshot,
     PredicateResult,
-    TerminationEvidence,
 )
 
 __all__ = [
+    "Holding",
     "conservation",
+    "conservation_results",
     "counter_holdings",
     "deadlock",
     "deadlock_result",
+    "held",
     "termination",
+    "termination_result",
     "unknown",
 ]
 
@@ -121,14 +126,24 @@ def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> Pre
     """
     cut = coverage(snapshot) if cut is None else cut
     active = sorted(p.process_id for p in snapshot.processes if p.state.active)
-    busy = sorted(waking_channels(snapshot))
+    return termination_result(active, sorted(waking_channels(snapshot)), len(snapshot.processes), cut)
+
+
+def termination_result(
+    active: Sequence[str], busy: Sequence[Channel], processes: int, cut: CutCoverage
+) -> PredicateResult:
+    """The ``termination`` result from its facts: the `active` processes and the `busy` channels (those
+    with a waking message), both sorted, among `processes` processes, on a cut of coverage `cut`.
+
+    :func:`termination` is this over a ``GlobalSnapshot``; :mod:`.columnar` finds the same facts in
+    the archive's rows. O(active + busy).
+    """
     result = PredicateResult(name="termination", holds=not active and not busy)
-    result.termination.CopyFrom(
-        TerminationEvidence(
-            active_processes=active,
-            busy_channels=[ChannelRef(src=s, dst=d) for s, d in busy],
-        )
-    )
+    evidence = result.termination
+    evidence.SetInParent()  # the evidence is there, empty as it may be
+    evidence.active_processes.extend(active)
+    for src, dst in busy:
+        evidence.busy_channels.add(src=src, dst=dst)
     if active or busy:
         parts = []
         if active:
@@ -138,25 +153,29 @@ def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> Pre
             parts.append(f"{plural(len(busy), 'channel')} with waking messages ({channels})")
         result.summary = "not terminated: " + "; ".join(parts)
         return result
-    processes = plural(len(snapshot.processes), "process", "processes")
+    count = plural(processes, "process", "processes")
     if not cut.closed:
-        return unknown(result, cut, f"{processes} in the cut passive, nothing in flight among them")
-    result.summary = f"terminated: {processes} passive, nothing in flight"
+        return unknown(result, cut, f"{count} in the cut passive, nothing in flight among them")
+    result.summary = f"terminated: {count} passive, nothing in flight"
     return result
 
 
-def counter_holdings(snapshot: GlobalSnapshot) -> dict[str, list[CounterHolding]]:
+#: Where units of a counter are: ``(process, amount)``, or ``((src, dst), amount)`` for a channel.
+Holding = tuple[str | Channel, int]
+
+
+def held(snapshot: GlobalSnapshot) -> dict[str, list[Holding]]:
     """Return, for every counter named anywhere in `snapshot`, where its non-zero units are.
 
     Processes first (by id), then channels (by src, dst), each summing its recorded messages.
     A counter seen only with zero amounts maps to an empty list. O(processes + messages).
     """
-    holdings: dict[str, list[CounterHolding]] = {}
+    holdings: dict[str, list[Holding]] = {}
     for p in sorted(snapshot.processes, key=lambda p: p.process_id):
         for name, amount in p.state.counters.items():
             found = holdings.setdefault(name, [])
             if amount:
-                found.append(CounterHolding(process=p.process_id, amount=amount))
+                found.append((p.process_id, amount))
     for c in sorted(snapshot.channels, key=lambda c: (c.src, c.dst)):
         in_flight: dict[str, int] = {}
         for m in c.messages:
@@ -165,23 +184,41 @@ def counter_holdings(snapshot: GlobalSnapshot) -> dict[str, list[CounterHolding]
         for name, amount in in_flight.items():
             found = holdings.setdefault(name, [])
             if amount:
-                found.append(CounterHolding(channel=ChannelRef(src=c.src, dst=c.dst), amount=amount))
+                found.append(((c.src, c.dst), amount))
     return holdings
 
 
-def _where(holding: CounterHolding) -> str:
-    return holding.process or f"{holding.channel.src} -> {holding.channel.dst}"
+def counter_holdings(snapshot: GlobalSnapshot) -> dict[str, list[CounterHolding]]:
+    """:func:`held` as ``CounterHolding`` messages."""
+    return {name: [_holding_proto(h) for h in found] for name, found in held(snapshot).items()}
+
+
+def _holding_proto(holding: Holding) -> CounterHolding:
+    where, amount = holding
+    if isinstance(where, str):
+        return CounterHolding(process=where, amount=amount)
+    return CounterHolding(channel=ChannelRef(src=where[0], dst=where[1]), amount=amount)
+
+
+def _where(holding: Holding) -> str:
+    where = holding[0]
+    return where if isinstance(where, str) else f"{where[0]} -> {where[1]}"
 
 
 def _conservation_result(
-    counter: str, expected: int | None, holdings: list[CounterHolding], cut: CutCoverage
+    counter: str, expected: int | None, holdings: Sequence[Holding], cut: CutCoverage
 ) -> PredicateResult:
-    observed = sum(h.amount for h in holdings)
+    observed = sum(amount for _, amount in holdings)
     result = PredicateResult(name=f"conservation({counter})")
     evidence = result.conservation
     evidence.counter = counter
     evidence.observed = observed
-    evidence.holdings.extend(holdings)
+    add = evidence.holdings.add  # in place: a million holdings are a million messages
+    for where, amount in holdings:
+        if isinstance(where, str):
+            add(process=where, amount=amount)
+        else:
+            add(channel=ChannelRef(src=where[0], dst=where[1]), amount=amount)
     if not cut.closed:
         if expected is not None:
             evidence.expected = expected
@@ -199,8 +236,8 @@ def _conservation_result(
     if drift == 0:
         result.summary = f"{counter}: {observed} as expected"
     else:
-        largest = sorted(holdings, key=lambda h: -abs(h.amount))[:SHOWN]
-        where = ", ".join(f"{_where(h)} {h.amount}" for h in largest) or "nowhere"
+        largest = heapq.nsmallest(SHOWN, holdings, key=lambda h: -abs(h[1]))  # sorted(...)[:SHOWN], in O(n)
+        where = ", ".join(f"{_where(h)} {h[1]}" for h in largest) or "nowhere"
         result.summary = f"{counter}: observed {observed}, expected {expected} (drift {drift:+d}); held by {where}"
     return result
 
@@ -218,8 +255,19 @@ def conservation(
     O(processes + messages + counters).
     """
     cut = coverage(snapshot) if cut is None else cut
-    holdings = counter_holdings(snapshot)
+    return conservation_results(held(snapshot), expected, cut)
+
+
+def conservation_results(
+    holdings: Mapping[str, Sequence[Holding]], expected: Mapping[str, int], cut: CutCoverage
+) -> list[PredicateResult]:
+    """The ``conservation(<counter>)`` results from their facts: where each counter's non-zero units
+    are (:func:`held`'s form and order), on a cut of coverage `cut`.
+
+    :func:`conservation` is this over a ``GlobalSnapshot``; :mod:`.columnar` finds the same
+    holdings in the archive's rows. O(holdings + counters).
+    """
     return [
-        _conservation_result(name, expected.get(name), holdings.get(name, []), cut)
+        _conservation_result(name, expected.get(name), holdings.get(name, ()), cut)
         for name in sorted(holdings.keys() | expected.keys())
     ]

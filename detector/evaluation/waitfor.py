@@ -40,16 +40,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import networkx as nx
 
 from stablewatch.detector.evaluation.deadlock import (
     AND,
     OR,
-    count_deadlocks,
+    deadlock_components,
     deadlock_cycle,
-    deadlock_knot,
     deadlocked_nodes,
 )
 from stablewatch.v1 import (
@@ -76,9 +75,12 @@ __all__ = [
     "WaitFor",
     "acks_in_transit",
     "build_wait_for",
+    "cycle_edges",
+    "empty_channels",
     "evidence_proto",
     "find_deadlock",
     "label",
+    "rotated",
     "to_proto",
     "wait_counts",
     "wait_nodes",
@@ -288,24 +290,45 @@ def find_deadlock(wf: WaitFor) -> Deadlock:
     """Reduce `wf`'s graph with each waiter's model and collect the evidence.
 
     The cycle is rotated to start at its smallest node, so equal snapshots give equal evidence.
-    O(V + E), plus O(V log V) to sort, plus the knot's and the count's O(V' + E') on the
-    deadlocked subgraph.
+    O(V + E), plus O(V log V) to sort, plus one component search of the deadlocked subgraph
+    (O(V' + E')) for both the knot and the count.
     """
     G = wf.graph
     dead = deadlocked_nodes(G)
     if not dead:
         return Deadlock([], [], [], [], 0)
-    cycle = deadlock_cycle(G, dead)
-    first = cycle.index(min(cycle))
-    cycle = cycle[first:] + cycle[:first]
+    cycle = rotated(deadlock_cycle(G, dead))
+    sink, separate = deadlock_components(G, dead)
     knot: list[Node] = []
     if any(G.nodes[n].get("model") == OR for n in dead):
-        knot = sorted(deadlock_knot(G, dead))
+        knot = sorted(sink)
+    flow_control = [bool(G.edges[waiter, target].get("flow_control")) for waiter, target in cycle_edges(cycle)]
+    return Deadlock(sorted(dead), cycle, knot, empty_channels(cycle, flow_control), separate)
+
+
+def rotated(cycle: list[Node]) -> list[Node]:
+    """`cycle` rotated to start at its smallest node, so equal graphs give equal evidence."""
+    if not cycle:
+        return cycle
+    first = cycle.index(min(cycle))
+    return cycle[first:] + cycle[:first]
+
+
+def cycle_edges(cycle: list[Node]) -> Iterable[tuple[Node, Node]]:
+    """The edges of `cycle`, closing back to its first node."""
+    return zip(cycle, cycle[1:] + cycle[:1], strict=True)
+
+
+def empty_channels(cycle: list[Node], flow_control: Iterable[bool]) -> list[Channel]:
+    """The channels along `cycle` that held no waking message: one ``(src, dst)`` per edge between two
+    processes (target's process -> waiter's process), without repeats, leaving out the flow-control
+    edges (`flow_control`, one flag per edge of :func:`cycle_edges`): their wait is on the opposite
+    channel being full."""
     channels: dict[Channel, None] = {}
-    for waiter, target in zip(cycle, cycle[1:] + cycle[:1], strict=True):
-        if waiter[0] != target[0] and not G.edges[waiter, target].get("flow_control"):
+    for (waiter, target), fc in zip(cycle_edges(cycle), flow_control, strict=True):
+        if waiter[0] != target[0] and not fc:
             channels[(target[0], waiter[0])] = None
-    return Deadlock(sorted(dead), cycle, knot, list(channels), count_deadlocks(G, dead))
+    return list(channels)
 
 
 def wait_counts(wf: WaitFor) -> WaitCounts:
@@ -330,15 +353,27 @@ def _wait_nodes(nodes: Iterable[Node]) -> list[WaitNode]:
     return [WaitNode(process=p, task=t) for p, t in nodes]
 
 
+def _add_nodes(field: Any, nodes: Iterable[Node]) -> None:
+    # ``add`` fills the repeated field in place: a third of the cost of building messages and copying
+    # them in, which counts for the hundreds of thousands of nodes of a large deadlock.
+    add = field.add
+    for process, task in nodes:
+        if task:
+            add(process=process, task=task)
+        else:
+            add(process=process)
+
+
 def evidence_proto(deadlock: Deadlock) -> DeadlockEvidence:
-    """Convert `deadlock` to its protobuf message."""
-    return DeadlockEvidence(
-        deadlocked=_wait_nodes(deadlock.deadlocked),
-        cycle=_wait_nodes(deadlock.cycle),
-        knot=_wait_nodes(deadlock.knot),
+    """Convert `deadlock` to its protobuf message. O(nodes in the evidence)."""
+    evidence = DeadlockEvidence(
         empty_channels=[ChannelRef(src=s, dst=d) for s, d in deadlock.empty_channels],
         separate_deadlocks=deadlock.separate,
     )
+    _add_nodes(evidence.deadlocked, deadlock.deadlocked)
+    _add_nodes(evidence.cycle, deadlock.cycle)
+    _add_nodes(evidence.knot, deadlock.knot)
+    return evidence
 
 
 def to_proto(wf: WaitFor, deadlock: Deadlock | None = None) -> WaitForGraph:
