@@ -13,11 +13,13 @@ and once through a scripted detector on the control stream, with the long-wait h
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -239,16 +241,41 @@ def test_concurrent_breaks_of_one_wait_break_it_once(ring: Ring, process: str) -
     ring.recovered()
 
 
-def test_a_break_for_an_ended_or_unknown_wait_is_gone_and_changes_nothing() -> None:
+@dataclass
+class SlowPair:
+    """A caller C and a server S whose one handler ``Slow`` answers once ``release`` is set."""
+
+    release: threading.Event
+    c_agent: RpcAgent
+    channel: grpc.Channel
+    caller: futures.ThreadPoolExecutor
+
+
+@contextlib.contextmanager
+def slow_pair(breakable: bool) -> Iterator[SlowPair]:
+    """C calls S over an instrumented channel (``breakable`` or not); everything stopped at the end."""
     release = threading.Event()
     s_agent, c_agent = new_agent("S"), new_agent("C")
     service = Service({"Slow": lambda request, context: release.wait(20) and b"done"}, s_agent)
-    channel = c_agent.instrument_channel(grpc.insecure_channel(service.address), "S", breakable=True)
+    channel = c_agent.instrument_channel(grpc.insecure_channel(service.address), "S", breakable=breakable)
     caller = futures.ThreadPoolExecutor(1)
     try:
-        reply = caller.submit(call, channel, "Slow", timeout=30)
-        wait = recorded_wait(c_agent, lambda w: True, "C's call")
+        yield SlowPair(release, c_agent, channel, caller)
+    finally:
         release.set()
+        caller.shutdown(wait=True)
+        channel.close()
+        service.stop()
+        c_agent.stop()
+        s_agent.stop()
+
+
+def test_a_break_for_an_ended_or_unknown_wait_is_gone_and_changes_nothing() -> None:
+    with slow_pair(breakable=True) as pair:
+        c_agent, channel = pair.c_agent, pair.channel
+        reply = pair.caller.submit(call, channel, "Slow", timeout=30)
+        wait = recorded_wait(c_agent, lambda w: True, "C's call")
+        pair.release.set()
         assert reply.result(10) == b"done"
         for instance in (wait.instance, 2**63):
             report = c_agent.breaks.handle(BreakWait(break_id=3, instance=instance, deadlock=CYCLE))
@@ -257,40 +284,22 @@ def test_a_break_for_an_ended_or_unknown_wait_is_gone_and_changes_nothing() -> N
         assert sample(c_agent, "breaks_total", {"kind": "call"}) == 0
         assert sample(c_agent, "peer_resets_total") == 0
         assert call(channel, "Slow", timeout=10) == b"done"
-    finally:
-        release.set()
-        caller.shutdown(wait=True)
-        channel.close()
-        service.stop()
-        c_agent.stop()
-        s_agent.stop()
 
 
 def test_a_blocking_call_of_a_default_instrumented_channel_is_unbreakable_and_works() -> None:
     """Without breakable=True the instrumented channel's blocking call is grpc's with_call: out of
     reach, so its wait has instance 0 (never a victim) and a break for it does nothing."""
-    release = threading.Event()
-    s_agent, c_agent = new_agent("S"), new_agent("C")
-    service = Service({"Slow": lambda request, context: release.wait(20) and b"done"}, s_agent)
-    channel = c_agent.instrument_channel(grpc.insecure_channel(service.address), "S")
-    caller = futures.ThreadPoolExecutor(1)
-    try:
-        reply = caller.submit(call, channel, "Slow", timeout=30)
+    with slow_pair(breakable=False) as pair:
+        c_agent = pair.c_agent
+        reply = pair.caller.submit(call, pair.channel, "Slow", timeout=30)
         state = poll(lambda: (s := recorded(c_agent)) is not None and s.waits and s, "C's call in its state")
         (wait,) = state.waits
         assert wait.instance == 0 and wait.began_at_us > 0
         (open_wait,) = c_agent.open_waits()
         report = c_agent.breaks.handle(BreakWait(break_id=1, instance=open_wait.instance, deadlock=CYCLE))
         assert report.outcome == BREAK_OUTCOME_GONE
-        release.set()
+        pair.release.set()
         assert reply.result(10) == b"done"
-    finally:
-        release.set()
-        caller.shutdown(wait=True)
-        channel.close()
-        service.stop()
-        c_agent.stop()
-        s_agent.stop()
 
 
 def test_with_a_plain_pool_a_queued_request_is_reported_unbreakable() -> None:
