@@ -703,6 +703,7 @@ class Agent:
 
     def _receiver_restarted(self, dest: str, in_transit: int) -> None:
         self._carry_out(self._core.reset_outbound(dest, in_transit))
+        self.metrics.receiver_restarted(dest)
 
     def _send_hint(self, hint: WaitHint) -> bool:
         if self._links is not None and self._links.send_hint(hint):

@@ -46,6 +46,7 @@ class _PeerChildren:
     bytes_received: Counter
     retransmitted: Counter
     reconnects: Counter
+    receiver_restarts: Counter
     window_entries: Gauge
     window_bytes: Gauge
 
@@ -69,6 +70,9 @@ class AgentMetrics:
         self._bytes_received = counter("received_bytes", "Bytes of channel entries received", "peer")
         self._retransmitted = counter("retransmitted_entries", "Channel entries sent again after a reconnect", "peer")
         self._reconnects = counter("reconnects", "Channel streams reopened", "peer")
+        self._receiver_restarts = counter(
+            "receiver_restarts", "New processes found at a peer's address (its channel's counts reset)", "peer"
+        )
         self._window_entries = gauge("window_entries", "Channel entries not yet acknowledged", "peer")
         self._window_bytes = gauge("window_bytes", "Bytes of channel entries not yet acknowledged", "peer")
         self._markers_sent = counter("markers_sent", "Snapshot markers sent")
@@ -97,6 +101,7 @@ class AgentMetrics:
             self._bytes_received,
             self._retransmitted,
             self._reconnects,
+            self._receiver_restarts,
             self._window_entries,
             self._window_bytes,
         )
@@ -134,6 +139,10 @@ class AgentMetrics:
     def reconnected(self, peer: str) -> None:
         """The stream to or from `peer` was reopened."""
         self._peer(peer).reconnects.inc()
+
+    def receiver_restarted(self, peer: str) -> None:
+        """A new process of `peer` acknowledged the channel: its counts were reset to the window."""
+        self._peer(peer).receiver_restarts.inc()
 
     def window(self, peer: str, entries: int, nbytes: int) -> None:
         """The channel to `peer` now has `entries` entries (`nbytes` bytes) not yet acknowledged."""

@@ -11,6 +11,7 @@ and on messages; cuts are open or closed.
 from __future__ import annotations
 
 import json
+import os
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -222,9 +223,25 @@ def write_archive(
         for table, table_rows in rows.items():
             batch.setdefault(table, []).extend(table_rows)
         if i % batch_size == 0 or i == len(items):
-            write_batch(root, batch)
+            _land_after_the_others(root, write_batch(root, batch))
             batch = {}
     return root
+
+
+def _land_after_the_others(root: Path, written: Sequence[Path]) -> None:
+    """Move the batch's files, in the order they were written, to after every earlier ``snapshots`` file.
+
+    A file stream takes files in modification-time order, at millisecond resolution; the detector
+    writes its batches seconds apart, but this writes them within milliseconds, where ties would
+    make the landing order (and so the order baselines are set in) the directory listing's.
+    """
+    earlier = [path.stat().st_mtime_ns for path in parquet_files(root, "snapshots") if path not in written]
+    if not earlier or not written:
+        return
+    shift = max(0, max(earlier) + 5_000_000 - min(path.stat().st_mtime_ns for path in written))
+    for path in written:
+        mtime = path.stat().st_mtime_ns + shift
+        os.utime(path, ns=(mtime, mtime))
 
 
 def as_version(root: Path, version: int) -> Path:

@@ -39,10 +39,12 @@ def test_channel_health_per_peer(metrics: AgentMetrics) -> None:
     metrics.retransmitted("B", 7)
     metrics.reconnected("B")
     metrics.reconnected("B")
+    metrics.receiver_restarted("B")
     metrics.window("B", 12, 3000)
     metrics.window("B", 2, 500)
     assert value(metrics, "retransmitted_entries_total", peer="B") == 7
     assert value(metrics, "reconnects_total", peer="B") == 2
+    assert value(metrics, "receiver_restarts_total", peer="B") == 1
     assert value(metrics, "window_entries", peer="B") == 2
     assert value(metrics, "window_bytes", peer="B") == 500
 

@@ -206,6 +206,22 @@ def test_batches_by_count_by_age_and_on_close(store: Store, tmp_path: Path) -> N
     assert_archived_exactly_once(store, root)
 
 
+def test_a_batch_across_midnight_lands_day_by_day_a_millisecond_apart(store: Store, tmp_path: Path) -> None:
+    """``pipeline follow`` takes files in modification-time order at millisecond resolution: the
+    earlier day's snapshots must land first, even when the batch is written within a millisecond."""
+    midnight = (T0 // DAY + 1) * DAY
+    ids = [complete(store, started) for started in (midnight - 10, midnight - 5, midnight + 5)]
+    root = tmp_path / "archive"
+    assert restart_writer(root, store, batch_size=3) == 3
+    files = parquet_files(root, "snapshots")
+    assert [p.parent.name for p in files] == ["day=2023-11-14", "day=2023-11-15"]
+    assert {p.name for p in files} == {batch_name(ids)}
+    landed = [os.stat(p).st_mtime_ns // 1_000_000 for p in files]
+    assert landed[0] < landed[1]
+    every = sorted(os.stat(p).st_mtime_ns for table in TABLES for p in parquet_files(root, table))
+    assert max(os.stat(p).st_mtime_ns for p in files) == every[-1]  # the snapshots files land last
+
+
 def test_failed_writes_are_logged_and_written_once_the_archive_works_again(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -305,6 +305,10 @@ def test_receiver_process_killed_and_restarted(detector: StubDetector, start_nod
     proxy.resume()
     poll(lambda: registered_incarnation(detector, "B") not in (None, old_incarnation), "the new B registered")
     poll(lambda: set(new_b.stats()["first"]) == {"A", "C"}, "both senders reached the new B", timeout=20)
+    # A sender resets its channel when the new B's first acknowledgement reaches it; a snapshot
+    # begun before that would be failed by the reset ("its receiver restarted"), and rightly.
+    restarts = {"restarts": ("stablewatch_agent_receiver_restarts_total", {"peer": "B"})}
+    poll(lambda: all(node.metrics(restarts)["restarts"] == 1 for node in (a, c)), "A and C saw the new B")
     last_old_snapshot = before.snapshot_id
 
     for seed, node in ((7, a), (8, c)):

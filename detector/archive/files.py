@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -226,9 +227,15 @@ def _write_files(root: Path, files: Sequence[_File], what: str) -> list[Path]:
             arrow = arrow.replace_schema_metadata({METADATA_KEY: str(SCHEMA_VERSION).encode()})
             pq.write_table(arrow, tmp, compression="zstd")
             staged.append((tmp, final))
+        landed = 0
         for tmp, final in staged:
             with open(tmp, "rb") as f:
                 os.fsync(f.fileno())
+            # A file stream (``pipeline follow``) takes files in modification-time order, at
+            # millisecond resolution: each file lands at least a millisecond after the one before,
+            # so a batch spanning midnight is taken day by day, the order its snapshots finished in.
+            landed = max(time.time_ns(), landed + 1_000_000)
+            os.utime(tmp, ns=(landed, landed))
             os.replace(tmp, final)
     except (OSError, pa.ArrowException) as exc:
         for tmp, _ in staged:
