@@ -75,6 +75,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, not {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be from 0 to 1, not {text}")
+    return value
+
+
 def _day(text: str) -> str:
     parts = text.split("-")
     if len(text) != 10 or len(parts) != 3 or not all(p.isdigit() for p in parts):
@@ -148,6 +158,15 @@ def parser() -> argparse.ArgumentParser:
         metavar="EDGES",
         help="a snapshot with this many wait edges or fewer is evaluated whole in compact form by one "
         "process; a larger one is reduced on DataFrames first, until this many or fewer remain (%(default)s)",
+    )
+    common.add_argument(
+        "--min-release",
+        type=_fraction,
+        default=0.0,
+        metavar="FRACTION",
+        help="stop the DataFrame rounds after one that removed less than this fraction of its edges "
+        "(0 to 1; what remains is then mostly deadlocked and one process finishes it; default %(default)s: "
+        "rounds run until --max-rounds or --finish-edges)",
     )
     common.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     days = argparse.ArgumentParser(add_help=False)
@@ -258,6 +277,7 @@ def _evaluation_options(args: argparse.Namespace) -> dict[str, Any]:
         "reduce_above": args.reduce_above,
         "max_rounds": args.max_rounds,
         "finish_edges": args.finish_edges,
+        "min_release": args.min_release,
     }
 
 

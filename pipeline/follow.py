@@ -76,12 +76,12 @@ def _batch_writer(
     followed: Followed,
     expected: Mapping[str, int],
     predicates: Sequence[str],
-    reduction: Mapping[str, int | None],
+    reduction: Mapping[str, float | None],
     console: Console | None,
 ) -> Callable[[DataFrame, int], None]:
     """The ``foreachBatch`` function: evaluate one micro-batch and replace its output folder.
 
-    `reduction` holds the keyword arguments ``reduce_above``, ``max_rounds`` and ``finish_edges``
+    `reduction` holds the keyword arguments ``reduce_above``, ``max_rounds``, ``finish_edges`` and ``min_release``
     of :func:`~stablewatch.pipeline.evaluate.evaluate_snapshots`.
     """
 
@@ -126,6 +126,7 @@ def follow(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
+    min_release: float = 0.0,
     spark: SparkSession | None = None,
 ) -> Followed:
     """Evaluate every batch of snapshots that lands in `archive`, into ``out/evaluations/batch=N``.
@@ -150,7 +151,12 @@ def follow(
     reader = spark.readStream.schema(spark_schema("snapshots"))
     if max_files:
         reader = reader.option("maxFilesPerTrigger", max_files)
-    reduction = {"reduce_above": reduce_above, "max_rounds": max_rounds, "finish_edges": finish_edges}
+    reduction = {
+        "reduce_above": reduce_above,
+        "max_rounds": max_rounds,
+        "finish_edges": finish_edges,
+        "min_release": min_release,
+    }
     writer = _batch_writer(root, out, followed, dict(expected or {}), predicates, reduction, console)
     query = (
         reader.parquet(str(source))

@@ -540,6 +540,7 @@ def run_history(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
+    min_release: float = 0.0,
     chart: bool = True,
     first_day: str | None = None,
     last_day: str | None = None,
@@ -560,7 +561,13 @@ def run_history(
     evaluated = aborted = 0
     if evaluations is None:
         result = evaluate_archive(
-            opened, expected, predicates, reduce_above=reduce_above, max_rounds=max_rounds, finish_edges=finish_edges
+            opened,
+            expected,
+            predicates,
+            reduce_above=reduce_above,
+            max_rounds=max_rounds,
+            finish_edges=finish_edges,
+            min_release=min_release,
         )
         evaluated, aborted = result.snapshots, result.aborted
         evaluations = out / "evaluations"

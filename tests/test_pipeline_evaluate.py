@@ -160,3 +160,22 @@ def test_the_command_writes_parquet_and_a_summary(
     assert set(EVALUATIONS.names) <= set(table.column_names)
     assert len(set(table.column("snapshot_id").to_pylist())) == 38
     assert sum(p["true"] + p["false"] + p["unknown"] for p in printed["predicates"]) == table.num_rows
+
+
+def test_the_command_stops_the_rounds_at_min_release(
+    spark: SparkSession, archive_dir: Path, items: list[Archived], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--min-release 1`` stops after the first round (none removes every edge of these graphs), and
+    the shared function finishes what is left with the detector's results; a fraction above 1 is refused."""
+    flags = ["--reduce-above", "0", "--finish-edges", "0", "--max-rounds", "8", "--to-id", "40", "--json"]
+    status = cli.main(["evaluate", "--archive", str(archive_dir), "--out", str(tmp_path), *flags, "--min-release", "1"])
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert status == 0 and printed["rounds"] == 1
+    rows = {(row["snapshot_id"], row["position"]): row for row in pq.read_table(tmp_path / "evaluations").to_pylist()}
+    expected = {sid: e for sid, e in detector_evaluations(items).items() if sid <= 40}
+    assert_same_results(rows, expected)
+
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["evaluate", "--archive", str(archive_dir), "--out", str(tmp_path), "--min-release", "1.5"])
+    assert exited.value.code == 2
+    assert "--min-release: must be from 0 to 1, not 1.5" in capsys.readouterr().err
