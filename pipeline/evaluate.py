@@ -59,7 +59,7 @@ from stablewatch.detector.evaluation.columnar import (
     light_facts,
 )
 from stablewatch.detector.evaluation.plugins import entry_point_predicates
-from stablewatch.detector.evaluation.predicates import conservation, conservation_results, deadlock_result
+from stablewatch.detector.evaluation.predicates import Holding, conservation, conservation_results, deadlock_result
 from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts
 from stablewatch.pipeline.reduce import (
     DEFAULT_FINISH_EDGES,
@@ -179,10 +179,23 @@ def evidence_json(result: PredicateResult) -> str:
     if not kind:
         return ""
     evidence = getattr(result, kind)
-    write = _EVIDENCE.get(kind)
-    if write is None:
-        return json_format.MessageToJson(evidence, indent=None, preserving_proto_field_name=True, sort_keys=True)
-    return _object(write(evidence))
+    if kind == "deadlock":
+        return _deadlock_json(
+            *(_pairs(getattr(evidence, name)) for name in ("deadlocked", "cycle", "knot")),
+            [(c.src, c.dst) for c in evidence.empty_channels],
+            evidence.separate_deadlocks,
+        )
+    if kind == "conservation" and all(bool(h.process) != h.HasField("channel") for h in evidence.holdings):
+        holdings = [(h.process or (h.channel.src, h.channel.dst), h.amount) for h in evidence.holdings]
+        return _conservation_json(evidence, holdings)
+    if kind == "termination":
+        return _object(
+            _fields(
+                ("active_processes", list(evidence.active_processes)),
+                ("busy_channels", [_channel(c.src, c.dst) for c in evidence.busy_channels]),
+            )
+        )
+    return json_format.MessageToJson(evidence, indent=None, preserving_proto_field_name=True, sort_keys=True)
 
 
 #: A character that ``json.dumps`` (ensure_ascii) writes otherwise than itself.
@@ -209,22 +222,23 @@ def _plain(texts: list[str]) -> bool:
     return _ESCAPED.search("".join(texts)) is None
 
 
-def _nodes(nodes: Any) -> _Raw:
-    """A list of ``WaitNode`` as JSON."""
-    processes = [node.process for node in nodes]
-    tasks = [node.task for node in nodes]
-    if not processes:
+def _pairs(nodes: Any) -> list[tuple[str, str]]:
+    """``WaitNode`` messages as ``(process, task)`` pairs, the form of ``Deadlock``'s lists."""
+    return [(node.process, node.task) for node in nodes]
+
+
+def _nodes(pairs: Sequence[tuple[str, str]]) -> _Raw:
+    """A list of ``WaitNode`` (as ``(process, task)`` pairs) as JSON."""
+    if not pairs:
         return _Raw("[]")
+    processes = [process for process, _ in pairs]
+    tasks = [task for _, task in pairs]
     if not (_plain(processes) and _plain(tasks)):
-        return _Raw(
-            json.dumps(
-                [_fields(("process", p), ("task", t)) for p, t in zip(processes, tasks, strict=True)], sort_keys=True
-            )
-        )
+        return _Raw(json.dumps([_fields(("process", p), ("task", t)) for p, t in pairs], sort_keys=True))
     if all(processes) and not any(tasks):  # processes alone, the usual case: one join
         return _Raw('[{"process": "' + '"}, {"process": "'.join(processes) + '"}]')
     items = []
-    for process, task in zip(processes, tasks, strict=True):
+    for process, task in pairs:
         fields = ([f'"process": "{process}"'] if process else []) + ([f'"task": "{task}"'] if task else [])
         items.append("{" + ", ".join(fields) + "}")
     return _Raw("[" + ", ".join(items) + "]")
@@ -235,63 +249,65 @@ def _fields(*pairs: tuple[str, Any]) -> dict[str, Any]:
     return {name: value for name, value in pairs if value}
 
 
-def _channel(channel: Any) -> dict[str, str]:
-    return _fields(("src", channel.src), ("dst", channel.dst))
+def _channel(src: str, dst: str) -> dict[str, str]:
+    return _fields(("src", src), ("dst", dst))
 
 
-def _deadlock_json(evidence: Any) -> dict[str, Any]:
-    written: dict[str, Any] = {name: _nodes(getattr(evidence, name)) for name in ("deadlocked", "cycle", "knot")}
-    written = {name: nodes for name, nodes in written.items() if nodes != "[]"}
-    if evidence.empty_channels:
-        written["empty_channels"] = [_channel(c) for c in evidence.empty_channels]
-    if evidence.separate_deadlocks:
-        written["separate_deadlocks"] = evidence.separate_deadlocks  # uint32: a number
-    return written
+def _deadlock_json(
+    deadlocked: Sequence[tuple[str, str]],
+    cycle: Sequence[tuple[str, str]],
+    knot: Sequence[tuple[str, str]],
+    empty_channels: Sequence[tuple[str, str]],
+    separate: int,
+) -> str:
+    """``DeadlockEvidence`` as JSON, from its values."""
+    written: dict[str, Any] = {
+        name: _nodes(nodes) for name, nodes in (("deadlocked", deadlocked), ("cycle", cycle), ("knot", knot)) if nodes
+    }
+    if empty_channels:
+        written["empty_channels"] = [_channel(src, dst) for src, dst in empty_channels]
+    if separate:
+        written["separate_deadlocks"] = separate  # uint32: a number
+    return _object(written)
 
 
-def _holdings(holdings: Any) -> _Raw:
-    """A list of ``CounterHolding`` as JSON (int64 amounts as strings)."""
-    processes = [h.process for h in holdings]
-    amounts = [h.amount for h in holdings]
-    if all(processes) and all(amounts) and _plain(processes) and not any(h.HasField("channel") for h in holdings):
-        return _Raw(
-            "["
-            + ", ".join(f'{{"amount": "{a}", "process": "{p}"}}' for a, p in zip(amounts, processes, strict=True))
-            + "]"
-        )
+def _holdings(holdings: Sequence[Holding]) -> _Raw:
+    """A list of ``CounterHolding`` (as :data:`Holding` pairs: a process or a channel, and the amount)
+    as JSON (int64 amounts as strings)."""
+    processes = [where for where, _ in holdings]
+    if all(isinstance(p, str) and p for p in processes) and all(a for _, a in holdings) and _plain(processes):
+        return _Raw("[" + ", ".join(f'{{"amount": "{a}", "process": "{p}"}}' for p, a in holdings) + "]")
     written = []
-    for holding, process, amount in zip(holdings, processes, amounts, strict=True):
-        fields = _fields(("process", process), ("amount", str(amount) if amount else ""))
-        if holding.HasField("channel"):
-            fields["channel"] = _channel(holding.channel)
+    for where, amount in holdings:
+        fields = _fields(("amount", str(amount) if amount else ""))
+        if isinstance(where, str):
+            fields.update(_fields(("process", where)))
+        else:
+            fields["channel"] = _channel(*where)
         written.append(fields)
     return _Raw(json.dumps(written, sort_keys=True))
 
 
-def _conservation_json(evidence: Any) -> dict[str, Any]:
+def _conservation_json(evidence: Any, holdings: Sequence[Holding]) -> str:
+    """``ConservationEvidence`` as JSON: its single fields from `evidence`, its holdings from `holdings`."""
     written: dict[str, Any] = _fields(("counter", evidence.counter), ("baseline", evidence.baseline))
     for name in ("expected", "observed", "drift"):
         value = getattr(evidence, name)
         if value:
             written[name] = str(value)  # int64: a string
-    if evidence.holdings:
-        written["holdings"] = _holdings(evidence.holdings)
-    return written
+    if holdings:
+        written["holdings"] = _holdings(holdings)
+    return _object(written)
 
 
-def _termination_json(evidence: Any) -> dict[str, Any]:
-    return _fields(
-        ("active_processes", list(evidence.active_processes)),
-        ("busy_channels", [_channel(c) for c in evidence.busy_channels]),
-    )
-
-
-_EVIDENCE = {"deadlock": _deadlock_json, "conservation": _conservation_json, "termination": _termination_json}
-
-
-def result_table(heads: pa.RecordBatch | pa.Table, per_snapshot: Sequence[Sequence[PredicateResult]]) -> pa.Table:
+def result_table(
+    heads: pa.RecordBatch | pa.Table,
+    per_snapshot: Sequence[Sequence[PredicateResult]],
+    evidence: Sequence[Sequence[str]] | None = None,
+) -> pa.Table:
     """:data:`EVALUATIONS` rows: for each row of `heads` (columns ``snapshot_id, started_at,
-    finished_at, day``), one per result of its snapshot in `per_snapshot`, in order."""
+    finished_at, day``), one per result of its snapshot in `per_snapshot`, in order; `evidence`,
+    when given, holds their evidence as JSON already (else :func:`evidence_json` writes it)."""
     repeat = pa.array([i for i, results in enumerate(per_snapshot) for _ in results], pa.int64())
     flat = [r for results in per_snapshot for r in results]
     columns: dict[str, Any] = {
@@ -305,7 +321,7 @@ def result_table(heads: pa.RecordBatch | pa.Table, per_snapshot: Sequence[Sequen
         summary=[r.summary for r in flat],
         error=[r.error for r in flat],
         missing_processes=[list(r.missing_processes) for r in flat],
-        evidence=[evidence_json(r) for r in flat],
+        evidence=[text for texts in evidence for text in texts] if evidence else [evidence_json(r) for r in flat],
         result=[r.SerializeToString(deterministic=True) for r in flat],
     )
     return pa.Table.from_pydict({name: columns[name] for name in EVALUATIONS.names}, schema=EVALUATIONS)
@@ -507,6 +523,27 @@ def _large_results(
     return results
 
 
+def _large_evidence(item: _Large, results: Sequence[PredicateResult]) -> list[str]:
+    """:func:`evidence_json` of each of a large snapshot's `results` (:func:`_large_results`), its
+    deadlock's and conservation's written from the values they were built from (the graph's
+    evidence, the rows' holdings) instead of read back from their messages' million parts: the
+    same text, by the same writers."""
+    assert item.deadlock is not None
+    found, holdings = item.deadlock, item.facts.holdings
+    written = []
+    for result in results:
+        kind = result.WhichOneof("evidence")
+        if kind == "deadlock":  # deadlock_result(found, ...): its evidence is evidence_proto(found)
+            written.append(
+                _deadlock_json(found.deadlocked, found.cycle, found.knot, found.empty_channels, found.separate)
+            )
+        elif kind == "conservation":  # conservation_results(holdings, ...): every holding of its counter
+            written.append(_conservation_json(result.conservation, holdings.get(result.conservation.counter, ())))
+        else:
+            written.append(evidence_json(result))
+    return written
+
+
 # -- the job ------------------------------------------------------------------------------------------------
 
 
@@ -588,10 +625,10 @@ def evaluate_snapshots(
     evaluations = evaluate_blobs(small, totals, predicates) if any_small or not large else None
     if large:
         names = [plugin.name for plugin in _plugins(tuple(predicates))]
-        results = [
-            _large_results(large[sid], configured, totals, names) for sid in heads.column("snapshot_id").to_pylist()
-        ]
-        rows = archive.spark.createDataFrame(result_table(heads, results))
+        ids = heads.column("snapshot_id").to_pylist()
+        results = [_large_results(large[sid], configured, totals, names) for sid in ids]
+        evidence = [_large_evidence(large[sid], sid_results) for sid, sid_results in zip(ids, results, strict=True)]
+        rows = archive.spark.createDataFrame(result_table(heads, results, evidence))
         evaluations = rows if evaluations is None else evaluations.unionByName(rows)
     assert evaluations is not None
     return Evaluated(

@@ -167,6 +167,7 @@ def test_large_snapshots_give_the_detectors_results(
             assert json.loads(row["evidence"]) == json_format.MessageToDict(
                 getattr(result, kind), preserving_proto_field_name=True
             )
+            assert row["evidence"] == evidence_json(result)  # written from the values: the same text
     assert rows[1][0]["holds"]  # the tangle is deadlocked
 
 
