@@ -380,29 +380,34 @@ def test_a_task_that_handles_the_victim_goes_on_uncancelled() -> None:
     run(scenario())
 
 
+async def waiting_on_b(state: LocalStateKeeper, handles: list[WaitHandle]) -> asyncio.Task[None]:
+    """A task in an application wait on B that never ends by itself, once it waits; its handle is
+    appended to `handles`."""
+
+    async def waiter() -> None:
+        with state.waiting("B") as wait:
+            handles.append(wait)
+            await asyncio.Event().wait()
+
+    task = asyncio.create_task(waiter())
+    waits = len(handles) + 1
+    await async_poll(lambda: len(handles) == waits, "the task's wait")
+    return task
+
+
 def test_an_outer_cancellation_stays_a_cancellation() -> None:
     state = LocalStateKeeper()
 
     async def scenario() -> None:
-        entered = asyncio.Event()
         handles: list[WaitHandle] = []
-
-        async def waiter() -> None:
-            with state.waiting("B") as wait:
-                handles.append(wait)
-                entered.set()
-                await asyncio.Event().wait()
-
-        task = asyncio.create_task(waiter())
-        await entered.wait()
+        task = await waiting_on_b(state, handles)
         task.cancel()  # the service stops the task, and the break comes in the same turn
         state.break_wait(order(handles[0].instance))
         with pytest.raises(asyncio.CancelledError):
             await task
         assert task.cancelled()
 
-        plain = asyncio.create_task(waiter())  # no break at all: an ordinary cancellation
-        await async_poll(lambda: len(handles) == 2, "the second wait")
+        plain = await waiting_on_b(state, handles)  # no break at all: an ordinary cancellation
         plain.cancel()
         with pytest.raises(asyncio.CancelledError):
             await plain
@@ -415,17 +420,8 @@ def test_a_break_from_another_thread_reaches_the_task_on_its_loop() -> None:
     state = LocalStateKeeper()
 
     async def scenario() -> None:
-        entered = asyncio.Event()
         handles: list[WaitHandle] = []
-
-        async def waiter() -> None:
-            with state.waiting("B") as wait:
-                handles.append(wait)
-                entered.set()
-                await asyncio.Event().wait()
-
-        task = asyncio.create_task(waiter())
-        await entered.wait()
+        task = await waiting_on_b(state, handles)
         broken = await asyncio.to_thread(state.break_wait, order(handles[0].instance))
         assert broken is not None and broken.outcome == BREAK_OUTCOME_BROKEN
         with pytest.raises(DeadlockVictim):
