@@ -20,8 +20,10 @@ the same run:
   ``deadlocked_nodes`` and ``deadlock_cycle`` (best of 3, as ``predicates.py`` times them);
 * ``local``, unless ``--no-big-local``: one process of its own (no Spark imported), from the
   archive to every built-in result: the archive's reader reads the snapshot's rows as Arrow
-  columns and the columnar evaluation builds and reduces its graph in compact form. Its peak
-  RSS is its own (``VmHWM``);
+  columns and the columnar evaluation builds and reduces its graph in compact form. It runs
+  twice: the second run, warm as the pipeline's driver is after its first snapshot, is the one
+  compared (``big_local_seconds``); the first, in a fresh process, is ``big_local_cold_seconds``
+  (and ``big_spark_over_cold_local``). Its peak RSS is its own (``VmHWM``);
 * ``spark``: the pipeline's ``evaluate`` job, as ``stablewatch pipeline evaluate`` runs it: to its
   result rows written as Parquet (read back, untimed, for the comparison); local and spark
   alternate in `--big-rounds` (3) rounds after one unmeasured round of each (the snapshot's files
@@ -422,36 +424,42 @@ def core_and_reference(snapshot: GlobalSnapshot, repeat: int = 3) -> tuple[float
 
 #: The single process's run, in a process of its own that imports only what it uses (no Spark): the
 #: archive's rows of the big snapshot read as columns, to every built-in result (the columnar
-#: evaluation). Prints one JSON line: seconds (wall and CPU) and per phase, its own peak RSS
-#: (VmHWM), and the results (hex).
+#: evaluation), twice: cold, then warm (the one compared). Prints one JSON line: seconds (wall and
+#: CPU) and per phase of the warm run, the cold run's, its own peak RSS (VmHWM), and the results (hex).
 LOCAL_CHILD = """
 import json, sys, time
 from stablewatch.detector.archive.reader import read_snapshot_rows
 from stablewatch.detector.evaluation.columnar import compact_wait_for, find_compact_deadlock, light_results
 
-phases = {}
-start, cpu = time.perf_counter(), time.process_time()
-at = start
-def phase(name):
-    global at
-    now = time.perf_counter()
-    phases[name] = round(now - at, 3)
-    at = now
+def run():
+    phases = {}
+    start, cpu = time.perf_counter(), time.process_time()
+    at = start
+    def phase(name):
+        nonlocal at
+        now = time.perf_counter()
+        phases[name] = round(now - at, 3)
+        at = now
+    rows = read_snapshot_rows(sys.argv[1], 1)
+    phase("read")
+    wait_for = compact_wait_for(rows)
+    phase("graph")
+    found = find_compact_deadlock(wait_for)
+    phase("deadlock")
+    results = light_results(rows, found, wait_for.counts, {})
+    phase("results")
+    return at - start, time.process_time() - cpu, phases, results
 
-rows = read_snapshot_rows(sys.argv[1], 1)
-phase("read")
-wait_for = compact_wait_for(rows)
-phase("graph")
-found = find_compact_deadlock(wait_for)
-phase("deadlock")
-results = light_results(rows, found, wait_for.counts, {})
-phase("results")
-seconds, cpu = at - start, time.process_time() - cpu
+# Twice: the first in a fresh process (its memory taken from the system, pyarrow's pools started),
+# the second warm, as the pipeline's driver is after its first snapshot: the one compared.
+cold, _, cold_phases, _ = run()
+seconds, cpu, phases, results = run()
 # This process's own high-water mark: ru_maxrss would carry the parent's across the spawn (Linux).
 status = open("/proc/self/status").read()
 peak = int(status.split("VmHWM:")[1].split()[0]) / 1024
 serialized = [r.SerializeToString(deterministic=True).hex() for r in results]
-print(json.dumps({"seconds": seconds, "cpu": cpu, "phases": phases, "peak_mb": peak, "results": serialized}))
+print(json.dumps({"seconds": seconds, "cpu": cpu, "phases": phases, "cold_seconds": cold,
+                  "cold_phases": cold_phases, "peak_mb": peak, "results": serialized}))
 """
 
 
@@ -550,6 +558,10 @@ def big_figures(args: argparse.Namespace, big: dict[str, Any]) -> dict[str, Any]
         figures.update(
             big_local_seconds=median_or_none(seconds, 2),
             big_local_seconds_spread=spread(seconds, 2),
+            big_local_cold_seconds=median_or_none([local["cold_seconds"] for local in locals_], 2),
+            big_spark_over_cold_local=median_or_none(
+                [job / local["cold_seconds"] for job, local in zip(jobs, locals_, strict=True)], 3
+            ),
             big_local_cpu_seconds=median_or_none([local["cpu"] for local in locals_], 2),
             big_local_phases=locals_[seconds.index(sorted(seconds)[len(seconds) // 2])]["phases"],
             big_local_peak_mb=round(max(local["peak_mb"] for local in locals_)),
