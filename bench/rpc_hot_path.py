@@ -20,6 +20,14 @@ thread (``time.thread_time``), so that other processes on a shared machine do no
   finished), so that every call is also checked against a running recording;
 * ``client_interceptor``: the server's interceptor and the client interceptor through
   ``grpc.intercept_channel``;
+* ``pooled_stamp_only`` and ``pooled_instrumented``: ``stamp_only`` and ``instrumented`` with the
+  server's handler submitted to a worker pool as grpc's sync server submits it (``context.run``
+  and the call's grpc ``_RPCState`` among its arguments, under the state's condition), run as a
+  worker runs it, and the state's end-of-call callbacks run as grpc's polling thread runs them: a
+  plain ``ThreadPoolExecutor`` for the floor, the agent's ``WorkerExecutor`` with
+  ``server_interceptor(workers=pool)`` (the README's set-up) for the agent. The pools start no
+  thread (the loopback runs each work item itself), so the CPU the pool costs, where grpc spends
+  it, is timed too: the other cases leave it out (``workers=4`` is only the pool's size);
 * ``aio_loopback``, ``aio_stamp_only``, ``aio_instrumented``: the same for the asyncio API, awaited
   in one event loop. The loopback runs the agent's asyncio client interceptor (or the stamp-only
   method) with a continuation that serves the call at once, in a fresh ``contextvars.Context``:
@@ -34,7 +42,11 @@ less its loopback (``*_added_us``), and for the agents' cases the requests their
 agents' own Python per call, both sides, above the stamp-only floor (``instrumented`` less
 ``stamp_only`` within each round; median and spread over rounds), target at most 4 µs;
 ``hot_path_agent_recording_us`` the same with a recording running, ``aio_hot_path_agent_us`` the
-asyncio one (``aio_instrumented`` less ``aio_stamp_only``). ``targets`` holds the target met or not.
+asyncio one (``aio_instrumented`` less ``aio_stamp_only``), ``hot_path_agent_pooled_us`` the
+same with the pools (``pooled_instrumented`` less ``pooled_stamp_only``). A microbenchmark's loop
+keeps caches warm: in the two processes of ``rpc_overhead.py`` (``--probe``) the same steps cost
+about three times as much, so a step's share matters more than its microseconds here.
+``targets`` holds the target met or not.
 
     python bench/rpc_hot_path.py [--seconds 1] [--rounds 5] [--profile CASE]
 
@@ -52,16 +64,19 @@ import pstats
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import grpc
 from grpc import _interceptor
+from grpc._server import _RPCState
 from report import interleaved, json_line, medians_and_spreads, spread, spread_row
 from rich.console import Console
 from rich.table import Table
 from rpc_overhead import AioStampOnlyMethod, AioStampOnlyServerInterceptor, StampOnlyMethod, StampOnlyServerInterceptor
 
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.pool import WorkerExecutor
 
 METHOD = "/bench.Echo/Call"
 PAYLOAD = b"x" * 64
@@ -73,6 +88,7 @@ AGENT_KEYS = {
     "hot_path_agent_us": ("instrumented", "stamp_only"),
     "hot_path_agent_recording_us": ("instrumented_recording", "stamp_only"),
     "aio_hot_path_agent_us": ("aio_instrumented", "aio_stamp_only"),
+    "hot_path_agent_pooled_us": ("pooled_instrumented", "pooled_stamp_only"),
 }
 
 
@@ -137,12 +153,43 @@ class Ended:
         return _OK
 
 
-class LoopbackServer:
-    """One echo method behind a server's interceptors, found the way grpc's sync server finds it."""
+class InlinePool(ThreadPoolExecutor):
+    """A thread pool that starts no thread: the loopback runs each submitted work item itself, in
+    the calling thread, so that its CPU time counts (``_adjust_thread_count`` is the pool's own
+    hook for starting workers; the queue is the pool's ``_work_queue``)."""
 
-    def __init__(self, interceptors: Sequence[grpc.ServerInterceptor]) -> None:
+    def _adjust_thread_count(self) -> None:
+        return None
+
+    def run_next(self) -> None:
+        """Run the work item submitted last, as a worker would."""
+        self._work_queue.get_nowait().run()
+
+
+class InlineWorkerPool(WorkerExecutor, InlinePool):
+    """The agent's :class:`~stablewatch.agents.rpc.pool.WorkerExecutor` (``agent.thread_pool(4)``),
+    starting no thread either."""
+
+
+def _in_pool(rpc_event: Any, state: Any, behavior: Callable[..., Any], request: Any, context: Any) -> Any:
+    """What grpc's sync server submits to its pool for a unary call (``_unary_response_in_pool``),
+    its arguments laid out alike: the call's state third."""
+    return behavior(request, context)
+
+
+class LoopbackServer:
+    """One echo method behind a server's interceptors, found the way grpc's sync server finds it.
+
+    With a ``pool`` (an :class:`InlinePool`), the handler is submitted to it as grpc's sync server
+    submits it (``context.run`` and the call's grpc ``_RPCState`` among the arguments, under the
+    state's condition), run as a worker runs it, and the state's callbacks are run when the call
+    is over, as grpc's polling thread runs them: what a server pays for its pool on every call.
+    """
+
+    def __init__(self, interceptors: Sequence[grpc.ServerInterceptor], pool: InlinePool | None = None) -> None:
         self._handler = grpc.unary_unary_rpc_method_handler(lambda request, context: request)
         self._pipeline = _interceptor.service_pipeline(interceptors)
+        self._pool = pool
 
     def _query(self, details: HandlerCallDetails) -> grpc.RpcMethodHandler:
         return self._handler
@@ -155,7 +202,19 @@ class LoopbackServer:
         else:
             handler = context.run(self._pipeline.execute, self._query, details)
         servicer_context = ServerContext(metadata)
-        response = context.run(handler.unary_unary, request, servicer_context)
+        pool = self._pool
+        if pool is None:
+            response = context.run(handler.unary_unary, request, servicer_context)
+            return response, Ended(servicer_context.trailing_metadata())
+        state = _RPCState()
+        with state.condition:
+            future = pool.submit(context.run, _in_pool, None, state, handler.unary_unary, request, servicer_context)
+        pool.run_next()
+        response = future.result()
+        with state.condition:  # the call is over: grpc's polling thread runs its callbacks
+            callbacks, state.callbacks = state.callbacks, None
+        for callback in callbacks or ():
+            callback()
         return response, Ended(servicer_context.trailing_metadata())
 
 
@@ -350,12 +409,21 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
     clients["client_interceptor"], server = agents(False)
     interceptor = clients["client_interceptor"].client_interceptor("server")
     intercepted = grpc.intercept_channel(channel(server), interceptor).unary_unary(METHOD)
+    pooled_stamp_only = StampOnlyMethod(
+        LoopbackChannel(LoopbackServer([StampOnlyServerInterceptor()], InlinePool(4))).unary_unary(METHOD)
+    )
+    clients["pooled_instrumented"], server = agents(False)
+    pool = InlineWorkerPool(4)
+    pooled_channel = LoopbackChannel(LoopbackServer([server.server_interceptor(workers=pool)], pool))
+    pooled = clients["pooled_instrumented"].instrument_channel(pooled_channel, "server").unary_unary(METHOD)
     methods = {
         "loopback": plain,
         "stamp_only": stamp_only,
         "instrumented": instrumented,
         "instrumented_recording": recording,
         "client_interceptor": intercepted,
+        "pooled_stamp_only": pooled_stamp_only,
+        "pooled_instrumented": pooled,
     }
     return methods, clients
 

@@ -540,6 +540,10 @@ class RpcAgent:
         has no agent; the call is named by it from now on, ``{method}#grpc://{host}:{seq}``.
         """
         call.started = True
+        # Its queued work item (a WorkerExecutor's) is dropped now, in the worker, which then frees
+        # the call's objects (its context, grpc's call), as a plain pool does: left until gRPC ends
+        # the call, they would be freed in grpc's polling thread, which serves every call in turn.
+        call.work = None
         pool = call.pool
         if peer_address is not None and call.peer is None:
             self._name_by_address(call, _outside_peer(peer_address))

@@ -12,6 +12,13 @@ handler in one ``contextvars.Context`` made for the call, and submits the handle
 :class:`~stablewatch.agents.rpc.calls.IncomingCall` in a variable of that context, so ``submit``
 reads it from ``fn.__self__`` (the context) and leaves the work item on the call.
 
+The work item stays on the call only while the call may still be queued: the agent drops it when
+the handler starts (in the worker, which frees the call's objects then, as a plain pool frees them
+there) or when gRPC ends the call, whichever comes first. Left until the call ends, the objects it
+holds (the call's context, grpc's call and its state) would be freed by grpc's polling thread,
+which takes in, submits and ends every call in turn: it did cost that thread several µs of CPU a
+call (``bench/rpc_overhead.py``, measured in place).
+
 A call gRPC ends before its handler starts (cancelled by its caller, or its deadline passed, while
 it waited for a worker) must leave the agent's picture of the pool then: it no longer exists, and
 a worker it seemed to hold or wait for would hide a pool deadlock or show a call that is gone.
@@ -46,18 +53,6 @@ except ImportError:  # pragma: no cover - another grpc: the work item is wrapped
     _GRPC_CALL_STATE = None
 
 __all__ = ["QueuedWork", "WorkerExecutor"]
-
-
-def _when_over(state: Any, callback: Callable[[], None]) -> None:
-    """Run ``callback`` once grpc's call ``state`` is over (now, if it is already), as
-    ``ServicerContext.add_callback`` would. grpc holds the state's condition while it submits the
-    call (it is re-entrant), and runs the callbacks in its polling thread once the call is over."""
-    with state.condition:
-        callbacks = state.callbacks
-        if callbacks is not None:
-            callbacks.append(callback)
-            return
-    callback()
 
 
 def _run_then_end(
@@ -113,6 +108,9 @@ class WorkerExecutor(ThreadPoolExecutor):
         self._served, self._ended = served, ended
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        # This runs for every call, in grpc's polling thread, which serves every call in turn
+        # (``bench/rpc_hot_path.py`` times it, ``pooled_instrumented``): the QueuedWork is made
+        # without the Python frame of a NamedTuple's __new__.
         served = self._served
         context = getattr(fn, "__self__", None)  # grpc submits a call's context.run
         call = context.get(served, None) if served is not None and type(context) is contextvars.Context else None
@@ -122,14 +120,35 @@ class WorkerExecutor(ThreadPoolExecutor):
         # state, ...`` (``_stream_response_in_pool`` alike): the call's state is the third argument.
         state = args[2] if len(args) > 2 else None
         if _GRPC_CALL_STATE is not None and type(state) is _GRPC_CALL_STATE:
-            _when_over(state, functools.partial(self._ended, call))
+            # Tell the agent once the call is over, as ``ServicerContext.add_callback`` would: grpc
+            # runs the state's callbacks in its polling thread then (None: it is over already).
+            # grpc holds the state's condition while it submits (it is re-entrant); it is taken
+            # here by the lock's own acquire and release, which a Condition keeps on itself (its
+            # ``__enter__`` and ``__exit__`` are Python frames).
+            condition = state.condition
+            condition.acquire()
+            try:
+                callbacks = state.callbacks
+                if callbacks is not None:
+                    callbacks.append(functools.partial(self._ended, call))
+            finally:
+                condition.release()
         else:
+            callbacks = ()
             fn, args = _run_then_end, (self._ended, call, fn, *args)
         future = super().submit(fn, *args, **kwargs)
         # Left on the call after the submit: a break reads it only for a call still queued, and a
-        # worker that has started the item makes take() fail.
-        call.work = QueuedWork(future, fn, args, kwargs)
+        # worker that has started the item makes take() fail. The agent drops it when the handler
+        # starts (in the worker, so that the call's objects are freed there, as a plain pool frees
+        # them, and not in grpc's polling thread when the call ends) or when gRPC ends the call.
+        call.work = _new_work((future, fn, args, kwargs))
+        if callbacks is None:  # over already: told now (after the work item, which it drops)
+            self._ended(call)
         return future
+
+
+#: ``QueuedWork(future, fn, args, kwargs)`` from one tuple, without the Python ``__new__``.
+_new_work: Callable[[tuple[Any, ...]], QueuedWork] = functools.partial(tuple.__new__, QueuedWork)
 
 
 def _ignore(call: IncomingCall) -> None:
