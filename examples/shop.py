@@ -421,7 +421,7 @@ def serve(args: argparse.Namespace) -> int:
     log.info("%s %s, admin %s, workload %s%s", args.service, serving, admin_address, args.workload, detector)
     buyers = shop.run_client(concurrency) if server is None else []
     try:
-        stop.wait(args.duration)
+        _wait_for(stop, args.duration)
         log.info("stopping (%s)", "signal" if stop.is_set() else "duration over")
     finally:
         shop.stopping.set()
@@ -435,6 +435,20 @@ def serve(args: argparse.Namespace) -> int:
         admin.stop(0).wait()
         stop_agent()
     return 0
+
+
+def _wait_for(stop: threading.Event, duration: float | None) -> None:
+    """Until `stop` is set (by a signal handler) or `duration` seconds pass.
+
+    The handler runs in the main thread, but only once that thread runs Python code again; the
+    kernel may hand SIGTERM to one of gRPC's threads, which does not wake a main thread asleep on
+    a lock. So the wait wakes every 0.2 s to let the handler run (an unbounded wait once missed
+    a SIGTERM for good, and the process had to be killed).
+    """
+    deadline = None if duration is None else time.monotonic() + duration
+    while not stop.wait(0.2 if deadline is None else min(0.2, max(0.0, deadline - time.monotonic()))):
+        if deadline is not None and time.monotonic() >= deadline:
+            return
 
 
 def _bind(server: grpc.Server, listen: str) -> str:
