@@ -26,6 +26,8 @@ from typing import Any
 
 from rich.console import Console
 
+from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
+
 __all__ = ["main"]
 
 EXIT_FAILED = 1
@@ -147,14 +149,14 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--max-rounds",
         type=_count,
-        default=8,
+        default=DEFAULT_MAX_ROUNDS,
         metavar="N",
         help="DataFrame reduction rounds before one process finishes (%(default)s)",
     )
     common.add_argument(
         "--finish-edges",
         type=_count,
-        default=10_000_000,  # reduce.DEFAULT_FINISH_EDGES (not imported here: it needs PySpark)
+        default=DEFAULT_FINISH_EDGES,
         metavar="EDGES",
         help="a snapshot with this many wait edges or fewer is evaluated whole in compact form by one "
         "process; a larger one is reduced on DataFrames first, until this many or fewer remain (%(default)s)",
@@ -162,7 +164,7 @@ def parser() -> argparse.ArgumentParser:
     common.add_argument(
         "--min-release",
         type=_fraction,
-        default=0.0,
+        default=DEFAULT_MIN_RELEASE,
         metavar="FRACTION",
         help="stop the DataFrame rounds after one that removed less than this fraction of its edges "
         "(0 to 1; what remains is then mostly deadlocked and one process finishes it; default %(default)s: "

@@ -61,9 +61,8 @@ from stablewatch.detector.evaluation.columnar import (
 from stablewatch.detector.evaluation.plugins import entry_point_predicates
 from stablewatch.detector.evaluation.predicates import Holding, conservation, conservation_results, deadlock_result
 from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts
+from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
 from stablewatch.pipeline.reduce import (
-    DEFAULT_FINISH_EDGES,
-    DEFAULT_MAX_ROUNDS,
     WaitForFrames,
     counted_rows,
     graph_counts,
@@ -579,7 +578,7 @@ def evaluate_snapshots(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = 0.0,
+    min_release: float = DEFAULT_MIN_RELEASE,
 ) -> Evaluated:
     """Evaluate the completed snapshots among `snapshots` (rows of `archive`'s ``snapshots`` table).
 
@@ -659,7 +658,7 @@ def evaluate_archive(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = 0.0,
+    min_release: float = DEFAULT_MIN_RELEASE,
 ) -> Evaluated:
     """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive);
     see :func:`evaluate_snapshots` for the rest."""

@@ -34,8 +34,8 @@ from rich.console import Console
 
 from stablewatch.detector.archive.files import parquet_files
 from stablewatch.detector.archive.schema import ArchiveError
+from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
 from stablewatch.pipeline.evaluate import evaluate_snapshots, write_evaluations
-from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.tables import check_file, open_archive, spark_schema
 
@@ -126,7 +126,7 @@ def follow(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = 0.0,
+    min_release: float = DEFAULT_MIN_RELEASE,
     spark: SparkSession | None = None,
 ) -> Followed:
     """Evaluate every batch of snapshots that lands in `archive`, into ``out/evaluations/batch=N``.

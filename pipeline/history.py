@@ -44,8 +44,8 @@ from rich.console import Console
 
 from stablewatch.detector.evaluation import Verdict
 from stablewatch.pipeline.chart import draw_history, draw_lanes
+from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, write_evaluations
-from stablewatch.pipeline.reduce import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.story import Story, stories_report, tell
 from stablewatch.pipeline.summary import history_report
@@ -540,7 +540,7 @@ def run_history(
     reduce_above: int | None = None,
     max_rounds: int = DEFAULT_MAX_ROUNDS,
     finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = 0.0,
+    min_release: float = DEFAULT_MIN_RELEASE,
     chart: bool = True,
     first_day: str | None = None,
     last_day: str | None = None,

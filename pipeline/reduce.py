@@ -1,7 +1,7 @@
 """Deadlock in wait-for graphs too large for one worker: graph reduction on DataFrames, then the shared algorithm.
 
 Theory of operation. A snapshot archived without its blob (over ``MAX_BLOB_BYTES``) may hold
-millions of wait-for nodes. Up to :data:`~stablewatch.pipeline.evaluate.DEFAULT_COLUMNAR_EDGES`
+millions of wait-for nodes. Up to :data:`~stablewatch.pipeline.defaults.DEFAULT_FINISH_EDGES`
 wait edges, one process holds its whole graph in compact form
 (:mod:`stablewatch.detector.evaluation.columnar`) and this module is not needed. Above that, the
 graph is built from the archive's rows with the very rules of
@@ -39,11 +39,9 @@ from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from stablewatch.detector.evaluation.deadlock import AND, OR
+from stablewatch.pipeline.defaults import DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
 
 __all__ = [
-    "DEFAULT_FINISH_EDGES",
-    "DEFAULT_MAX_ROUNDS",
-    "DEFAULT_MIN_RELEASE",
     "WaitForFrames",
     "counted_rows",
     "graph_counts",
@@ -53,15 +51,6 @@ __all__ = [
     "remaining_rows",
     "wait_for_frames",
 ]
-
-#: Reduction rounds on DataFrames before what remains is finished by one process.
-DEFAULT_MAX_ROUNDS = 8
-#: Wait edges that one process takes whole, in compact form, without reducing on DataFrames first:
-#: a snapshot with as many, or a remainder after rounds. The compact form of a million processes and
-#: three million edges, with everything the results read, peaked at 1.7 GB in one process.
-DEFAULT_FINISH_EDGES = 10_000_000
-#: A round that removes less than this share of the edges it started with is the last one.
-DEFAULT_MIN_RELEASE = 0.1
 
 _SHIFT = 2**31  # packs two int32 positions into one sortable int64
 _ID = "snapshot_id"
@@ -315,7 +304,10 @@ def numbered_edges(frames: WaitForFrames) -> tuple[DataFrame, DataFrame]:
 
 
 def reduce_wait_for(
-    edges: DataFrame, max_rounds: int = DEFAULT_MAX_ROUNDS, finish_edges: int = 0, min_release: float = 0.0
+    edges: DataFrame,
+    max_rounds: int = DEFAULT_MAX_ROUNDS,
+    finish_edges: int = 0,
+    min_release: float = DEFAULT_MIN_RELEASE,
 ) -> tuple[DataFrame, int]:
     """Release waiters round by round; return the edges that remain and the number of rounds run.
 
