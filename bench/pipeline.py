@@ -535,6 +535,12 @@ def measure_big(spark: Any, args: argparse.Namespace, work: Path, console: Conso
     return big
 
 
+def local_and_ratios(big: dict[str, Any]) -> tuple[list[float], list[float]]:
+    """The single process's (warm) seconds per round, and the Spark job's over it within each round."""
+    seconds = [local["seconds"] for local in big["local"]]
+    return seconds, [job / local for job, local in zip(big["seconds"], seconds, strict=True)]
+
+
 def big_figures(args: argparse.Namespace, big: dict[str, Any]) -> dict[str, Any]:
     jobs, locals_ = big["seconds"], big["local"]
     figures: dict[str, Any] = {
@@ -553,8 +559,7 @@ def big_figures(args: argparse.Namespace, big: dict[str, Any]) -> dict[str, Any]
         "big_measured_rounds": len(jobs),
     }
     if locals_:
-        seconds = [local["seconds"] for local in locals_]
-        ratios = [job / local for job, local in zip(jobs, seconds, strict=True)]
+        seconds, ratios = local_and_ratios(big)
         figures.update(
             big_local_seconds=median_or_none(seconds, 2),
             big_local_seconds_spread=spread(seconds, 2),
@@ -575,8 +580,7 @@ def big_figures(args: argparse.Namespace, big: dict[str, Any]) -> dict[str, Any]
 def big_targets(big: dict[str, Any]) -> dict[str, bool]:
     met = {"big_identical": big["identical"]}
     if big["local"]:
-        seconds = [local["seconds"] for local in big["local"]]
-        ratios = [job / local for job, local in zip(big["seconds"], seconds, strict=True)]
+        seconds, ratios = local_and_ratios(big)
         met["big_local_within_5x_core"] = statistics.median(seconds) <= 5 * big["core_seconds"]
         met["big_spark_within_1x_local"] = statistics.median(ratios) <= 1.0
     return met

@@ -559,6 +559,15 @@ class Window:
         self.straddling: list[int] = []  # calls that began in the warm-up and ended in the window
         self.cpu: list[tuple[float, float]] = []
 
+    def record(self, number: int, began: int, done: int) -> None:
+        """Caller `number`'s call from `began` to `done` (monotonic ns): measured if it began in the
+        window, kept aside if it began in the warm-up and ended in the window."""
+        if began >= self.start_ns:
+            self.latencies[number].append(done - began)
+            self.completed_at[number] = done
+        elif done >= self.start_ns:
+            self.straddling.append(done - began)
+
     def result(self) -> dict:
         """The calls started in the window, and the CPU time both processes spent in it.
 
@@ -589,18 +598,13 @@ def measure(
     window = Window(concurrency, warmup, seconds)
 
     def loop(number: int) -> None:
-        clock, mine, start_ns, end_ns = time.monotonic_ns, window.latencies[number], window.start_ns, window.end_ns
+        clock, record, end_ns = time.monotonic_ns, window.record, window.end_ns
         while True:
             began = clock()
             if began >= end_ns:
                 return
             method(PAYLOAD)
-            done = clock()
-            if began >= start_ns:
-                mine.append(done - began)
-                window.completed_at[number] = done
-            elif done >= start_ns:
-                window.straddling.append(done - began)
+            record(number, began, clock())
 
     threads = [threading.Thread(target=loop, args=(n,)) for n in range(concurrency)]
     threads.append(threading.Thread(target=sample_cpu, args=(server_pid, window.start, window.end, window.cpu)))
@@ -618,18 +622,13 @@ async def aio_measure(
     window = Window(concurrency, warmup, seconds)
 
     async def loop(number: int) -> None:
-        clock, mine, start_ns, end_ns = time.monotonic_ns, window.latencies[number], window.start_ns, window.end_ns
+        clock, record, end_ns = time.monotonic_ns, window.record, window.end_ns
         while True:
             began = clock()
             if began >= end_ns:
                 return
             await method(PAYLOAD)
-            done = clock()
-            if began >= start_ns:
-                mine.append(done - began)
-                window.completed_at[number] = done
-            elif done >= start_ns:
-                window.straddling.append(done - began)
+            record(number, began, clock())
 
     sampler = asyncio.to_thread(sample_cpu, server_pid, window.start, window.end, window.cpu)
     await asyncio.gather(*(loop(n) for n in range(concurrency)), sampler)

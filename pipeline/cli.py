@@ -348,18 +348,25 @@ def _history(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         outcomes = Counter(history.tables["breaks"].column("outcome").to_pylist())
         report = {
-            "evaluated": history.evaluated,
-            "aborted": history.aborted,
-            "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
-            "termination_episodes": history.tables["termination_episodes"].num_rows,
-            "breaks": history.tables["breaks"].num_rows,
-            "deadlocks_broken": outcomes["broken"],
+            **_history_report(history),
             "break_outcomes": dict(sorted(outcomes.items())),
-            "tables": [str(path) for path in history.files],
             "chart": None if history.chart is None else str(history.chart),
         }
         print(json.dumps(report, default=str), flush=True)
     return 0
+
+
+def _history_report(history: Any) -> dict[str, Any]:
+    """What ``history --json`` says of one system's history (a :class:`~.history.History`)."""
+    return {
+        "evaluated": history.evaluated,
+        "aborted": history.aborted,
+        "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
+        "termination_episodes": history.tables["termination_episodes"].num_rows,
+        "breaks": history.tables["breaks"].num_rows,
+        "deadlocks_broken": Counter(history.tables["breaks"].column("outcome").to_pylist())["broken"],
+        "tables": [str(path) for path in history.files],
+    }
 
 
 def _histories(args: argparse.Namespace, console: Console) -> int:
@@ -382,16 +389,9 @@ def _histories(args: argparse.Namespace, console: Console) -> int:
     if args.json:
         systems = {}
         for name, history in found.systems.items():
-            outcomes = Counter(history.tables["breaks"].column("outcome").to_pylist())
             systems[name] = {
                 "archive": str(archives[name]),
-                "evaluated": history.evaluated,
-                "aborted": history.aborted,
-                "deadlock_episodes": history.tables["deadlock_episodes"].num_rows,
-                "termination_episodes": history.tables["termination_episodes"].num_rows,
-                "breaks": history.tables["breaks"].num_rows,
-                "deadlocks_broken": outcomes["broken"],
-                "tables": [str(path) for path in history.files],
+                **_history_report(history),
                 **found.stories[name].as_dict(),
             }
         report = {"out": str(found.out), "chart": None if found.chart is None else str(found.chart), "systems": systems}

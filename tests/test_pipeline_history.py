@@ -274,15 +274,7 @@ def test_history_is_callable_from_python_with_a_console(spark: SparkSession, tmp
 
 def test_empty_tables_are_one_line_each(spark: SparkSession, tmp_path: Path) -> None:
     """An archive without a deadlock, a termination, a counter or a channel: one line each, no empty table."""
-    items = []
-    for sid in range(1, 4):
-        snapshot = GlobalSnapshot(snapshot_id=sid, expected_members=["P0", "P1"])
-        snapshot.started_at.FromDatetime(at(sid))
-        snapshot.completed_at.FromDatetime(at(sid) + timedelta(seconds=1))
-        for pid in ("P0", "P1"):
-            snapshot.processes.append(ProcessSnapshot(process_id=pid, state=LocalState(active=pid == "P0")))
-        items.append(Archived(summary_of(snapshot), snapshot))
-    archive = write_archive(tmp_path / "archive", items)
+    archive = quiet_archive(tmp_path / "archive")
     console = Console(record=True, width=160)
     run_history(archive, tmp_path / "out", console, chart=False)
     lines = [line.strip() for line in console.export_text().splitlines()]
