@@ -96,7 +96,7 @@ import prometheus_client
 from stablewatch import __version__
 from stablewatch.agents import breaking
 from stablewatch.agents.blocked import BlockedSends
-from stablewatch.agents.breaking import BreakDispatcher, Broken, HintWatch, OpenWait, WaitSource
+from stablewatch.agents.breaking import BreakDispatcher, Broken, Doorbell, HintWatch, OpenWait, WaitSource
 from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import (
@@ -154,6 +154,17 @@ class _Counted:
 
     def open_waits(self) -> Iterable[OpenWait]:
         return self._source.open_waits()
+
+    @property
+    def doorbell(self) -> Doorbell:
+        return self._source.doorbell
+
+    @doorbell.setter
+    def doorbell(self, doorbell: Doorbell) -> None:
+        self._source.doorbell = doorbell
+
+    def idle(self) -> bool:
+        return self._source.idle()
 
 
 class Agent:

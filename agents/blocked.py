@@ -63,6 +63,8 @@ class BlockedSends:
         self._waiting: dict[int, _Blocked] = {}  # by instance
         # Sends block and resume on the agent's loop; a break may come from any thread.
         self._lock = threading.Lock()
+        #: Rung after a send blocks (its BreakDispatcher sets it, for the hint loop).
+        self.doorbell = breaking.Doorbell()
 
     def __len__(self) -> int:
         return len(self._waiting)
@@ -79,6 +81,7 @@ class BlockedSends:
         blocked = _Blocked(waiter, channel, TaskInterrupt.here())
         with self._lock:
             self._waiting[blocked.instance] = blocked
+        self.doorbell.ring()  # not hintable until recorded, but no longer idle: the loop watches it
         try:
             yield
         except BaseException as error:
@@ -142,3 +145,8 @@ class BlockedSends:
         with self._lock:
             blocked = list(self._waiting.values())
         return [OpenWait(b.instance, b.waiter, b.began_at_us) for b in blocked if b.recorded()]
+
+    def idle(self) -> bool:
+        """True when no send is blocked (recorded or not)."""
+        with self._lock:
+            return not self._waiting

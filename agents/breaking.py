@@ -30,6 +30,7 @@ __all__ = [
     "BreakDispatcher",
     "Broken",
     "DeadlockVictim",
+    "Doorbell",
     "HintWatch",
     "OpenWait",
     "WaitSource",
@@ -98,7 +99,13 @@ class Broken(NamedTuple):
 
 
 class WaitSource(Protocol):
-    """One kind of wait an agent reports (application waits, blocked sends, RPC calls)."""
+    """One kind of wait an agent reports (application waits, blocked sends, RPC calls).
+
+    Its ``doorbell`` is set by the :class:`BreakDispatcher` it is given to; it rings it after it
+    registers a wait.
+    """
+
+    doorbell: Doorbell
 
     def break_wait(self, order: BreakWait) -> Broken | None:
         """Break the wait ``order.instance`` if it is one of ours and still waiting; None if not ours (or ended).
@@ -109,15 +116,56 @@ class WaitSource(Protocol):
     def open_waits(self) -> Iterable[OpenWait]:
         """The waits now in progress (for the hints); cheap, and safe from the agent's event loop."""
 
+    def idle(self) -> bool:
+        """True when no wait is registered at all, not even one that cannot be hinted yet.
+
+        The hint loop sleeps while every source is idle, until a source's ``doorbell`` rings.
+        """
+
+
+class Doorbell:
+    """Wakes the hint loop, asleep while no wait is registered, when a source registers one.
+
+    A quiet process pays no timer: the loop sleeps until rung. :meth:`ring` is called after each
+    registration, from any thread; it reads one attribute unless the loop sleeps. The loop sets
+    ``asleep`` *before* it asks the sources whether they are idle, so a wait registered after that
+    question (under the source's lock) is always followed by a ring that finds it asleep.
+    """
+
+    __slots__ = ("_wake", "asleep")
+
+    def __init__(self) -> None:
+        self.asleep = False
+        self._wake: Callable[[], None] | None = None
+
+    def attach(self, wake: Callable[[], None] | None) -> None:
+        """Call ``wake`` (thread-safe; None: nobody listens) when a ring finds the loop asleep."""
+        self._wake = wake
+
+    def ring(self) -> None:
+        """A wait was registered: wake the loop if it sleeps."""
+        if self.asleep:
+            self.asleep = False
+            wake = self._wake
+            if wake is not None:
+                wake()
+
 
 class BreakDispatcher:
-    """Routes a ``BreakWait`` to the source that holds the wait and builds the ``BreakReport``."""
+    """Routes a ``BreakWait`` to the source that holds the wait and builds the ``BreakReport``.
+
+    Its :attr:`doorbell` is given to every source, which rings it when it registers a wait.
+    """
 
     def __init__(self, sources: Sequence[WaitSource]) -> None:
-        self._sources = tuple(sources)
+        self.doorbell = Doorbell()
+        self._sources: tuple[WaitSource, ...] = ()
+        for source in sources:
+            self.add(source)
 
     def add(self, source: WaitSource) -> None:
         """One more kind of wait (for instance a server's worker pool made after the agent)."""
+        source.doorbell = self.doorbell
         self._sources += (source,)
 
     def handle(self, order: BreakWait) -> BreakReport:
@@ -139,6 +187,10 @@ class BreakDispatcher:
         """Every source's waits now in progress."""
         for source in self._sources:
             yield from source.open_waits()
+
+    def idle(self) -> bool:
+        """True when no source has a wait registered."""
+        return all(source.idle() for source in self._sources)
 
 
 class HintWatch:
@@ -176,15 +228,33 @@ class HintWatch:
 async def hint_forever(dispatcher: BreakDispatcher, watch: HintWatch, send: Callable[[WaitHint], bool]) -> NoReturn:
     """Every half threshold, hint the detector of each wait that has lasted past it (once each).
 
-    The one hint loop of the embedded and the RPC-mode agents; a process without waits pays a timer.
-    A hint that ``send`` drops (False: no stream to the detector) is sent again on a later turn.
+    The one hint loop of the embedded and the RPC-mode agents. While no wait is registered it
+    sleeps until the dispatcher's :class:`Doorbell` rings, so a quiet process pays no timer (each
+    wake-up costs tens of microseconds of CPU). A hint that ``send`` drops (False: no stream to the
+    detector) is sent again on a later turn.
     """
     period = watch.after / 2
-    while True:
-        await asyncio.sleep(period)
-        try:
-            for hint in watch.due(dispatcher.open_waits(), now_us()):
-                if not send(hint):
-                    watch.forget(hint.instance)
-        except Exception:  # a hint is an optimisation: never let it end the loop (or the agent's stop)
-            _log.exception("could not look for long waits to hint")
+    loop = asyncio.get_running_loop()
+    rung = asyncio.Event()
+    bell = dispatcher.doorbell
+    bell.attach(functools.partial(loop.call_soon_threadsafe, rung.set))
+    try:
+        while True:
+            await asyncio.sleep(period)
+            try:
+                for hint in watch.due(dispatcher.open_waits(), now_us()):
+                    if not send(hint):
+                        watch.forget(hint.instance)
+                rung.clear()
+                bell.asleep = True  # before the question: see Doorbell
+                if not dispatcher.idle():
+                    bell.asleep = False
+                    continue
+            except Exception:  # a hint is an optimisation: never let it end the loop (or the agent's stop)
+                bell.asleep = False
+                _log.exception("could not look for long waits to hint")
+                continue
+            await rung.wait()
+    finally:
+        bell.asleep = False
+        bell.attach(None)

@@ -249,6 +249,8 @@ class LocalStateKeeper:
         self._counters: dict[str, int] = {}
         self._attributes: dict[str, object] = {}
         self._waits: dict[int, WaitHandle] = {}  # by instance, in the order they began
+        #: Rung after a wait is registered (its BreakDispatcher sets it, for the hint loop).
+        self.doorbell = breaking.Doorbell()
 
     # -- activity ---------------------------------------------------------------------------------
 
@@ -388,6 +390,7 @@ class LocalStateKeeper:
         handle = WaitHandle(wait, self._lock, interrupt)
         with self._lock:
             self._waits[handle.instance] = handle
+        self.doorbell.ring()
         return handle
 
     def _leave(self, handle: WaitHandle, error: BaseException | None) -> DeadlockVictim | None:
@@ -437,6 +440,11 @@ class LocalStateKeeper:
         with self._lock:
             handles = list(self._waits.values())
         return [OpenWait(h.instance, h.wait.task, h.began_at_us) for h in handles]
+
+    def idle(self) -> bool:
+        """True when no wait is registered."""
+        with self._lock:
+            return not self._waits
 
     # -- the recording ----------------------------------------------------------------------------
 

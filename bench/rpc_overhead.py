@@ -38,6 +38,8 @@ attaches to a detector in this process. Cases (the asyncio ones are named ``aio 
   the detector taking no snapshot;
 * ``instrumented+snapshots`` (``with_snapshots``): the same with snapshots at 10 a second;
 * ``realistic plain`` (``realistic_plain``): the ``work`` method, plain channel and server;
+* ``realistic stamp-only+snapshots`` (``realistic_stamp_only``): the ``work`` method through the
+  stamp-only channel and server, snapshots at 10 a second: the floor of the realistic target;
 * ``realistic instrumented+snapshots`` (``realistic``): the ``work`` method, the README's set-up,
   snapshots at 10 a second.
 
@@ -58,6 +60,11 @@ call of both processes together (``<key>_cpu_us_per_call``) and of each (``<key>
   p50 - 1), ``floor_throughput_ratio`` (calls/s, the same two cases), ``floor_cpu_overhead``;
   ``realistic_overhead_p50`` (realistic instrumented+snapshots p50 / realistic plain p50 - 1),
   ``realistic_throughput_ratio``, ``realistic_cpu_overhead``;
+  how much of the realistic target the floor takes: ``realistic_floor_overhead_p50`` (realistic
+  stamp-only+snapshots p50 / realistic plain p50 - 1), ``realistic_floor_throughput_ratio``,
+  ``realistic_floor_cpu_overhead``, and what the agent adds above it: ``realistic_over_floor_p50``
+  (realistic instrumented+snapshots p50 / realistic stamp-only+snapshots p50 - 1),
+  ``realistic_over_floor_throughput_ratio``;
 * against plain, as before: ``overhead_p50`` (intercepted p50 / plain p50 - 1),
   ``overhead_p50_with_snapshots``, the floors' ``noop_overhead_p50`` and ``stamp_only_overhead_p50``
   and ``client_interceptor_overhead_p50``; ``cpu_overhead`` (intercepted over plain, - 1),
@@ -145,6 +152,7 @@ def _cases() -> dict[str, Case]:
         "instrumented": Case("sync", "intercepted", "echo", False, "intercepted"),
         "instrumented+snapshots": Case("sync", "intercepted", "echo", True, "with_snapshots"),
         "realistic plain": Case("sync", "plain", "work", False, "realistic_plain"),
+        "realistic stamp-only+snapshots": Case("sync", "stamp_only", "work", True, "realistic_stamp_only"),
         "realistic instrumented+snapshots": Case("sync", "intercepted", "work", True, "realistic"),
     }
     aio = {
@@ -165,6 +173,16 @@ RATIOS = (
     ("realistic_overhead_p50", "realistic instrumented+snapshots", "realistic plain", "p50"),
     ("realistic_throughput_ratio", "realistic instrumented+snapshots", "realistic plain", "rate"),
     ("realistic_cpu_overhead", "realistic instrumented+snapshots", "realistic plain", "cpu"),
+    ("realistic_floor_overhead_p50", "realistic stamp-only+snapshots", "realistic plain", "p50"),
+    ("realistic_floor_throughput_ratio", "realistic stamp-only+snapshots", "realistic plain", "rate"),
+    ("realistic_floor_cpu_overhead", "realistic stamp-only+snapshots", "realistic plain", "cpu"),
+    ("realistic_over_floor_p50", "realistic instrumented+snapshots", "realistic stamp-only+snapshots", "p50"),
+    (
+        "realistic_over_floor_throughput_ratio",
+        "realistic instrumented+snapshots",
+        "realistic stamp-only+snapshots",
+        "rate",
+    ),
     ("noop_overhead_p50", "no-op interceptors", "plain", "p50"),
     ("overhead_p50", "instrumented", "plain", "p50"),
     ("overhead_p50_with_snapshots", "instrumented+snapshots", "plain", "p50"),

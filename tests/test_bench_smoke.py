@@ -123,7 +123,7 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     sizes = ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "2", "--concurrency", "2"]
     result = bench_json("rpc_overhead.py", *sizes, timeout=150)
     cases = ("plain", "noop", "stamp_only", "stamp_only_with_snapshots", "intercepted", "with_snapshots")
-    cases += ("realistic_plain", "realistic")
+    cases += ("realistic_plain", "realistic_stamp_only", "realistic")
     for case in (*cases, "client_interceptor", *(f"aio_{case}" for case in cases)):
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
@@ -137,6 +137,8 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     keys += ("stamp_only_throughput_ratio", "throughput_ratio", "cpu_overhead", "stamp_only_cpu_overhead")
     keys += ("noop_cpu_overhead", "floor_overhead_p50", "floor_throughput_ratio", "floor_cpu_overhead")
     keys += ("realistic_overhead_p50", "realistic_throughput_ratio", "realistic_cpu_overhead")
+    keys += ("realistic_floor_overhead_p50", "realistic_floor_throughput_ratio", "realistic_floor_cpu_overhead")
+    keys += ("realistic_over_floor_p50", "realistic_over_floor_throughput_ratio")
     sync_only = ("client_interceptor_overhead_p50", "client_interceptor_throughput_ratio")
     for key in (*keys, *sync_only, *(f"aio_{name}" for name in keys)):
         low, high = result[f"{key}_spread"]

@@ -159,6 +159,98 @@ def test_a_hint_dropped_while_the_detector_is_unreachable_is_sent_again() -> Non
     run(scenario())
 
 
+class CountingSource:
+    """A LocalStateKeeper's waits, counting how often the hint loop looks at them."""
+
+    def __init__(self) -> None:
+        self.state = LocalStateKeeper()
+        self.looked = 0
+
+    @property
+    def doorbell(self) -> breaking.Doorbell:
+        return self.state.doorbell
+
+    @doorbell.setter
+    def doorbell(self, doorbell: breaking.Doorbell) -> None:
+        self.state.doorbell = doorbell
+
+    def break_wait(self, order: BreakWait) -> Broken | None:
+        return self.state.break_wait(order)
+
+    def open_waits(self) -> list[OpenWait]:
+        self.looked += 1
+        return self.state.open_waits()
+
+    def idle(self) -> bool:
+        return self.state.idle()
+
+
+def test_the_hint_loop_sleeps_while_nothing_waits_and_a_new_wait_wakes_it() -> None:
+    source = CountingSource()
+    dispatcher = BreakDispatcher([source])
+    bell = dispatcher.doorbell
+    assert source.state.doorbell is bell  # the dispatcher hands its doorbell to its sources
+    sent: list[WaitHint] = []
+
+    def send(hint: WaitHint) -> bool:
+        sent.append(hint)
+        return True
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(0.004), send))
+        try:
+            await async_poll(lambda: bell.asleep, "the loop asleep with nothing registered")
+            looked = source.looked
+            # Fifty of its periods (2 ms): asleep, it does not look once.
+            await asyncio.sleep(0.1)
+            assert source.looked == looked and bell.asleep
+            token = source.state.add_wait("B", task="t")  # rings: the loop wakes
+            assert not bell.asleep
+            await async_poll(lambda: sent, "the hint of the new wait")
+            assert [(h.instance, h.task) for h in sent] == [(token, "t")] and source.looked > looked
+            # While a wait is registered it keeps looking (the wait is hinted once).
+            looked = source.looked
+            await async_poll(lambda: source.looked > looked + 3, "more looks while a wait is open")
+            assert not bell.asleep and len(sent) == 1
+            source.state.remove_wait(token)
+            await async_poll(lambda: bell.asleep, "the loop asleep again once the wait ended")
+        finally:
+            loop.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await loop
+        assert not bell.asleep  # a stopped loop leaves the bell quiet: a ring calls nothing
+        source.state.add_wait("C")
+
+    run(scenario())
+
+
+def test_a_wait_registered_from_another_thread_wakes_the_sleeping_loop() -> None:
+    state = LocalStateKeeper()
+    dispatcher = BreakDispatcher([state])
+    sent: list[WaitHint] = []
+
+    def send(hint: WaitHint) -> bool:
+        sent.append(hint)
+        return True
+
+    async def scenario() -> None:
+        loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(0.004), send))
+        try:
+            await async_poll(lambda: dispatcher.doorbell.asleep, "the loop asleep")
+            tokens: list[int] = []
+            thread = threading.Thread(target=lambda: tokens.append(state.add_wait("B", task="other-thread")))
+            thread.start()
+            thread.join(JOIN_TIMEOUT)
+            await async_poll(lambda: sent, "the hint of the other thread's wait")
+            assert [h.instance for h in sent] == tokens
+        finally:
+            loop.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await loop
+
+    run(scenario())
+
+
 # -- the dispatcher -------------------------------------------------------------------------------
 
 
@@ -179,6 +271,9 @@ class Source:
 
     def open_waits(self) -> list[OpenWait]:
         return [OpenWait(i, "", 0) for i in sorted(self.waiting)]
+
+    def idle(self) -> bool:
+        return not self.waiting
 
 
 def test_the_dispatcher_asks_each_source_and_reports_what_it_did() -> None:

@@ -96,7 +96,7 @@ import prometheus_client
 
 from stablewatch import __version__
 from stablewatch.agents import breaking
-from stablewatch.agents.breaking import BreakDispatcher, Broken, HintWatch, OpenWait
+from stablewatch.agents.breaking import BreakDispatcher, Broken, Doorbell, HintWatch, OpenWait
 from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
@@ -204,6 +204,8 @@ class RpcAgent:
         self.state = LocalStateKeeper()
         #: Breaks a detector's ``BreakWait`` (the control stream's ``on_break``): ``agent.state``'s
         #: waits and this agent's calls.
+        #: Rung when a call begins to wait or a request queues (the dispatcher sets it; see breaking.Doorbell).
+        self.doorbell = Doorbell()
         self.breaks = BreakDispatcher([self.state, self])
         self._hint_watch = HintWatch(hint_after) if hint_after is not None else None
         self.metrics = RpcAgentMetrics(metrics_registry)
@@ -403,6 +405,8 @@ class RpcAgent:
                 self._stamped["request"] += 1  # self.metrics.stamped("request")
         finally:
             lock.release()
+        if waits and self.doorbell.asleep:
+            self.doorbell.ring()
         if instrumented:
             call.metadata = ((STAMP_KEY, f"{seq}:{entry[1]}"),)  # request_entry(stamp, seq)
         return call
@@ -479,6 +483,7 @@ class RpcAgent:
             if pool is not None:
                 with self._lock:
                     pool.arrive(call)
+                self.doorbell.ring()
             return call
         try:
             # split_request(entry), written out for a text entry that holds a sequence number.
@@ -490,6 +495,7 @@ class RpcAgent:
             return self._refuse(method, str(exc), pool)
         process_id = stamp.process_id
         call = IncomingCall(f"{method}#{process_id}:{seq_text}", process_id, True, pool)
+        queued = False
         lock = self._lock
         lock.acquire()
         try:
@@ -509,6 +515,7 @@ class RpcAgent:
                 self.metrics.stale("server")
                 if pool is not None:
                     pool.arrive(call)
+                    queued = True
             else:
                 error = None
                 if actions:
@@ -518,8 +525,11 @@ class RpcAgent:
                         pool.running[call.name] = None  # pool.arrive(call): it runs at once, written out
                     else:
                         pool.arrive(call)
+                        queued = True
         finally:
             lock.release()
+        if queued:
+            self.doorbell.ring()
         if error is not None:
             return self._refuse(method, error, pool)
         return call
@@ -531,6 +541,7 @@ class RpcAgent:
         if pool is not None:
             with self._lock:
                 pool.arrive(call)
+            self.doorbell.ring()
         return call
 
     def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None:
@@ -658,6 +669,11 @@ class RpcAgent:
             for pool in self._pools:
                 waits.extend(OpenWait(c.instance, name, c.began_at_us) for name, c in pool.queued.items())
         return waits
+
+    def idle(self) -> bool:
+        """True when no outgoing call waits and no request is queued."""
+        with self._lock:
+            return not any(call.waits for call in self._outgoing.values()) and not any(p.queued for p in self._pools)
 
     def _claim(self, instance: int) -> None:
         """Remember ``instance`` as broken (under the lock), so that it is never broken twice."""
