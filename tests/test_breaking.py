@@ -8,10 +8,11 @@ The same over real gRPC, from a detector's control stream, is in test_breaking_e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import threading
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 
 import pytest
 
@@ -185,6 +186,23 @@ class CountingSource:
         return self.state.idle()
 
 
+@contextlib.asynccontextmanager
+async def hinting(dispatcher: BreakDispatcher, sent: list[WaitHint]) -> AsyncIterator[None]:
+    """The hint loop (threshold 4 ms) over ``dispatcher``'s waits meanwhile, its hints appended to ``sent``."""
+
+    def send(hint: WaitHint) -> bool:
+        sent.append(hint)
+        return True
+
+    loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(0.004), send))
+    try:
+        yield
+    finally:
+        loop.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await loop
+
+
 def test_the_hint_loop_sleeps_while_nothing_waits_and_a_new_wait_wakes_it() -> None:
     source = CountingSource()
     dispatcher = BreakDispatcher([source])
@@ -192,13 +210,8 @@ def test_the_hint_loop_sleeps_while_nothing_waits_and_a_new_wait_wakes_it() -> N
     assert source.state.doorbell is bell  # the dispatcher hands its doorbell to its sources
     sent: list[WaitHint] = []
 
-    def send(hint: WaitHint) -> bool:
-        sent.append(hint)
-        return True
-
     async def scenario() -> None:
-        loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(0.004), send))
-        try:
+        async with hinting(dispatcher, sent):
             await async_poll(lambda: bell.asleep, "the loop asleep with nothing registered")
             looked = source.looked
             # Fifty of its periods (2 ms): asleep, it does not look once.
@@ -214,10 +227,6 @@ def test_the_hint_loop_sleeps_while_nothing_waits_and_a_new_wait_wakes_it() -> N
             assert not bell.asleep and len(sent) == 1
             source.state.remove_wait(token)
             await async_poll(lambda: bell.asleep, "the loop asleep again once the wait ended")
-        finally:
-            loop.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await loop
         assert not bell.asleep  # a stopped loop leaves the bell quiet: a ring calls nothing
         source.state.add_wait("C")
 
@@ -229,13 +238,8 @@ def test_a_wait_registered_from_another_thread_wakes_the_sleeping_loop() -> None
     dispatcher = BreakDispatcher([state])
     sent: list[WaitHint] = []
 
-    def send(hint: WaitHint) -> bool:
-        sent.append(hint)
-        return True
-
     async def scenario() -> None:
-        loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(0.004), send))
-        try:
+        async with hinting(dispatcher, sent):
             await async_poll(lambda: dispatcher.doorbell.asleep, "the loop asleep")
             tokens: list[int] = []
             thread = threading.Thread(target=lambda: tokens.append(state.add_wait("B", task="other-thread")))
@@ -243,10 +247,6 @@ def test_a_wait_registered_from_another_thread_wakes_the_sleeping_loop() -> None
             thread.join(JOIN_TIMEOUT)
             await async_poll(lambda: sent, "the hint of the other thread's wait")
             assert [h.instance for h in sent] == tokens
-        finally:
-            loop.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await loop
 
     run(scenario())
 
