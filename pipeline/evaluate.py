@@ -33,16 +33,17 @@ import contextlib
 import functools
 import itertools
 import json
-import re
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import operator
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar, cast
 
 import numpy as np
 import pyarrow as pa
 from google.protobuf import json_format
+from pyspark import InheritableThread
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
@@ -76,6 +77,7 @@ from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult
 
 __all__ = [
     "EVALUATIONS",
+    "PLAIN_COLUMNS",
     "Evaluated",
     "Totals",
     "evaluate_archive",
@@ -94,6 +96,7 @@ EVALUATIONS = TABLES["results"].insert(1, pa.field("started_at", _ts)).insert(2,
 _HEAD = ["snapshot_id", "started_at", "finished_at", "day"]
 _EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 _LAST = 2**63 - 1  # the order of a snapshot without a finish time: after all others
+_T = TypeVar("_T")
 _CANDIDATES = "counter string, finished_us long, snapshot_id long, observed long"
 
 
@@ -197,28 +200,41 @@ def evidence_json(result: PredicateResult) -> str:
     return json_format.MessageToJson(evidence, indent=None, preserving_proto_field_name=True, sort_keys=True)
 
 
-#: A character that ``json.dumps`` (ensure_ascii) writes otherwise than itself.
-_ESCAPED = re.compile(r"[^\x20\x21\x23-\x5b\x5d-\x7e]")
+#: The bytes that ``json.dumps`` (ensure_ascii) writes as themselves in a string: printable ASCII
+#: but the quote and the backslash.
+_PLAIN_BYTES = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
+
+_first = operator.itemgetter(0)
+_second = operator.itemgetter(1)
 
 
-class _Raw(str):
-    """Text that is JSON already."""
+class _Raw:
+    """Text that is JSON already, in parts that :func:`_object` joins once with the rest: the text
+    of a huge list is copied once into the evidence, not again at each level that wraps it."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, *parts: str) -> None:
+        self.parts = parts
 
 
 def _object(fields: dict[str, Any]) -> str:
     """``json.dumps(fields, sort_keys=True)``, the values that are :class:`_Raw` written as they are."""
-    return (
-        "{"
-        + ", ".join(
-            f"{json.dumps(k)}: {v if isinstance(v, _Raw) else json.dumps(v, sort_keys=True)}"
-            for k, v in sorted(fields.items())
-        )
-        + "}"
-    )
+    parts = ["{"]
+    for i, (name, value) in enumerate(sorted(fields.items())):
+        parts += (", " if i else "", json.dumps(name), ": ")
+        if isinstance(value, _Raw):
+            parts += value.parts
+        else:
+            parts.append(json.dumps(value, sort_keys=True))
+    parts.append("}")
+    return "".join(parts)
 
 
-def _plain(texts: list[str]) -> bool:
-    return _ESCAPED.search("".join(texts)) is None
+def _plain(texts: Sequence[str]) -> bool:
+    """Whether ``json.dumps`` writes each of `texts` as itself between quotes (its UTF-8 bytes all plain:
+    one pass in C; a lone surrogate is not, as its bytes show)."""
+    return not "".join(texts).encode("utf-8", "surrogatepass").translate(None, _PLAIN_BYTES)
 
 
 def _pairs(nodes: Any) -> list[tuple[str, str]]:
@@ -230,17 +246,17 @@ def _nodes(pairs: Sequence[tuple[str, str]]) -> _Raw:
     """A list of ``WaitNode`` (as ``(process, task)`` pairs) as JSON."""
     if not pairs:
         return _Raw("[]")
-    processes = [process for process, _ in pairs]
-    tasks = [task for _, task in pairs]
+    processes = list(map(_first, pairs))
+    if all(processes) and not any(map(_second, pairs)) and _plain(processes):  # processes alone, the usual case
+        return _Raw('[{"process": "', '"}, {"process": "'.join(processes), '"}]')
+    tasks = list(map(_second, pairs))
     if not (_plain(processes) and _plain(tasks)):
         return _Raw(json.dumps([_fields(("process", p), ("task", t)) for p, t in pairs], sort_keys=True))
-    if all(processes) and not any(tasks):  # processes alone, the usual case: one join
-        return _Raw('[{"process": "' + '"}, {"process": "'.join(processes) + '"}]')
     items = []
     for process, task in pairs:
         fields = ([f'"process": "{process}"'] if process else []) + ([f'"task": "{task}"'] if task else [])
         items.append("{" + ", ".join(fields) + "}")
-    return _Raw("[" + ", ".join(items) + "]")
+    return _Raw("[", ", ".join(items), "]")
 
 
 def _fields(*pairs: tuple[str, Any]) -> dict[str, Any]:
@@ -273,9 +289,9 @@ def _deadlock_json(
 def _holdings(holdings: Sequence[Holding]) -> _Raw:
     """A list of ``CounterHolding`` (as :data:`Holding` pairs: a process or a channel, and the amount)
     as JSON (int64 amounts as strings)."""
-    processes = [where for where, _ in holdings]
-    if all(isinstance(p, str) and p for p in processes) and all(a for _, a in holdings) and _plain(processes):
-        return _Raw("[" + ", ".join(f'{{"amount": "{a}", "process": "{p}"}}' for p, a in holdings) + "]")
+    processes = list(map(_first, holdings))
+    if all(isinstance(p, str) and p for p in processes) and all(map(_second, holdings)) and _plain(processes):
+        return _Raw("[", ", ".join([f'{{"amount": "{a}", "process": "{p}"}}' for p, a in holdings]), "]")
     written = []
     for where, amount in holdings:
         fields = _fields(("amount", str(amount) if amount else ""))
@@ -599,12 +615,20 @@ def evaluate_snapshots(
         routed = routed | (F.col("wait_edges") > reduce_above)
     small = completed.filter(~routed)
     with archive.reading():
-        outcomes = snapshots.agg(
-            F.count(F.when(F.col("outcome") == "completed", 1)).alias("completed"),
-            F.count(F.when(F.col("outcome") != "completed", 1)).alias("aborted"),
-        ).first()
         heads = completed.filter(routed).select(*_HEAD, "finished_us", "wait_edges").toArrow().sort_by("snapshot_id")
-        large, reduced = _large_snapshots(archive, heads.to_pylist(), configured, finish_edges)
+        # The outcomes are needed only once the large snapshots are read: their job runs meanwhile.
+        counting = _Background(
+            archive.spark,
+            lambda: snapshots.agg(
+                F.count(F.when(F.col("outcome") == "completed", 1)).alias("completed"),
+                F.count(F.when(F.col("outcome") != "completed", 1)).alias("aborted"),
+            ).first(),
+        )
+        try:
+            large, reduced = _large_snapshots(archive, heads.to_pylist(), configured, finish_edges)
+        finally:
+            counting.wait()  # no job of this call outlives it, even when it fails
+        outcomes = counting.result()
         assert outcomes is not None
         # Without a snapshot left for them, the jobs over blobs would only start Python workers.
         any_small = outcomes["completed"] > len(large)
@@ -633,6 +657,40 @@ def evaluate_snapshots(
     return Evaluated(
         evaluations, outcomes["completed"], outcomes["aborted"], len(large), rounds, remaining, totals, len(reduced)
     )
+
+
+class _Background(Generic[_T]):
+    """``action()`` run in a thread of its own while the caller goes on; :meth:`result` waits for it.
+
+    The thread is PySpark's ``InheritableThread``: in pinned-thread mode it takes the caller's
+    local properties (job group, description, a streaming batch's), as the caller's own job would.
+    :meth:`result` raises what ``action`` raised, in the caller's thread, so that a Spark failure
+    reaches the caller's :meth:`~stablewatch.pipeline.tables.Archive.reading` as if run there.
+    """
+
+    def __init__(self, spark: SparkSession, action: Callable[[], _T]) -> None:
+        self._action = action
+        self._value: _T | None = None
+        self._error: BaseException | None = None
+        self._thread = InheritableThread(target=self._run, session=spark, name="stablewatch-background", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._value = self._action()
+        except BaseException as error:  # handed to the caller by result()
+            self._error = error
+
+    def wait(self) -> None:
+        """Return once ``action`` has returned or raised."""
+        self._thread.join()
+
+    def result(self) -> _T:
+        """What ``action`` returned, once it has; what it raised is raised here."""
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return cast(_T, self._value)
 
 
 def _small_candidates(small: DataFrame, configured: Mapping[str, int]) -> list[tuple[str, tuple[int, int], int]]:
@@ -674,10 +732,17 @@ def evaluate_archive(
     )
 
 
+#: Columns written without Parquet's dictionary encoding: their values are nearly all distinct
+#: (serialized results, evidence JSON), so the dictionary only costs time (a quarter to a third of
+#: a huge snapshot's write) before parquet-mr falls back to plain pages. The other columns keep it.
+PLAIN_COLUMNS = ("evidence", "result")
+
+
 def write_evaluations(evaluations: DataFrame, out: Path, archive: Archive | None = None) -> None:
-    """Write `evaluations` to ``out`` as Parquet, partitioned by day (replacing what was there)."""
-    if archive is None:
-        evaluations.write.mode("overwrite").partitionBy("day").parquet(str(out))
-        return
-    with archive.reading():
-        evaluations.write.mode("overwrite").partitionBy("day").parquet(str(out))
+    """Write `evaluations` to ``out`` as Parquet, partitioned by day (replacing what was there),
+    the :data:`PLAIN_COLUMNS` without dictionary encoding."""
+    writer = evaluations.write.mode("overwrite").partitionBy("day")
+    for column in PLAIN_COLUMNS:  # parquet-mr's per-column form of parquet.enable.dictionary
+        writer = writer.option(f"parquet.enable.dictionary#{column}", "false")
+    with archive.reading() if archive is not None else contextlib.nullcontext():
+        writer.parquet(str(out))

@@ -17,12 +17,21 @@ from typing import Any
 import pyarrow.parquet as pq
 import pytest
 from google.protobuf import json_format
+from pyspark.errors import PySparkException
 from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
 from snapshot_gen import Archived, detector_evaluations, random_archive, write_archive
 
 from stablewatch.detector.evaluation import load_predicate
 from stablewatch.pipeline import cli
-from stablewatch.pipeline.evaluate import EVALUATIONS, Evaluated, evaluate_archive
+from stablewatch.pipeline.evaluate import (
+    EVALUATIONS,
+    PLAIN_COLUMNS,
+    Evaluated,
+    _Background,
+    evaluate_archive,
+    write_evaluations,
+)
 from stablewatch.pipeline.tables import Archive, open_archive
 from stablewatch.v1 import Evaluation, PredicateResult
 
@@ -179,3 +188,51 @@ def test_the_command_stops_the_rounds_at_min_release(
         cli.main(["evaluate", "--archive", str(archive_dir), "--out", str(tmp_path), "--min-release", "1.5"])
     assert exited.value.code == 2
     assert "--min-release: must be from 0 to 1, not 1.5" in capsys.readouterr().err
+
+
+_DICTIONARY = {"PLAIN_DICTIONARY", "RLE_DICTIONARY"}
+
+
+def dictionary_columns(out: Path) -> dict[str, list[bool]]:
+    """Per column, whether each column chunk of the Parquet files under `out` (in file order) has a dictionary."""
+    found: dict[str, list[bool]] = {}
+    for path in sorted(out.glob("day=*/*.parquet")):
+        metadata = pq.ParquetFile(path).metadata
+        for group in range(metadata.num_row_groups):
+            for i in range(metadata.num_columns):
+                column = metadata.row_group(group).column(i)
+                encoded = column.has_dictionary_page or bool(_DICTIONARY & set(column.encodings))
+                found.setdefault(column.path_in_schema, []).append(encoded)
+    return found
+
+
+def test_evidence_and_results_are_written_without_a_dictionary(archive: Archive, tmp_path: Path) -> None:
+    """Nearly every value of ``evidence`` and ``result`` differs: they are written plain, while the other
+    columns keep Parquet's dictionary wherever Spark's default write uses one, on the same rows."""
+    rows = evaluate_archive(archive, last_id=60).evaluations.localCheckpoint()
+    write_evaluations(rows, tmp_path / "written", archive)
+    rows.write.partitionBy("day").parquet(str(tmp_path / "default"))
+    written, default = dictionary_columns(tmp_path / "written"), dictionary_columns(tmp_path / "default")
+    assert set(PLAIN_COLUMNS) == {"evidence", "result"}
+    for name in PLAIN_COLUMNS:
+        assert any(default[name]), name  # these rows would get one: the option is what removes it
+        assert not any(written[name]), name
+    assert {k: v for k, v in written.items() if k not in PLAIN_COLUMNS} == {
+        k: v for k, v in default.items() if k not in PLAIN_COLUMNS
+    }
+    assert any(written["name"])
+
+
+def test_a_job_run_meanwhile_reports_in_the_callers_thread(spark: SparkSession, archive: Archive) -> None:
+    """The outcome count runs in a thread while the driver reads the large snapshots: it has the
+    caller's local properties (pinned-thread mode), and its failure is raised by the caller, inside
+    ``Archive.reading`` as if the job had run there."""
+    context = spark.sparkContext
+    context.setLocalProperty("stablewatch.test", "caller")
+    try:
+        assert _Background(spark, lambda: context.getLocalProperty("stablewatch.test")).result() == "caller"
+    finally:
+        context.setLocalProperty("stablewatch.test", None)  # type: ignore[arg-type]  # None removes it
+    failing = _Background(spark, lambda: spark.range(1).select(F.raise_error(F.lit("no count"))).first())
+    with pytest.raises(PySparkException, match="no count"), archive.reading():
+        failing.result()
