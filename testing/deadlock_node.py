@@ -32,17 +32,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import queue
-import subprocess
 import sys
 import threading
-import time
 from typing import Any
 
 from stablewatch.agents import Agent, AppMessage, ChannelSettings, DeadlockVictim, ThreadedAgent
 from stablewatch.agents.metrics import BREAK_KINDS
+from stablewatch.testing.json_process import JsonProcess
 
 REQUEST = b"request"  # "give me your lock"; wakes no one
 GRANT = b"grant"  # the receiver may use the sender's lock
@@ -247,7 +244,7 @@ class DeadlockNode:
 # -- running one from another process ----------------------------------------------------------------
 
 
-class DeadlockProcess:
+class DeadlockProcess(JsonProcess):
     """One deadlock node as an OS process: JSON commands in on stdin, JSON events out on stdout.
 
         a = DeadlockProcess("A", "B", "asyncio", "127.0.0.1:50051,127.0.0.1:50052")
@@ -261,65 +258,13 @@ class DeadlockProcess:
         a.expect("done")
 
     Starting returns once the node is ready. ``events`` holds every event the node has printed so
-    far, in order, and ``expect`` waits for the next of a kind; stderr is drained into ``stderr``.
+    far, in order, and ``expect`` waits for the next of a kind; :meth:`log` is the end of its stderr.
     """
 
     def __init__(self, process_id: str, peer: str, kind: str, detector: str) -> None:
-        self.process_id = process_id
         command = [sys.executable, "-P", "-m", "stablewatch.testing.deadlock_node"]
         command += ["--id", process_id, "--peer", peer, "--kind", kind, "--detector", detector]
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
-        self.events: list[dict[str, Any]] = []
-        self.stderr: list[str] = []
-        self._lines: queue.Queue[dict[str, Any] | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=self._drain, daemon=True).start()
-        try:
-            self.address = str(self.expect("ready", timeout=60)["address"])
-        except BaseException:
-            self.kill()
-            raise
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            event = json.loads(line)
-            self.events.append(event)
-            self._lines.put(event)
-        self._lines.put(None)
-
-    def _drain(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.stderr.append(line)
-
-    def command(self, cmd: str, **fields: object) -> None:
-        """Send one command (``{"cmd": cmd, **fields}``)."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
-        self.process.stdin.flush()
-
-    def expect(self, kind: str, timeout: float = 30) -> dict[str, Any]:
-        """The next event of ``kind`` (skipping others); TimeoutError after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                event = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
-            except queue.Empty:
-                raise TimeoutError(f"{self.process_id}: no {kind!r} event within {timeout:g} s") from None
-            if event is None:
-                self._lines.put(None)  # the stream stays ended for later calls
-                tail = "".join(self.stderr)[-2000:]
-                raise TimeoutError(f"{self.process_id} exited ({self.process.poll()}) before a {kind!r} event: {tail}")
-            if event["event"] == kind:
-                return event
-
-    def metrics(self, samples: dict[str, tuple[str, dict[str, str]]], timeout: float = 30) -> dict[str, float | None]:
-        """The values of these samples (``{key: (sample name, labels)}``) in the node's agent's metrics."""
-        self.command("metrics", samples={key: [name, labels] for key, (name, labels) in samples.items()})
-        return self.expect("metrics", timeout)["values"]
+        super().__init__(process_id, command)
 
     def breaks(self) -> int:
         """Waits its agent broke (``stablewatch_agent_breaks_total``, every kind)."""
@@ -328,24 +273,7 @@ class DeadlockProcess:
 
     def victims(self) -> list[dict[str, Any]]:
         """The ``victim`` events printed so far."""
-        return [event for event in list(self.events) if event["event"] == "victim"]
-
-    def kill(self) -> None:
-        """End the process at once (SIGKILL)."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
-
-    def stop(self) -> int:
-        """End the process politely (``exit``: the agent stops), killing it if it lingers; its exit status."""
-        if self.process.poll() is None:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                self.command("exit")
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-        return self.process.returncode
+        return [event for event in self.events if event["event"] == "victim"]
 
 
 def introduce(nodes: list[DeadlockProcess]) -> None:

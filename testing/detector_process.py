@@ -18,42 +18,19 @@ import queue
 import signal
 import subprocess
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import grpc
 
+from stablewatch.testing.json_process import LineReader
 from stablewatch.v1 import query_pb2, query_pb2_grpc
 
-__all__ = ["STABLEWATCH", "DetectorProcess", "LineReader"]
+__all__ = ["STABLEWATCH", "DetectorProcess"]
 
 _SCRIPT = Path(sys.executable).with_name("stablewatch")
 #: The ``stablewatch`` command of this interpreter's environment (its script, or the module).
 STABLEWATCH = [str(_SCRIPT)] if _SCRIPT.exists() else [sys.executable, "-m", "stablewatch.cli.main"]
-
-
-class LineReader:
-    """Lines of a pipe, read on a thread, so that waiting for one can time out."""
-
-    def __init__(self, pipe: Any) -> None:
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, args=(pipe,), daemon=True).start()
-
-    def _read(self, pipe: Any) -> None:
-        for line in pipe:
-            self.seen.append(line)
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def next(self, timeout: float = 15, fail: Callable[[], str] = lambda: "") -> str:
-        """The next line (``queue.Empty`` after ``timeout``); ``fail`` says why when the stream ended
-        instead (e.g. the process's stderr)."""
-        line = self.lines.get(timeout=timeout)
-        assert line is not None, f"the stream ended: {fail()}"
-        return line
 
 
 class DetectorProcess:

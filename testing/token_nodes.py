@@ -12,14 +12,11 @@ the node and what it waited for.
 
 from __future__ import annotations
 
-import collections
-import json
-import queue
-import subprocess
 import sys
-import threading
 import time
 from typing import Any
+
+from stablewatch.testing.json_process import JsonProcess
 
 __all__ = ["Node", "connect_all", "wait_quiet"]
 
@@ -27,7 +24,7 @@ __all__ = ["Node", "connect_all", "wait_quiet"]
 NODE_MODULE = "stablewatch.testing.token_node"
 
 
-class Node:
+class Node(JsonProcess):
     """One token_node process: JSON commands in on stdin, JSON events out on stdout.
 
     ``args`` are the process's command-line options after ``--id`` (see the token_node module).
@@ -35,79 +32,24 @@ class Node:
     """
 
     def __init__(self, process_id: str, *args: str) -> None:
-        self.process_id = process_id
-        self.process = subprocess.Popen(
-            [sys.executable, "-P", "-m", NODE_MODULE, "--id", process_id, *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self._events: queue.Queue[dict[str, Any]] = queue.Queue()
-        # How many events of each kind the node has printed, including those ``expect`` skipped.
-        self.seen: collections.Counter[str] = collections.Counter()
-        threading.Thread(target=self._read, daemon=True).start()
-        self.address = self.expect("ready", timeout=60)["address"]
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            message = json.loads(line)
-            self.seen[message["event"]] += 1
-            self._events.put(message)
-
-    def command(self, cmd: str, **fields: object) -> None:
-        """Send one command (``{"cmd": cmd, **fields}``); its reply is an event to ``expect``."""
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"cmd": cmd, **fields}) + "\n")
-        self.process.stdin.flush()
-
-    def expect(self, event: str, timeout: float = 30) -> dict[str, Any]:
-        """The next event of this kind (others before it are skipped); fails after ``timeout``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or (self.process.poll() is not None and self._events.empty()):
-                raise TimeoutError(f"{self.process_id}: no {event!r} event (exit code {self.process.poll()})")
-            try:
-                message = self._events.get(timeout=min(remaining, 0.5))
-            except queue.Empty:
-                continue
-            if message["event"] == event:
-                return message
+        super().__init__(process_id, [sys.executable, "-P", "-m", NODE_MODULE, "--id", process_id, *args])
 
     def stats(self) -> dict[str, Any]:
         """The node's counts: messages ``sent`` and ``received`` per peer, ``tokens``, ``errors``, ..."""
         self.command("stats")
         return self.expect("stats")
 
-    def metrics(self, samples: dict[str, tuple[str, dict[str, str]]]) -> dict[str, float | None]:
-        """The values of these samples (``{key: (sample name, labels)}``) in the node's agent metrics."""
-        self.command("metrics", samples={key: [name, labels] for key, (name, labels) in samples.items()})
-        return self.expect("metrics")["values"]
-
     def wait_seen(self, event: str, count: int = 1, timeout: float = 30) -> None:
         """Wait until the node has printed ``count`` events of this kind in all (even skipped ones)."""
         deadline = time.monotonic() + timeout
-        while self.seen[event] < count:
+        while self.count(event) < count:
             if time.monotonic() > deadline or self.process.poll() is not None:
-                raise TimeoutError(f"{self.process_id}: {self.seen[event]} {event!r} events, expected {count}")
+                raise TimeoutError(f"{self.process_id}: {self.count(event)} {event!r} events, expected {count}")
             time.sleep(0.01)
 
-    def kill(self) -> None:
-        """End the process at once (SIGKILL): no goodbye to its peers or the detector."""
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10) -> int:
         """End the process politely (the ``exit`` command: the agent stops), killing it if it lingers."""
-        if self.process.poll() is None:
-            try:
-                self.command("exit")
-                self.process.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.process.kill()
-                self.process.wait(timeout=10)
+        return super().stop(timeout)
 
 
 def connect_all(nodes: list[Node], addresses: dict[str, str] | None = None) -> None:

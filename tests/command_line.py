@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import subprocess
 
-from stablewatch.testing.detector_process import STABLEWATCH, DetectorProcess, LineReader
+from stablewatch.testing.detector_process import STABLEWATCH, DetectorProcess
+from stablewatch.testing.json_process import LineReader
 
 __all__ = ["STABLEWATCH", "DetectorProcess", "LineReader", "stablewatch"]
 

@@ -292,7 +292,7 @@ def deadlocked(detectors: dict[int, DetectorProcess]) -> Iterator[list[DeadlockP
     finally:
         codes = [node.stop() for node in nodes]
         for node in nodes:
-            print(f"--- {node.process_id} ---\n{''.join(node.stderr)[-2000:]}")
+            print(f"--- {node.process_id} ---\n{node.log()}")
         assert codes == [0] * len(nodes), codes
 
 

@@ -128,7 +128,7 @@ def deadlocking_pair(folder: Path, kind: str) -> Iterator[tuple[DetectorProcess,
     finally:
         codes = [node.stop() for node in nodes]
         for node in nodes:
-            print(f"--- {node.process_id} ---\n{''.join(node.stderr)[-2000:]}")
+            print(f"--- {node.process_id} ---\n{node.log()}")
         assert detector.stop() == 0
         assert codes == [0] * len(nodes), codes
 

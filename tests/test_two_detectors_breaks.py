@@ -330,7 +330,7 @@ class Nodes:
     def stop(self) -> None:
         codes = [node.stop() for node in self.nodes]
         for node in self.nodes:
-            print(f"--- {node.process_id} ---\n{''.join(node.stderr)[-2000:]}")
+            print(f"--- {node.process_id} ---\n{node.log()}")
         assert codes == [0] * len(codes), codes
 
 
