@@ -44,6 +44,7 @@ _log = logging.getLogger(__name__)
 
 #: How long a wait lasts before the agent hints the detector that a deadlock may have formed.
 DEFAULT_HINT_AFTER = 0.020
+_LEAST_DELAY = 0.0005  # the hint loop's shortest sleep (s): a wait due in less is looked at then
 
 # One counter for the whole process, shared by every agent and kind of wait: an instance is never
 # reused in the process. ``next`` on an itertools.count is atomic under the GIL.
@@ -206,18 +207,25 @@ class HintWatch:
         self.after = after
         self._after_us = int(after * 1e6)
         self._hinted: set[int] = set()
+        #: When the next of the waits :meth:`due` last saw will be due (µs), None if none will be.
+        self.next_due_us: int | None = None
 
     def due(self, waits: Iterable[OpenWait], now_us: int) -> list[WaitHint]:
         """Hints for the waits that have lasted at least the threshold and were not hinted before."""
         open_now: set[int] = set()
         hints: list[WaitHint] = []
+        earliest: int | None = None  # the earliest start among those not due yet
         for wait in waits:
             open_now.add(wait.instance)
             waited = now_us - wait.began_at_us
-            if waited >= self._after_us and wait.instance not in self._hinted:
+            if waited < self._after_us:
+                if earliest is None or wait.began_at_us < earliest:
+                    earliest = wait.began_at_us
+            elif wait.instance not in self._hinted:
                 self._hinted.add(wait.instance)
                 hints.append(WaitHint(instance=wait.instance, task=wait.task, waited_ms=min(waited // 1000, 2**32 - 1)))
         self._hinted &= open_now
+        self.next_due_us = None if earliest is None else earliest + self._after_us
         return hints
 
     def forget(self, instance: int) -> None:
@@ -226,35 +234,44 @@ class HintWatch:
 
 
 async def hint_forever(dispatcher: BreakDispatcher, watch: HintWatch, send: Callable[[WaitHint], bool]) -> NoReturn:
-    """Every half threshold, hint the detector of each wait that has lasted past it (once each).
+    """Hint the detector of each wait that has lasted past the threshold, once each, when it is due.
 
-    The one hint loop of the embedded and the RPC-mode agents. While no wait is registered it
-    sleeps until the dispatcher's :class:`Doorbell` rings, so a quiet process pays no timer (each
-    wake-up costs tens of microseconds of CPU). A hint that ``send`` drops (False: no stream to the
-    detector) is sent again on a later turn.
+    The one hint loop of the embedded and the RPC-mode agents; each wake-up costs tens of
+    microseconds of CPU, so it wakes only when needed. It sleeps until the next wait it saw is due;
+    while no wait is registered, until the dispatcher's :class:`Doorbell` rings (a quiet process
+    pays no timer); while waits are registered that cannot be due (hinted already, or not
+    hintable yet), every half threshold. A hint that ``send`` drops (False: no stream to the
+    detector) is sent again half a threshold later.
     """
     period = watch.after / 2
     loop = asyncio.get_running_loop()
     rung = asyncio.Event()
     bell = dispatcher.doorbell
     bell.attach(functools.partial(loop.call_soon_threadsafe, rung.set))
+    delay = period
     try:
         while True:
-            await asyncio.sleep(period)
+            await asyncio.sleep(delay)
+            delay = period
             try:
-                for hint in watch.due(dispatcher.open_waits(), now_us()):
+                now = now_us()
+                for hint in watch.due(dispatcher.open_waits(), now):
                     if not send(hint):
                         watch.forget(hint.instance)
+                        now = -1  # look again in half a threshold
                 rung.clear()
                 bell.asleep = True  # before the question: see Doorbell
                 if not dispatcher.idle():
                     bell.asleep = False
+                    if watch.next_due_us is not None and now >= 0:
+                        delay = min(max((watch.next_due_us - now) / 1e6, _LEAST_DELAY), period * 2)
                     continue
             except Exception:  # a hint is an optimisation: never let it end the loop (or the agent's stop)
                 bell.asleep = False
                 _log.exception("could not look for long waits to hint")
                 continue
             await rung.wait()
+            delay = watch.after  # the wait that rang is due then
     finally:
         bell.asleep = False
         bell.attach(None)

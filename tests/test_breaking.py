@@ -187,14 +187,14 @@ class CountingSource:
 
 
 @contextlib.asynccontextmanager
-async def hinting(dispatcher: BreakDispatcher, sent: list[WaitHint]) -> AsyncIterator[None]:
-    """The hint loop (threshold 4 ms) over ``dispatcher``'s waits meanwhile, its hints appended to ``sent``."""
+async def hinting(dispatcher: BreakDispatcher, sent: list[WaitHint], after: float = 0.004) -> AsyncIterator[None]:
+    """The hint loop (threshold ``after``) over ``dispatcher``'s waits meanwhile, its hints appended to ``sent``."""
 
     def send(hint: WaitHint) -> bool:
         sent.append(hint)
         return True
 
-    loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(0.004), send))
+    loop = asyncio.create_task(breaking.hint_forever(dispatcher, HintWatch(after), send))
     try:
         yield
     finally:
@@ -229,6 +229,30 @@ def test_the_hint_loop_sleeps_while_nothing_waits_and_a_new_wait_wakes_it() -> N
             await async_poll(lambda: bell.asleep, "the loop asleep again once the wait ended")
         assert not bell.asleep  # a stopped loop leaves the bell quiet: a ring calls nothing
         source.state.add_wait("C")
+
+    run(scenario())
+
+
+def test_the_hint_loop_looks_when_a_wait_is_due_not_every_half_threshold() -> None:
+    source = CountingSource()
+    dispatcher = BreakDispatcher([source])
+    sent: list[WaitHint] = []
+
+    async def scenario() -> None:
+        async with hinting(dispatcher, sent, after=0.2):
+            await async_poll(lambda: dispatcher.doorbell.asleep, "the loop asleep")
+            looked = source.looked
+            token = source.state.add_wait("B")
+            # Before the wait is due (200 ms) the loop does not look: it slept until then.
+            await asyncio.sleep(0.15)
+            assert source.looked == looked and not sent
+            await async_poll(lambda: sent, "the hint when the wait is due")
+            assert [h.instance for h in sent] == [token] and sent[0].waited_ms >= 200
+            assert source.looked - looked <= 2  # when due (and once more if the timer woke a hair early)
+        watch = HintWatch(0.02)
+        assert watch.due([OpenWait(1, "", 1_000_000), OpenWait(2, "", 1_005_000)], 1_010_000) == []
+        assert watch.next_due_us == 1_020_000  # the earlier wait's
+        assert watch.due([OpenWait(1, "", 1_000_000)], 1_020_000) and watch.next_due_us is None
 
     run(scenario())
 
