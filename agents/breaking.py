@@ -255,16 +255,17 @@ async def hint_forever(dispatcher: BreakDispatcher, watch: HintWatch, send: Call
             delay = period
             try:
                 now = now_us()
+                dropped = False
                 for hint in watch.due(dispatcher.open_waits(), now):
                     if not send(hint):
                         watch.forget(hint.instance)
-                        now = -1  # look again in half a threshold
+                        dropped = True  # sent again in half a threshold
                 rung.clear()
                 bell.asleep = True  # before the question: see Doorbell
                 if not dispatcher.idle():
                     bell.asleep = False
-                    if watch.next_due_us is not None and now >= 0:
-                        delay = min(max((watch.next_due_us - now) / 1e6, _LEAST_DELAY), period * 2)
+                    if watch.next_due_us is not None and not dropped:
+                        delay = min(max((watch.next_due_us - now) / 1e6, _LEAST_DELAY), watch.after)
                     continue
             except Exception:  # a hint is an optimisation: never let it end the loop (or the agent's stop)
                 bell.asleep = False

@@ -35,10 +35,12 @@ import itertools
 import json
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent import futures
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Any, Generic, TypeVar, cast
+from typing import Any, TypeVar
 
 import numpy as np
 import pyarrow as pa
@@ -617,7 +619,7 @@ def evaluate_snapshots(
     with archive.reading():
         heads = completed.filter(routed).select(*_HEAD, "finished_us", "wait_edges").toArrow().sort_by("snapshot_id")
         # The outcomes are needed only once the large snapshots are read: their job runs meanwhile.
-        counting = _Background(
+        counting = _in_background(
             archive.spark,
             lambda: snapshots.agg(
                 F.count(F.when(F.col("outcome") == "completed", 1)).alias("completed"),
@@ -627,7 +629,7 @@ def evaluate_snapshots(
         try:
             large, reduced = _large_snapshots(archive, heads.to_pylist(), configured, finish_edges)
         finally:
-            counting.wait()  # no job of this call outlives it, even when it fails
+            futures.wait([counting])  # no job of this call outlives it, even when it fails
         outcomes = counting.result()
         assert outcomes is not None
         # Without a snapshot left for them, the jobs over blobs would only start Python workers.
@@ -659,38 +661,25 @@ def evaluate_snapshots(
     )
 
 
-class _Background(Generic[_T]):
-    """``action()`` run in a thread of its own while the caller goes on; :meth:`result` waits for it.
+def _in_background(spark: SparkSession, action: Callable[[], _T]) -> Future[_T]:
+    """``action()`` run in a thread of its own while the caller goes on: its future.
 
     The thread is PySpark's ``InheritableThread``: in pinned-thread mode it takes the caller's
     local properties (job group, description, a streaming batch's), as the caller's own job would.
-    :meth:`result` raises what ``action`` raised, in the caller's thread, so that a Spark failure
-    reaches the caller's :meth:`~stablewatch.pipeline.tables.Archive.reading` as if run there.
+    The future's ``result()`` raises what ``action`` raised, in the caller's thread, so that a
+    Spark failure reaches the caller's :meth:`~stablewatch.pipeline.tables.Archive.reading` as if
+    run there.
     """
+    future: Future[_T] = Future()
 
-    def __init__(self, spark: SparkSession, action: Callable[[], _T]) -> None:
-        self._action = action
-        self._value: _T | None = None
-        self._error: BaseException | None = None
-        self._thread = InheritableThread(target=self._run, session=spark, name="stablewatch-background", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
+    def run() -> None:
         try:
-            self._value = self._action()
+            future.set_result(action())
         except BaseException as error:  # handed to the caller by result()
-            self._error = error
+            future.set_exception(error)
 
-    def wait(self) -> None:
-        """Return once ``action`` has returned or raised."""
-        self._thread.join()
-
-    def result(self) -> _T:
-        """What ``action`` returned, once it has; what it raised is raised here."""
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-        return cast(_T, self._value)
+    InheritableThread(target=run, session=spark, name="stablewatch-background", daemon=True).start()
+    return future
 
 
 def _small_candidates(small: DataFrame, configured: Mapping[str, int]) -> list[tuple[str, tuple[int, int], int]]:

@@ -28,7 +28,7 @@ from stablewatch.pipeline.evaluate import (
     EVALUATIONS,
     PLAIN_COLUMNS,
     Evaluated,
-    _Background,
+    _in_background,
     evaluate_archive,
     write_evaluations,
 )
@@ -230,9 +230,9 @@ def test_a_job_run_meanwhile_reports_in_the_callers_thread(spark: SparkSession, 
     context = spark.sparkContext
     context.setLocalProperty("stablewatch.test", "caller")
     try:
-        assert _Background(spark, lambda: context.getLocalProperty("stablewatch.test")).result() == "caller"
+        assert _in_background(spark, lambda: context.getLocalProperty("stablewatch.test")).result() == "caller"
     finally:
         context.setLocalProperty("stablewatch.test", None)  # type: ignore[arg-type]  # None removes it
-    failing = _Background(spark, lambda: spark.range(1).select(F.raise_error(F.lit("no count"))).first())
+    failing = _in_background(spark, lambda: spark.range(1).select(F.raise_error(F.lit("no count"))).first())
     with pytest.raises(PySparkException, match="no count"), archive.reading():
         failing.result()

@@ -202,10 +202,10 @@ class RpcAgent:
     ) -> None:
         self.process_id = process_id
         self.state = LocalStateKeeper()
-        #: Breaks a detector's ``BreakWait`` (the control stream's ``on_break``): ``agent.state``'s
-        #: waits and this agent's calls.
         #: Rung when a call begins to wait or a request queues (the dispatcher sets it; see breaking.Doorbell).
         self.doorbell = Doorbell()
+        #: Breaks a detector's ``BreakWait`` (the control stream's ``on_break``): ``agent.state``'s
+        #: waits and this agent's calls.
         self.breaks = BreakDispatcher([self.state, self])
         self._hint_watch = HintWatch(hint_after) if hint_after is not None else None
         self.metrics = RpcAgentMetrics(metrics_registry)
