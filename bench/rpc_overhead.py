@@ -2,9 +2,10 @@
 
 Two OS processes per API on 127.0.0.1: a server process and a client process with the synchronous
 gRPC API, and (``--api both``, the default) a pair with the asyncio API. Each server process serves
-the same two methods (64-byte requests and responses, generic byte handlers) on four servers: a
-plain one, one with pass-through interceptors, one with a stamp-only interceptor and one with its
-RPC-mode agent's server interceptor, set up as the README says (sync: ``agent.thread_pool(n)``
+the same two methods (64-byte requests and responses, generic byte handlers) on five servers: a
+plain one, one with pass-through interceptors, one with a stamp-only interceptor, one with the
+stamp-only interceptor and the python stand-in (below) and one with its RPC-mode agent's server
+interceptor, set up as the README says (sync: ``agent.thread_pool(n)``
 given to ``grpc.server`` and to ``agent.server_interceptor(workers=pool)``, ``--workers`` 4 threads
 in every server; asyncio: ``agent.aio_server_interceptor()``). The methods:
 
@@ -41,7 +42,16 @@ attaches to a detector in this process. Cases (the asyncio ones are named ``aio 
 * ``realistic stamp-only+snapshots`` (``realistic_stamp_only``): the ``work`` method through the
   stamp-only channel and server, snapshots at 10 a second: the floor of the realistic target;
 * ``realistic instrumented+snapshots`` (``realistic``): the ``work`` method, the README's set-up,
-  snapshots at 10 a second.
+  snapshots at 10 a second;
+* ``python stand-in+snapshots`` (``standin``) and ``realistic python stand-in+snapshots``
+  (``realistic_standin``): the stamp-only channel and server, snapshots at 10 a second, each side
+  also running ``standin(n)`` once per call: Python of the plainest kind that does nothing (per
+  iteration an object of four fields, an f-string, a clock read, a lock taken and released, a dict
+  entry set and removed), ``n`` calibrated in each process so that, timed alone, it takes half of
+  ``--standin-us`` (4 µs by default: the bound issue 27 sets on the agent's own Python per call,
+  both sides, ``hot_path_agent_us`` in ``rpc_hot_path.py``). What it costs in place, beside what it
+  costs alone, is what that much Python costs on the call path whatever it does: the floor under
+  the targets of any agent written in Python within that bound.
 
 Each case runs ``--warmup`` seconds, then is measured for ``--seconds``: the latency of every call
 that started in that window (its p50 and p99, in µs) and the calls completed per second. The cases
@@ -65,6 +75,12 @@ call of both processes together (``<key>_cpu_us_per_call``) and of each (``<key>
   ``realistic_floor_cpu_overhead``, and what the agent adds above it: ``realistic_over_floor_p50``
   (realistic instrumented+snapshots p50 / realistic stamp-only+snapshots p50 - 1),
   ``realistic_over_floor_throughput_ratio``;
+* the stand-in's: ``standin_floor_overhead_p50``, ``standin_floor_throughput_ratio`` and
+  ``standin_floor_cpu_overhead`` (python stand-in+snapshots against stamp-only+snapshots: as the
+  floor targets set the agent), ``over_standin_p50`` and ``over_standin_cpu_overhead``
+  (instrumented+snapshots against the stand-in: what the agent costs beyond Python of the bound's
+  size), ``realistic_standin_overhead_p50``, ``realistic_standin_throughput_ratio`` and
+  ``realistic_standin_cpu_overhead`` (against realistic plain, as the realistic targets);
 * against plain, as before: ``overhead_p50`` (intercepted p50 / plain p50 - 1),
   ``overhead_p50_with_snapshots``, the floors' ``noop_overhead_p50`` and ``stamp_only_overhead_p50``
   and ``client_interceptor_overhead_p50``; ``cpu_overhead`` (intercepted over plain, - 1),
@@ -76,14 +92,16 @@ call of both processes together (``<key>_cpu_us_per_call``) and of each (``<key>
 
 Then ``snapshots_per_s`` (what the detector achieved while the snapshot cases were measured) and
 ``snapshots_completed``; ``realistic_handler`` (what the ``work`` method does, with each server's
-calibrated iterations and their measured CPU µs); and the ``targets``, met or not:
+calibrated iterations and their measured CPU µs); ``python_standin`` (its iterations per side and
+what one call's measured alone, in µs, in each process); and the ``targets``, met or not:
 ``floor_overhead_p50`` <= 0.05, ``floor_throughput_ratio`` >= 0.95, ``realistic_overhead_p50`` <= 0.03,
 ``realistic_throughput_ratio`` >= 0.97, and the same for the asyncio API. (The former targets
 against plain gRPC, p50 overhead <= 5 % and throughput >= 0.95, were restated against the floor by
 issue 27: carrying one entry each way already costs an echo call more than that.)
 
     python bench/rpc_overhead.py [--seconds 10] [--warmup 1] [--rounds 5] [--concurrency 4] [--workers 4]
-                                 [--api both|sync|aio] [--io-ms 1] [--cpu-us 100] [--probe] [--cases ...]
+                                 [--api both|sync|aio] [--io-ms 1] [--cpu-us 100] [--standin-us 4] [--probe]
+                                 [--cases ...]
 
 ``--cases CASE[,CASE]`` runs only those cases (no table or JSON line), for a profiler:
 ``py-spy record --gil --pid PID`` on the ``--role client`` or ``--role server`` process (``--role
@@ -93,10 +111,17 @@ aio-client``, ``--role aio-server`` for the asyncio ones).
 agent and of its interceptors is wrapped to add up the thread CPU time it takes (each wrapper adds
 the cost of two ``thread_time_ns`` calls, about a microsecond). At the end each process prints one
 line to stderr, ``probe <role> {step: [CPU µs per call, calls]}``: what the agent's Python costs in
-place, to set beside the CPU per call of the cases.
+place, to set beside the CPU per call of the cases. Whole steps are timed too, to set a case
+beside its floor in place: the sync client's call through the instrumented channel
+(``instrumented call``) and through the stamp-only or stand-in method (``stamp-only call``), the
+sync server's ``_handle_call`` (grpc's polling thread: the interceptors and the hand-off to a
+worker, with the pools' ``submit``) and ``_unary_response_in_pool`` (the worker: the wrapped
+handler), the latter three shared by all of a process's servers, so run one case at a time
+(``--cases``) to read them. A second line, ``probe-gc <role> {...}``, counts the garbage
+collector's passes per generation and their time.
 
-A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 17 cases (9 sync,
-8 asyncio): about 16 minutes by default, 8 with ``--api sync``.
+A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 21 cases (11 sync,
+10 asyncio): about 20 minutes by default, 10 with ``--api sync``.
 """
 
 from __future__ import annotations
@@ -104,6 +129,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import atexit
+import gc
 import json
 import os
 import statistics
@@ -136,7 +162,7 @@ class Case:
     """What one case measures: which API, channel (and server), method, and whether snapshots run."""
 
     api: str  # "sync" or "aio"
-    channel: str  # plain, noop, stamp_only, client_interceptor, intercepted
+    channel: str  # plain, noop, stamp_only, standin, client_interceptor, intercepted
     method: str  # echo or work
     snapshots: bool
     key: str  # its name in the JSON line
@@ -154,6 +180,8 @@ def _cases() -> dict[str, Case]:
         "realistic plain": Case("sync", "plain", "work", False, "realistic_plain"),
         "realistic stamp-only+snapshots": Case("sync", "stamp_only", "work", True, "realistic_stamp_only"),
         "realistic instrumented+snapshots": Case("sync", "intercepted", "work", True, "realistic"),
+        "python stand-in+snapshots": Case("sync", "standin", "echo", True, "standin"),
+        "realistic python stand-in+snapshots": Case("sync", "standin", "work", True, "realistic_standin"),
     }
     aio = {
         f"aio {name}": Case("aio", case.channel, case.method, case.snapshots, f"aio_{case.key}")
@@ -183,6 +211,15 @@ RATIOS = (
         "realistic stamp-only+snapshots",
         "rate",
     ),
+    # What Python of the agent's size costs in place, whatever it does (see "python stand-in" above).
+    ("standin_floor_overhead_p50", "python stand-in+snapshots", "stamp-only+snapshots", "p50"),
+    ("standin_floor_throughput_ratio", "python stand-in+snapshots", "stamp-only+snapshots", "rate"),
+    ("standin_floor_cpu_overhead", "python stand-in+snapshots", "stamp-only+snapshots", "cpu"),
+    ("over_standin_p50", "instrumented+snapshots", "python stand-in+snapshots", "p50"),
+    ("over_standin_cpu_overhead", "instrumented+snapshots", "python stand-in+snapshots", "cpu"),
+    ("realistic_standin_overhead_p50", "realistic python stand-in+snapshots", "realistic plain", "p50"),
+    ("realistic_standin_throughput_ratio", "realistic python stand-in+snapshots", "realistic plain", "rate"),
+    ("realistic_standin_cpu_overhead", "realistic python stand-in+snapshots", "realistic plain", "cpu"),
     ("noop_overhead_p50", "no-op interceptors", "plain", "p50"),
     ("overhead_p50", "instrumented", "plain", "p50"),
     ("overhead_p50_with_snapshots", "instrumented+snapshots", "plain", "p50"),
@@ -222,18 +259,22 @@ class NoopClientInterceptor(grpc.UnaryUnaryClientInterceptor):
 
 class StampOnlyServerInterceptor(grpc.ServerInterceptor):
     """Sees each call arrive and sets one stamp-sized trailing metadata entry when its handler ends,
-    and nothing more; the handler is wrapped once, as the agent's interceptor does."""
+    and nothing more; the handler is wrapped once, as the agent's interceptor does. With ``standin``,
+    each call also runs :func:`standin` with that many iterations as its handler starts."""
 
-    def __init__(self) -> None:
+    def __init__(self, standin: int = 0) -> None:
         self._wrapped: dict[int, object] = {}
+        self._standin = standin
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         wrapped = self._wrapped.get(id(handler))
         if wrapped is None:
-            behavior = handler.unary_unary
+            behavior, iterations = handler.unary_unary, self._standin
 
             def stamped(request, context):
+                if iterations:
+                    standin(iterations)
                 try:
                     return behavior(request, context)
                 finally:
@@ -245,12 +286,16 @@ class StampOnlyServerInterceptor(grpc.ServerInterceptor):
 
 class StampOnlyMethod:
     """A unary method that adds one stamp-sized metadata entry to each request and reads the
-    response's trailing metadata, and nothing more, the way the agent's instrumented channel calls."""
+    response's trailing metadata, and nothing more, the way the agent's instrumented channel calls
+    (with ``standin``, after :func:`standin` with that many iterations, as the call goes out)."""
 
-    def __init__(self, method: grpc.UnaryUnaryMultiCallable) -> None:
+    def __init__(self, method: grpc.UnaryUnaryMultiCallable, standin: int = 0) -> None:
         self._method = method
+        self._standin = standin
 
     def __call__(self, request, metadata=None, **options):
+        if self._standin:
+            standin(self._standin)
         metadata = (*metadata, FLOOR_STAMP) if metadata else (FLOOR_STAMP,)
         response, call = self._method.with_call(request, metadata=metadata, **options)
         call.trailing_metadata()
@@ -259,10 +304,12 @@ class StampOnlyMethod:
 
 class AioStampOnlyServerInterceptor(grpc.aio.ServerInterceptor):
     """The asyncio server's stamp-only floor: one stamp-sized trailing entry set when the handler ends,
-    the handler wrapped once per method, as the agent's asyncio interceptor does."""
+    the handler wrapped once per method, as the agent's asyncio interceptor does (``standin``: as
+    :class:`StampOnlyServerInterceptor`'s)."""
 
-    def __init__(self) -> None:
+    def __init__(self, standin: int = 0) -> None:
         self._wrapped: dict[int, tuple[object, object]] = {}
+        self._standin = standin
 
     async def intercept_service(
         self, continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]], handler_call_details: Any
@@ -270,9 +317,11 @@ class AioStampOnlyServerInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         kept = self._wrapped.get(id(handler))
         if kept is None or kept[0] is not handler:
-            behavior = handler.unary_unary
+            behavior, iterations = handler.unary_unary, self._standin
 
             async def stamped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                if iterations:
+                    standin(iterations)
                 try:
                     return await behavior(request, context)
                 finally:
@@ -284,12 +333,16 @@ class AioStampOnlyServerInterceptor(grpc.aio.ServerInterceptor):
 
 class AioStampOnlyMethod:
     """An asyncio unary method that adds one stamp-sized entry to each request and reads the response's
-    trailing metadata, and nothing more, as the agent's asyncio client interceptor reads it."""
+    trailing metadata, and nothing more, as the agent's asyncio client interceptor reads it
+    (``standin``: as :class:`StampOnlyMethod`'s)."""
 
-    def __init__(self, method: grpc.aio.UnaryUnaryMultiCallable) -> None:
+    def __init__(self, method: grpc.aio.UnaryUnaryMultiCallable, standin: int = 0) -> None:
         self._method = method
+        self._standin = standin
 
     async def __call__(self, request: Any, metadata: Any = None, **options: Any) -> Any:
+        if self._standin:
+            standin(self._standin)
         metadata = (*metadata, FLOOR_STAMP) if metadata else (FLOOR_STAMP,)
         call = self._method(request, metadata=metadata, **options)
         response = await call
@@ -314,7 +367,7 @@ class AioNoopClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 
 
 PROBED = {
-    "agent": ("arrive", "handler_started", "respond", "call_out", "call_returned"),
+    "agent": ("arrive", "handler_started", "respond", "call_ended", "call_out", "call_returned"),
     "interceptors": ("_details_with", "_aio_details_with", "stamp_of", "current_task_name", "_aio_task_name"),
     "channel": ("stamp_of", "take_in_end", "current_task_name"),
 }
@@ -322,15 +375,18 @@ PROBED = {
 
 def install_probe(role: str) -> None:
     """Wrap the agent's and the interceptors' steps to add up their thread CPU time; print it at exit."""
+    import grpc._server
+
     from stablewatch.agents.rpc import agent as rpc_agent
     from stablewatch.agents.rpc import channel as rpc_channel
     from stablewatch.agents.rpc import interceptors as rpc_interceptors
+    from stablewatch.agents.rpc import pool as rpc_pool
 
     cost: dict[str, int] = {}
     calls: dict[str, int] = {}
 
-    def timed(owner: object, name: str) -> None:
-        original = getattr(owner, name)
+    def timed(owner: object, name: str, label: str | None = None) -> None:
+        original, label = getattr(owner, name), label or name
         clock = time.thread_time_ns
 
         def step(*args: object, **kwargs: object) -> object:
@@ -338,8 +394,8 @@ def install_probe(role: str) -> None:
             try:
                 return original(*args, **kwargs)
             finally:
-                cost[name] = cost.get(name, 0) + clock() - began
-                calls[name] = calls.get(name, 0) + 1
+                cost[label] = cost.get(label, 0) + clock() - began
+                calls[label] = calls.get(label, 0) + 1
 
         setattr(owner, name, step)
 
@@ -350,10 +406,29 @@ def install_probe(role: str) -> None:
     for name in PROBED["channel"]:  # the same helpers, as the instrumented channel's module holds them
         timed(rpc_channel, name)
     timed(rpc_interceptors.ServerInterceptor, "intercept_service")
+    timed(rpc_pool.WorkerExecutor, "submit", "WorkerExecutor.submit")  # the agent's pool, its base's inside it
+    timed(futures.ThreadPoolExecutor, "submit", "ThreadPoolExecutor.submit")
+    # Whole steps, the agent's and its floor's alike (see the module docstring).
+    timed(rpc_channel._UnaryUnary, "__call__", "instrumented call")
+    timed(StampOnlyMethod, "__call__", "stamp-only call")
+    for name in ("_handle_call", "_unary_response_in_pool"):
+        timed(grpc._server, name, f"grpc {name}")
+    collections = {"began": 0, "passes": [0, 0, 0], "ns": [0, 0, 0]}
+
+    def collected(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections["began"] = time.perf_counter_ns()
+        else:
+            collections["passes"][info["generation"]] += 1
+            collections["ns"][info["generation"]] += time.perf_counter_ns() - collections["began"]
+
+    gc.callbacks.append(collected)
 
     def report() -> None:
         steps = {name: [round(cost[name] / calls[name] / 1000, 2), calls[name]] for name in cost}
         print(f"probe {role} {json.dumps(steps)}", file=sys.stderr, flush=True)
+        passes, took = collections["passes"], [round(ns / 1e6, 1) for ns in collections["ns"]]
+        print(f"probe-gc {role} {json.dumps({'passes': passes, 'ms': took})}", file=sys.stderr, flush=True)
 
     atexit.register(report)
 
@@ -369,22 +444,62 @@ def busy(iterations: int) -> int:
     return total
 
 
-def cpu_us_of(iterations: int, repeats: int = 15) -> float:
-    """The fewest µs of this thread's CPU time that ``busy(iterations)`` took in ``repeats`` runs."""
+class _StandInItem:
+    __slots__ = ("at", "name", "peer", "seq")
+
+    def __init__(self, seq: int, peer: str, name: str, at: int) -> None:
+        self.seq, self.peer, self.name, self.at = seq, peer, name, at
+
+
+_STANDIN_LOCK = threading.Lock()
+_STANDIN_TABLE: dict[int, _StandInItem] = {}
+
+
+def standin(iterations: int) -> None:
+    """Python of the plainest kind, the kind an agent's step per call is made of, that does nothing:
+    per iteration an object with four fields, an f-string, a clock read, a lock taken and released,
+    and a dict entry set and removed. Its cost in place, set beside its cost here alone, is what
+    any Python on the call path costs (the ``python stand-in`` cases)."""
+    for seq in range(iterations):
+        item = _StandInItem(seq, "peer", f"/bench.Echo/Call#peer:{seq}", time.time_ns())
+        _STANDIN_LOCK.acquire()
+        try:
+            _STANDIN_TABLE[seq] = item
+        finally:
+            _STANDIN_LOCK.release()
+        _STANDIN_TABLE.pop(seq, None)
+
+
+def cpu_us_of(work: Callable[[int], object], iterations: int, repeats: int = 15) -> float:
+    """The fewest µs of this thread's CPU time that ``work(iterations)`` took in ``repeats`` runs."""
     fastest = None
     for _ in range(repeats):
         began = time.thread_time_ns()
-        busy(iterations)
+        work(iterations)
         took = time.thread_time_ns() - began
         fastest = took if fastest is None else min(fastest, took)
     return (fastest or 1) / 1000
 
 
-def calibrate(cpu_us: float) -> tuple[int, float]:
+def calibrate_busy(cpu_us: float) -> tuple[int, float]:
     """Iterations of :func:`busy` that take about ``cpu_us`` of CPU here, and the µs they measured."""
     probe = 20_000
-    iterations = max(1, round(probe * cpu_us / cpu_us_of(probe)))
-    return iterations, round(cpu_us_of(iterations), 1)
+    iterations = max(1, round(probe * cpu_us / cpu_us_of(busy, probe)))
+    return iterations, round(cpu_us_of(busy, iterations), 1)
+
+
+def calibrate_standin(standin_us: float) -> tuple[int, float]:
+    """One side's :func:`standin` iterations for half of ``standin_us`` (the whole call's, both sides),
+    and the µs they measured: the count whose one call comes nearest, each count timed as it runs
+    (an iteration is about half a microsecond, so a count from a long run's rate would miss by one)."""
+    target, iterations = standin_us / 2, 1
+    measured = cpu_us_of(standin, iterations, repeats=200)
+    while measured < target:
+        more = cpu_us_of(standin, iterations + 1, repeats=200)
+        if more - target > target - measured:
+            break
+        iterations, measured = iterations + 1, more
+    return iterations, round(measured, 2)
 
 
 def sync_handlers(io_seconds: float, iterations: int) -> grpc.GenericRpcHandler:
@@ -425,13 +540,15 @@ def start_agent(process_id: str, detector: str) -> RpcAgent:
 def serve(args: argparse.Namespace) -> None:
     """The sync servers, until stdin closes."""
     agent = start_agent("server", args.detector)
-    iterations, measured = calibrate(args.cpu_us)
+    iterations, measured = calibrate_busy(args.cpu_us)
+    standins, standin_us = calibrate_standin(args.standin_us)
     servers = {}
     instrumented_pool = agent.thread_pool(args.workers, thread_name_prefix="intercepted-worker")  # the README's
     kinds = (
         ("plain", [], None),
         ("noop", [NoopServerInterceptor()], None),
         ("stamp_only", [StampOnlyServerInterceptor()], None),
+        ("standin", [StampOnlyServerInterceptor(standins)], None),
         # for both of the agent's clients (the instrumented channel and the client interceptor)
         ("intercepted", [agent.server_interceptor(workers=instrumented_pool)], instrumented_pool),
     )
@@ -446,6 +563,8 @@ def serve(args: argparse.Namespace) -> None:
         addresses={kind: address for kind, (_, address) in servers.items()},
         iterations=iterations,
         cpu_us=measured,
+        standin_iterations=standins,
+        standin_us=standin_us,
     )
     sys.stdin.read()  # until the orchestrator closes it
     for server, _ in servers.values():
@@ -460,11 +579,13 @@ def aio_serve(args: argparse.Namespace) -> None:
 
 async def aio_servers(args: argparse.Namespace) -> None:
     agent = start_agent("aio-server", args.detector)
-    iterations, measured = calibrate(args.cpu_us)
+    iterations, measured = calibrate_busy(args.cpu_us)
+    standins, standin_us = calibrate_standin(args.standin_us)
     kinds = (
         ("plain", []),
         ("noop", [AioNoopServerInterceptor()]),
         ("stamp_only", [AioStampOnlyServerInterceptor()]),
+        ("standin", [AioStampOnlyServerInterceptor(standins)]),
         ("intercepted", [agent.aio_server_interceptor()]),
     )
     servers = {}
@@ -478,6 +599,8 @@ async def aio_servers(args: argparse.Namespace) -> None:
         addresses={kind: address for kind, (_, address) in servers.items()},
         iterations=iterations,
         cpu_us=measured,
+        standin_iterations=standins,
+        standin_us=standin_us,
     )
     await asyncio.to_thread(sys.stdin.read)  # until the orchestrator closes it
     for server, _ in servers.values():
@@ -493,6 +616,7 @@ def call(args: argparse.Namespace) -> None:
         "plain": grpc.insecure_channel(addresses["plain"]),
         "noop": grpc.intercept_channel(grpc.insecure_channel(addresses["noop"]), NoopClientInterceptor()),
         "stamp_only": grpc.insecure_channel(addresses["stamp_only"]),
+        "standin": grpc.insecure_channel(addresses["standin"]),
         "client_interceptor": grpc.intercept_channel(
             grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor("server")
         ),
@@ -501,11 +625,13 @@ def call(args: argparse.Namespace) -> None:
     methods = {
         (kind, name): channel.unary_unary(path) for kind, channel in channels.items() for name, path in METHODS.items()
     }
+    standins, standin_us = calibrate_standin(args.standin_us)
     for name in METHODS:
         methods["stamp_only", name] = StampOnlyMethod(methods["stamp_only", name])
+        methods["standin", name] = StampOnlyMethod(methods["standin", name], standins)
     for method in methods.values():  # connect every channel before anything is measured
         method(PAYLOAD, wait_for_ready=True, timeout=30)
-    emit(ready=True)
+    emit(ready=True, standin_iterations=standins, standin_us=standin_us)
     for line in sys.stdin:
         phase = json.loads(line)
         method = methods[phase["channel"], phase["method"]]
@@ -527,6 +653,7 @@ async def aio_client(args: argparse.Namespace) -> None:
         "plain": grpc.aio.insecure_channel(addresses["plain"]),
         "noop": grpc.aio.insecure_channel(addresses["noop"], interceptors=[AioNoopClientInterceptor()]),
         "stamp_only": grpc.aio.insecure_channel(addresses["stamp_only"]),
+        "standin": grpc.aio.insecure_channel(addresses["standin"]),
         "intercepted": grpc.aio.insecure_channel(
             addresses["intercepted"], interceptors=agent.aio_client_interceptors("aio-server")
         ),
@@ -534,11 +661,13 @@ async def aio_client(args: argparse.Namespace) -> None:
     methods = {
         (kind, name): channel.unary_unary(path) for kind, channel in channels.items() for name, path in METHODS.items()
     }
+    standins, standin_us = calibrate_standin(args.standin_us)
     for name in METHODS:
         methods["stamp_only", name] = AioStampOnlyMethod(methods["stamp_only", name])
+        methods["standin", name] = AioStampOnlyMethod(methods["standin", name], standins)
     for method in methods.values():  # connect every channel before anything is measured
         await method(PAYLOAD, wait_for_ready=True, timeout=30)
-    emit(ready=True)
+    emit(ready=True, standin_iterations=standins, standin_us=standin_us)
     while line := await asyncio.to_thread(sys.stdin.readline):
         phase = json.loads(line)
         method = methods[phase["channel"], phase["method"]]
@@ -721,13 +850,14 @@ async def measure_rounds(
     try:
         for api in apis(args):
             server_role, client_role = ROLES_OF[api]
-            realistic = ["--io-ms", str(args.io_ms), "--cpu-us", str(args.cpu_us)]
+            realistic = ["--io-ms", str(args.io_ms), "--cpu-us", str(args.cpu_us), "--standin-us", str(args.standin_us)]
             server = await Child.start(
                 __file__, server_role, "--detector", detector, "--workers", str(args.workers), *realistic, *probe
             )
             children.append(server)
             config = await server.read()
-            calibration[api] = {"iterations": config["iterations"], "cpu_us": config["cpu_us"]}
+            calibrated = ("iterations", "cpu_us", "standin_iterations", "standin_us")
+            calibration[api] = {key: config[key] for key in calibrated}
             client = await Child.start(
                 __file__,
                 client_role,
@@ -739,10 +869,13 @@ async def measure_rounds(
                 str(args.concurrency),
                 "--server-pid",
                 str(server.process.pid),
+                "--standin-us",
+                str(args.standin_us),
                 *probe,
             )
             children.append(client)
-            await client.read()  # ready: every channel connected
+            ready = await client.read()  # every channel connected
+            calibration[api] |= {f"client_{key}": ready[key] for key in ("standin_iterations", "standin_us")}
             clients[api] = client
         members = {agent for api in apis(args) for agent in ROLES_OF[api]}
         await attached(coordinator, members)
@@ -751,7 +884,10 @@ async def measure_rounds(
             order = cases[number % len(cases) :] + cases[: number % len(cases)]  # rotate against drift
             measured = {case: await run_phase(clients[CASES[case].api], case, args, coordinator) for case in order}
             rounds.append(measured)
-            line = ", ".join(f"{case} p50 {m.p50_us:.0f} µs {m.per_s:,.0f}/s" for case, m in measured.items())
+            line = ", ".join(
+                f"{case} p50 {m.p50_us:.0f} µs {m.per_s:,.0f}/s CPU {m.cpu_us:.0f} µs/call"
+                for case, m in measured.items()
+            )
             print(f"round {number + 1}/{args.rounds}: {line}", file=sys.stderr, flush=True)
     finally:
         for child in reversed(children):  # clients first
@@ -822,6 +958,17 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]], calibration
         **{f"{api}_iterations": calibration[api]["iterations"] for api in calibration},
         **{f"{api}_cpu_us_measured": calibration[api]["cpu_us"] for api in calibration},
     }
+    result["python_standin"] = {
+        "us_per_call": args.standin_us,
+        "what": "standin(n) on each side, n calibrated in each process for half of us_per_call alone: per "
+        "iteration an object of four fields, an f-string, a clock read, a lock, a dict entry set and removed",
+        **{
+            f"{api}_{side}_{measure}": calibration[api][f"{prefix}standin_{measure}"]
+            for api in calibration
+            for side, prefix in (("server", ""), ("client", "client_"))
+            for measure in ("iterations", "us")
+        },
+    }
     targets: dict[str, bool] = {}
     for api in apis(args):
         prefix = "aio_" if api == "aio" else ""
@@ -873,6 +1020,12 @@ def main() -> None:
     parser.add_argument("--api", choices=("both", "sync", "aio"), default="both", help="which gRPC API (both)")
     parser.add_argument("--io-ms", type=float, default=1.0, help="the realistic handler's wait on I/O, ms (1)")
     parser.add_argument("--cpu-us", type=float, default=100.0, help="the realistic handler's CPU, µs (100)")
+    parser.add_argument(
+        "--standin-us",
+        type=float,
+        default=4.0,
+        help="the python stand-in's CPU per call alone, both sides together, µs (4: hot_path_agent_us's bound)",
+    )
     parser.add_argument("--probe", action="store_true", help="time the agent's steps in place (see above)")
     parser.add_argument(
         "--cases",

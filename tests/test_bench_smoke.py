@@ -123,7 +123,7 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     sizes = ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "2", "--concurrency", "2"]
     result = bench_json("rpc_overhead.py", *sizes, timeout=150)
     cases = ("plain", "noop", "stamp_only", "stamp_only_with_snapshots", "intercepted", "with_snapshots")
-    cases += ("realistic_plain", "realistic_stamp_only", "realistic")
+    cases += ("realistic_plain", "realistic_stamp_only", "realistic", "standin", "realistic_standin")
     for case in (*cases, "client_interceptor", *(f"aio_{case}" for case in cases)):
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
@@ -133,12 +133,22 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     # The realistic handler waits about 1 ms, so its calls take longer than the echo's.
     assert result["realistic_plain_p50_us"] > 1000 and result["aio_realistic_plain_p50_us"] > 1000, result
     assert result["realistic_handler"]["sync_iterations"] > 0 and result["realistic_handler"]["aio_iterations"] > 0
+    # The python stand-in was calibrated in each of the four processes, near half of its 4 µs a call.
+    standin = result["python_standin"]
+    assert standin["us_per_call"] == 4.0, standin
+    for api in ("sync", "aio"):
+        for side in ("server", "client"):
+            assert standin[f"{api}_{side}_iterations"] >= 1, standin
+            assert 0 < standin[f"{api}_{side}_us"] < 20, standin
     keys = ("noop_overhead_p50", "stamp_only_overhead_p50", "overhead_p50", "overhead_p50_with_snapshots")
     keys += ("stamp_only_throughput_ratio", "throughput_ratio", "cpu_overhead", "stamp_only_cpu_overhead")
     keys += ("noop_cpu_overhead", "floor_overhead_p50", "floor_throughput_ratio", "floor_cpu_overhead")
     keys += ("realistic_overhead_p50", "realistic_throughput_ratio", "realistic_cpu_overhead")
     keys += ("realistic_floor_overhead_p50", "realistic_floor_throughput_ratio", "realistic_floor_cpu_overhead")
     keys += ("realistic_over_floor_p50", "realistic_over_floor_throughput_ratio")
+    keys += ("standin_floor_overhead_p50", "standin_floor_throughput_ratio", "standin_floor_cpu_overhead")
+    keys += ("over_standin_p50", "over_standin_cpu_overhead")
+    keys += ("realistic_standin_overhead_p50", "realistic_standin_throughput_ratio", "realistic_standin_cpu_overhead")
     sync_only = ("client_interceptor_overhead_p50", "client_interceptor_throughput_ratio")
     for key in (*keys, *sync_only, *(f"aio_{name}" for name in keys)):
         low, high = result[f"{key}_spread"]
