@@ -9,9 +9,9 @@ task while the call is out) with the same agent calls, so the protocol is the sa
 Why a channel and not only an interceptor: for every call, ``grpc.intercept_channel`` builds a new
 multi-callable (and a call-details tuple, a continuation closure and an outcome object) before the
 interceptor runs. Here a unary call keeps one multi-callable per method and goes straight to it:
-``bench/rpc_hot_path.py`` measured one call's Python, both sides, at 5.9 µs of CPU this way
-against 7.6 µs through the client interceptor (the harness alone 0.6 µs, the stamp-only floor
-1.4 µs), with blocking calls made by ``with_call``. A ``future()`` and the
+``bench/rpc_hot_path.py`` measured one call's Python, both sides, at 5.3 µs of CPU this way
+against 7.0 µs through the client interceptor (the harness alone 0.6 µs, the stamp-only floor
+1.5 µs), with blocking calls made by ``with_call``. A ``future()`` and the
 streaming calls, whose ends come later, go through the client interceptor on the same channel, so
 they behave exactly as with ``grpc.intercept_channel``.
 
