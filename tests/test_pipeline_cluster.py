@@ -48,10 +48,18 @@ def master_state(ui_port: int) -> dict | None:
         return None
 
 
+def spark_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of the cluster's processes and of spark-submit: on loopback, with this Python,
+    and their scratch space (the executors' too) under ``tmp_path``, since a killed executor leaves
+    its scratch directory behind."""
+    scratch = {"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_DIRS": str(tmp_path)}
+    return {**os.environ, **scratch}
+
+
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
     """A standalone master and one worker; yields the master URL and its web UI port."""
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    env = spark_env(tmp_path)
     port, ui = free_port(), free_port()
     started: list[subprocess.Popen[bytes]] = []
 
@@ -109,7 +117,7 @@ def test_spark_submit_to_a_standalone_cluster_gives_the_local_result(
         "--out",
         str(tmp_path / "cluster"),
     ]
-    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable}
+    env = spark_env(tmp_path)
     done = subprocess.run(
         [*submit, *job, *FLAGS, "--json"], env=env, capture_output=True, text=True, timeout=600, check=False
     )
