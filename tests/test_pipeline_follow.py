@@ -94,7 +94,10 @@ def test_killed_in_the_middle_of_a_batch_it_resumes_without_duplicates_or_gaps(
     write_archive(archive, items[:60], batch_size=10)
     command = [sys.executable, "-m", "stablewatch.cli.main", "pipeline", "follow"]
     command += ["--archive", str(archive), "--out", str(out)]
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable}
+    # Spark's scratch space and the JVM's temporary files under tmp_path: the JVM killed below leaves
+    # its scratch directories behind.
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_DIRS": str(tmp_path)}
+    env["SPARK_SUBMIT_OPTS"] = f"-Djava.io.tmpdir={tmp_path}"
     running = subprocess.Popen(
         [*command, "--interval", "0.5", "--max-files", "1"],
         env=env,
