@@ -1,5 +1,6 @@
 """What the pipeline's tests share to run Spark: one local session (``local[2]``, few shuffle
-partitions, no UI), and the end of Spark processes started in a process group of their own."""
+partitions, no UI), and the environment and the end of Spark processes started in a process group
+of their own."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import os
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from pyspark.sql import SparkSession
 
@@ -30,6 +32,14 @@ def local_spark() -> Iterator[SparkSession]:
         yield spark
     finally:
         spark.stop()
+
+
+def killed_spark_env(folder: Path) -> dict[str, str]:
+    """The environment for Spark processes a test will kill: this Python for their workers, and their
+    scratch space and the JVM's temporary files under ``folder`` (a test's ``tmp_path``), since a
+    killed JVM leaves those behind."""
+    spark = {"PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_DIRS": str(folder)}
+    return {**os.environ, **spark, "SPARK_SUBMIT_OPTS": f"-Djava.io.tmpdir={folder}"}
 
 
 def group_gone(pgid: int) -> bool:

@@ -14,7 +14,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +23,7 @@ import pyspark
 import pytest
 from pyspark.sql import SparkSession
 from snapshot_gen import random_archive, write_archive
-from spark_session import group_gone
+from spark_session import group_gone, killed_spark_env
 
 from conftest import ROOT, free_port
 from polling import poll
@@ -49,11 +48,9 @@ def master_state(ui_port: int) -> dict | None:
 
 
 def spark_env(tmp_path: Path) -> dict[str, str]:
-    """The environment of the cluster's processes and of spark-submit: on loopback, with this Python,
-    and their scratch space (the executors' too) under ``tmp_path``, since a killed executor leaves
-    its scratch directory behind."""
-    scratch = {"SPARK_LOCAL_IP": "127.0.0.1", "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_DIRS": str(tmp_path)}
-    return {**os.environ, **scratch}
+    """The environment of the cluster's processes and of spark-submit: on loopback, the rest as for
+    any Spark process a test kills (the executors' scratch space under ``tmp_path``)."""
+    return {**killed_spark_env(tmp_path), "SPARK_LOCAL_IP": "127.0.0.1"}
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import pyarrow.dataset as ds
 import pytest
 from pyspark.sql import SparkSession
 from snapshot_gen import Archived, detector_evaluations, random_archive, write_archive
-from spark_session import group_gone
+from spark_session import group_gone, killed_spark_env
 
 from polling import poll
 from stablewatch.pipeline.follow import follow
@@ -94,10 +94,7 @@ def test_killed_in_the_middle_of_a_batch_it_resumes_without_duplicates_or_gaps(
     write_archive(archive, items[:60], batch_size=10)
     command = [sys.executable, "-m", "stablewatch.cli.main", "pipeline", "follow"]
     command += ["--archive", str(archive), "--out", str(out)]
-    # Spark's scratch space and the JVM's temporary files under tmp_path: the JVM killed below leaves
-    # its scratch directories behind.
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "SPARK_LOCAL_DIRS": str(tmp_path)}
-    env["SPARK_SUBMIT_OPTS"] = f"-Djava.io.tmpdir={tmp_path}"
+    env = killed_spark_env(tmp_path)  # the JVM is killed below
     running = subprocess.Popen(
         [*command, "--interval", "0.5", "--max-files", "1"],
         env=env,
