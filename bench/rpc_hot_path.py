@@ -28,12 +28,13 @@ thread (``time.thread_time``), so that other processes on a shared machine do no
   ``server_interceptor(workers=pool)`` (the README's set-up) for the agent. The pools start no
   thread (the loopback runs each work item itself), so the CPU the pool costs, where grpc spends
   it, is timed too: the other cases leave it out (``workers=4`` is only the pool's size);
-* ``aio_loopback``, ``aio_stamp_only``, ``aio_instrumented``: the same for the asyncio API, awaited
-  in one event loop. The loopback runs the agent's asyncio client interceptor (or the stamp-only
-  method) with a continuation that serves the call at once, in a fresh ``contextvars.Context``:
-  the server's interceptors (the agent's ``aio_server_interceptor``, or the stamp-only one) and
-  the handler, as one task of ``grpc.aio`` runs them. What ``grpc.aio`` adds around an interceptor
-  (a task per intercepted call) is gRPC's, not timed here: ``rpc_overhead.py`` has it.
+* ``aio_loopback``, ``aio_stamp_only``, ``aio_instrumented``, ``aio_client_interceptors``: the same
+  for the asyncio API, awaited in one event loop. The client is the agent's instrumented asyncio
+  channel (the README's set-up), or its asyncio client interceptor called as ``grpc.aio`` calls it,
+  or the stamp-only method; each call is served at once, in a fresh ``contextvars.Context``: the
+  server's interceptors (the agent's ``aio_server_interceptor``, or the stamp-only one) and the
+  handler, as one task of ``grpc.aio`` runs them. What ``grpc.aio`` adds around a client
+  interceptor (a task per intercepted call) is gRPC's, not timed here: ``rpc_overhead.py`` has it.
 
 Each case runs in interleaved rounds of ``--seconds`` (1) each, ``--rounds`` (5). The table and the
 last line (JSON) give the median µs per call and the spread (lowest and highest round), each case
@@ -76,6 +77,7 @@ from rich.table import Table
 from rpc_overhead import AioStampOnlyMethod, AioStampOnlyServerInterceptor, StampOnlyMethod, StampOnlyServerInterceptor
 
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.aio_channel import AioInstrumentedChannel
 from stablewatch.agents.rpc.pool import WorkerExecutor
 
 METHOD = "/bench.Echo/Call"
@@ -353,8 +355,28 @@ class AioLoopbackMethod:
     def __init__(self, server: AioLoopbackServer) -> None:
         self._server = server
 
-    def __call__(self, request: Any, *, metadata: Any = None, **options: Any) -> AioLoopbackCall:
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> AioLoopbackCall:
         return AioLoopbackCall(*self._server.call(request, tuple(metadata or ())))
+
+
+class AioLoopbackChannel:
+    """The part of a ``grpc.aio.Channel`` the agent's instrumented asyncio channel uses: its methods
+    serve each call at once."""
+
+    def __init__(self, server: AioLoopbackServer) -> None:
+        self._method = AioLoopbackMethod(server)
+
+    def unary_unary(self, method: str, *args: Any, **kwargs: Any) -> AioLoopbackMethod:
+        return self._method
 
 
 class AioInterceptedMethod:
@@ -432,11 +454,20 @@ def aio_cases() -> tuple[dict[str, Callable[[bytes], Awaitable[Any]]], dict[str,
     """Each asyncio case's unary method (awaited with the payload), and its client agent if it has one."""
     plain = AioLoopbackMethod(AioLoopbackServer([]))
     stamp_only = AioStampOnlyMethod(AioLoopbackMethod(AioLoopbackServer([AioStampOnlyServerInterceptor()])))
-    client, server = agents(False)
-    (unary, *_) = client.aio_client_interceptors("server")  # the unary-unary one comes first
-    instrumented = AioInterceptedMethod(unary, AioLoopbackMethod(AioLoopbackServer([server.aio_server_interceptor()])))
-    methods = {"aio_loopback": plain, "aio_stamp_only": stamp_only, "aio_instrumented": instrumented}
-    return methods, {"aio_instrumented": client}
+    clients: dict[str, RpcAgent] = {}
+    clients["aio_instrumented"], server = agents(False)
+    loopback = AioLoopbackChannel(AioLoopbackServer([server.aio_server_interceptor()]))
+    channel = AioInstrumentedChannel(loopback, clients["aio_instrumented"], "server", True)  # type: ignore[arg-type]
+    clients["aio_client_interceptors"], server = agents(False)
+    (unary, *_) = clients["aio_client_interceptors"].aio_client_interceptors("server")  # unary-unary comes first
+    intercepted = AioInterceptedMethod(unary, AioLoopbackMethod(AioLoopbackServer([server.aio_server_interceptor()])))
+    methods = {
+        "aio_loopback": plain,
+        "aio_stamp_only": stamp_only,
+        "aio_instrumented": channel.unary_unary(METHOD),
+        "aio_client_interceptors": intercepted,
+    }
+    return methods, clients
 
 
 def per_call(method: Callable[[bytes], Any], seconds: float) -> tuple[float, int]:

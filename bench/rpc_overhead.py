@@ -19,7 +19,7 @@ in every server; asyncio: ``agent.aio_server_interceptor()``). The methods:
 The client process calls from ``--concurrency`` threads (sync) or tasks (asyncio), each in a
 closed loop (the next call as soon as the last returned), through a matching channel. Every agent
 attaches to a detector in this process. Cases (the asyncio ones are named ``aio <case>``, JSON keys
-``aio_<key>``; they have no ``client interceptor`` case, as their agent's set-up is interceptors):
+``aio_<key>``):
 
 * ``plain``: the plain channel to the plain server;
 * ``no-op interceptors``: a channel and a server with interceptors that only pass each call on:
@@ -32,10 +32,10 @@ attaches to a detector in this process. Cases (the asyncio ones are named ``aio 
 * ``stamp-only+snapshots`` (``stamp_only_with_snapshots``): the same while the detector's own
   scheduler takes a snapshot every 0.1 s (10 a second, at most 2 at once: what
   ``stablewatch detector --interval 0.1`` does), which every agent (of both APIs) takes part in;
-* ``client interceptor`` (sync only): the agent's server interceptor, and its client interceptor
-  through ``grpc.intercept_channel``;
+* ``client interceptor``: the agent's server interceptor, and its client interceptor through
+  ``grpc.intercept_channel`` (asyncio: ``agent.aio_client_interceptors`` given to the channel);
 * ``instrumented`` (``intercepted``): the agent's server interceptor and its instrumented channel
-  (``agent.instrument_channel``; asyncio: ``agent.aio_client_interceptors``): the README's set-up,
+  (``agent.instrument_channel``, of a sync or an asyncio channel): the README's set-up,
   the detector taking no snapshot;
 * ``instrumented+snapshots`` (``with_snapshots``): the same with snapshots at 10 a second;
 * ``realistic plain`` (``realistic_plain``): the ``work`` method, plain channel and server;
@@ -64,7 +64,7 @@ The last line is one JSON object. Per case ``<key>``: ``<key>_p50_us`` (median o
 ``<key>_p50_us_spread``, ``<key>_p99_us``, ``<key>_calls_per_s`` and its spread, and the CPU time per
 call of both processes together (``<key>_cpu_us_per_call``) and of each (``<key>_client_cpu_us``,
 ``<key>_server_cpu_us``), read from /proc over the measured window. The ratios, each with its
-``_spread`` (all also with the ``aio_`` prefix, but the client interceptor's):
+``_spread`` (all also with the ``aio_`` prefix):
 
 * the targets' (issue 27): ``floor_overhead_p50`` (instrumented+snapshots p50 / stamp-only+snapshots
   p50 - 1), ``floor_throughput_ratio`` (calls/s, the same two cases), ``floor_cpu_overhead``;
@@ -120,8 +120,8 @@ handler), the latter three shared by all of a process's servers, so run one case
 (``--cases``) to read them. A second line, ``probe-gc <role> {...}``, counts the garbage
 collector's passes per generation and their time.
 
-A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 21 cases (11 sync,
-10 asyncio): about 20 minutes by default, 10 with ``--api sync``.
+A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 24 cases (12 for
+each API): about 22 minutes by default, 11 with ``--api sync``.
 """
 
 from __future__ import annotations
@@ -186,7 +186,6 @@ def _cases() -> dict[str, Case]:
     aio = {
         f"aio {name}": Case("aio", case.channel, case.method, case.snapshots, f"aio_{case.key}")
         for name, case in sync.items()
-        if case.channel != "client_interceptor"
     }
     return sync | aio
 
@@ -378,6 +377,7 @@ def install_probe(role: str) -> None:
     import grpc._server
 
     from stablewatch.agents.rpc import agent as rpc_agent
+    from stablewatch.agents.rpc import aio_channel as rpc_aio_channel
     from stablewatch.agents.rpc import channel as rpc_channel
     from stablewatch.agents.rpc import interceptors as rpc_interceptors
     from stablewatch.agents.rpc import pool as rpc_pool
@@ -410,6 +410,8 @@ def install_probe(role: str) -> None:
     timed(futures.ThreadPoolExecutor, "submit", "ThreadPoolExecutor.submit")
     # Whole steps, the agent's and its floor's alike (see the module docstring).
     timed(rpc_channel._UnaryUnary, "__call__", "instrumented call")
+    timed(rpc_aio_channel._Method, "__call__", "aio instrumented call, its start")
+    timed(grpc.aio._channel.UnaryUnaryMultiCallable, "__call__", "grpc.aio call start")
     timed(StampOnlyMethod, "__call__", "stamp-only call")
     for name in ("_handle_call", "_unary_response_in_pool"):
         timed(grpc._server, name, f"grpc {name}")
@@ -654,9 +656,10 @@ async def aio_client(args: argparse.Namespace) -> None:
         "noop": grpc.aio.insecure_channel(addresses["noop"], interceptors=[AioNoopClientInterceptor()]),
         "stamp_only": grpc.aio.insecure_channel(addresses["stamp_only"]),
         "standin": grpc.aio.insecure_channel(addresses["standin"]),
-        "intercepted": grpc.aio.insecure_channel(
+        "client_interceptor": grpc.aio.insecure_channel(
             addresses["intercepted"], interceptors=agent.aio_client_interceptors("aio-server")
         ),
+        "intercepted": agent.instrument_channel(grpc.aio.insecure_channel(addresses["intercepted"]), "aio-server"),
     }
     methods = {
         (kind, name): channel.unary_unary(path) for kind, channel in channels.items() for name, path in METHODS.items()

@@ -1,5 +1,5 @@
-"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector, a local Spark;
-and helpers: a free port, a detector with limits."""
+"""Shared fixtures: the COS 418 traces, throwaway certificates, an in-test detector, a local Spark,
+two RPC-mode agents; and helpers: a free port, a detector with limits."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from typing import Any
 import pytest
 from certs import issue, make_certs
 from detector_stub import StubDetector
+from rpc_harness import new_agent
 
 from stablewatch.agents.peer_identity import process_uri
+from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.detector.service.auth import role_uri
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.limits import Limits
@@ -90,6 +92,15 @@ def running(tmp_path: Path) -> Iterator[Running]:
     service = Running(config)
     yield service
     service.stop()
+
+
+@pytest.fixture
+def rpc_agents() -> Iterator[tuple[RpcAgent, RpcAgent]]:
+    """RPC-mode agents without a detector: the server's, S, and the client's, C."""
+    server, client = new_agent("S"), new_agent("C")
+    yield server, client
+    client.stop()
+    server.stop()
 
 
 def limited_detector(

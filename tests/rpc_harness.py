@@ -4,6 +4,7 @@ detector (the ``running`` fixture of conftest.py), calls and snapshots."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Callable
 from concurrent import futures
@@ -14,10 +15,28 @@ import grpc
 from polling import poll
 from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.testing.detector import Running
-from stablewatch.v1 import GlobalSnapshot
+from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 from stablewatch.v1.query_pb2 import SnapshotResults
 
 SERVICE = "test.Svc"
+# Snapshot ids only ever grow, over all agents of the process: a start always records afresh.
+_snapshot_ids = itertools.count(1)
+
+
+def new_agent(process_id: str, **options: Any) -> RpcAgent:
+    """A started agent without a detector; its recordings for tests expire quickly."""
+    return RpcAgent(process_id, expire_interval=0.05, hint_after=None, **options).start()
+
+
+def recorded(agent: RpcAgent, lifetime: float = 0.2) -> LocalState | None:
+    """The local state ``agent`` records for a new snapshot now (None if it could not record: it keeps
+    at most 16 recordings at once, and polls make one each look, kept for ``lifetime`` seconds)."""
+    parts: list[LocalSnapshotPart] = []
+    snapshot_id = next(_snapshot_ids)
+    agent.on_part(lambda part: parts.append(part) if part.snapshot_id == snapshot_id else None)
+    agent.start_snapshot(snapshot_id, lifetime=lifetime)
+    states = [part.state for part in parts if part.HasField("state")]
+    return states[0] if states else None
 
 
 class Service:
@@ -51,6 +70,14 @@ def channel_to(service: Service, agent: RpcAgent | None, peer: str | None) -> gr
     if peer:
         return agent.instrument_channel(channel, peer)
     return agent.instrument_channel(channel, target=service.address)
+
+
+def aio_channel_to(address: str, c_agent: RpcAgent, setup: str) -> grpc.aio.Channel:
+    """An asyncio channel to the process S at ``address``, instrumented the ``setup`` way: grpc.aio's
+    client interceptors, or the agent's instrumented channel."""
+    if setup == "interceptors":
+        return grpc.aio.insecure_channel(address, interceptors=c_agent.aio_client_interceptors("S"))
+    return c_agent.instrument_channel(grpc.aio.insecure_channel(address), "S")
 
 
 def call(channel: grpc.Channel, method: str, payload: bytes = b"", **kwargs: Any) -> bytes:

@@ -88,13 +88,14 @@ def test_hot_path_benchmark_prints_its_json_line() -> None:
 def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_hot_path.py", "--seconds", "0.05", "--rounds", "2", timeout=120)
     cases = ("loopback", "stamp_only", "instrumented", "instrumented_recording", "client_interceptor")
-    for case in (*cases, "aio_loopback", "aio_stamp_only", "aio_instrumented"):
+    for case in (*cases, "aio_loopback", "aio_stamp_only", "aio_instrumented", "aio_client_interceptors"):
         low, high = result[f"{case}_spread"]
         assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
         assert result[f"{case}_calls"] > 0, (case, result)
         assert (f"{case}_added_us" in result) == (case not in ("loopback", "aio_loopback")), result
     # The agents were really on the path of their cases: every request made was stamped.
-    for case in ("instrumented", "instrumented_recording", "client_interceptor", "aio_instrumented"):
+    agent_cases = ("instrumented", "instrumented_recording", "client_interceptor")
+    for case in (*agent_cases, "aio_instrumented", "aio_client_interceptors"):
         assert result[f"{case}_stamped_requests"] == result[f"{case}_calls"], (case, result)
     assert "stamp_only_stamped_requests" not in result and "aio_stamp_only_stamped_requests" not in result
     # The agents' own cost above the stamp-only floor, paired within each round.
@@ -124,7 +125,8 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_overhead.py", *sizes, timeout=150)
     cases = ("plain", "noop", "stamp_only", "stamp_only_with_snapshots", "intercepted", "with_snapshots")
     cases += ("realistic_plain", "realistic_stamp_only", "realistic", "standin", "realistic_standin")
-    for case in (*cases, "client_interceptor", *(f"aio_{case}" for case in cases)):
+    cases += ("client_interceptor",)
+    for case in (*cases, *(f"aio_{case}" for case in cases)):
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
         assert result[f"{case}_calls_per_s"] > 0, (case, result)
@@ -149,8 +151,8 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     keys += ("standin_floor_overhead_p50", "standin_floor_throughput_ratio", "standin_floor_cpu_overhead")
     keys += ("over_standin_p50", "over_standin_cpu_overhead")
     keys += ("realistic_standin_overhead_p50", "realistic_standin_throughput_ratio", "realistic_standin_cpu_overhead")
-    sync_only = ("client_interceptor_overhead_p50", "client_interceptor_throughput_ratio")
-    for key in (*keys, *sync_only, *(f"aio_{name}" for name in keys)):
+    keys += ("client_interceptor_overhead_p50", "client_interceptor_throughput_ratio")
+    for key in (*keys, *(f"aio_{name}" for name in keys)):
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
     assert result["throughput_ratio"] > 0 and result["floor_throughput_ratio"] > 0

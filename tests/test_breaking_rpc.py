@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,11 +25,11 @@ import grpc
 import pytest
 from fake_detector import FakeDetector, serve
 from pool_service import PoolService
-from rpc_harness import SERVICE, Service, call
+from rpc_harness import SERVICE, Service, aio_channel_to, call, new_agent, recorded
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc import DeadlockBroken, RpcAgent, WorkerExecutor
-from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, DetectorMessage, LocalSnapshotPart, LocalState, Wait
+from stablewatch.v1 import WAIT_MODEL_AND, WAIT_MODEL_OR, DetectorMessage, Wait
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_ALREADY_BROKEN,
     BREAK_OUTCOME_BROKEN,
@@ -40,23 +39,6 @@ from stablewatch.v1.control_pb2 import (
 )
 
 CYCLE = "A:/test.Svc/Ping -> B:/test.Svc/Pong -> A:/test.Svc/Ping"
-# Snapshot ids only ever grow, over all agents of the module: a start always records afresh.
-_snapshot_ids = itertools.count(1)
-
-
-def new_agent(process_id: str, **options: Any) -> RpcAgent:
-    """A started agent without a detector; its recordings for tests expire quickly."""
-    return RpcAgent(process_id, expire_interval=0.05, hint_after=None, **options).start()
-
-
-def recorded(agent: RpcAgent) -> LocalState | None:
-    """The local state ``agent`` records for a new snapshot now (None if it could not record)."""
-    parts: list[LocalSnapshotPart] = []
-    snapshot_id = next(_snapshot_ids)
-    agent.on_part(lambda part: parts.append(part) if part.snapshot_id == snapshot_id else None)
-    agent.start_snapshot(snapshot_id, lifetime=0.2)
-    states = [part.state for part in parts if part.HasField("state")]
-    return states[0] if states else None
 
 
 def recorded_wait(agent: RpcAgent, which: Callable[[Wait], bool], what: str) -> Wait:
@@ -389,18 +371,23 @@ def test_a_blocking_stream_unary_call_of_an_instrumented_channel_is_broken() -> 
         s_agent.stop()
 
 
-def test_an_asyncio_call_is_broken_with_deadlock_broken_not_cancelled() -> None:
+@pytest.mark.parametrize("setup", ["interceptors", "channel"])
+def test_an_asyncio_call_is_broken_with_deadlock_broken_not_cancelled(setup: str) -> None:
     release = threading.Event()
     s_agent, c_agent = new_agent("S"), new_agent("C")
     service = Service({"Slow": lambda request, context: release.wait(20) and b"done"}, s_agent)
 
     async def scenario() -> None:
-        async with grpc.aio.insecure_channel(
-            service.address, interceptors=c_agent.aio_client_interceptors("S")
-        ) as channel:
+        async with aio_channel_to(service.address, c_agent, setup) as channel:
             method = channel.unary_unary(f"/{SERVICE}/Slow")
-            broken = asyncio.ensure_future(method(b"", timeout=30))
+
+            async def caller() -> bytes:
+                return await method(b"", timeout=30)
+
+            broken = asyncio.create_task(caller(), name="caller")
             wait = await asyncio.to_thread(recorded_wait, c_agent, lambda w: True, "the asyncio call's wait")
+            # The channel's call waits in its caller's task; the interceptor's in grpc.aio's own task.
+            assert (wait.task == "caller") if setup == "channel" else wait.task.startswith("Task-")
             # As the control stream would: from the agent's own thread, not the caller's loop.
             report = await asyncio.to_thread(c_agent.breaks.handle, order(wait))
             assert report.outcome == BREAK_OUTCOME_BROKEN

@@ -15,6 +15,7 @@ import pytest
 from rpc_harness import SERVICE, Service
 
 from polling import poll
+from stablewatch.agents.rpc import AioInstrumentedChannel, InstrumentedChannel
 from stablewatch.agents.rpc.agent import BadStamp, RpcAgent
 from stablewatch.agents.rpc.interceptors import ClientInterceptor
 
@@ -179,14 +180,17 @@ def test_a_call_that_fails_before_grpc_answers_is_taken_in_and_restarts_the_coun
         service.stop()
 
 
-def test_an_asyncio_channel_is_refused_with_the_way_to_instrument_it() -> None:
+def test_an_asyncio_channel_is_instrumented_as_one_and_the_sync_channel_refuses_it() -> None:
     async def attempt() -> None:
-        channel = grpc.aio.insecure_channel("127.0.0.1:9")
+        agent = RpcAgent("client")
+        async with agent.instrument_channel(grpc.aio.insecure_channel("127.0.0.1:9"), "server") as channel:
+            assert isinstance(channel, AioInstrumentedChannel)
+        plain = grpc.aio.insecure_channel("127.0.0.1:9")
         try:
-            with pytest.raises(TypeError, match="aio_client_interceptors"):
-                RpcAgent("client").instrument_channel(channel, "server")
+            with pytest.raises(TypeError, match="AioInstrumentedChannel"):
+                InstrumentedChannel(plain, agent, "server", True)
         finally:
-            await channel.close()
+            await plain.close()
 
     asyncio.run(attempt())
 

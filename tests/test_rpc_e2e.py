@@ -13,7 +13,19 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, Service, agent, call, channel_to, deadlock, gate_starts, snapshot, stamped, stored
+from rpc_harness import (
+    SERVICE,
+    Service,
+    agent,
+    aio_channel_to,
+    call,
+    channel_to,
+    deadlock,
+    gate_starts,
+    snapshot,
+    stamped,
+    stored,
+)
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.agent import RpcAgent
@@ -240,7 +252,8 @@ def test_a_peer_restart_mid_snapshot_fails_that_snapshot_and_the_next_completes(
         c_agent.stop()
 
 
-def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running) -> None:
+@pytest.mark.parametrize("setup", ["interceptors", "channel"])
+def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running, setup: str) -> None:
     s_agent, c_agent = agent(running, "S"), agent(running, "C")
 
     async def body() -> None:
@@ -255,7 +268,7 @@ def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running) -> No
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=c_agent.aio_client_interceptors("S"))
+        channel = aio_channel_to(f"127.0.0.1:{port}", c_agent, setup)
         try:
 
             async def caller() -> bytes:
@@ -267,8 +280,11 @@ def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running) -> No
             results = await asyncio.wrap_future(first)
             assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
             waits = {p.process_id: p.state.waits for p in stored(running, results).processes}
-            (wait,) = waits["C"]  # grpc.aio runs interceptors in a task of its own: the waiter is that task
-            assert wait.task.startswith("Task-")
+            (wait,) = waits["C"]
+            if setup == "interceptors":  # grpc.aio runs interceptors in a task of its own: the waiter is that task
+                assert wait.task.startswith("Task-")
+            else:  # the instrumented channel's call waits in its caller's task
+                assert wait.task == "caller"
             assert [(t.process, t.task) for t in wait.targets] == [("S", f"/{SERVICE}/Slow#C:1")]
             release.set()
             assert await reply == b"done:a"

@@ -15,48 +15,29 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, call
+from rpc_harness import SERVICE, aio_channel_to, call, recorded
 
 from polling import poll, run
 from stablewatch.agents.rpc import RpcAgent
 from stablewatch.agents.rpc import interceptors as rpc_interceptors
 from stablewatch.agents.rpc import pool as rpc_pool
 from stablewatch.agents.rpc.interceptors import CURRENT_TASK
-from stablewatch.v1 import WAIT_MODEL_OR, LocalSnapshotPart, LocalState, Wait
+from stablewatch.v1 import WAIT_MODEL_OR, Wait
 
-# Snapshot ids only ever grow, over all agents of the module: a start always records afresh.
-_snapshot_ids = itertools.count(1)
 LOOPBACK = "grpc://127.0.0.1"
-
-
-def new_agent(process_id: str) -> RpcAgent:
-    """A started agent without a detector; its recordings for tests expire quickly."""
-    return RpcAgent(process_id, expire_interval=0.05, hint_after=None).start()
-
-
-def recorded(agent: RpcAgent) -> LocalState | None:
-    """The local state ``agent`` records for a new snapshot now (None if it could not record: it keeps
-    at most 16 recordings at once, and polls make one each look)."""
-    parts: list[LocalSnapshotPart] = []
-    snapshot_id = next(_snapshot_ids)
-    agent.on_part(lambda part: parts.append(part) if part.snapshot_id == snapshot_id else None)
-    agent.start_snapshot(snapshot_id, lifetime=0.05)
-    states = [part.state for part in parts if part.HasField("state")]
-    return states[0] if states else None
 
 
 def queued(agent: RpcAgent) -> list[Wait] | None:
     """The queued requests (OR waits on the running handlers) of ``agent``'s recorded state now."""
-    state = recorded(agent)
+    state = recorded(agent, lifetime=0.05)
     return None if state is None else [wait for wait in state.waits if wait.model == WAIT_MODEL_OR]
 
 
@@ -110,15 +91,6 @@ class PoolServer:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
 
-@pytest.fixture
-def agents() -> Iterator[tuple[RpcAgent, RpcAgent]]:
-    """The server's agent S and the client's agent C."""
-    server, client = new_agent("S"), new_agent("C")
-    yield server, client
-    client.stop()
-    server.stop()
-
-
 def aio_server(agent: RpcAgent, handlers: dict[str, Callable[..., Any]], interceptors: list[Any] | None = None) -> Any:
     server = grpc.aio.server(interceptors=[*(interceptors or []), agent.aio_server_interceptor()])
     methods = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in handlers.items()}
@@ -129,10 +101,11 @@ def aio_server(agent: RpcAgent, handlers: dict[str, Callable[..., Any]], interce
 # -- gap 1: the asyncio server wraps once per method ------------------------------------------------
 
 
+@pytest.mark.parametrize("setup", ["interceptors", "channel"])
 def test_an_asyncio_server_wraps_each_method_once_and_serves_each_call_as_its_own(
-    agents: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+    rpc_agents: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch, setup: str
 ) -> None:
-    s_agent, c_agent = agents
+    s_agent, c_agent = rpc_agents
     wraps: list[str] = []
     wrap = rpc_interceptors._wrap
 
@@ -161,7 +134,7 @@ def test_an_asyncio_server_wraps_each_method_once_and_serves_each_call_as_its_ow
         server = aio_server(s_agent, {"Echo": echo, "Other": other})
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=c_agent.aio_client_interceptors("S"))
+        channel = aio_channel_to(f"127.0.0.1:{port}", c_agent, setup)
         try:
             names = await asyncio.gather(
                 *(channel.unary_unary(f"/{SERVICE}/Echo")(b"", timeout=20) for _ in range(calls))
@@ -183,13 +156,14 @@ def test_an_asyncio_server_wraps_each_method_once_and_serves_each_call_as_its_ow
     assert c_agent._core.received_count("S") == calls + 2
 
 
+@pytest.mark.parametrize("setup", ["interceptors", "channel"])
 def test_an_asyncio_handler_run_in_another_task_than_its_interceptor_is_served_unobserved(
-    agents: tuple[RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture
+    rpc_agents: tuple[RpcAgent, RpcAgent], caplog: pytest.LogCaptureFixture, setup: str
 ) -> None:
     """An interceptor ahead of the agent's that awaits the rest of the chain in a task of its own hides
     the call's variable from the handler: the call is served all the same, and a warning says why
     it takes no part in snapshots."""
-    s_agent, c_agent = agents
+    s_agent, c_agent = rpc_agents
 
     class InATaskOfItsOwn(grpc.aio.ServerInterceptor):
         async def intercept_service(self, continuation: Callable[..., Any], details: Any) -> Any:
@@ -202,7 +176,7 @@ def test_an_asyncio_handler_run_in_another_task_than_its_interceptor_is_served_u
         server = aio_server(s_agent, {"Echo": echo}, [InATaskOfItsOwn()])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=c_agent.aio_client_interceptors("S"))
+        channel = aio_channel_to(f"127.0.0.1:{port}", c_agent, setup)
         try:
             return [await channel.unary_unary(f"/{SERVICE}/Echo")(b"", timeout=20) for _ in range(2)]
         finally:
@@ -222,9 +196,9 @@ def test_an_asyncio_handler_run_in_another_task_than_its_interceptor_is_served_u
 
 @pytest.mark.parametrize("ending", ["cancelled by its caller", "its deadline passed"])
 def test_a_queued_call_ended_by_grpc_leaves_the_picture_and_a_later_call_runs(
-    agents: tuple[RpcAgent, RpcAgent], ending: str
+    rpc_agents: tuple[RpcAgent, RpcAgent], ending: str
 ) -> None:
-    s_agent, c_agent = agents
+    s_agent, c_agent = rpc_agents
     server = PoolServer(s_agent)
     channel = c_agent.instrument_channel(grpc.insecure_channel(server.address), "S")
     try:
@@ -257,12 +231,12 @@ def test_a_queued_call_ended_by_grpc_leaves_the_picture_and_a_later_call_runs(
 
 
 def test_without_grpcs_call_state_a_cancelled_call_leaves_once_a_worker_reaches_it(
-    agents: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
+    rpc_agents: tuple[RpcAgent, RpcAgent], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Another grpc (its work items laid out otherwise): the work item is wrapped, and the cancelled
     call leaves the picture once a worker has run it, not sooner; it does not linger after."""
     monkeypatch.setattr(rpc_pool, "_GRPC_CALL_STATE", None)
-    s_agent, c_agent = agents
+    s_agent, c_agent = rpc_agents
     server = PoolServer(s_agent)
     channel = c_agent.instrument_channel(grpc.insecure_channel(server.address), "S")
     try:
@@ -282,9 +256,9 @@ def test_without_grpcs_call_state_a_cancelled_call_leaves_once_a_worker_reaches_
 
 
 def test_a_method_with_a_pool_of_its_own_runs_there_and_never_queues_in_the_servers(
-    agents: tuple[RpcAgent, RpcAgent],
+    rpc_agents: tuple[RpcAgent, RpcAgent],
 ) -> None:
-    s_agent, c_agent = agents
+    s_agent, c_agent = rpc_agents
     own = futures.ThreadPoolExecutor(1, thread_name_prefix="own-pool")
     seen: dict[str, Any] = {}
 
@@ -322,9 +296,9 @@ def test_a_method_with_a_pool_of_its_own_runs_there_and_never_queues_in_the_serv
 
 
 def test_a_sync_call_without_an_agent_is_named_by_address_once_its_handler_starts(
-    agents: tuple[RpcAgent, RpcAgent],
+    rpc_agents: tuple[RpcAgent, RpcAgent],
 ) -> None:
-    s_agent, _ = agents
+    s_agent, _ = rpc_agents
     server = PoolServer(s_agent)
     channel = grpc.insecure_channel(server.address)  # the caller has no agent
     try:
@@ -348,8 +322,8 @@ def test_a_sync_call_without_an_agent_is_named_by_address_once_its_handler_start
     assert s_agent._core.sent_count(LOOPBACK) == 2  # the responses, counted to the peer outside the cut
 
 
-def test_an_asyncio_call_without_an_agent_is_named_by_address(agents: tuple[RpcAgent, RpcAgent]) -> None:
-    s_agent, _ = agents
+def test_an_asyncio_call_without_an_agent_is_named_by_address(rpc_agents: tuple[RpcAgent, RpcAgent]) -> None:
+    s_agent, _ = rpc_agents
 
     async def body() -> bytes:
         async def echo(request: bytes, context: Any) -> bytes:

@@ -17,7 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, agent, deadlock, snapshot, stamped, stored
+from rpc_harness import SERVICE, agent, aio_channel_to, deadlock, snapshot, stamped, stored
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.core import STAMP_KEY
@@ -160,7 +160,8 @@ def test_sync_streaming_calls_in_flight(running: Running, client: str) -> None:
         s_agent.stop()
 
 
-def test_asyncio_streaming_calls_in_flight(running: Running) -> None:
+@pytest.mark.parametrize("setup", ["interceptors", "channel"])
+def test_asyncio_streaming_calls_in_flight(running: Running, setup: str) -> None:
     s_agent, c_agent = agent(running, "S"), agent(running, "C")
 
     async def take_snapshot() -> SnapshotResults:
@@ -205,8 +206,11 @@ def test_asyncio_streaming_calls_in_flight(running: Running) -> None:
         server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", interceptors=c_agent.aio_client_interceptors("S"))
+        channel = aio_channel_to(f"127.0.0.1:{port}", c_agent, setup)
         streams: dict[str, Any] = {}
+
+        async def unary(name: str, kind: str, request: Any) -> bytes:
+            return await getattr(channel, kind)(f"/{SERVICE}/{name}")(request, timeout=30)
 
         async def stream(name: str, kind: str, request: Any) -> list[bytes]:
             streams[name] = getattr(channel, kind)(f"/{SERVICE}/{name}")(request, timeout=30)
@@ -214,10 +218,10 @@ def test_asyncio_streaming_calls_in_flight(running: Running) -> None:
 
         try:
             replies = {
-                UNARY: asyncio.ensure_future(channel.unary_unary(f"/{SERVICE}/{UNARY}")(b"u", timeout=30)),
-                COUNT: asyncio.ensure_future(stream(COUNT, "unary_stream", b"3")),
-                TOTAL: asyncio.ensure_future(channel.stream_unary(f"/{SERVICE}/{TOTAL}")(iter([b"a", b"b"]))),
-                ECHO: asyncio.ensure_future(stream(ECHO, "stream_stream", iter([b"x", b"y"]))),
+                UNARY: asyncio.create_task(unary(UNARY, "unary_unary", b"u"), name="unary-caller"),
+                COUNT: asyncio.create_task(stream(COUNT, "unary_stream", b"3")),
+                TOTAL: asyncio.create_task(unary(TOTAL, "stream_unary", iter([b"a", b"b"])), name="total-caller"),
+                ECHO: asyncio.create_task(stream(ECHO, "stream_stream", iter([b"x", b"y"]))),
             }
             for name in METHODS:
                 await async_poll(started[name].is_set, f"{name} running")
@@ -225,8 +229,11 @@ def test_asyncio_streaming_calls_in_flight(running: Running) -> None:
             results = await take_snapshot()
             completed(results)
             waits = call_waits(stored(running, results), "C")
-            assert set(waits) == WAITING  # each waits in the name of grpc.aio's task for the call
-            assert all(task.startswith("Task-") for task in waits.values())
+            assert set(waits) == WAITING
+            if setup == "interceptors":  # each waits in the name of grpc.aio's task for the call
+                assert all(task.startswith("Task-") for task in waits.values())
+            else:  # each waits in its caller's task
+                assert waits == {f"/{SERVICE}/{UNARY}": "unary-caller", f"/{SERVICE}/{TOTAL}": "total-caller"}
 
             for event in release.values():
                 event.set()

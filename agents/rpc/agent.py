@@ -89,7 +89,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, overload
 
 import grpc
 import prometheus_client
@@ -101,6 +101,7 @@ from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
 from stablewatch.agents.detectors import DetectorLinks, DetectorStatus, detector_addresses
+from stablewatch.agents.rpc.aio_channel import AioInstrumentedChannel
 from stablewatch.agents.rpc.calls import (
     BadStamp,
     DeadlockBroken,
@@ -356,16 +357,29 @@ class RpcAgent:
         """
         return ClientInterceptor(self, *_peer_of(peer, target))
 
+    @overload
+    def instrument_channel(
+        self, channel: grpc.aio.Channel, peer: str | None = None, *, target: str | None = None, breakable: bool = False
+    ) -> AioInstrumentedChannel: ...
+
+    @overload
     def instrument_channel(
         self, channel: grpc.Channel, peer: str | None = None, *, target: str | None = None, breakable: bool = False
-    ) -> InstrumentedChannel:
-        """``channel`` (sync) with its calls taking part in snapshots: the client interceptor's work,
-        without gRPC's per-call interceptor machinery (see :mod:`stablewatch.agents.rpc.channel`).
+    ) -> InstrumentedChannel: ...
 
-        ``peer`` and ``target`` as for :meth:`client_interceptor`. The fastest way for a sync client.
-        ``breakable``: blocking calls can be cancelled to break a deadlock, at a cost per call (a
-        call's ``future()`` always can be).
+    def instrument_channel(
+        self, channel: Any, peer: str | None = None, *, target: str | None = None, breakable: bool = False
+    ) -> InstrumentedChannel | AioInstrumentedChannel:
+        """``channel`` (sync or ``grpc.aio``) with its calls taking part in snapshots: the client
+        interceptors' work, without gRPC's interceptor machinery (see
+        :mod:`stablewatch.agents.rpc.channel` and :mod:`stablewatch.agents.rpc.aio_channel`).
+
+        ``peer`` and ``target`` as for :meth:`client_interceptor`. The fastest way for a client.
+        ``breakable`` (sync): blocking calls can be cancelled to break a deadlock, at a cost per
+        call (a call's ``future()`` always can be, and so can every asyncio call).
         """
+        if isinstance(channel, grpc.aio.Channel):
+            return AioInstrumentedChannel(channel, self, *_peer_of(peer, target))
         return InstrumentedChannel(channel, self, *_peer_of(peer, target), breakable=breakable)
 
     def aio_server_interceptor(self) -> grpc.aio.ServerInterceptor:

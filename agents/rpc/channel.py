@@ -293,9 +293,7 @@ class InstrumentedChannel(grpc.Channel):
         self, channel: grpc.Channel, agent: CallEvents, peer: str, instrumented: bool, breakable: bool = False
     ) -> None:
         if isinstance(channel, grpc.aio.Channel):
-            raise TypeError(
-                "instrument_channel takes a sync channel; an asyncio one takes agent.aio_client_interceptors"
-            )
+            raise TypeError("InstrumentedChannel takes a sync channel; an asyncio one takes AioInstrumentedChannel")
         self._channel = channel
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
         self._breakable = breakable

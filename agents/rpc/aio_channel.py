@@ -1,0 +1,460 @@
+"""The asyncio client side of RPC mode as an instrumented channel, without grpc.aio's interceptor machinery.
+
+``agent.instrument_channel(grpc.aio.insecure_channel(address), peer)`` returns a
+:class:`grpc.aio.Channel` that stubs use as they use any channel. It does what the asyncio client
+interceptors do (:mod:`stablewatch.agents.rpc.interceptors`: the request's stamp in its initial
+metadata, the response's stamp taken in before the caller sees the response or the end of the
+response stream, the caller waiting on the callee's task while a unary-response call is out), with
+the same agent calls, so the protocol is the same.
+
+Why a channel: grpc.aio runs every intercepted call through an extra task of its own (its
+``InterceptedCall``) that runs the interceptors and then awaits the real call, and takes
+interceptors only when a channel is made. Here each call goes straight to the channel's own
+multi-callable, with the stamp added to its metadata, and the caller gets grpc's call object
+behind a thin proxy that takes the call's end in where the caller meets it: when it awaits the
+response or reads the end of the stream (until then the response is in flight to the caller, as
+the protocol counts it), or, for a call its caller dropped, when grpc ends it. Beyond cost, this
+keeps what the interceptors cannot: an asyncio call made outside a handler waits in
+the caller's own task's name, a unary call's metadata accessors see the server's metadata, and a
+request stream may be written with ``call.write``.
+
+Every call whose response is unary (unary-unary, stream-unary) is breakable: the agent cancels it
+on the channel's loop to break a proven deadlock, and the caller's ``await`` raises
+:class:`~stablewatch.agents.rpc.calls.DeadlockBroken` (``ABORTED``) where grpc would have raised
+a cancellation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+from collections.abc import AsyncIterator, Callable, Generator
+from typing import Any
+
+import grpc
+
+from stablewatch.agents.rpc.calls import CallEvents, DeadlockBroken, OutgoingCall, RefusedResponse
+from stablewatch.agents.rpc.core import STAMP_KEY
+from stablewatch.agents.rpc.interceptors import (
+    CURRENT_TASK,
+    _cancel_soon,
+    _current_task,
+    _current_tasks,
+    _current_thread,
+    method_name,
+    stamp_of,
+)
+
+__all__ = ["AioInstrumentedChannel"]
+
+_AioRpcError, _CancelledError, _EOF = grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.EOF
+_CANCELLED = grpc.StatusCode.CANCELLED
+_partial, _new = functools.partial, object.__new__
+
+
+class _Ends:
+    """Takes in the end of one asyncio call where its caller meets it, exactly once.
+
+    The caller meets the end when its ``await`` returns (or raises), or when it reads the end of the
+    response stream; the proxy takes the end in there, before handing it over, so a refused response
+    replaces it. Until then the response is in flight to the caller, as the protocol counts it. A
+    call its caller drops before meeting its end has the end taken in when grpc ends the call (see
+    :func:`_abandoned`), so its wait ends with it.
+    """
+
+    _call: OutgoingCall | None = None
+    _refused: RefusedResponse | None = None  # a refused response, for every await of the call
+    _agent: CallEvents
+    _grpc_call: Any
+    _loop: asyncio.AbstractEventLoop
+
+    def __del__(self) -> None:
+        call = self._call
+        if call is not None and not call.settled:
+            _abandoned(self._agent, call, self._grpc_call, self._loop)
+
+    def _take_in(self, stamp: str | None, code: grpc.StatusCode | None) -> None:
+        """Take the end in (once: the agent ignores a second end); a refusal is kept and raised."""
+        call = self._call
+        if not call.settled:  # type: ignore[union-attr]
+            try:
+                self._agent.call_returned(call, stamp, code)  # type: ignore[arg-type]
+            except RefusedResponse as refused:
+                self._refused = refused
+        if self._refused is not None:
+            raise self._refused
+
+    async def _take_in_status(self) -> None:
+        """The finished call's end, from its trailing metadata (the status matters only without a stamp)."""
+        stamp = stamp_of(await self._grpc_call.trailing_metadata())
+        self._take_in(stamp, None if stamp is not None else await self._grpc_call.code())
+
+    def _broken_now(self) -> DeadlockBroken | None:
+        """The error of a call the agent cancelled to break a deadlock, once grpc ended it; else None.
+
+        grpc reports a call cancelled while one of its writes waited as INTERNAL and not cancelled,
+        so its own call is asked whether it was cancelled here (its private attribute, read only
+        when the agent broke the call)."""
+        call, grpc_call = self._call, self._grpc_call
+        if call.broken is None:
+            return None
+        cython_call = getattr(grpc_call, "_cython_call", None)
+        if grpc_call.cancelled() or (cython_call is not None and cython_call.is_locally_cancelled()):
+            return call.broken_error()
+        return None
+
+    def _raise_if_broken(self) -> None:
+        """A write failed because the agent broke the call (and the caller's task was not cancelled
+        itself): take the end in and raise DeadlockBroken, as the call's await does."""
+        broken = self._broken_now()
+        task = asyncio.current_task()
+        if broken is not None and (task is None or not task.cancelling()):
+            self._take_in(None, _CANCELLED)
+            raise broken from None
+
+    def _take_in_error(self, error: grpc.aio.AioRpcError) -> None:
+        """The call failed with ``error``: take its end in; a refused response replaces the error."""
+        try:
+            self._take_in(stamp_of(error.trailing_metadata()), error.code())
+        except RefusedResponse as refused:
+            raise refused from error
+
+    def _take_in_cancelled(self) -> None:
+        """The call or its caller was cancelled; a cancellation for a break becomes DeadlockBroken."""
+        self._take_in(None, _CANCELLED)
+        broken = self._call.broken_error()
+        task = asyncio.current_task()
+        # The call was cancelled for a break, and the caller's task was not cancelled itself (then
+        # the cancellation is the caller's, and goes on as one).
+        if broken is not None and (task is None or not task.cancelling()):
+            raise broken from None
+
+    # -- what grpc's call objects offer, passed through ---------------------------------------
+
+    def cancelled(self) -> bool:
+        return self._grpc_call.cancelled() and self._call.broken is None
+
+    def cancel(self) -> bool:
+        return self._grpc_call.cancel()
+
+    def done(self) -> bool:
+        return self._grpc_call.done()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._grpc_call.add_done_callback(lambda _: callback(self))
+
+    def time_remaining(self) -> float | None:
+        return self._grpc_call.time_remaining()
+
+    async def initial_metadata(self) -> Any:
+        return await self._grpc_call.initial_metadata()
+
+    async def trailing_metadata(self) -> Any:
+        return await self._grpc_call.trailing_metadata()
+
+    async def code(self) -> grpc.StatusCode:
+        broken = self._broken_now()
+        return broken.code() if broken is not None else await self._grpc_call.code()
+
+    async def details(self) -> str:
+        broken = self._broken_now()
+        return broken.details() if broken is not None else await self._grpc_call.details()
+
+    async def debug_error_string(self) -> str | None:
+        return await self._grpc_call.debug_error_string()
+
+    async def wait_for_connection(self) -> None:
+        await self._grpc_call.wait_for_connection()
+
+    def __repr__(self) -> str:
+        return f"<instrumented {self._grpc_call!r}>"
+
+
+class _UnaryResponse(_Ends):
+    """A call with a unary response (unary-unary, stream-unary): awaiting it gives the response
+    after its end was taken in."""
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        # This runs for every asyncio unary call (``bench/rpc_hot_path.py`` times it), so
+        # _take_in_status and _take_in are written out for a response.
+        grpc_call = self._grpc_call
+        try:
+            response = yield from grpc_call.__await__()
+        except _AioRpcError as error:
+            self._take_in_error(error)
+            raise
+        except _CancelledError:
+            self._take_in_cancelled()
+            raise
+        except BaseException:  # interrupted here: nobody knows whether the request arrived
+            self._take_in(None, _CANCELLED)
+            raise
+        call = self._call
+        if call.settled:  # awaited before  # type: ignore[union-attr]
+            if self._refused is not None:
+                raise self._refused
+            return response
+        stamp = None
+        for key, value in (yield from grpc_call.trailing_metadata().__await__()) or ():  # stamp_of(...)
+            if key == STAMP_KEY:
+                stamp = value if type(value) is str else stamp_of(((key, value),))
+                break
+        code = None if stamp is not None else (yield from grpc_call.code().__await__())
+        try:
+            self._agent.call_returned(call, stamp, code)
+        except RefusedResponse as refused:
+            self._refused = refused
+            raise
+        return response
+
+
+class _StreamResponse(_Ends):
+    """A call with a response stream (unary-stream, stream-stream): its iterator stops, and ``read()``
+    returns ``EOF``, only after its end was taken in."""
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+    async def _responses(self) -> AsyncIterator[Any]:
+        while (response := await self.read()) is not _EOF:
+            yield response
+
+    async def read(self) -> Any:
+        try:
+            response = await self._grpc_call.read()
+        except _AioRpcError as error:
+            self._take_in_error(error)
+            raise
+        except BaseException:
+            # The call ended (grpc cancels it when its reader is cancelled): take that in. Else its
+            # end comes later, and is taken in then (see _abandoned) if nobody reads it.
+            if self._grpc_call.done():
+                self._take_in(None, _CANCELLED)
+            raise
+        if response is _EOF:
+            await self._take_in_status()
+        return response
+
+
+class _RequestStream(_Ends):
+    """Writing a request stream (``call.write``, ``call.done_writing``): a write the agent's break
+    ended raises DeadlockBroken, as the call's await does."""
+
+    async def write(self, request: Any) -> None:
+        try:
+            await self._grpc_call.write(request)
+        except (_CancelledError, asyncio.InvalidStateError):  # ended, perhaps by a break
+            self._raise_if_broken()
+            raise
+
+    async def done_writing(self) -> None:
+        try:
+            await self._grpc_call.done_writing()
+        except _CancelledError:
+            self._raise_if_broken()
+            raise
+
+
+class _UnaryUnaryCall(_UnaryResponse, grpc.aio.UnaryUnaryCall):
+    pass
+
+
+class _StreamUnaryCall(_RequestStream, _UnaryResponse, grpc.aio.StreamUnaryCall):
+    pass
+
+
+class _UnaryStreamCall(_StreamResponse, grpc.aio.UnaryStreamCall):
+    pass
+
+
+class _StreamStreamCall(_RequestStream, _StreamResponse, grpc.aio.StreamStreamCall):
+    pass
+
+
+class _Method:
+    """One method of an instrumented asyncio channel: stamps each call and wraps grpc's call object."""
+
+    def __init__(
+        self, channel: AioInstrumentedChannel, method: str, plain: Any, kind: type[_Ends], waits: bool
+    ) -> None:
+        self._channel, self._method, self._plain, self._kind, self._waits = channel, method, plain, kind, waits
+
+    def __call__(
+        self,
+        request: Any = None,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        # This runs for every asyncio call a stub makes (``bench/rpc_hot_path.py`` times it), so
+        # the channel's _running_loop and _aio_task_name are written out.
+        channel = self._channel
+        loop = channel._loop or channel._running_loop()
+        name = CURRENT_TASK.get()
+        if not name:
+            task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
+            name = task.get_name() if task is not None else _current_thread().name
+        agent = channel._agent
+        call = agent.call_out(channel._peer, self._method, name, channel._instrumented, self._waits)
+        stamped = call.metadata
+        if stamped:
+            metadata = (*metadata, *stamped) if metadata else stamped
+        try:
+            grpc_call = self._plain(
+                request,
+                timeout=timeout,
+                metadata=metadata,
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+        except BaseException:  # not sent
+            agent.call_returned(call, None, _CANCELLED)
+            raise
+        if self._waits:
+            call.cancel = _partial(_cancel_soon, loop, grpc_call)  # breakable from now on
+        proxy = _new(self._kind)  # its fields set here: one frame less per call than an __init__
+        proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
+        return proxy
+
+
+_taking_in: set[asyncio.Task[None]] = set()
+
+
+def _abandoned(agent: CallEvents, call: OutgoingCall, grpc_call: Any, loop: asyncio.AbstractEventLoop) -> None:
+    """The caller dropped ``grpc_call`` before meeting its end: take the end in when grpc ends it (a
+    refused response is then handed to nobody). This may run in any thread (a garbage collection),
+    so it goes through the call's loop."""
+
+    async def take_in() -> None:
+        stamp = stamp_of(await grpc_call.trailing_metadata())
+        with contextlib.suppress(RefusedResponse):
+            agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
+
+    def ended(_grpc_call: Any) -> None:
+        task = loop.create_task(take_in())
+        _taking_in.add(task)  # the loop keeps only weak references to its tasks
+        task.add_done_callback(_taking_in.discard)
+
+    try:
+        loop.call_soon_threadsafe(grpc_call.add_done_callback, ended)
+    except RuntimeError:  # the loop is closed, and its calls with it
+        agent.call_returned(call, None, _CANCELLED)
+
+
+class _UnaryUnary(_Method, grpc.aio.UnaryUnaryMultiCallable):
+    pass
+
+
+class _UnaryStream(_Method, grpc.aio.UnaryStreamMultiCallable):
+    pass
+
+
+class _StreamUnary(_Method, grpc.aio.StreamUnaryMultiCallable):
+    pass
+
+
+class _StreamStream(_Method, grpc.aio.StreamStreamMultiCallable):
+    pass
+
+
+class AioInstrumentedChannel(grpc.aio.Channel):
+    """An asyncio channel whose calls take part in snapshots (``agent.instrument_channel(channel, peer)``
+    with a ``grpc.aio`` channel). Closing it closes the channel it wraps."""
+
+    def __init__(self, channel: grpc.aio.Channel, agent: CallEvents, peer: str, instrumented: bool) -> None:
+        self._channel = channel
+        self._agent, self._peer, self._instrumented = agent, peer, instrumented
+        # A grpc.aio channel belongs to the loop it was made in; found at the first call and kept,
+        # since asyncio's lookup of the running loop costs a getpid() per call.
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = asyncio.get_running_loop()
+        return loop
+
+    def _method(
+        self,
+        open_method: Callable[..., Any],
+        kind: type[_Method],
+        call_kind: type[_Ends],
+        waits: bool,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None,
+        response_deserializer: Callable[[bytes], Any] | None,
+        _registered_method: bool | None,
+    ) -> Any:
+        plain = open_method(method, request_serializer, response_deserializer, _registered_method)
+        return kind(self, method_name(method), plain, call_kind, waits)
+
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.aio.UnaryUnaryMultiCallable:
+        return self._method(
+            self._channel.unary_unary, _UnaryUnary, _UnaryUnaryCall, True,
+            method, request_serializer, response_deserializer, _registered_method,
+        )  # fmt: skip
+
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.aio.UnaryStreamMultiCallable:
+        # A response stream makes no wait edge: its messages carry no stamp (see the interceptors).
+        return self._method(
+            self._channel.unary_stream, _UnaryStream, _UnaryStreamCall, False,
+            method, request_serializer, response_deserializer, _registered_method,
+        )  # fmt: skip
+
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.aio.StreamUnaryMultiCallable:
+        return self._method(
+            self._channel.stream_unary, _StreamUnary, _StreamUnaryCall, True,
+            method, request_serializer, response_deserializer, _registered_method,
+        )  # fmt: skip
+
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Callable[[Any], bytes] | None = None,
+        response_deserializer: Callable[[bytes], Any] | None = None,
+        _registered_method: bool | None = False,
+    ) -> grpc.aio.StreamStreamMultiCallable:
+        return self._method(
+            self._channel.stream_stream, _StreamStream, _StreamStreamCall, False,
+            method, request_serializer, response_deserializer, _registered_method,
+        )  # fmt: skip
+
+    def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
+        return self._channel.get_state(try_to_connect)
+
+    async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
+        await self._channel.wait_for_state_change(last_observed_state)
+
+    async def channel_ready(self) -> None:
+        await self._channel.channel_ready()
+
+    async def close(self, grace: float | None = None) -> None:
+        await self._channel.close(grace)
+
+    async def __aenter__(self) -> AioInstrumentedChannel:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
