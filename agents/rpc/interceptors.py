@@ -44,11 +44,11 @@ Wait edges: a call with a response stream (unary-stream, stream-stream) makes no
 stamp, so a message in flight inside it could wake a caller the cut shows waiting); a stream-unary call
 waits like a unary one, for the whole call.
 
-Limits: grpc.aio runs client interceptors in a task of its
-own, so an aio call made outside a handler waits in the name of that task (one per call), not the
-caller's; with the asyncio client interceptors a unary call
-returns its response (the call object's metadata accessors see none) and a request stream must be given
-as an iterator (not written with ``call.write``).
+Limits of the asyncio client interceptors (the instrumented asyncio channel of
+:mod:`stablewatch.agents.rpc.aio_channel` has none of them): grpc.aio runs client interceptors in a
+task of its own, so an aio call made outside a handler waits in the name of that task (one per
+call), not the caller's; a unary call returns its response (the call object's metadata accessors see
+none); and a request stream must be given as an iterator (not written with ``call.write``).
 """
 
 from __future__ import annotations
