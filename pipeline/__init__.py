@@ -17,9 +17,10 @@ default or any cluster through ``spark-submit``:
 One module per job: :mod:`.session` (the Spark session), :mod:`.tables` (the archive as checked
 DataFrames), :mod:`.evaluate`, :mod:`.reduce`, :mod:`.history`, :mod:`.chart`, :mod:`.summary`,
 :mod:`.story` (what each system went through: phases and a sentence), :mod:`.follow`,
-:mod:`.cli` (``stablewatch pipeline ...``), :mod:`.defaults` (the reduction's defaults, without
-PySpark) and :mod:`.jobs` (the file to give ``spark-submit``). The pipeline imports only the
-detector's ``evaluation`` and ``archive`` rooms.
+:mod:`.cli` (``stablewatch pipeline ...``), :mod:`.defaults` (the reduction's settings,
+:class:`~.defaults.Reduction`, and their defaults, without PySpark) and :mod:`.jobs` (the file to
+give ``spark-submit``). The pipeline imports only the detector's ``evaluation`` and ``archive``
+rooms.
 This ``__init__`` imports nothing, so that the command line can say how to install PySpark when
 it is missing.
 """

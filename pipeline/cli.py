@@ -20,19 +20,26 @@ import json
 import re
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rich.console import Console
 
-from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
+from stablewatch.pipeline.defaults import (
+    DEFAULT_FINISH_EDGES,
+    DEFAULT_MAX_ROUNDS,
+    DEFAULT_MIN_RELEASE,
+    Reduction,
+    ReductionError,
+)
 
 __all__ = ["main"]
 
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 EXIT_INTERRUPTED = 130
+_V = TypeVar("_V")
 INSTALL_HINT = (
     "pip install 'stablewatch[spark]' (and a Java 17 or later runtime: e.g. apt-get install openjdk-17-jre-headless)"
 )
@@ -67,11 +74,15 @@ def _named_word(text: str) -> tuple[str, str]:
     raise argparse.ArgumentTypeError(f"expected NAME=ATTRIBUTE, e.g. philosophers=meals, not {text!r}")
 
 
-def _count(text: str) -> int:
+def _whole(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, not {text!r}") from None
+
+
+def _count(text: str) -> int:
+    value = _whole(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be at least 0, not {text}")
     return value
@@ -79,12 +90,24 @@ def _count(text: str) -> int:
 
 def _fraction(text: str) -> float:
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a fraction from 0 to 1, not {text!r}") from None
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be from 0 to 1, not {text}")
-    return value
+
+
+def _reduction_setting(name: str, parse: Callable[[str], _V]) -> Callable[[str], _V]:
+    """The argparse type of the flag for :class:`Reduction`'s setting `name`: the text `parse`d, its
+    range checked by :class:`Reduction` itself, and a value out of it reported as a bad flag."""
+
+    def setting(text: str) -> _V:
+        value = parse(text)
+        try:
+            Reduction(**{name: value})
+        except ReductionError as error:
+            raise argparse.ArgumentTypeError(error.reason) from None
+        return value
+
+    return setting
 
 
 def _day(text: str) -> str:
@@ -141,21 +164,21 @@ def parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--reduce-above",
-        type=_count,
+        type=_reduction_setting("reduce_above", _whole),
         metavar="EDGES",
         help="also reduce on DataFrames the snapshots with more wait edges (default: only those "
         "archived without their blob)",
     )
     common.add_argument(
         "--max-rounds",
-        type=_count,
+        type=_reduction_setting("max_rounds", _whole),
         default=DEFAULT_MAX_ROUNDS,
         metavar="N",
         help="DataFrame reduction rounds before one process finishes (%(default)s)",
     )
     common.add_argument(
         "--finish-edges",
-        type=_count,
+        type=_reduction_setting("finish_edges", _whole),
         default=DEFAULT_FINISH_EDGES,
         metavar="EDGES",
         help="a snapshot with this many wait edges or fewer is evaluated whole in compact form by one "
@@ -163,7 +186,7 @@ def parser() -> argparse.ArgumentParser:
     )
     common.add_argument(
         "--min-release",
-        type=_fraction,
+        type=_reduction_setting("min_release", _fraction),
         default=DEFAULT_MIN_RELEASE,
         metavar="FRACTION",
         help="stop the DataFrame rounds after one that removed less than this fraction of its edges "
@@ -276,10 +299,12 @@ def _evaluation_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "expected": dict(args.expect),
         "predicates": args.predicate,
-        "reduce_above": args.reduce_above,
-        "max_rounds": args.max_rounds,
-        "finish_edges": args.finish_edges,
-        "min_release": args.min_release,
+        "reduction": Reduction(
+            reduce_above=args.reduce_above,
+            max_rounds=args.max_rounds,
+            finish_edges=args.finish_edges,
+            min_release=args.min_release,
+        ),
     }
 
 

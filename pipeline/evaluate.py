@@ -10,10 +10,10 @@ A completed snapshot without a blob (too large) is evaluated from its rows, with
 its ``GlobalSnapshot``: the archive's reader reads them as Arrow columns on the driver (which
 holds the archive's files: it checks every one), and the detector's columnar evaluation
 (:mod:`stablewatch.detector.evaluation.columnar`) applies the same rules to whole columns. Its
-wait-for graph, up to ``finish_edges`` wait edges, is built and reduced whole in compact form by
-the shared algorithm; a larger one is built and reduced on DataFrames first (:mod:`.reduce`),
-round by round until a round releases little, and what remains is finished by the same
-algorithm in compact form. The detector's own result functions
+wait-for graph, up to ``finish_edges`` wait edges (:class:`~.defaults.Reduction`), is built and
+reduced whole in compact form by the shared algorithm; a larger one is built and reduced on
+DataFrames first (:mod:`.reduce`), round by round until a round releases little, and what remains
+is finished by the same algorithm in compact form. The detector's own result functions
 (:func:`~stablewatch.detector.evaluation.predicates.deadlock_result`, ``termination_result``,
 ``conservation_results``: what ``evaluate`` runs once it has the graph) turn that evidence, the
 whole graph's counts and the other facts of the rows into the results. Their evidence is written
@@ -64,7 +64,7 @@ from stablewatch.detector.evaluation.columnar import (
 from stablewatch.detector.evaluation.plugins import entry_point_predicates
 from stablewatch.detector.evaluation.predicates import Holding, conservation, conservation_results, deadlock_result
 from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts
-from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
+from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
 from stablewatch.pipeline.reduce import (
     WaitForFrames,
     counted_rows,
@@ -453,16 +453,15 @@ def _large_snapshots(
     return large, reduced
 
 
-def _reduce_large(
-    archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int, min_release: float
-) -> tuple[int, int]:
+def _reduce_large(archive: Archive, large: dict[int, _Large], reduction: Reduction) -> tuple[int, int]:
     """Build, reduce and finish the wait-for graphs of the `large` snapshots on DataFrames, all at once.
 
     Returns the rounds run and the edges left to the shared algorithm. When all their counted
-    edges together are `finish_edges` or fewer, no round runs: the edges go straight to it.
+    edges together are `reduction`'s ``finish_edges`` or fewer, no round runs: the edges go
+    straight to it.
     """
     with _no_broadcast_joins(archive.spark):
-        return _reduce_large_graphs(archive, large, max_rounds, finish_edges, min_release)
+        return _reduce_large_graphs(archive, large, reduction)
 
 
 @contextlib.contextmanager
@@ -490,9 +489,7 @@ def _no_broadcast_joins(spark: SparkSession) -> Iterator[None]:
 _REMAINING = ["snapshot_id", "process", "task", "is_or", "rank", "sub", "target_process", "target_task", "position"]
 
 
-def _reduce_large_graphs(
-    archive: Archive, large: dict[int, _Large], max_rounds: int, finish_edges: int, min_release: float
-) -> tuple[int, int]:
+def _reduce_large_graphs(archive: Archive, large: dict[int, _Large], reduction: Reduction) -> tuple[int, int]:
     heads = [item.head for item in large.values()]
     processes, *tables = (
         _rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages", "channels")
@@ -503,9 +500,9 @@ def _reduce_large_graphs(
         counts = WaitCounts(row["waiters"], row["edges"], row["discounted"], row["outside"])
         large[row["snapshot_id"]].counts = counts
     rounds = 0
-    if max_rounds and sum(item.counts.edges for item in large.values()) > finish_edges:
+    if reduction.max_rounds and sum(item.counts.edges for item in large.values()) > reduction.finish_edges:
         nodes, edges = numbered_edges(frames)
-        remaining, rounds = reduce_wait_for(edges, max_rounds, finish_edges, min_release)
+        remaining, rounds = reduce_wait_for(edges, reduction.max_rounds, reduction.finish_edges, reduction.min_release)
         rows = remaining_rows(frames, nodes, remaining)
     else:
         rows = counted_rows(frames)
@@ -571,7 +568,7 @@ class Evaluated:
     evaluations: DataFrame
     snapshots: int  # completed snapshots evaluated
     aborted: int  # aborted snapshots in the range (not evaluated)
-    large: int  # snapshots evaluated from their rows (without a blob, or above reduce_above)
+    large: int  # snapshots evaluated from their rows (without a blob, or above Reduction.reduce_above)
     rounds: int  # reduction rounds run on DataFrames
     remaining: int  # wait edges the shared algorithm finished in compact form (a whole graph's, or what rounds left)
     totals: Totals
@@ -593,19 +590,16 @@ def evaluate_snapshots(
     expected: Mapping[str, int] | None = None,
     predicates: Sequence[str] = (),
     *,
-    reduce_above: int | None = None,
-    max_rounds: int = DEFAULT_MAX_ROUNDS,
-    finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = DEFAULT_MIN_RELEASE,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> Evaluated:
     """Evaluate the completed snapshots among `snapshots` (rows of `archive`'s ``snapshots`` table).
 
-    Snapshots without a blob, and those with more than `reduce_above` wait edges when it is set,
-    are evaluated from their rows, read as Arrow columns one snapshot at a time: one with at most
-    `finish_edges` wait edges whole, in compact form by the shared algorithm; a larger one
-    through the DataFrame reduction first (at most `max_rounds` rounds, none once `finish_edges`
-    edges or fewer remain, the last one a round that removed less than `min_release` of its
-    edges). The others are evaluated by the shared function in parallel.
+    Snapshots without a blob, and those with more than `reduction`'s ``reduce_above`` wait edges
+    when it is set, are evaluated from their rows, read as Arrow columns one snapshot at a time:
+    one with at most ``finish_edges`` wait edges whole, in compact form by the shared algorithm; a
+    larger one through the DataFrame reduction first (at most ``max_rounds`` rounds, none once
+    ``finish_edges`` edges or fewer remain, the last one a round that removed less than
+    ``min_release`` of its edges). The others are evaluated by the shared function in parallel.
     `expected` are the conservation totals known before these snapshots (configured, or earlier
     baselines). Runs the Spark jobs that count the snapshots, find the baselines and evaluate the
     large snapshots; returns the result rows lazily.
@@ -613,8 +607,8 @@ def evaluate_snapshots(
     configured = dict(expected or {})
     completed = _with_order(snapshots.filter(F.col("outcome") == "completed"))
     routed = F.col("snapshot").isNull()
-    if reduce_above is not None:
-        routed = routed | (F.col("wait_edges") > reduce_above)
+    if reduction.reduce_above is not None:
+        routed = routed | (F.col("wait_edges") > reduction.reduce_above)
     small = completed.filter(~routed)
     with archive.reading():
         heads = completed.filter(routed).select(*_HEAD, "finished_us", "wait_edges").toArrow().sort_by("snapshot_id")
@@ -627,7 +621,7 @@ def evaluate_snapshots(
             ).first(),
         )
         try:
-            large, reduced = _large_snapshots(archive, heads.to_pylist(), configured, finish_edges)
+            large, reduced = _large_snapshots(archive, heads.to_pylist(), configured, reduction.finish_edges)
         finally:
             futures.wait([counting])  # no job of this call outlives it, even when it fails
         outcomes = counting.result()
@@ -642,9 +636,7 @@ def evaluate_snapshots(
         totals = find_totals(candidates, configured)
         rounds, left = 0, 0
         if reduced:
-            rounds, left = _reduce_large(
-                archive, {sid: large[sid] for sid in reduced}, max_rounds, finish_edges, min_release
-            )
+            rounds, left = _reduce_large(archive, {sid: large[sid] for sid in reduced}, reduction)
     remaining = left + sum(item.counts.edges for sid, item in large.items() if sid not in set(reduced))
 
     evaluations = evaluate_blobs(small, totals, predicates) if any_small or not large else None
@@ -702,10 +694,7 @@ def evaluate_archive(
     *,
     first_id: int | None = None,
     last_id: int | None = None,
-    reduce_above: int | None = None,
-    max_rounds: int = DEFAULT_MAX_ROUNDS,
-    finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = DEFAULT_MIN_RELEASE,
+    reduction: Reduction = DEFAULT_REDUCTION,
 ) -> Evaluated:
     """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive);
     see :func:`evaluate_snapshots` for the rest."""
@@ -714,10 +703,7 @@ def evaluate_archive(
         _heads(archive, first_id, last_id),
         expected,
         predicates,
-        reduce_above=reduce_above,
-        max_rounds=max_rounds,
-        finish_edges=finish_edges,
-        min_release=min_release,
+        reduction=reduction,
     )
 
 

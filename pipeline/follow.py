@@ -34,7 +34,7 @@ from rich.console import Console
 
 from stablewatch.detector.archive.files import parquet_files
 from stablewatch.detector.archive.schema import ArchiveError
-from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
+from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
 from stablewatch.pipeline.evaluate import evaluate_snapshots, write_evaluations
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.tables import check_file, open_archive, spark_schema
@@ -76,14 +76,10 @@ def _batch_writer(
     followed: Followed,
     expected: Mapping[str, int],
     predicates: Sequence[str],
-    reduction: Mapping[str, float | None],
+    reduction: Reduction,
     console: Console | None,
 ) -> Callable[[DataFrame, int], None]:
-    """The ``foreachBatch`` function: evaluate one micro-batch and replace its output folder.
-
-    `reduction` holds the keyword arguments ``reduce_above``, ``max_rounds``, ``finish_edges`` and ``min_release``
-    of :func:`~stablewatch.pipeline.evaluate.evaluate_snapshots`.
-    """
+    """The ``foreachBatch`` function: evaluate one micro-batch and replace its output folder."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
         try:
@@ -91,7 +87,7 @@ def _batch_writer(
             days = [row["day"] for row in batch.select("day").distinct().collect()]
             archive = open_archive(batch.sparkSession, root, min(days, default=None), max(days, default=None))
             earlier = _earlier_baselines(out / "baselines", batch_id)
-            evaluated = evaluate_snapshots(archive, batch, {**earlier, **expected}, predicates, **reduction)
+            evaluated = evaluate_snapshots(archive, batch, {**earlier, **expected}, predicates, reduction=reduction)
             write_evaluations(evaluated.evaluations, out / "evaluations" / f"batch={batch_id}", archive)
         except ArchiveError as error:
             followed.error = error
@@ -123,17 +119,15 @@ def follow(
     once: bool = False,
     interval: float = 5.0,
     max_files: int | None = None,
-    reduce_above: int | None = None,
-    max_rounds: int = DEFAULT_MAX_ROUNDS,
-    finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = DEFAULT_MIN_RELEASE,
+    reduction: Reduction = DEFAULT_REDUCTION,
     spark: SparkSession | None = None,
 ) -> Followed:
     """Evaluate every batch of snapshots that lands in `archive`, into ``out/evaluations/batch=N``.
 
     With `once`, process what is there now and stop (``availableNow``); otherwise look for new
     files every `interval` seconds until SIGINT or SIGTERM. `max_files` bounds the ``snapshots``
-    files per micro-batch. `checkpoint` defaults to ``out/_checkpoint``. Raises ArchiveError
+    files per micro-batch. `checkpoint` defaults to ``out/_checkpoint``. `reduction` is how large
+    snapshots are evaluated (:func:`~.evaluate.evaluate_snapshots`). Raises ArchiveError
     (naming the file) for bad input; returns what was done.
     """
     spark = spark or get_session()
@@ -151,12 +145,6 @@ def follow(
     reader = spark.readStream.schema(spark_schema("snapshots"))
     if max_files:
         reader = reader.option("maxFilesPerTrigger", max_files)
-    reduction = {
-        "reduce_above": reduce_above,
-        "max_rounds": max_rounds,
-        "finish_edges": finish_edges,
-        "min_release": min_release,
-    }
     writer = _batch_writer(root, out, followed, dict(expected or {}), predicates, reduction, console)
     query = (
         reader.parquet(str(source))

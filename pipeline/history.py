@@ -44,7 +44,7 @@ from rich.console import Console
 
 from stablewatch.detector.evaluation import Verdict
 from stablewatch.pipeline.chart import draw_history, draw_lanes
-from stablewatch.pipeline.defaults import DEFAULT_FINISH_EDGES, DEFAULT_MAX_ROUNDS, DEFAULT_MIN_RELEASE
+from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, write_evaluations
 from stablewatch.pipeline.session import get_session
 from stablewatch.pipeline.story import Story, stories_report, tell
@@ -537,10 +537,7 @@ def run_history(
     predicates: Sequence[str] = (),
     evaluations: Path | None = None,
     bucket_seconds: int = 60,
-    reduce_above: int | None = None,
-    max_rounds: int = DEFAULT_MAX_ROUNDS,
-    finish_edges: int = DEFAULT_FINISH_EDGES,
-    min_release: float = DEFAULT_MIN_RELEASE,
+    reduction: Reduction = DEFAULT_REDUCTION,
     chart: bool = True,
     first_day: str | None = None,
     last_day: str | None = None,
@@ -548,8 +545,9 @@ def run_history(
 ) -> History:
     """The ``history`` job, callable from Python: evaluate `archive` (or read `evaluations`, the output
     of an earlier ``evaluate``), write ``out/evaluations``, ``out/history/*.parquet`` and
-    ``out/history.png``, and print the summary on `console` (when given). `first_day` and
-    `last_day` limit the day partitions read.
+    ``out/history.png``, and print the summary on `console` (when given). `reduction` is how large
+    snapshots are evaluated (:func:`~.evaluate.evaluate_snapshots`); `first_day` and `last_day`
+    limit the day partitions read.
 
     Raises ArchiveError (naming the file) for bad input.
     """
@@ -560,15 +558,7 @@ def run_history(
     out = Path(out)
     evaluated = aborted = 0
     if evaluations is None:
-        result = evaluate_archive(
-            opened,
-            expected,
-            predicates,
-            reduce_above=reduce_above,
-            max_rounds=max_rounds,
-            finish_edges=finish_edges,
-            min_release=min_release,
-        )
+        result = evaluate_archive(opened, expected, predicates, reduction=reduction)
         evaluated, aborted = result.snapshots, result.aborted
         evaluations = out / "evaluations"
         write_evaluations(result.evaluations, evaluations, opened)

@@ -27,6 +27,7 @@ from spark_session import group_gone, killed_spark_env
 
 from conftest import ROOT, free_port
 from polling import poll
+from stablewatch.pipeline.defaults import Reduction
 from stablewatch.pipeline.evaluate import evaluate_archive, write_evaluations
 from stablewatch.pipeline.tables import open_archive
 
@@ -101,7 +102,8 @@ def test_spark_submit_to_a_standalone_cluster_gives_the_local_result(
     url, ui = cluster
     archive = write_archive(tmp_path / "archive", random_archive(seed=11, count=70, aborted_every=17), blobless={5, 40})
 
-    local = evaluate_archive(open_archive(spark, archive), reduce_above=3, max_rounds=2, finish_edges=0)
+    reduction = Reduction(reduce_above=3, max_rounds=2, finish_edges=0)  # what FLAGS say
+    local = evaluate_archive(open_archive(spark, archive), reduction=reduction)
     write_evaluations(local.evaluations, tmp_path / "local")
 
     submit = [str(SPARK_BIN / "spark-submit"), "--master", url, "--conf", "spark.ui.enabled=false"]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from pyspark.sql import SparkSession
 from snapshot_gen import START, Archived, detector_evaluations, summary_of, write_archive
 
+from stablewatch.pipeline.defaults import Reduction
 from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, evidence_json
 from stablewatch.pipeline.reduce import reduce_wait_for
 from stablewatch.pipeline.tables import open_archive
@@ -143,21 +144,21 @@ def detectors(tangles: list[GlobalSnapshot]) -> dict[int, list[PredicateResult]]
 
 
 @pytest.mark.parametrize(
-    "options",
+    "reduction",
     [
-        {},  # read and evaluated whole, in compact form
-        {"finish_edges": 0, "max_rounds": 50, "min_release": 0.2},  # rounds until one releases little
-        {"finish_edges": 0, "max_rounds": 2},  # rounds up to the cap
+        Reduction(),  # read and evaluated whole, in compact form
+        Reduction(finish_edges=0, max_rounds=50, min_release=0.2),  # rounds until one releases little
+        Reduction(finish_edges=0, max_rounds=2),  # rounds up to the cap
     ],
     ids=["whole", "released-little", "capped"],
 )
 def test_large_snapshots_give_the_detectors_results(
-    spark: SparkSession, archive_dir: Path, tangles: list[GlobalSnapshot], options: dict
+    spark: SparkSession, archive_dir: Path, tangles: list[GlobalSnapshot], reduction: Reduction
 ) -> None:
-    evaluated = evaluate_archive(open_archive(spark, archive_dir), **options)
+    evaluated = evaluate_archive(open_archive(spark, archive_dir), reduction=reduction)
     assert evaluated.large == 2
-    assert evaluated.reduced == (0 if not options else 2)
-    if "min_release" in options:
+    assert evaluated.reduced == (0 if reduction == Reduction() else 2)
+    if reduction.min_release:
         assert 1 <= evaluated.rounds < 50  # stopped by a round that released little, not by the cap
     rows = rows_by_snapshot(evaluated.evaluations.toArrow().cast(EVALUATIONS).to_pylist())
     for sid, expected in detectors(tangles).items():

@@ -24,6 +24,7 @@ from snapshot_gen import Archived, detector_evaluations, random_archive, write_a
 
 from stablewatch.detector.evaluation import load_predicate
 from stablewatch.pipeline import cli
+from stablewatch.pipeline.defaults import Reduction
 from stablewatch.pipeline.evaluate import (
     EVALUATIONS,
     PLAIN_COLUMNS,
@@ -127,8 +128,10 @@ def test_configured_totals_give_the_detectors_results(archive: Archive, items: l
 def test_the_dataframe_reduction_gives_the_same_results(
     archive: Archive, items: list[Archived], max_rounds: int
 ) -> None:
-    """Every snapshot through the reduction: none, or a few, rounds on DataFrames, the rest by the shared function."""
-    evaluated = evaluate_archive(archive, reduce_above=-1, max_rounds=max_rounds, finish_edges=0)
+    """Every snapshot through the reduction (each has wait edges): none, or a few, rounds on DataFrames,
+    the rest by the shared function."""
+    reduction = Reduction(reduce_above=0, max_rounds=max_rounds, finish_edges=0)
+    evaluated = evaluate_archive(archive, reduction=reduction)
     assert evaluated.large == evaluated.snapshots
     assert evaluated.rounds == max_rounds  # the generated graphs need more rounds than that to settle
     assert_same_results(evaluated_rows(evaluated), detector_evaluations(items))

@@ -2,7 +2,8 @@
 
 Stopping the rounds anywhere (the cap) and finishing with ``deadlocked_nodes`` must give exactly
 the whole graph's deadlocked nodes, on large random graphs (AND, OR and mixed) and on a
-10 000-long wait chain, whose links would otherwise cost a round each.
+10 000-long wait chain, whose links would otherwise cost a round each. The reduction's settings
+(``Reduction``) refuse values out of their range, naming the setting.
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from snapshot_gen import START, Archived, random_archive, summary_of, write_arch
 from stablewatch.detector.evaluation import evaluate
 from stablewatch.detector.evaluation.deadlock import AND, OR, deadlocked_nodes
 from stablewatch.detector.evaluation.waitfor import build_wait_for
+from stablewatch.pipeline import cli
+from stablewatch.pipeline.defaults import (
+    DEFAULT_FINISH_EDGES,
+    DEFAULT_MAX_ROUNDS,
+    DEFAULT_MIN_RELEASE,
+    Reduction,
+    ReductionError,
+)
 from stablewatch.pipeline.evaluate import evaluate_archive
 from stablewatch.pipeline.reduce import counted_rows, reduce_wait_for, remaining_graphs, wait_for_frames
 from stablewatch.pipeline.tables import open_archive
@@ -130,7 +139,7 @@ def test_a_ten_thousand_process_chain_archived_without_its_blob(
 ) -> None:
     snapshot = chain_snapshot(10_000, into_cycle)
     write_archive(tmp_path, [Archived(summary_of(snapshot), snapshot)], blobless={1})
-    evaluated = evaluate_archive(open_archive(spark, tmp_path), max_rounds=4, finish_edges=0)
+    evaluated = evaluate_archive(open_archive(spark, tmp_path), reduction=Reduction(max_rounds=4, finish_edges=0))
     assert (evaluated.large, evaluated.rounds) == (1, 1 if into_cycle else 4)
     rows = evaluated.evaluations.orderBy("position").toArrow().to_pylist()
     expected = evaluate(snapshot, {})
@@ -164,3 +173,60 @@ def test_wait_for_frames_build_the_graph_build_wait_for_builds(spark: SparkSessi
         rebuilt = graphs.get(sid, nx.DiGraph())
         for node in G:  # each waiter's edges in the order build_wait_for added them
             assert (list(rebuilt.successors(node)) if node in rebuilt else []) == list(G.successors(node)), sid
+
+
+def test_the_settings_default_to_the_documented_defaults() -> None:
+    assert Reduction() == Reduction(None, DEFAULT_MAX_ROUNDS, DEFAULT_FINISH_EDGES, DEFAULT_MIN_RELEASE)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"reduce_above": 0, "max_rounds": 0, "finish_edges": 0, "min_release": 0.0},  # every lower bound
+        {"reduce_above": 10**9, "max_rounds": 10**6, "finish_edges": 10**12, "min_release": 1.0},
+        {"reduce_above": None, "min_release": 0.2},
+    ],
+)
+def test_settings_in_their_ranges_are_taken_as_given(settings: dict) -> None:
+    reduction = Reduction(**settings)
+    assert {name: getattr(reduction, name) for name in settings} == settings
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "reason"),
+    [
+        ("reduce_above", -1, "must be at least 0, not -1"),
+        ("max_rounds", -1, "must be at least 0, not -1"),
+        ("finish_edges", -10, "must be at least 0, not -10"),
+        ("min_release", -0.1, "must be from 0 to 1, not -0.1"),
+        ("min_release", 1.5, "must be from 0 to 1, not 1.5"),
+        ("min_release", float("nan"), "must be from 0 to 1, not nan"),
+    ],
+)
+def test_a_setting_out_of_its_range_is_refused_by_name(name: str, value: float, reason: str) -> None:
+    with pytest.raises(ReductionError) as refused:
+        Reduction(**{name: value})
+    assert isinstance(refused.value, ValueError)
+    assert (refused.value.field, refused.value.reason) == (name, reason)
+    assert str(refused.value) == f"{name} {reason}"
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "reason"),
+    [
+        ("--reduce-above", "-1", "must be at least 0, not -1"),
+        ("--max-rounds", "-1", "must be at least 0, not -1"),
+        ("--finish-edges", "-10", "must be at least 0, not -10"),
+        ("--min-release", "1.5", "must be from 0 to 1, not 1.5"),
+        ("--max-rounds", "two", "expected a whole number, not 'two'"),
+        ("--min-release", "half", "expected a fraction from 0 to 1, not 'half'"),
+    ],
+)
+def test_the_command_refuses_a_bad_reduction_flag_by_name(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, reason: str
+) -> None:
+    """Argparse's usage error (status 2) before any work, with the range ``Reduction`` checks."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["evaluate", "--archive", str(tmp_path), "--out", str(tmp_path), flag, value])
+    assert exited.value.code == 2
+    assert f"stablewatch pipeline evaluate: error: argument {flag}: {reason}" in capsys.readouterr().err
