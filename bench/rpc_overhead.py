@@ -114,6 +114,8 @@ line to stderr, ``probe <role> {step: [CPU µs per call, calls]}``: what the age
 place, to set beside the CPU per call of the cases. Whole steps are timed too, to set a case
 beside its floor in place: the sync client's call through the instrumented channel
 (``instrumented call``) and through the stamp-only or stand-in method (``stamp-only call``), the
+start of an asyncio call through the instrumented channel (``aio instrumented call, its start``)
+and grpc.aio's own start of any asyncio unary call (``grpc.aio call start``, inside it), the
 sync server's ``_handle_call`` (grpc's polling thread: the interceptors and the hand-off to a
 worker, with the pools' ``submit``) and ``_unary_response_in_pool`` (the worker: the wrapped
 handler), the latter three shared by all of a process's servers, so run one case at a time

@@ -44,6 +44,7 @@ from stablewatch.agents.rpc.interceptors import (
     _current_thread,
     method_name,
     stamp_of,
+    unless_cancelling,
 )
 
 __all__ = ["AioInstrumentedChannel"]
@@ -51,6 +52,12 @@ __all__ = ["AioInstrumentedChannel"]
 _AioRpcError, _CancelledError, _EOF = grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.EOF
 _CANCELLED = grpc.StatusCode.CANCELLED
 _partial, _new = functools.partial, object.__new__
+
+
+async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
+    """A finished asyncio call's stamp, and its status when it has none (the status matters only then)."""
+    stamp = stamp_of(await grpc_call.trailing_metadata())
+    return stamp, None if stamp is not None else await grpc_call.code()
 
 
 class _Ends:
@@ -86,9 +93,8 @@ class _Ends:
             raise self._refused
 
     async def _take_in_status(self) -> None:
-        """The finished call's end, from its trailing metadata (the status matters only without a stamp)."""
-        stamp = stamp_of(await self._grpc_call.trailing_metadata())
-        self._take_in(stamp, None if stamp is not None else await self._grpc_call.code())
+        """The finished call's end, from its trailing metadata."""
+        self._take_in(*await _end_of(self._grpc_call))
 
     def _broken_now(self) -> DeadlockBroken | None:
         """The error of a call the agent cancelled to break a deadlock, once grpc ended it; else None.
@@ -107,9 +113,8 @@ class _Ends:
     def _raise_if_broken(self) -> None:
         """A write failed because the agent broke the call (and the caller's task was not cancelled
         itself): take the end in and raise DeadlockBroken, as the call's await does."""
-        broken = self._broken_now()
-        task = asyncio.current_task()
-        if broken is not None and (task is None or not task.cancelling()):
+        broken = unless_cancelling(self._broken_now())
+        if broken is not None:
             self._take_in(None, _CANCELLED)
             raise broken from None
 
@@ -123,11 +128,8 @@ class _Ends:
     def _take_in_cancelled(self) -> None:
         """The call or its caller was cancelled; a cancellation for a break becomes DeadlockBroken."""
         self._take_in(None, _CANCELLED)
-        broken = self._call.broken_error()
-        task = asyncio.current_task()
-        # The call was cancelled for a break, and the caller's task was not cancelled itself (then
-        # the cancellation is the caller's, and goes on as one).
-        if broken is not None and (task is None or not task.cancelling()):
+        broken = unless_cancelling(self._call.broken_error())  # type: ignore[union-attr]
+        if broken is not None:
             raise broken from None
 
     # -- what grpc's call objects offer, passed through ---------------------------------------
@@ -290,7 +292,7 @@ class _Method:
         compression: Any = None,
     ) -> Any:
         # This runs for every asyncio call a stub makes (``bench/rpc_hot_path.py`` times it), so
-        # the channel's _running_loop and _aio_task_name are written out.
+        # _aio_task_name is written out.
         channel = self._channel
         loop = channel._loop or channel._running_loop()
         name = CURRENT_TASK.get()
@@ -330,9 +332,9 @@ def _abandoned(agent: CallEvents, call: OutgoingCall, grpc_call: Any, loop: asyn
     so it goes through the call's loop."""
 
     async def take_in() -> None:
-        stamp = stamp_of(await grpc_call.trailing_metadata())
+        stamp, code = await _end_of(grpc_call)
         with contextlib.suppress(RefusedResponse):
-            agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
+            agent.call_returned(call, stamp, code)
 
     def ended(_grpc_call: Any) -> None:
         task = loop.create_task(take_in())

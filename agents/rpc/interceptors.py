@@ -794,11 +794,8 @@ class _AioClient:
             raise
         except asyncio.CancelledError:  # nobody knows whether the request arrived
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
-            broken = call.broken_error()
-            task = asyncio.current_task()
-            # The call was cancelled for a break, and this task was not cancelled itself (then the
-            # cancellation is the caller's, and goes on as one).
-            if broken is not None and (task is None or not task.cancelling()):
+            broken = unless_cancelling(call.broken_error())
+            if broken is not None:
                 raise broken from None
             raise
         except BaseException:  # interrupted here: nobody knows whether the request arrived
@@ -836,6 +833,15 @@ class _AioClient:
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
         agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+
+
+def unless_cancelling(broken: DeadlockBroken | None) -> DeadlockBroken | None:
+    """``broken`` (the error of an asyncio call cancelled for a break), unless the running task was
+    cancelled itself: then the cancellation is the caller's own, and goes on as one."""
+    if broken is None:
+        return None
+    task = asyncio.current_task()
+    return broken if task is None or not task.cancelling() else None
 
 
 def _cancel_soon(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> bool:
