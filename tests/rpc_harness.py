@@ -72,12 +72,23 @@ def channel_to(service: Service, agent: RpcAgent | None, peer: str | None) -> gr
     return agent.instrument_channel(channel, target=service.address)
 
 
-def aio_channel_to(address: str, c_agent: RpcAgent, setup: str) -> grpc.aio.Channel:
-    """An asyncio channel to the process S at ``address``, instrumented the ``setup`` way: grpc.aio's
-    client interceptors, or the agent's instrumented channel."""
+def aio_channel_to(address: str, c_agent: RpcAgent, setup: str, peer: str = "S") -> grpc.aio.Channel:
+    """An asyncio channel to the process ``peer`` at ``address``, instrumented the ``setup`` way:
+    grpc.aio's client interceptors, or the agent's instrumented channel."""
     if setup == "interceptors":
-        return grpc.aio.insecure_channel(address, interceptors=c_agent.aio_client_interceptors("S"))
-    return c_agent.instrument_channel(grpc.aio.insecure_channel(address), "S")
+        return grpc.aio.insecure_channel(address, interceptors=c_agent.aio_client_interceptors(peer))
+    return c_agent.instrument_channel(grpc.aio.insecure_channel(address), peer)
+
+
+def outstanding(agent: RpcAgent) -> int:
+    """The calls ``agent`` has out (waiting or not) whose end it has not taken in."""
+    with agent._lock:
+        return len(agent._outgoing)
+
+
+def sample(agent: RpcAgent, name: str, **labels: str) -> float:
+    """The agent's counter ``stablewatch_agent_rpc_{name}_total`` with ``labels`` (0 before its first count)."""
+    return agent.metrics.registry.get_sample_value(f"stablewatch_agent_rpc_{name}_total", labels) or 0.0
 
 
 def call(channel: grpc.Channel, method: str, payload: bytes = b"", **kwargs: Any) -> bytes:

@@ -19,14 +19,19 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, new_agent, recorded, stamped
+from rpc_harness import SERVICE, new_agent, outstanding, recorded, sample, stamped
 
 from polling import async_poll, run
 from stablewatch.agents.rpc import AioInstrumentedChannel, BadStamp, DeadlockBroken, RpcAgent
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import CURRENT_TASK
 from stablewatch.v1 import WAIT_MODEL_AND, Wait
-from stablewatch.v1.control_pb2 import BREAK_OUTCOME_ALREADY_BROKEN, BREAK_OUTCOME_BROKEN, BreakWait
+from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_ALREADY_BROKEN,
+    BREAK_OUTCOME_BROKEN,
+    BREAK_OUTCOME_GONE,
+    BreakWait,
+)
 
 SLOW, COUNT, TOTAL, ECHO, META, RELAY = "Slow", "Count", "Total", "Echo", "Meta", "Relay"
 #: The method of AioService that serves each kind of call a test holds (with the request ``hold``).
@@ -35,16 +40,6 @@ WAITING = ("unary_unary", "stream_unary")  # the unary-response kinds: their cal
 CYCLE = "C:/test.Svc/Slow -> S:/test.Svc/Slow"
 GOOD = "0.1.0.S"  # a stamp as S would send it: color 0, incarnation 1, session 0
 TIMEOUT = 10.0  # each test's scenario, on a slow shared machine; each takes well under a second
-
-
-def outstanding(agent: RpcAgent) -> int:
-    """The calls ``agent`` has out (waiting or not) whose end it has not taken in."""
-    with agent._lock:
-        return len(agent._outgoing)
-
-
-def sample(agent: RpcAgent, name: str, **labels: str) -> float:
-    return agent.metrics.registry.get_sample_value(f"stablewatch_agent_rpc_{name}_total", labels) or 0.0
 
 
 async def recorded_wait(agent: RpcAgent) -> Wait:
@@ -230,6 +225,27 @@ def test_a_unary_calls_metadata_is_the_servers_with_our_stamp(rpc_agents: tuple[
             assert await call.code() == grpc.StatusCode.OK
             assert await call.details() == ""
             assert (call.done(), call.cancelled()) == (True, False)
+
+    run(body(), TIMEOUT)
+    assert c_agent._core.received_count("S") == 1
+
+
+@pytest.mark.parametrize("kind", ["stream_unary", "stream_stream"])
+def test_a_request_stream_may_be_given_by_its_keyword_as_grpc_names_it(
+    rpc_agents: tuple[RpcAgent, RpcAgent], kind: str
+) -> None:
+    """grpc.aio names a request stream ``request_iterator``; a stub's caller may pass it so."""
+    s_agent, c_agent = rpc_agents
+
+    async def body() -> None:
+        async with AioService(s_agent) as service, instrumented(c_agent, service.address) as channel:
+            if kind == "stream_unary":
+                call = method(channel, kind, TOTAL)(request_iterator=iter([b"a", b"b"]), timeout=TIMEOUT)
+                assert await call == b"a+b"
+            else:
+                call = method(channel, kind, ECHO)(request_iterator=iter([b"a", b"b"]), timeout=TIMEOUT)
+                assert [response async for response in call] == [b"A", b"B"]
+            assert outstanding(c_agent) == 0
 
     run(body(), TIMEOUT)
     assert c_agent._core.received_count("S") == 1
@@ -424,6 +440,9 @@ def test_a_bad_stamp_fails_a_unary_call_with_bad_stamp(rpc_agents: tuple[RpcAgen
                 await call
             assert refused.value.code() == grpc.StatusCode.INTERNAL
             assert "/test.Svc/Slow from S has a bad stamp" in refused.value.details()
+            # The call object reports what its caller met (the refusal), not the server's OK.
+            assert await call.code() == grpc.StatusCode.INTERNAL
+            assert await call.details() == refused.value.details()
             assert outstanding(c_agent) == 0 and c_agent.open_waits() == []
             with pytest.raises(BadStamp):  # awaited again: still refused, counted once
                 await call
@@ -457,6 +476,7 @@ def test_a_bad_stamp_fails_a_response_stream_at_its_end(
                         responses.append(response)
             assert responses == [b"0", b"1"]  # the messages came through; the end is refused
             assert refused.value.code() == grpc.StatusCode.INTERNAL
+            assert (await call.code(), await call.details()) == (grpc.StatusCode.INTERNAL, refused.value.details())
             assert outstanding(c_agent) == 0
 
     run(body(), TIMEOUT)
@@ -571,6 +591,8 @@ def test_a_broken_call_raises_deadlock_broken_and_reports_aborted(
             assert raised.value.instance == wait.instance
             assert await call.code() == grpc.StatusCode.ABORTED
             assert CYCLE in await call.details()
+            with pytest.raises(DeadlockBroken):  # where grpc raises a failed call's end, as its await does
+                await call.wait_for_connection()
             assert (call.done(), call.cancelled()) == (True, False)  # broken, not cancelled by its caller
             assert outstanding(c_agent) == 0 and c_agent.open_waits() == []
             assert sample(c_agent, "peer_resets") == 1
@@ -581,6 +603,33 @@ def test_a_broken_call_raises_deadlock_broken_and_reports_aborted(
 
     run(body(), TIMEOUT)
     assert sample(c_agent, "breaks", kind="call") == 1
+
+
+def test_a_break_that_comes_after_the_call_ended_is_not_reported_as_done(
+    rpc_agents: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """A break for a call whose end came first (a deadline, on a stale proof) cancels nothing: it
+    must not be reported broken, with its caller told ABORTED, while the caller gets the call's
+    own end. Here the response came and waits for its caller, who gets it."""
+    s_agent, c_agent = rpc_agents
+
+    async def body() -> None:
+        async with AioService(s_agent) as service, instrumented(c_agent, service.address) as channel:
+            call = held_call(channel, "unary_unary")
+            await async_poll(service.held.is_set, "the call held by its server", TIMEOUT)
+            (opened,) = c_agent.open_waits()
+            service.release.set()
+            await async_poll(call.done, "the call ended", TIMEOUT)
+            stale = BreakWait(break_id=1, snapshot_id=42, instance=opened.instance, task=opened.task, deadlock=CYCLE)
+            report = await asyncio.to_thread(c_agent.breaks.handle, stale)
+            assert report.outcome == BREAK_OUTCOME_GONE
+            assert await call == b"done:hold"  # what the report says: nothing was broken
+            assert (await call.code(), call.cancelled()) == (grpc.StatusCode.OK, False)
+            assert outstanding(c_agent) == 0
+
+    run(body(), TIMEOUT)
+    assert sample(c_agent, "breaks", kind="call") == 0
+    assert c_agent._core.session("S") == 0
 
 
 def test_concurrent_callers_wait_each_in_its_own_name(rpc_agents: tuple[RpcAgent, RpcAgent]) -> None:

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, Service
+from rpc_harness import SERVICE, Service, outstanding
 
 from polling import poll
 from stablewatch.agents.rpc import AioInstrumentedChannel, InstrumentedChannel
@@ -56,11 +56,6 @@ def echo(
         release.set()
         channel.close()
         service.server.stop(None)
-
-
-def outstanding(agent: RpcAgent) -> int:
-    with agent._lock:
-        return len(agent._outgoing)
 
 
 @pytest.mark.parametrize("how", ["call", "with_call", "future"])

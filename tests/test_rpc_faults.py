@@ -13,17 +13,13 @@ from concurrent import futures
 
 import grpc
 import pytest
-from rpc_harness import Service, agent, call, channel_to, snapshot, stamped
+from rpc_harness import Service, agent, call, channel_to, sample, snapshot, stamped
 
 from polling import poll
-from stablewatch.agents.rpc.agent import RpcAgent, StaleResponse
+from stablewatch.agents.rpc.agent import StaleResponse
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.testing.detector import Running
 from stablewatch.testing.tcp_proxy import TcpProxy
-
-
-def sample(agent: RpcAgent, name: str, **labels: str) -> float:
-    return agent.metrics.registry.get_sample_value(f"stablewatch_agent_rpc_{name}_total", labels) or 0.0
 
 
 def restart_counts(channel: grpc.Channel) -> None:

@@ -5,6 +5,10 @@ each kind in flight. Snapshots complete with them in flight; only the unary-resp
 (unary-unary, stream-unary) make their caller wait on the callee (a response stream's messages are
 not counted, so a wait on it could be a false deadlock); stamps travel on the streams' trailing
 metadata; the calls' results are what they are without stablewatch.
+
+The detector here takes only the snapshots the tests ask for: C's unary-response calls wait past
+the agents' hint threshold (20 ms), and a snapshot their hints started would interleave with the
+tests' own and move S's color past the one the test follows.
 """
 
 from __future__ import annotations
@@ -13,12 +17,14 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from rpc_harness import SERVICE, agent, aio_channel_to, deadlock, snapshot, stamped, stored
 
+from conftest import limited_detector
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.detector.service.query import outcome_name
@@ -29,6 +35,14 @@ from stablewatch.v1.query_pb2 import SnapshotResults
 UNARY, COUNT, TOTAL, ECHO = "Slow", "Count", "Total", "Echo"  # unary-unary, unary-stream, stream-unary, stream-stream
 METHODS = (UNARY, COUNT, TOTAL, ECHO)
 WAITING = {f"/{SERVICE}/{UNARY}", f"/{SERVICE}/{TOTAL}"}  # the calls whose callers wait on the callee
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Running]:
+    """conftest's detector without hint snapshots: the only snapshots are the tests' own."""
+    service = limited_detector(tmp_path / "data", hints=False)
+    yield service
+    service.stop()
 
 
 def completed(results: SnapshotResults) -> None:
@@ -124,7 +138,8 @@ def test_sync_streaming_calls_in_flight(running: Running, client: str) -> None:
         assert waits[f"/{SERVICE}/{UNARY}"] == f"{UNARY}_0" and waits[f"/{SERVICE}/{TOTAL}"] == f"{TOTAL}_0"
 
         # 2. S records, C not yet: the end of the Count stream carries S's color, and C records
-        # before the stream's iterator stops.
+        # before the stream's iterator stops. Only the Count stream ends meanwhile, and C's starts
+        # wait for its gate, so that stream's end is the one way S's color can reach C.
         c_gate.clear()
         pending = asyncio.run_coroutine_threadsafe(running.detector.take_snapshot(deadline=10), running.loop)
         poll(lambda: s_agent.color > first, "S recorded")
@@ -136,7 +151,9 @@ def test_sync_streaming_calls_in_flight(running: Running, client: str) -> None:
         for name in (UNARY, TOTAL, ECHO):
             release[name].set()
         c_gate.set()
-        completed(pending.result(20))
+        results = pending.result(20)
+        completed(results)
+        assert results.snapshot.snapshot_id == c_agent.color  # the color C took in was that snapshot's
 
         # 3. The results are unchanged; every call's end carried S's stamp.
         assert replies[UNARY].result(20) == b"done:u"

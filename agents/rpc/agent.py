@@ -488,9 +488,8 @@ class RpcAgent:
         """A request reaches the server's interceptor: take it in (recording first if its color asks)."""
         entry = None
         for key, value in metadata or ():
-            if key == STAMP_KEY:
+            if key == STAMP_KEY:  # the last one is the caller's own (see interceptors.stamped)
                 entry = value
-                break
         if entry is None:
             call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, pool)
             self.metrics.uninstrumented("inbound")

@@ -18,6 +18,9 @@ keeps what the interceptors cannot: an asyncio call made outside a handler waits
 the caller's own task's name, a unary call's metadata accessors see the server's metadata, and a
 request stream may be written with ``call.write``.
 
+Stamps are per hop (:func:`~stablewatch.agents.rpc.interceptors.stamped`): a stamp in metadata the
+caller passes along is another hop's, and is dropped; the request carries the call's own only.
+
 Every call whose response is unary (unary-unary, stream-unary) is breakable: the agent cancels it
 on the channel's loop to break a proven deadlock, and the caller's ``await`` raises
 :class:`~stablewatch.agents.rpc.calls.DeadlockBroken` (``ABORTED``) where grpc would have raised
@@ -45,6 +48,7 @@ from stablewatch.agents.rpc.interceptors import (
     method_name,
     stamp_of,
     unless_cancelling,
+    with_stamp,
 )
 
 __all__ = ["AioInstrumentedChannel"]
@@ -155,19 +159,28 @@ class _Ends:
     async def trailing_metadata(self) -> Any:
         return await self._grpc_call.trailing_metadata()
 
+    def _met_instead(self) -> RefusedResponse | None:
+        """What the caller meets in place of the call's own end: its refused response, or the error
+        of a break; else None."""
+        return self._refused or self._broken_now()
+
     async def code(self) -> grpc.StatusCode:
-        broken = self._broken_now()
-        return broken.code() if broken is not None else await self._grpc_call.code()
+        instead = self._met_instead()
+        return instead.code() if instead is not None else await self._grpc_call.code()
 
     async def details(self) -> str:
-        broken = self._broken_now()
-        return broken.details() if broken is not None else await self._grpc_call.details()
+        instead = self._met_instead()
+        return instead.details() if instead is not None else await self._grpc_call.details()
 
     async def debug_error_string(self) -> str | None:
         return await self._grpc_call.debug_error_string()
 
     async def wait_for_connection(self) -> None:
-        await self._grpc_call.wait_for_connection()
+        try:
+            await self._grpc_call.wait_for_connection()
+        except _CancelledError:  # grpc raises a finished call's end here: a break's is DeadlockBroken
+            self._raise_if_broken()
+            raise
 
     def __repr__(self) -> str:
         return f"<instrumented {self._grpc_call!r}>"
@@ -199,9 +212,8 @@ class _UnaryResponse(_Ends):
             return response
         stamp = None
         for key, value in (yield from grpc_call.trailing_metadata().__await__()) or ():  # stamp_of(...)
-            if key == STAMP_KEY:
+            if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
-                break
         code = None if stamp is not None else (yield from grpc_call.code().__await__())
         try:
             self._agent.call_returned(call, stamp, code)
@@ -301,9 +313,10 @@ class _Method:
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent
         call = agent.call_out(channel._peer, self._method, name, channel._instrumented, self._waits)
-        stamped = call.metadata
-        if stamped:
-            metadata = (*metadata, *stamped) if metadata else stamped
+        if metadata:
+            metadata = with_stamp(metadata, call)
+        elif call.metadata:
+            metadata = call.metadata
         try:
             grpc_call = self._plain(
                 request,
@@ -317,10 +330,33 @@ class _Method:
             agent.call_returned(call, None, _CANCELLED)
             raise
         if self._waits:
-            call.cancel = _partial(_cancel_soon, loop, grpc_call)  # breakable from now on
+            call.cancel = _partial(_cancel_unless_ended, loop, grpc_call)  # breakable from now on
         proxy = _new(self._kind)  # its fields set here: one frame less per call than an __init__
         proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
         return proxy
+
+
+class _StreamRequestMethod(_Method):
+    """A method whose request is a stream: grpc.aio names it ``request_iterator``, and so may its callers."""
+
+    def __call__(
+        self,
+        request_iterator: Any = None,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any:
+        return _Method.__call__(self, request_iterator, timeout, metadata, credentials, wait_for_ready, compression)
+
+
+def _cancel_unless_ended(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> bool:
+    """The agent's cancel of an asyncio call, from its own thread: False (nothing broken) when the
+    call has ended already, its end waiting for its caller, who gets that end; else it is cancelled
+    on its loop (:func:`_cancel_soon`). A call that ends in the moment between this look and the
+    cancel running on its loop is still reported broken (a deadlocked call ends only by a deadline)."""
+    return not grpc_call.done() and _cancel_soon(loop, grpc_call)
 
 
 _taking_in: set[asyncio.Task[None]] = set()
@@ -355,11 +391,11 @@ class _UnaryStream(_Method, grpc.aio.UnaryStreamMultiCallable):
     pass
 
 
-class _StreamUnary(_Method, grpc.aio.StreamUnaryMultiCallable):
+class _StreamUnary(_StreamRequestMethod, grpc.aio.StreamUnaryMultiCallable):
     pass
 
 
-class _StreamStream(_Method, grpc.aio.StreamStreamMultiCallable):
+class _StreamStream(_StreamRequestMethod, grpc.aio.StreamStreamMultiCallable):
     pass
 
 

@@ -90,9 +90,10 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
                 name = current_task_name()
         agent = self._agent
         call = agent.call_out(self._peer, self._method, name, self._instrumented)
-        stamped = call.metadata
-        if stamped:
-            metadata = (*metadata, *stamped) if metadata else stamped
+        if metadata:
+            metadata = with_stamp(metadata, call)
+        elif call.metadata:
+            metadata = call.metadata
         try:
             response, grpc_call = self._plain.with_call(
                 request, timeout, metadata, credentials, wait_for_ready, compression
@@ -102,9 +103,8 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
             raise
         stamp = None
         for key, value in grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
-            if key == STAMP_KEY:
+            if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
-                break
         # A RefusedResponse propagates to the caller; the status matters only without the stamp.
         agent.call_returned(call, stamp, None if stamp is not None else grpc_call.code())
         return response

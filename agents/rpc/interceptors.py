@@ -121,11 +121,27 @@ def _aio_task_name(loop: asyncio.AbstractEventLoop) -> str:
 
 
 def stamp_of(metadata: Any) -> str | None:
-    """The text of our stamp entry among ``metadata`` (a call's trailing metadata), or None."""
+    """The text of the server's stamp among a call's trailing ``metadata``, or None: the last entry
+    of ours (each hop sends one, added last: see :func:`stamped`)."""
+    stamp = None
     for key, value in metadata or ():
         if key == STAMP_KEY:
-            return value.decode(errors="replace") if isinstance(value, bytes) else value
-    return None
+            stamp = value
+    return stamp.decode(errors="replace") if isinstance(stamp, bytes) else stamp
+
+
+def stamped(metadata: Any, entries: tuple[tuple[str, str], ...]) -> Any:
+    """``metadata`` with ``entries`` (this hop's stamp, or nothing) as the only entries of ours.
+
+    Stamps are per hop: a handler may pass its own call's metadata along to the next call, or copy
+    the trailing metadata of a call it made into its own, as gateways do. A stamp there is another
+    hop's; carried on, it would count this hop's message on another pair's channel.
+    """
+    if metadata and any(entry[0] == STAMP_KEY for entry in metadata):
+        metadata = tuple(entry for entry in metadata if entry[0] != STAMP_KEY)
+    if not entries:
+        return metadata
+    return (*metadata, *entries) if metadata else entries
 
 
 def method_name(method: str | bytes) -> str:
@@ -157,8 +173,7 @@ def _start(agent: CallEvents, call: IncomingCall, context: Any) -> None:
 def _end_sync(agent: CallEvents, call: IncomingCall, context: grpc.ServicerContext) -> None:
     entry = agent.respond(call, "" if call.peer is not None else context.peer(), context.is_active())
     if entry is not None:
-        trailing = context.trailing_metadata()
-        context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
+        context.set_trailing_metadata(stamped(context.trailing_metadata(), (entry,)))
 
 
 def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
@@ -196,7 +211,7 @@ def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall],
                 entry = respond(call, "", context.is_active())
                 if entry is not None:
                     trailing = context.trailing_metadata()
-                    context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
+                    context.set_trailing_metadata(stamped(trailing, (entry,)) if trailing else (entry,))
 
     return run
 
@@ -343,17 +358,19 @@ class _StampingContext:
         return getattr(self._context, name)
 
     async def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        # grpc.aio sends the status now, with these trailing metadata in place of the context's: the
+        # response's stamp goes into them first, as the handler's end would add it.
+        if trailing_metadata:
+            self._context.set_trailing_metadata(tuple(trailing_metadata))
         _end_aio(self._agent, self._call, self._context)
-        metadata = tuple(trailing_metadata) or tuple(self._context.trailing_metadata() or ())
-        await self._context.abort(code, details, metadata)
+        await self._context.abort(code, details, tuple(self._context.trailing_metadata() or ()))
 
 
 def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
     active = not context.done() and not context.cancelled()
     entry = agent.respond(call, "" if call.peer is not None else context.peer(), active)
     if entry is not None:
-        trailing = context.trailing_metadata()
-        context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
+        context.set_trailing_metadata(stamped(context.trailing_metadata(), (entry,)))
 
 
 def _awaitable(behavior: Callable[..., Any]) -> Callable[..., Any]:
@@ -422,7 +439,7 @@ def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., An
                 entry = respond(call, "", not context.done() and not context.cancelled())
                 if entry is not None:
                     trailing = context.trailing_metadata()
-                    context.set_trailing_metadata((*trailing, entry) if trailing else (entry,))
+                    context.set_trailing_metadata(stamped(trailing, (entry,)) if trailing else (entry,))
 
     return run
 
@@ -509,15 +526,13 @@ class _CallDetails(_Details, grpc.ClientCallDetails):
 
 
 def with_stamp(metadata: Any, call: OutgoingCall) -> Any:
-    """A call's request metadata with the stamp of ``call`` added (if it carries one)."""
-    if not call.metadata:
-        return metadata
-    return (*metadata, *call.metadata) if metadata else call.metadata
+    """A call's request metadata with the stamp of ``call`` (if it carries one) as the only one of ours."""
+    return stamped(metadata, call.metadata)
 
 
 def _details_with(details: Any, call: OutgoingCall) -> Any:
     """The sync call's details with the stamp added to its metadata."""
-    if not call.metadata:
+    if not call.metadata and not details.metadata:
         return details
     metadata = with_stamp(details.metadata, call)
     wait_for_ready = getattr(details, "wait_for_ready", None)
@@ -527,7 +542,7 @@ def _details_with(details: Any, call: OutgoingCall) -> Any:
 
 def _aio_details_with(details: Any, call: OutgoingCall) -> Any:
     """The asyncio call's details with the stamp added to its metadata."""
-    if not call.metadata or not isinstance(details, grpc.aio.ClientCallDetails):
+    if (not call.metadata and not details.metadata) or not isinstance(details, grpc.aio.ClientCallDetails):
         return _details_with(details, call)
     metadata = with_stamp(details.metadata, call)
     wait_for_ready = getattr(details, "wait_for_ready", None)
@@ -770,15 +785,15 @@ class _AioClient:
         method = client_call_details.method
         text = method if type(method) is str else method_name(method)
         call = agent.call_out(self._peer, text, name, self._instrumented)
-        stamped = call.metadata
-        if stamped and type(client_call_details) is _AioDetails:
+        entries = call.metadata
+        if entries and type(client_call_details) is _AioDetails:
             metadata = client_call_details.metadata
             details = _new_tuple(  # _AioDetails(...) with the stamp added, without its __new__'s frame
                 _AioDetails,
                 (
                     method,
                     client_call_details.timeout,
-                    (*metadata, *stamped) if metadata else stamped,
+                    stamped(metadata, entries) if metadata else entries,
                     client_call_details.credentials,
                     client_call_details.wait_for_ready,
                 ),
@@ -803,9 +818,8 @@ class _AioClient:
             raise
         stamp = None
         for key, value in await grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
-            if key == STAMP_KEY:
+            if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
-                break
         # The status matters only without the server's stamp (as in take_in_end).
         agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
         return response
