@@ -43,7 +43,8 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   ``backoff_max``, until :meth:`ControlClient.stop`. A ``Refused`` registration (the same process
   id may still be attached through a previous, dying stream) is retried the same way, and so is
   one the detector refuses with a status (PERMISSION_DENIED when the certificate does not name
-  this process id): both are logged as warnings and reported as ``refused``.
+  this process id): both are logged as warnings and reported as ``refused``, with the detector's
+  code even where grpc.aio reports INTERNAL for it (see :func:`_send_register`).
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ import asyncio
 import contextlib
 import logging
 import random
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, Literal, NamedTuple, NoReturn
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Literal, NamedTuple, NoReturn, TypeVar
 
 import grpc
 
@@ -97,6 +98,8 @@ _REFUSALS = (
 )
 # A detector that accepts the stream but never answers Register is treated as down.
 _REGISTER_TIMEOUT = 10.0
+
+_T = TypeVar("_T")
 
 
 class _Job(NamedTuple):
@@ -297,8 +300,7 @@ class ControlClient:
         registered = False
         try:
             self._register.known_epoch = self._followed_epoch
-            await call.write(AgentMessage(register=self._register))
-            reply = await asyncio.wait_for(call.read(), _REGISTER_TIMEOUT)
+            reply = await _send_register(call, AgentMessage(register=self._register))
             if reply is grpc.aio.EOF:
                 self._event("unreachable", "the detector closed the stream before registering")
                 return False
@@ -546,6 +548,57 @@ def _merge_queued_parts(part: LocalSnapshotPart, outbox: asyncio.Queue[AgentMess
     queued = outbox._queue  # type: ignore[attr-defined]  # peeking is not in Queue's public API
     while queued and queued[0].WhichOneof("kind") == "part" and queued[0].part.snapshot_id == part.snapshot_id:
         part.MergeFrom(outbox.get_nowait().part)
+
+
+async def _send_register(call: grpc.aio.StreamStreamCall, register: AgentMessage) -> Any:
+    """Write ``register`` on ``call`` and return what the detector answers (a DetectorMessage, or
+    EOF); raise the detector's refusal with the code it sent, TimeoutError after ``_REGISTER_TIMEOUT``.
+
+    grpc.aio may lose that code. When the detector ends a stream before reading it (a certificate
+    that names no process, too many unregistered streams), a write still in flight fails, and
+    grpc.aio then sets the call's status to INTERNAL ("Internal error from Core": ``_write`` in
+    grpc/aio/_call.py calls ``set_internal_error``) and raises it. If the detector's status was
+    set first, ``code()`` says INTERNAL from then on, but a done callback has seen the status: it
+    runs once, when the first status is set, and a finished call's ``code()`` and ``details()``
+    return without waiting. If the detector's status comes after, it replaces INTERNAL without a
+    callback; the read, started before the write, ends with the stream, and then ``code()`` says it.
+    """
+    first: list[tuple[grpc.StatusCode | None, str | None]] = []
+    call.add_done_callback(lambda ended: first.append((_at_once(ended.code()), _at_once(ended.details()))))
+    reading = asyncio.ensure_future(call.read())
+    try:
+        failure: BaseException | None = None
+        try:
+            await call.write(register)
+        except Exception as exc:  # the stream has ended: the read ends with it
+            failure = exc
+        # Not asyncio.wait_for, nor awaiting the read: both can drop a cancellation (stop) that comes
+        # as the read ends (wait_for before Python 3.12; grpc.aio's read awaits a task that ignores one).
+        done, _ = await asyncio.wait([reading], timeout=_REGISTER_TIMEOUT)
+        if failure is None:
+            if not done:
+                raise TimeoutError
+            if (failure := reading.exception()) is None:
+                return reading.result()
+        statuses = [*first, (await call.code(), await call.details())] if call.done() else first
+        for code, details in statuses:
+            if code in _REFUSALS:
+                if isinstance(failure, grpc.aio.AioRpcError) and failure.code() == code:
+                    raise failure  # grpc.aio has it right
+                raise grpc.aio.AioRpcError(code, grpc.aio.Metadata(), grpc.aio.Metadata(), details) from failure
+        raise failure
+    finally:
+        reading.cancel()
+
+
+def _at_once(coroutine: Coroutine[Any, Any, _T]) -> _T | None:
+    """What ``coroutine`` returns when it finishes without waiting; None (and it is closed) when it would wait."""
+    try:
+        coroutine.send(None)
+    except StopIteration as finished:
+        return finished.value
+    coroutine.close()
+    return None
 
 
 def _describe(exc: BaseException | None) -> str:
