@@ -90,11 +90,11 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
                 name = current_task_name()
         agent = self._agent
         call = agent.call_out(self._peer, self._method, name, self._instrumented)
-        if metadata:
-            metadata = with_stamp(metadata, call)
-        elif call.metadata:
-            metadata = call.metadata
-        try:
+        try:  # whatever fails from here on ends the call's wait (the stamping too: metadata grpc cannot carry)
+            if metadata:
+                metadata = with_stamp(metadata, call)
+            elif call.metadata:
+                metadata = call.metadata
             response, grpc_call = self._plain.with_call(
                 request, timeout, metadata, credentials, wait_for_ready, compression
             )

@@ -24,13 +24,17 @@ What travels (gRPC has metadata per call, not per message):
   Both servers' handlers are wrapped once per method: the call reaches its handler through a
   context variable the interceptor sets, since each server runs a call's interceptors and its
   handler in one context (the sync server's per-call ``contextvars.Context``, the asyncio server's
-  task for the call).
+  task for the call). The asyncio server's wrapped handler is a coroutine (or an async generator),
+  so a sync handler there is run as grpc.aio would run it, in threads of the call's context: with a
+  sync servicer context, its request stream as an iterator, its response stream taken from it.
 * Client side, the end of the call is taken in before the caller sees it: the unary response (or the
   error) before ``result()``/``await`` returns it, the end of a response stream before the iterator
-  stops. A bad stamp in the response raises :class:`~stablewatch.agents.rpc.calls.BadStamp` (an
+  stops (or when grpc ends the call, if that comes first: a caller may never read a stream to its
+  end). A bad stamp in the response raises :class:`~stablewatch.agents.rpc.calls.BadStamp` (an
   ``RpcError``, ``INTERNAL``), a stale one :class:`~stablewatch.agents.rpc.calls.StaleResponse`
-  (``ABORTED``: the server ran the call, its response is not delivered); an error without our server's
-  stamp restarts the pair's counts (the request or the response may or may not have arrived).
+  (``ABORTED``: the server ran the call, its response is not delivered), and the call's ``code()`` and
+  ``details()`` say so too; an error without our server's stamp restarts the pair's counts (the
+  request or the response may or may not have arrived).
 * Breaking a deadlock: a unary-response call the agent can cancel from another thread (a sync
   ``future()``, an asyncio call) leaves its cancel on the call's record; the agent cancels it to
   break a proven deadlock, and the caller's code gets
@@ -365,6 +369,10 @@ class _StampingContext:
         _end_aio(self._agent, self._call, self._context)
         await self._context.abort(code, details, tuple(self._context.trailing_metadata() or ()))
 
+    async def abort_with_status(self, status: grpc.Status) -> None:
+        # grpc.aio's own calls its context's abort, not this one: it would send no stamp.
+        await self.abort(status.code, status.details, status.trailing_metadata)
+
 
 def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
     active = not context.done() and not context.cancelled()
@@ -373,15 +381,107 @@ def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerCo
         context.set_trailing_metadata(stamped(context.trailing_metadata(), (entry,)))
 
 
-def _awaitable(behavior: Callable[..., Any]) -> Callable[..., Any]:
-    """``behavior`` as a coroutine function: itself, or a sync one run in a thread (decided once per method)."""
+#: What a sync handler's iterator gives when it has no more (``next(iterator, _END)``).
+_END: Any = object()
+
+
+class _SyncContext:
+    """The servicer context of a sync handler on an asyncio server, as grpc.aio gives such a handler
+    one (grpc.aio sees only the interceptor's wrapped handler, a coroutine, and gives it an asyncio one).
+
+    ``abort`` (and ``abort_with_status``) ends the call and raises, and ``send_initial_metadata``
+    sends, each on the call's loop, from the handler's thread; ``add_callback``'s callbacks run when
+    the handler has ended without an error. Everything else is the asyncio context's: the stamping
+    one, so that an abort carries the response's stamp.
+    """
+
+    __slots__ = ("_callbacks", "_context", "_loop")
+
+    def __init__(self, context: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._context, self._loop = context, loop
+        self._callbacks: list[Callable[[], None]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def _on_loop(self, coroutine: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
+
+    def abort(self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()) -> None:
+        self._on_loop(self._context.abort(code, details, trailing_metadata))  # raises grpc.aio's AbortError
+
+    def abort_with_status(self, status: grpc.Status) -> None:
+        self.abort(status.code, status.details, status.trailing_metadata)
+
+    def send_initial_metadata(self, initial_metadata: Any) -> None:
+        self._on_loop(self._context.send_initial_metadata(initial_metadata))
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        self._callbacks.append(callback)
+        return True
+
+    def ended(self) -> None:
+        """The handler ended without an error: run its callbacks (in the loop, as grpc.aio runs them)."""
+        for callback in self._callbacks:
+            callback()
+
+
+def _sync_requests(requests: Any, loop: asyncio.AbstractEventLoop) -> Iterator[Any]:
+    """An asyncio request stream as a sync handler reads it, from its thread (as grpc.aio gives it)."""
+    iterator = requests.__aiter__()
+
+    async def next_request() -> Any:
+        try:
+            return await iterator.__anext__()
+        except StopAsyncIteration:
+            return _END
+
+    while (request := asyncio.run_coroutine_threadsafe(next_request(), loop).result()) is not _END:
+        yield request
+
+
+def _awaitable(behavior: Callable[..., Any], requests: bool = False) -> Callable[..., Any]:
+    """``behavior`` (with a unary response) as a coroutine function: itself, or a sync one run in a
+    thread, as grpc.aio runs it: with a sync context (:class:`_SyncContext`) and, for a request stream
+    (``requests``), a sync iterator of it. The thread runs in the call's context (``asyncio.to_thread``
+    copies it), so the handler's own calls wait in its name; it is one of the loop's default executor
+    (the interceptor is not told of a ``migration_thread_pool`` given to the server). Decided once per
+    method."""
     if inspect.iscoroutinefunction(behavior):
         return behavior
 
     async def in_thread(request: Any, context: Any) -> Any:
-        return await asyncio.to_thread(behavior, request, context)
+        loop = asyncio.get_running_loop()
+        sync_context = _SyncContext(context, loop)
+        if requests:
+            request = _sync_requests(request, loop)
+        response = await asyncio.to_thread(behavior, request, sync_context)
+        sync_context.ended()
+        return response
 
     return in_thread
+
+
+def _iterator_of(behavior: Callable[..., Any], request: Any, context: Any) -> Iterator[Any]:
+    return iter(behavior(request, context))
+
+
+def _in_threads(behavior: Callable[..., Any], requests: bool) -> Callable[..., AsyncIterator[Any]]:
+    """A sync handler with a response stream (a generator function, or one returning an iterator) as
+    an async generator function, as grpc.aio runs one: called with a sync context, its request stream
+    (``requests``) as a sync iterator, and each of its responses taken in a thread, in the call's context."""
+
+    async def produce(request: Any, context: Any) -> AsyncIterator[Any]:
+        loop = asyncio.get_running_loop()
+        sync_context = _SyncContext(context, loop)
+        if requests:
+            request = _sync_requests(request, loop)
+        responses = await asyncio.to_thread(_iterator_of, behavior, request, sync_context)
+        while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
+            yield response
+        sync_context.ended()
+
+    return produce
 
 
 class _AioServed:
@@ -411,10 +511,13 @@ class _AioServed:
         return call
 
 
-def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., Any]) -> Callable[..., Any]:
+def _unary_aio(
+    agent: CallEvents, served: _AioServed, behavior: Callable[..., Any], requests: bool = False
+) -> Callable[..., Any]:
     # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
     # an agent) is written out here rather than through _start and _end_aio.
-    behave, get, handler_started, respond = _awaitable(behavior), served.var.get, agent.handler_started, agent.respond
+    behave, get = _awaitable(behavior, requests), served.var.get
+    handler_started, respond = agent.handler_started, agent.respond
     set_task = CURRENT_TASK.set
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -444,36 +547,42 @@ def _unary_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., An
     return run
 
 
-def _streaming_aio(agent: CallEvents, served: _AioServed, behavior: Callable[..., Any]) -> Callable[..., Any]:
-    if inspect.isasyncgenfunction(behavior):
+def _streaming_aio(
+    agent: CallEvents, served: _AioServed, behavior: Callable[..., Any], requests: bool = False
+) -> Callable[..., Any]:
+    """A response-stream handler, wrapped: an async generator function (a sync handler's responses
+    are taken from it in threads), or, for a coroutine function (one that writes with
+    ``context.write()``), as a unary one."""
+    if inspect.iscoroutinefunction(behavior):
+        return _unary_aio(agent, served, behavior)
+    produce = behavior if inspect.isasyncgenfunction(behavior) else _in_threads(behavior, requests)
 
-        async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            call = served.get()
-            if call is None:
-                async for response in behavior(request, context):
-                    yield response
-                return
-            _start(agent, call, context)
-            CURRENT_TASK.set(call.name)
-            closed = False
-            try:
-                if call.error is not None:
-                    await _StampingContext(agent, call, context).abort(call.status, call.error)
-                async for response in behavior(request, _StampingContext(agent, call, context)):
-                    yield response
-            except GeneratorExit:
-                # Closed before its end: the call was cancelled, or the generator is finalized after
-                # the server stopped, when touching the context crashes grpc. No response goes out.
-                closed = True
-                raise
-            finally:
-                if closed:
-                    agent.respond(call, "", False)
-                else:
-                    _end_aio(agent, call, context)
+    async def generate(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        call = served.get()
+        if call is None:
+            async for response in produce(request, context):
+                yield response
+            return
+        _start(agent, call, context)
+        CURRENT_TASK.set(call.name)
+        closed = False
+        try:
+            if call.error is not None:
+                await _StampingContext(agent, call, context).abort(call.status, call.error)
+            async for response in produce(request, _StampingContext(agent, call, context)):
+                yield response
+        except GeneratorExit:
+            # Closed before its end: the call was cancelled, or the generator is finalized after
+            # the server stopped, when touching the context crashes grpc. No response goes out.
+            closed = True
+            raise
+        finally:
+            if closed:
+                agent.respond(call, "", False)
+            else:
+                _end_aio(agent, call, context)
 
-        return generate
-    return _unary_aio(agent, served, behavior)  # a handler that writes with context.write()
+    return generate
 
 
 class AioServerInterceptor(grpc.aio.ServerInterceptor):
@@ -500,8 +609,11 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
         kept = self._wrapped.get(id(handler))
         if kept is None or kept.handler is not handler:
             agent, served = self._agent, self._served
+            requests = handler.request_streaming  # a sync handler reads its request stream as an iterator
             wrapped = _wrap(
-                handler, functools.partial(_unary_aio, agent, served), functools.partial(_streaming_aio, agent, served)
+                handler,
+                functools.partial(_unary_aio, agent, served, requests=requests),
+                functools.partial(_streaming_aio, agent, served, requests=requests),
             )
             kept = _kept(self._wrapped, handler, wrapped, None)
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
@@ -556,7 +668,7 @@ class _Settled:
     def __init__(self, agent: CallEvents, call: OutgoingCall, outcome: Any) -> None:
         self._agent, self._call, self._outcome = agent, call, outcome
         self._lock = threading.Lock()
-        self._error: RefusedResponse | None = None
+        self.refused: RefusedResponse | None = None  # the call's response, refused
         self._done = False
         outcome.add_done_callback(lambda _: self.settle(quiet=True))
 
@@ -567,9 +679,9 @@ class _Settled:
                 try:
                     take_in_end(self._agent, self._call, self._outcome)
                 except RefusedResponse as error:
-                    self._error = error
-        if self._error is not None and not quiet:
-            raise self._error
+                    self.refused = error
+        if self.refused is not None and not quiet:
+            raise self.refused
 
 
 class _UnaryOutcome(grpc.Call, grpc.Future):
@@ -663,13 +775,21 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
     def trailing_metadata(self) -> Any:
         return self._outcome.trailing_metadata()
 
+    def _met_instead(self) -> RefusedResponse | None:
+        """What the caller meets in place of the finished call's own end: its refused response (the
+        end is taken in now, if its done callback has not run yet), or the error of a break; else None."""
+        self._settled.settle(quiet=True)
+        return self._settled.refused or self._broken()
+
     def code(self) -> grpc.StatusCode:
-        broken = self._broken()
-        return broken.code() if broken is not None else self._outcome.code()
+        code = self._outcome.code()  # once the call has ended
+        instead = self._met_instead()
+        return instead.code() if instead is not None else code
 
     def details(self) -> str | None:
-        broken = self._broken()
-        return broken.details() if broken is not None else self._outcome.details()
+        details = self._outcome.details()
+        instead = self._met_instead()
+        return instead.details() if instead is not None else details
 
 
 class _RefusedOutcome(_UnaryOutcome):
@@ -683,6 +803,12 @@ class _RefusedOutcome(_UnaryOutcome):
 
     def exception(self, timeout: float | None = None) -> Any:
         return self._error
+
+    def code(self) -> grpc.StatusCode:
+        return self._error.code()
+
+    def details(self) -> str:
+        return self._error.details()
 
 
 class _StreamOutcome(_UnaryOutcome):
@@ -832,21 +958,80 @@ class _AioClient:
         except BaseException:
             agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
             raise
-        return self._responses(call, grpc_call)
+        end = _StreamEnd(agent, call, grpc_call, self._running_loop())
+        grpc_call.add_done_callback(end.ended)
+        return end.responses()
 
-    async def _responses(self, call: OutgoingCall, grpc_call: Any) -> AsyncIterator[Any]:
-        agent = self._agent
+
+#: The tasks taking in the ends of response streams grpc ended first (the loop keeps weak references only).
+_stream_ends: set[asyncio.Task[None]] = set()
+
+
+class _StreamEnd:
+    """The end of one asyncio response stream, taken in exactly once: where its reader meets it (the
+    iterator stops, or raises), or when grpc ends the call, whichever comes first, as the sync
+    interceptor's done callback does. A caller may never read the stream to its end (it cancels or
+    drops the call, or its deadline passes): its end must still be taken in. Taken in before its
+    reader meets it, it wakes nobody early: a response stream makes no wait. A refused response is
+    kept and raised to the reader."""
+
+    __slots__ = ("_agent", "_call", "_grpc_call", "_loop", "_refused")
+
+    def __init__(self, agent: CallEvents, call: OutgoingCall, grpc_call: Any, loop: asyncio.AbstractEventLoop) -> None:
+        self._agent, self._call, self._grpc_call, self._loop = agent, call, grpc_call, loop
+        self._refused: RefusedResponse | None = None
+
+    def _settle(self, stamp: str | None, code: grpc.StatusCode | None, quiet: bool = False) -> None:
+        """Take the end in (once: the agent ignores a second); raise a refused response unless ``quiet``."""
+        if not self._call.settled:
+            try:
+                self._agent.call_returned(self._call, stamp, code)
+            except RefusedResponse as refused:
+                self._refused = refused  # set in the same step as the end is taken in: no reader misses it
+        if self._refused is not None and not quiet:
+            raise self._refused
+
+    async def _take_in(self, quiet: bool = False) -> None:
+        """Take in the end of the finished call, from its trailing metadata and status."""
+        grpc_call = self._grpc_call
+        stamp = stamp_of(await grpc_call.trailing_metadata())
+        self._settle(stamp, None if stamp is not None else await grpc_call.code(), quiet)
+
+    def ended(self, _grpc_call: Any) -> None:
+        """grpc's done callback: the call ended. Unless its reader took the end in already, it is taken
+        in now, on the call's loop (a call dropped by its caller may end in a garbage collection, in
+        any thread)."""
+        if self._call.settled:
+            return
+        loop = self._loop
+        if getattr(loop, "_thread_id", None) == _get_ident():  # a BaseEventLoop's thread: the common case
+            self._take_in_soon()
+            return
+        try:
+            loop.call_soon_threadsafe(self._take_in_soon)
+        except RuntimeError:  # the loop is closed, and its calls with it
+            self._settle(None, grpc.StatusCode.CANCELLED, quiet=True)
+
+    def _take_in_soon(self) -> None:
+        """Take the end in, in a task of the call's loop (reading it is a coroutine)."""
+        task = self._loop.create_task(self._take_in(quiet=True))
+        _stream_ends.add(task)
+        task.add_done_callback(_stream_ends.discard)
+
+    async def responses(self) -> AsyncIterator[Any]:
+        """The call's responses; the iterator stops (or raises) once the end was taken in."""
+        grpc_call = self._grpc_call
         try:
             async for response in grpc_call:
                 yield response
         except grpc.aio.AioRpcError as error:
-            agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
+            self._settle(stamp_of(error.trailing_metadata()), error.code())
             raise
-        except BaseException:
+        except BaseException:  # interrupted, or closed before its end: the call must not go on
             grpc_call.cancel()
-            agent.call_returned(call, None, grpc.StatusCode.CANCELLED)
+            self._settle(None, grpc.StatusCode.CANCELLED, quiet=True)
             raise
-        agent.call_returned(call, stamp_of(await grpc_call.trailing_metadata()), await grpc_call.code())
+        await self._take_in()
 
 
 def unless_cancelling(broken: DeadlockBroken | None) -> DeadlockBroken | None:
