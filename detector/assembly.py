@@ -9,7 +9,11 @@ recorded later follow in later parts. So a channel is proven as soon as ``m + re
 without waiting for a marker that could only confirm it: one that had nothing in flight is proven
 by the two states alone, one with messages in flight when the last of them is reported. A channel
 a process's state does not list had nothing then (``m = 0``, nothing recorded yet), and an
-outbound channel a sender's state does not list had ``n = 0``. A count that passes ``n``, or a
+outbound channel a sender's state does not list had ``n = 0``. Not so for a receiver in RPC mode
+(``confirmed_by``): its state lists no channel, and it reports each one only once it has checked
+the sender's count against its own (the same session and incarnation of the sender, DESIGN.md,
+"RPC mode"), so each of its channels waits for that report, ``n = 0`` included; a piece whose
+session is not the count's proves the cut inconsistent. A count that passes ``n``, or a
 channel reported whole (not open) short of it, proves the cut inconsistent: the snapshot is
 aborted, never returned. Membership is fixed when the snapshot begins; channels are whatever the
 members report, so channels that open during a snapshot are handled. A channel whose other end
@@ -39,6 +43,7 @@ from typing import Any
 
 from google.protobuf.struct_pb2 import Struct
 
+from stablewatch.detector.evaluation.waitfor import names_a_wait
 from stablewatch.v1 import (
     AckPosition,
     ChannelSnapshot,
@@ -73,7 +78,9 @@ __all__ = [
 
 #: Every reason a part can be rejected for (bounded: safe as a metric label).
 REJECTION_REASONS = (
-    "malformed",  # missing ids, a channel to itself or listed twice, a channel's m changed, a control character
+    # Missing ids (a wait target's process too), a channel to itself or listed twice, a channel's m
+    # changed, a control character, a task named as the detector names one wait of a task.
+    "malformed",
     "unknown_snapshot",  # no such snapshot was started
     "late",  # the snapshot already completed or was aborted
     "not_member",  # the process is not a member of the snapshot
@@ -119,11 +126,12 @@ class Aborted:
 class _Link:
     """One channel between members, as far as its two ends have reported it."""
 
-    __slots__ = ("ack_seen", "built", "counted", "m", "n", "open", "pieces", "recorded")
+    __slots__ = ("ack_seen", "built", "counted", "m", "n", "open", "pieces", "recorded", "session")
 
     def __init__(self) -> None:
         self.n: int | None = None  # the sender's count; None until it says (a count, or its state)
         self.counted = False  # n came as a count (not from the state that lists no such channel)
+        self.session = 0  # RPC mode: the sender's session that n counts (0 in marker mode)
         self.ack_seen: AckPosition | None = None  # at the sender's recording
         self.pieces: list[InboundChannelState] | None = None  # the receiver's reports, in order
         self.m = 0  # the first piece's: received before recording
@@ -138,6 +146,9 @@ class _Pending:
     members: frozenset[str]
     expected: frozenset[str] = frozenset()
     expected_count: int = 0
+    # Receivers whose channels are proven only once they report them (RPC mode): their states list
+    # no channel, so a channel they have not reported is unknown, not empty.
+    confirming: frozenset[str] = frozenset()
     # The global snapshot, grown as parts come: each state when it arrives, each channel when it is
     # proven (so that completing a snapshot of many members is a sort, not a build).
     snapshot: GlobalSnapshot = field(default_factory=GlobalSnapshot)
@@ -168,6 +179,13 @@ class _Pending:
         n = link.n
         if n is None:
             return None
+        pieces = link.pieces
+        if link.counted and pieces is not None and pieces[0].session != link.session:
+            # Counts of two sessions of the sender: the receiver counted other messages than n did.
+            return (
+                f"snapshot {self.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: "
+                f"n counts session {link.session} of {channel[0]}, m session {pieces[0].session}"
+            )
         total = link.m + link.recorded
         if total > n or (not link.open and total != n):
             relation = ">" if total > n else "!="
@@ -177,7 +195,11 @@ class _Pending:
             )
         if link.built:
             self.rebuild = True  # reported again: what was built may be out of date
-        elif total == n and channel[1] in self.states:  # the receiver's state may still list it
+        elif (
+            total == n
+            and channel[1] in self.states  # the receiver's state may still list it
+            and (pieces is not None or channel[1] not in self.confirming)  # RPC mode: reported, checked
+        ):
             self.build(channel, link)
             link.built = True
             self.built += 1
@@ -226,13 +248,21 @@ class Assembler:
         return sorted(self._pending)
 
     def begin(
-        self, snapshot_id: int, members: Iterable[str], *, expected: Iterable[str] = (), expected_count: int = 0
+        self,
+        snapshot_id: int,
+        members: Iterable[str],
+        *,
+        expected: Iterable[str] = (),
+        expected_count: int = 0,
+        confirmed_by: Iterable[str] = (),
     ) -> None:
         """Start collecting snapshot ``snapshot_id`` from exactly these member processes.
 
         ``expected`` names processes the cut should hold besides them (declared, not attached)
         and ``expected_count`` how many processes the system has, when only a number is known;
         both travel in the global snapshot, for evaluation to judge the cut's coverage.
+        ``confirmed_by`` names the members in RPC mode: each channel towards one of them is proven
+        only by its own report, never by its state alone (see the module docstring).
         """
         if snapshot_id in self._pending or snapshot_id in self._finished:
             raise ValueError(f"snapshot {snapshot_id} was already begun")
@@ -242,7 +272,7 @@ class Assembler:
         if expected_count < 0:
             raise ValueError(f"expected_count must be >= 0, not {expected_count}")
         every = frozenset(expected) | member_set
-        pending = _Pending(snapshot_id, member_set, every, expected_count)
+        pending = _Pending(snapshot_id, member_set, every, expected_count, member_set & frozenset(confirmed_by))
         pending.snapshot.snapshot_id = snapshot_id
         pending.snapshot.expected_members.extend(sorted(every))
         pending.snapshot.expected_member_count = expected_count
@@ -270,7 +300,7 @@ class Assembler:
             pending.states[process] = part.state
             pending.snapshot.processes.add(process_id=process, state=part.state)
         members = pending.members
-        for dst, n, ack_seen in counts:
+        for dst, n, ack_seen, session in counts:
             if dst not in members:
                 # Channels to or from non-members are outside the cut: the other end never reports.
                 # Their peers are remembered: a cut that names them is open.
@@ -281,6 +311,7 @@ class Assembler:
             link.n = n
             link.counted = True
             link.ack_seen = ack_seen
+            link.session = session
             touched.append(channel)
         for src, piece, m, recorded, still_open in pieces:
             if src not in members:
@@ -342,6 +373,8 @@ class Assembler:
         for channel in sorted(channel for channel, link in pending.links.items() if not link.built):
             n, m, recorded, _ = pending.counts(channel)
             have = f"{m + recorded} of {n}" if n is not None else f"{m + recorded} of n unknown"
+            if channel[1] in pending.confirming and pending.links[channel].pieces is None:
+                have += f", not reported by {channel[1]}"
             channels.append(f"{channel[0]}->{channel[1]} ({have})")
         if channels:
             pieces.append(f"channels {', '.join(channels)}")
@@ -372,8 +405,8 @@ class Assembler:
 
     def _validate(
         self, part: LocalSnapshotPart, sender: str | None
-    ) -> tuple[_Pending, list[tuple[str, int, AckPosition | None]]]:
-        """The running snapshot ``part`` belongs to, and its outbound counts (dst, n, ack position),
+    ) -> tuple[_Pending, list[tuple[str, int, AckPosition | None, int]]]:
+        """The running snapshot ``part`` belongs to, and its outbound counts (dst, n, ack position, session),
         after every check on the part's process, its state's strings and its counts. Each string is
         checked (:func:`_text_problem`) before anything quotes it."""
         snapshot_id, process = part.snapshot_id, part.process_id
@@ -397,7 +430,7 @@ class Assembler:
             if (found := _state_problem(part.state)) is not None:
                 raise self._bad_text(pending, where, *found)
         links, recorded = pending.links, process in pending.states
-        counts: list[tuple[str, int, AckPosition | None]] = []
+        counts: list[tuple[str, int, AckPosition | None, int]] = []
         dsts: set[str] = set()
         for count in part.outbound:
             dst = count.dst
@@ -415,7 +448,7 @@ class Assembler:
             if n and recorded:
                 # A channel opened after the recording carries nothing before its marker.
                 raise PartRejected("malformed", f"{where}: channel {process}->{dst} counts n={n} after its state")
-            counts.append((dst, n, count.ack_seen if count.HasField("ack_seen") else None))
+            counts.append((dst, n, count.ack_seen if count.HasField("ack_seen") else None, count.session))
         return pending, counts
 
     def _check_pieces(
@@ -520,6 +553,11 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
 
     Every part with a state passes here: its ids and names are looked at all at once (two C
     calls), and one by one only when one of them may be long or is not printable.
+
+    Two more make a wait mean something else than it says: a target without a process (taken for
+    a free node outside the cut, it would release an OR wait), and a task named as the wait-for
+    graph names one wait of a task (:func:`~.evaluation.waitfor.names_a_wait`: the two would be
+    one node). Both are ``malformed``.
     """
     ids: list[str] = []
     tasks: list[str] = []
@@ -546,6 +584,12 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
         text = _long_text(attributes)
         if text is not None:
             return "attribute text", text, ("name_too_long", f"is longer than {MAX_TEXT_BYTES} bytes")
+    if not all(ids):
+        return "wait target", "", ("malformed", "names no process")
+    if tasks and "[wait " in "".join(tasks):
+        for task in tasks:
+            if names_a_wait(task):
+                return "task", task, ("malformed", "is named as the detector names one wait of a task")
     return None
 
 

@@ -128,7 +128,11 @@ def test_the_coordinator_forwards_counts_to_rpc_mode_members_only(running: Runni
             snapshot_id=k,
             process_id="P",
             state=LocalState(),
-            inbound=[{"src": "Q", "received_before_recording": 5}, {"src": "R", "received_before_recording": 4}],
+            # Each in the session the sender's count is of, as an RPC-mode agent reports it.
+            inbound=[
+                {"src": "Q", "received_before_recording": 5, "session": 3},
+                {"src": "R", "received_before_recording": 4, "session": 1},
+            ],
             outbound=[{"dst": "Q"}],
         )
         running.loop.call_soon_threadsafe(p.report_part, p_part)

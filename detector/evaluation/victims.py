@@ -8,15 +8,19 @@ deadlocks proper; everything else deadlocked is a chain that only waits on them,
 once they are. So each sink component has a cycle, and breaking one of its waits is what can help.
 
 A sink component's members are blocked and wait only on each other: while it is deadlocked none
-of them can start, end or change a wait. So every consistent cut that shows the deadlock shows the
-same component, with the same waits, whatever else in the system has moved on between the cuts.
-The choice below reads nothing but those waits:
+of them can start or change a wait, and the only waits that can end are those whose wake-up was
+already on its way (met by the rules of :mod:`.waitfor`, though another wait on the same target
+keeps the edge). So every consistent cut that shows the deadlock shows the same component, with
+the same unmet waits, whatever else in the system has moved on between the cuts. The choice below
+reads nothing but those waits:
 
 * the **candidates** are the waits (``Wait.instance`` set: 0 is an older agent's wait, which
   cannot be named) whose node (:func:`~.waitfor.wait_nodes`) is in the component and which wait
-  on one of its nodes over a counted edge. A wait merged into a node of the component but whose
-  targets are all elsewhere (or whose edges the in-flight rules set aside) does not hold the
-  component up: breaking it would leave the deadlock whole;
+  on one of its nodes over a counted edge, unmet. A wait merged into a node of the component but
+  whose targets are all elsewhere, or that the in-flight and acknowledgement rules meet (its
+  wake-up is on its way; the edge counts for another wait of the node on the same target), does
+  not hold the component up: breaking it would leave the deadlock whole, and it is gone from any
+  later cut, which must pick the same wait;
 * a **policy** orders them: ``youngest`` (the default) breaks the wait that began last, which has
   lost the least time, as wait-die schemes do; ``oldest`` the one that began first. A wait whose
   start is unknown (``began_at_us`` 0) comes after those with one. Ties go to the smallest
@@ -37,7 +41,7 @@ import networkx as nx
 
 from stablewatch.detector.evaluation.deadlock import deadlock_cycle
 from stablewatch.detector.evaluation.text import SHOWN
-from stablewatch.detector.evaluation.waitfor import Node, label, wait_nodes
+from stablewatch.detector.evaluation.waitfor import Node, label, meeting, wait_nodes
 from stablewatch.v1 import GlobalSnapshot, Wait, WaitForGraph
 
 __all__ = ["DEFAULT_POLICY", "POLICIES", "Victim", "choose_victims", "cycle_text", "sink_components"]
@@ -154,13 +158,14 @@ def choose_victims(
         return []
     where = {node: i for i, component in enumerate(components) for node in component}
     pids = {process for process, _ in where}
+    met = meeting(snapshot)
     candidates: list[list[tuple[Wait, Node]]] = [[] for _ in components]
     for process in snapshot.processes:
         if process.process_id not in pids:
             continue
         for wait, node in wait_nodes(process):
             i = where.get(node)
-            if i is not None and wait.instance and _inside(wait, node, components[i]):
+            if i is not None and wait.instance and _inside(wait, node, components[i], met):
                 candidates[i].append((wait, node))
     order = _ORDER[policy]
     victims = []
@@ -195,15 +200,16 @@ _ORDER: dict[str, Callable[[Wait, str], tuple[bool, int, str, int]]] = {
 }
 
 
-def _inside(wait: Wait, node: Node, component: nx.DiGraph) -> bool:
+def _inside(wait: Wait, node: Node, component: nx.DiGraph, met: Callable[[str, str, str, bool], bool]) -> bool:
     """Whether `wait` (of `node`) waits on a node of `component` over a counted edge it holds up.
 
-    A counted edge that is not a flow-control edge says every flow-control wait of `node` on that
-    target was met (an acknowledgement in transit, :mod:`.waitfor`): such a wait holds nothing up.
+    An edge counts while any wait of `node` on its target is unmet, so the edge alone does not say
+    that this one is: a wait that `met` (:func:`~.waitfor.meeting`) meets holds nothing up, be it
+    a flow-control wait with an acknowledgement in transit beside an ordinary wait on the same
+    target, or an ordinary wait whose waking message is in flight beside a blocked send.
     """
     out = component.succ[node]
     for t in wait.targets:
-        edge = out.get((t.process, t.task))
-        if edge is not None and (edge["flow_control"] or not wait.flow_control):
+        if (t.process, t.task) in out and not met(node[0], wait.task, t.process, wait.flow_control):
             return True
     return False

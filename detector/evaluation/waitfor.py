@@ -12,6 +12,8 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   over those nodes: ``(B) and (C or D)`` stays exactly that. Agents report one ``Wait`` per wait
   instance, so several AND waits of one task are the usual case. :func:`wait_nodes` is the one
   place that maps a wait to its node (the victim choice maps deadlocked nodes back through it).
+  A task of that form is the wait's node, never a task of its own: the detector refuses a part
+  that names one (:func:`names_a_wait`), as one wait would be taken for another.
 * A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
   passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
   active it is free.
@@ -38,7 +40,8 @@ Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -80,6 +83,8 @@ __all__ = [
     "evidence_proto",
     "find_deadlock",
     "label",
+    "meeting",
+    "names_a_wait",
     "rotated",
     "to_proto",
     "wait_counts",
@@ -177,6 +182,44 @@ def acks_in_transit(snapshot: GlobalSnapshot) -> set[Channel]:
     return channels
 
 
+def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:
+    """Return ``met(process, task, target, flow_control)``: whether the in-flight or the
+    acknowledgement rule (see the module doc) meets a wait of `process`'s task `task` on a target
+    in process `target` (a ``flow_control`` wait, or not), in `snapshot`.
+
+    :func:`build_wait_for` sets aside the edges these rules meet (it applies them inline, once per
+    edge); the victim choice (:mod:`.victims`) never breaks a wait they meet. O(channels +
+    recorded messages) to build, O(1) per question.
+    """
+    waking = _waking(snapshot)
+    acking = acks_in_transit(snapshot)
+
+    def met(process: str, task: str, target: str, flow_control: bool) -> bool:
+        if flow_control:  # window space comes from an acknowledgement, never from a message
+            return (process, target) in acking
+        channel = (target, process)
+        if channel not in waking:
+            return False
+        tasks = waking[channel]
+        return tasks is None or task in tasks
+
+    return met
+
+
+# The end of the task of one wait's own node (see wait_nodes).
+_WAIT_NODE = re.compile(r"\[wait [0-9]+\]\Z")
+
+
+def names_a_wait(task: str) -> bool:
+    """Whether `task` has the form :func:`wait_nodes` gives the node of one wait of a task that has
+    several, ``"task[wait k]"``: such a name, reported as a task, would be taken for that node.
+
+    >>> names_a_wait("t[wait 2]"), names_a_wait("t[wait]"), names_a_wait("/svc/M#p:3")
+    (True, False, False)
+    """
+    return "[wait " in task and _WAIT_NODE.search(task) is not None
+
+
 def wait_nodes(process: ProcessSnapshot) -> list[tuple[Wait, Node]]:
     """Return each of `process`'s waits, in order, with the wait-for node it belongs to.
 
@@ -250,6 +293,7 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     acking = acks_in_transit(snapshot)
 
     def satisfied(waiter: Node, target: Node, flow_control: bool) -> bool:
+        # meeting()'s rules, inline: this runs once per edge of graphs of millions.
         if flow_control:  # window space comes from an acknowledgement, never from a message
             return (waiter[0], target[0]) in acking
         if (target[0], waiter[0]) not in waking:

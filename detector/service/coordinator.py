@@ -220,7 +220,9 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         if not self.members:
             raise SnapshotAborted(snapshot_id, "no agent is attached", "no_members")
         members = frozenset(self.members)
-        self._assembler.begin(snapshot_id, members, expected=expected, expected_count=expected_count)
+        # An RPC-mode member proves each channel towards it by its own report (see assembly.py).
+        rpc = frozenset(name for name, member in self.members.items() if member.rpc_mode)
+        self._assembler.begin(snapshot_id, members, expected=expected, expected_count=expected_count, confirmed_by=rpc)
         result = asyncio.get_running_loop().create_future()
         self._running[snapshot_id] = _Running(members, result)
         deadline_ms = min(max(0, round(deadline * 1000)), 2**32 - 1)
