@@ -1,5 +1,5 @@
 """The interceptors and the instrumented channel know the agent only as :class:`CallEvents`: RpcAgent
-implements it with the same signatures, and a stand-in that has nothing but its five methods serves
+implements it with the same signatures, and a stand-in that has nothing but its methods serves
 and makes calls through them."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from stablewatch.agents.rpc.calls import CallEvents
 from stablewatch.agents.rpc.channel import InstrumentedChannel
 from stablewatch.agents.rpc.interceptors import ClientInterceptor, ServerInterceptor
 
-EVENTS = ("call_out", "call_returned", "arrive", "handler_started", "respond")
+EVENTS = ("call_out", "awaited", "not_awaited", "call_returned", "arrive", "handler_started", "respond")
 
 
 def test_call_events_names_the_agent_calls_and_rpc_agent_has_them_with_the_same_signatures() -> None:
@@ -29,7 +29,7 @@ def test_call_events_names_the_agent_calls_and_rpc_agent_has_them_with_the_same_
 
 
 class OnlyCallEvents:
-    """Nothing but the five calls (no other attribute to reach for), passed on to a real agent and logged."""
+    """Nothing but the calls of CallEvents (no other attribute to reach for), passed on to a real agent and logged."""
 
     __slots__ = ("_agent", "log")
 
@@ -40,6 +40,14 @@ class OnlyCallEvents:
     def call_out(self, *args: Any) -> Any:
         self.log.append("call_out")
         return self._agent.call_out(*args)
+
+    def awaited(self, *args: Any) -> Any:
+        self.log.append("awaited")
+        return self._agent.awaited(*args)
+
+    def not_awaited(self, *args: Any) -> Any:
+        self.log.append("not_awaited")
+        return self._agent.not_awaited(*args)
 
     def call_returned(self, *args: Any) -> Any:
         self.log.append("call_returned")

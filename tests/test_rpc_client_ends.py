@@ -126,9 +126,9 @@ def test_a_failed_call_is_taken_in_and_restarts_the_counts_only_without_the_serv
         service.stop()
 
 
-def test_blocking_calls_on_an_instrumented_channel_skip_the_interceptor_and_futures_take_it(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_an_instrumented_channels_unary_calls_skip_the_interceptor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocking calls and futures alike: the channel makes them itself (a future so that its caller
+    waits on it only while it blocks in result())."""
     service = Service({"Echo": lambda payload, context: payload}, None)
     agent = RpcAgent("client")
     took: list[str] = []
@@ -143,9 +143,8 @@ def test_blocking_calls_on_an_instrumented_channel_skip_the_interceptor_and_futu
         method = channel.unary_unary(f"/{SERVICE}/Echo")
         assert method(b"a", timeout=10) == b"a"
         assert method.with_call(b"b", timeout=10)[0] == b"b"
-        assert took == []  # the fast path: gRPC's interceptor machinery never ran
         assert method.future(b"c", timeout=10).result() == b"c"
-        assert took == ["interceptor"]
+        assert took == []  # gRPC's interceptor machinery never ran
     assert stamped_requests(agent) == 3
     assert outstanding(agent) == 0
     with pytest.raises(ValueError):  # `with` closed the channel it wraps
@@ -192,3 +191,37 @@ def test_an_asyncio_channel_is_instrumented_as_one_and_the_sync_channel_refuses_
 
 def stamped_requests(agent: RpcAgent) -> float | None:
     return agent.metrics.registry.get_sample_value("stablewatch_agent_rpc_stamped_messages_total", {"kind": "request"})
+
+
+def test_a_future_waits_on_its_callee_only_while_its_caller_blocks_on_it() -> None:
+    """A future made and not yet asked for holds nobody up: its caller is free (fanning out, or
+    never asking). It waits, in the name of the thread that blocks in result(), only meanwhile."""
+    held, release = threading.Event(), threading.Event()
+
+    def slow(payload: bytes, context: object) -> bytes:
+        held.set()
+        release.wait(10)
+        return payload
+
+    service = Service({"Slow": slow}, None)
+    agent = RpcAgent("client")
+    try:
+        with agent.instrument_channel(grpc.insecure_channel(service.address), "server") as channel:
+            future = channel.unary_unary(f"/{SERVICE}/Slow").future(b"x", timeout=10)
+            poll(held.is_set, "the call held by its server")
+            assert agent.open_waits() == [] and outstanding(agent) == 1
+            with pytest.raises(grpc.FutureTimeoutError):
+                future.result(timeout=0.05)  # blocked a moment, then free again
+            assert agent.open_waits() == []
+            answers: list[bytes] = []
+            waiter = threading.Thread(target=lambda: answers.append(future.result()), name="waiter")
+            waiter.start()
+            poll(lambda: [wait.task for wait in agent.open_waits()] == ["waiter"], "the waiter's wait")
+            release.set()
+            waiter.join(10)
+            assert answers == [b"x"]
+            assert agent.open_waits() == [] and outstanding(agent) == 0
+    finally:
+        release.set()
+        agent.stop()
+        service.stop()

@@ -30,6 +30,7 @@ from rpc_harness import (
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.agents.rpc.core import STAMP_KEY
+from stablewatch.detector.evaluation.waitfor import waking_channels
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.testing.detector import Running
 
@@ -80,7 +81,9 @@ def test_in_flight_response_and_request_are_in_the_channel_states(running: Runni
         assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
         channels = {(c.src, c.dst): c for c in stored(running, results).channels}
         (request,) = channels[("C", "S")].messages
-        assert request.no_wake and not request.wakes_task
+        # It wakes only the handler it starts: no wait of S's, but the cut is not terminated.
+        assert not request.no_wake and request.wakes_task == f"/{SERVICE}/Slow#C:2"
+        assert waking_channels(stored(running, results)) == {("C", "S")}
         assert not channels[("S", "C")].messages
     finally:
         release.set()

@@ -19,12 +19,14 @@ mode, on a background event-loop thread), and drops recordings past their deadli
 
 Wait edges (what the recorded state holds about calls; users add their own through ``agent.state``):
 
-* **Outgoing call.** While a call is outstanding, its caller waits (AND) on the callee's task for
-  that call, ``(callee, "{method}#{caller}:{seq}")``: one ``Wait`` per call, with its own instance
-  and the time the call went out. The caller is the task of the handler the call
-  is made from (the same name, set by the server interceptor), else the thread's name (sync) or the
-  asyncio task's name (aio). The edge appears in the critical section that counts the request and
-  goes in the one that takes in the response (or ends the call).
+* **Outgoing call.** While its caller is blocked on a call, the caller waits (AND) on the callee's
+  task for that call, ``(callee, "{method}#{caller}:{seq}")``: one ``Wait`` per call, with its own
+  instance and the time the wait began. The caller is the task of the handler the call is made
+  from (the same name, set by the server interceptor), else the thread's name (sync) or the asyncio
+  task's name (aio). A blocking call's edge appears in the critical section that counts the
+  request; a future's or an asyncio call's when something blocks on it (:meth:`RpcAgent.awaited`:
+  a call made and not awaited holds nobody up, and reporting it would invent deadlocks). The edge
+  goes in the critical section that takes in the response (or ends the call).
 * **Response streams.** A call with a response stream (unary-stream, stream-stream) makes no wait
   edge. gRPC carries metadata per call, not per message, so the messages inside a stream are neither
   counted nor recorded: one in flight could wake a caller that the cut shows waiting, and a deadlock
@@ -55,7 +57,8 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   (``stablewatch_agent_rpc_stale_messages_total{side}``).
 * A callee task the callee does not report (its request still in flight, its handler already done)
   is a free node: never a false deadlock. A recorded response wakes only its caller's task
-  (``wakes_task``); a recorded request wakes nothing (``no_wake``).
+  (``wakes_task``); a recorded request wakes only the handler it will start (``wakes_task``, the
+  call's name), a task not yet running: no wait of the server's, but the cut is not terminated.
 
 Breaking a proven deadlock (DESIGN.md): the agent is a
 :class:`~stablewatch.agents.breaking.WaitSource` for its calls, beside ``agent.state``, and
@@ -83,7 +86,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import itertools
 import logging
 import threading
@@ -123,7 +125,7 @@ from stablewatch.agents.rpc.interceptors import (
 from stablewatch.agents.rpc.metrics import RpcAgentMetrics
 from stablewatch.agents.rpc.pool import QueuedWork, WorkerExecutor
 from stablewatch.agents.state import LocalStateKeeper
-from stablewatch.v1 import WAIT_MODEL_AND, LocalSnapshotPart, LocalState, RecordedMessage
+from stablewatch.v1 import WAIT_MODEL_AND, LocalSnapshotPart, LocalState
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_ALREADY_BROKEN,
     BREAK_OUTCOME_BROKEN,
@@ -136,7 +138,6 @@ __all__ = ["STAMP_KEY", "BadStamp", "DeadlockBroken", "RefusedResponse", "RpcAge
 _log = logging.getLogger(__name__)
 
 #: A request as a channel state holds it, built only if the core records it (see ``MessageSource``).
-_REQUEST = functools.partial(RecordedMessage, no_wake=True)
 #: Stamps seen repeat from call to call (they change with a color or a session): each text is
 #: decoded once, and the stamp looked up by its text (a plain dict: a lookup costs less than an
 #: ``lru_cache`` call). Bounded: it starts again when full. A bad stamp raises and is never kept.
@@ -402,7 +403,9 @@ class RpcAgent:
     ) -> OutgoingCall:
         """A request is handed to gRPC now: count it, and (``waits``) make its caller wait on the callee's task.
 
-        ``waits`` is False for a call with a response stream (see "Response streams" in the module docstring).
+        ``waits`` is True for a blocking call. A future or an asyncio call waits only once something
+        blocks on it (:meth:`awaited`); a call with a response stream never does (see "Response
+        streams" in the module docstring).
         """
         seq = next(self._seqs)
         if waits:  # the fields in order (metadata and settled at their defaults): no attribute set after
@@ -424,6 +427,32 @@ class RpcAgent:
         if instrumented:
             call.metadata = ((STAMP_KEY, f"{seq}:{entry[1]}"),)  # request_entry(stamp, seq)
         return call
+
+    def awaited(self, call: OutgoingCall, waiter: str | None = None) -> None:
+        """A thread or task blocks on ``call``'s end now (a future's ``result()``, an asyncio call's
+        ``await``): from now until the end is taken in, ``waiter`` (by default the call's caller)
+        waits on the callee's task. A call made with ``waits`` False and not yet awaited waits on
+        nothing: its caller is free to do other things, and may never block on it.
+        """
+        lock = self._lock
+        lock.acquire()
+        try:
+            if call.settled or call.waits:
+                return
+            if waiter is not None:
+                call.caller_task = waiter
+            call.instance, call.began_at_us = _new_instance(), _time_ns() // 1000
+            call.waits = True
+        finally:
+            lock.release()
+        if self.doorbell.asleep:
+            self.doorbell.ring()
+
+    def not_awaited(self, call: OutgoingCall) -> None:
+        """Nobody blocks on ``call`` any longer (a ``result(timeout)`` ran out): its wait ends, and
+        the call goes on."""
+        with self._lock:
+            call.waits = False
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
         """The call's response (or its end, with ``code``) is about to reach the caller.
@@ -513,7 +542,7 @@ class RpcAgent:
         lock.acquire()
         try:
             try:
-                actions = self._core.receive(stamp, _REQUEST, _monotonic(), _time())
+                actions = self._core.receive(stamp, call.request_message, _monotonic(), _time())
             except RemoteProtocolError as exc:
                 error = str(exc)
             except StaleStamp as exc:

@@ -193,7 +193,11 @@ class _UnaryResponse(_Ends):
     def __await__(self) -> Generator[Any, None, Any]:
         # This runs for every asyncio unary call (``bench/rpc_hot_path.py`` times it), so
         # _take_in_status and _take_in are written out for a response.
-        grpc_call = self._grpc_call
+        grpc_call, call = self._grpc_call, self._call
+        if not call.waits and not call.settled:  # type: ignore[union-attr]
+            # In the name of the caller that made it: a caller awaiting a gather() of its calls is
+            # blocked on each, though gather's own tasks await them.
+            self._agent.awaited(call)  # type: ignore[arg-type]
         try:
             response = yield from grpc_call.__await__()
         except _AioRpcError as error:
@@ -205,7 +209,6 @@ class _UnaryResponse(_Ends):
         except BaseException:  # interrupted here: nobody knows whether the request arrived
             self._take_in(None, _CANCELLED)
             raise
-        call = self._call
         if call.settled:  # awaited before  # type: ignore[union-attr]
             if self._refused is not None:
                 raise self._refused
@@ -253,9 +256,18 @@ class _StreamResponse(_Ends):
 
 class _RequestStream(_Ends):
     """Writing a request stream (``call.write``, ``call.done_writing``): a write the agent's break
-    ended raises DeadlockBroken, as the call's await does."""
+    ended raises DeadlockBroken, as the call's await does. A call with a unary response waits from
+    its caller's first write (a write can block on the server), as from an await."""
+
+    _waits_when_written = False
+
+    def _writes(self) -> None:
+        call = self._call
+        if self._waits_when_written and not call.waits and not call.settled:  # type: ignore[union-attr]
+            self._agent.awaited(call)  # type: ignore[arg-type]
 
     async def write(self, request: Any) -> None:
+        self._writes()
         try:
             await self._grpc_call.write(request)
         except (_CancelledError, asyncio.InvalidStateError):  # ended, perhaps by a break
@@ -263,6 +275,7 @@ class _RequestStream(_Ends):
             raise
 
     async def done_writing(self) -> None:
+        self._writes()
         try:
             await self._grpc_call.done_writing()
         except _CancelledError:
@@ -275,7 +288,7 @@ class _UnaryUnaryCall(_UnaryResponse, grpc.aio.UnaryUnaryCall):
 
 
 class _StreamUnaryCall(_RequestStream, _UnaryResponse, grpc.aio.StreamUnaryCall):
-    pass
+    _waits_when_written = True
 
 
 class _UnaryStreamCall(_StreamResponse, grpc.aio.UnaryStreamCall):
@@ -312,7 +325,8 @@ class _Method:
             task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent
-        call = agent.call_out(channel._peer, self._method, name, channel._instrumented, self._waits)
+        # Not waiting yet: the caller waits once it awaits the call (_UnaryResponse.__await__).
+        call = agent.call_out(channel._peer, self._method, name, channel._instrumented, False)
         if metadata:
             metadata = with_stamp(metadata, call)
         elif call.metadata:

@@ -133,7 +133,7 @@ class OutgoingCall:
     method: str
     caller_task: str
     instrumented: bool  # False: the channel leads to a service without an agent; nothing is stamped
-    waits: bool = True  # False for a response stream: its caller is not reported waiting on the callee
+    waits: bool = True  # its caller is blocked on it now (a future's or asyncio call's: once awaited)
     metadata: tuple[tuple[str, str], ...] = ()  # what the request carries
     settled: bool = False  # its response (or end) was taken in
     instance: int = 0
@@ -179,6 +179,12 @@ class IncomingCall:
     instance: int = 0
     began_at_us: int = 0
     work: Any = None  # a pool.QueuedWork while it waits in a WorkerExecutor's queue
+
+    def request_message(self) -> RecordedMessage:
+        """The call's request as a channel state holds it: it will start the call's handler, and wakes
+        no other task (a server waiting on the requester is not woken by a request). The core builds
+        it only if a recording needs it."""
+        return RecordedMessage(wakes_task=self.name)
 
 
 @dataclass(slots=True)
@@ -249,6 +255,10 @@ class CallEvents(Protocol):
     def call_out(
         self, peer: str, method: str, caller_task: str, instrumented: bool, waits: bool = True
     ) -> OutgoingCall: ...
+
+    def awaited(self, call: OutgoingCall, waiter: str | None = None) -> None: ...
+
+    def not_awaited(self, call: OutgoingCall) -> None: ...
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
         """Raises a :class:`RefusedResponse` when the response is not handed to the caller."""

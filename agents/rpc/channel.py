@@ -46,6 +46,7 @@ from stablewatch.agents.rpc.interceptors import (
     _current_thread,
     _get_ident,
     _threads,
+    _UnaryOutcome,
     current_task_name,
     method_name,
     stamp_of,
@@ -129,14 +130,23 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: Any = None,
     ) -> Any:
-        return self._intercepted.future(
-            request,
-            timeout=timeout,
-            metadata=metadata,
-            credentials=credentials,
-            wait_for_ready=wait_for_ready,
-            compression=compression,
-        )
+        # Made here, not by the client interceptor, which cannot tell a future from a blocking call:
+        # the caller of a future waits on the callee only while it blocks in result() or exception().
+        agent = self._agent
+        call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented, False)
+        try:
+            outcome = self._plain.future(
+                request,
+                timeout=timeout,
+                metadata=with_stamp(metadata, call),
+                credentials=credentials,
+                wait_for_ready=wait_for_ready,
+                compression=compression,
+            )
+        except BaseException as error:
+            _take_in_failure(agent, call, error)
+            raise
+        return _UnaryOutcome(agent, call, outcome)
 
     def _blocking(
         self, request: Any, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any, compression: Any

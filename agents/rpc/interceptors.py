@@ -666,7 +666,7 @@ class _Settled:
     the call's done callback (a call the caller abandons still ends its wait)."""
 
     def __init__(self, agent: CallEvents, call: OutgoingCall, outcome: Any) -> None:
-        self._agent, self._call, self._outcome = agent, call, outcome
+        self.agent, self._call, self._outcome = agent, call, outcome
         self._lock = threading.Lock()
         self.refused: RefusedResponse | None = None  # the call's response, refused
         self._done = False
@@ -677,7 +677,7 @@ class _Settled:
             if not self._done:
                 self._done = True
                 try:
-                    take_in_end(self._agent, self._call, self._outcome)
+                    take_in_end(self.agent, self._call, self._outcome)
                 except RefusedResponse as error:
                     self.refused = error
         if self.refused is not None and not quiet:
@@ -710,10 +710,22 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
             return None
         return call.broken_error()
 
+    def _block(self) -> bool:
+        """This thread blocks on the call now: it waits on the callee's task if nothing did (a future
+        of the instrumented channel waits only from here). Returns whether it began a wait."""
+        call = self._call
+        if call is None or call.waits or self._outcome.done():
+            return False
+        self._settled.agent.awaited(call, current_task_name())
+        return True
+
     def result(self, timeout: float | None = None) -> Any:
+        began = self._block()
         try:
             value = self._outcome.result(timeout)
         except grpc.FutureTimeoutError:
+            if began:
+                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
             raise
         except grpc.FutureCancelledError:
             self._settled.settle()
@@ -728,8 +740,13 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         return value
 
     def exception(self, timeout: float | None = None) -> Any:
+        began = self._block()
         try:
             error = self._outcome.exception(timeout)
+        except grpc.FutureTimeoutError:
+            if began:
+                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
+            raise
         except grpc.FutureCancelledError:
             broken = self._broken()
             if broken is None:
