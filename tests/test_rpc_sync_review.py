@@ -7,9 +7,6 @@ is reported gone, never broken.
 The servers here have no agent unless a test needs one: what their calls answer is scripted.
 Interruptions (Ctrl-C in a waiting thread) are simulated by grpc's call object raising from its
 wait; a wait that would hang fails at once instead (see ``interrupted``).
-
-Tests marked ``xfail(strict=True)`` show bugs whose fix belongs in ``agents/rpc/interceptors.py``
-(``_Settled``, ``_UnaryOutcome``): they fail until it is made, and then fail as XPASS, to be unmarked.
 """
 
 from __future__ import annotations
@@ -35,10 +32,6 @@ from stablewatch.v1.control_pb2 import BREAK_OUTCOME_GONE, BreakWait
 
 #: grpc's call object behind a sync future or stream (a private class of grpc, stable in 1.85).
 _RENDEZVOUS = grpc._channel._MultiThreadedRendezvous
-
-_IN_INTERCEPTORS = (
-    "bug in agents/rpc/interceptors.py (not this reviewer's file); the fix is described in the review report"
-)
 
 
 @dataclass
@@ -162,8 +155,8 @@ def interrupted(monkeypatch: pytest.MonkeyPatch) -> None:
     "how",
     [
         "breakable call",
-        pytest.param("breakable stream-unary call", marks=pytest.mark.xfail(strict=True, reason=_IN_INTERCEPTORS)),
-        pytest.param("future", marks=pytest.mark.xfail(strict=True, reason=_IN_INTERCEPTORS)),
+        "breakable stream-unary call",
+        "future",
     ],
 )
 def test_a_caller_interrupted_while_it_waits_gets_the_interruption_at_once(
@@ -186,13 +179,13 @@ def test_a_caller_interrupted_while_it_waits_gets_the_interruption_at_once(
             assert client._core.session("server") == 1  # nobody knows whether its request arrived
         else:  # a future: the call goes on, and its caller may still wait for it
             assert outstanding(client) == 1
+            assert client.open_waits() == []  # the interrupted thread blocks on it no longer
             scripted.release.set()
             poll(future.done, "the call's end")  # (a wait for it would be interrupted again here)
             assert future.result() == b"x"
             assert outstanding(client) == 0
 
 
-@pytest.mark.xfail(strict=True, reason=_IN_INTERCEPTORS)
 @pytest.mark.parametrize("kind", ["channel", "interceptor"])
 def test_a_response_stream_its_caller_drops_half_read_is_cancelled_as_grpc_cancels_it(
     scripted: Scripted, client: RpcAgent, monkeypatch: pytest.MonkeyPatch, kind: str

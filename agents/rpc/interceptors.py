@@ -64,6 +64,7 @@ import inspect
 import logging
 import sys
 import threading
+import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent import futures
 from typing import Any, NamedTuple
@@ -663,23 +664,49 @@ def _aio_details_with(details: Any, call: OutgoingCall) -> Any:
 
 class _Settled:
     """Takes in the end of one sync call exactly once, from whichever comes first: the caller or
-    the call's done callback (a call the caller abandons still ends its wait)."""
+    the call's termination callback (a call the caller abandons still ends its wait).
+
+    It holds grpc's call object weakly, and its callback leads back to nothing but itself: grpc
+    cancels a call whose object its caller drops, when the object is collected (a response stream
+    read halfway, then dropped), and a strong reference from here would keep it open for good.
+    Its proxy (:class:`_UnaryOutcome`) holds the object, so while the caller can reach the call,
+    so can this.
+    """
 
     def __init__(self, agent: CallEvents, call: OutgoingCall, outcome: Any) -> None:
-        self.agent, self._call, self._outcome = agent, call, outcome
+        self.agent, self._call = agent, call
+        self._outcome: Callable[[], Any] = weakref.ref(outcome)
         self._lock = threading.Lock()
         self.refused: RefusedResponse | None = None  # the call's response, refused
         self._done = False
-        outcome.add_done_callback(lambda _: self.settle(quiet=True))
+        # grpc.Call's callback, not the future's done callback: grpc keeps that one bound to the call
+        # object (a partial), which would keep the object alive from its own callback list.
+        try:
+            registered = outcome.add_callback(self._ended)
+        except NotImplementedError:  # grpc's _InactiveRpcError (a call that failed at once) has none
+            registered = False
+        if not registered:  # it ended already
+            self.settle(quiet=True)
+
+    def _ended(self) -> None:
+        """grpc's callback: the call ended (or was cancelled when its dropped object was collected)."""
+        self.settle(quiet=True)
 
     def settle(self, quiet: bool = False) -> None:
+        """Take the end in (once); raise a refused response unless ``quiet``. Only for a call that
+        ended: reading the end of one still out blocks until it ends."""
         with self._lock:
             if not self._done:
-                self._done = True
+                outcome = self._outcome()
                 try:
-                    take_in_end(self.agent, self._call, self._outcome)
+                    if outcome is None:  # collected: grpc cancelled it, and nobody knows what arrived
+                        self.agent.call_returned(self._call, None, grpc.StatusCode.CANCELLED)
+                    else:
+                        take_in_end(self.agent, self._call, outcome)
                 except RefusedResponse as error:
                     self.refused = error
+                # Done only now: a caller interrupted while it took the end in leaves it to the callback.
+                self._done = True
         if self.refused is not None and not quiet:
             raise self.refused
 
@@ -734,7 +761,13 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
                 raise broken from None
             raise
         except BaseException:
-            self._settled.settle()
+            # Interrupted (Ctrl-C) while it waited: the caller gets it at once. A call still out goes
+            # on, and its end is taken in by the callback when it comes (reading it now would block
+            # until then); its caller no longer blocks on it.
+            if self._outcome.done():
+                self._settled.settle()
+            elif began:
+                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
             raise
         self._settled.settle()
         return value
@@ -753,6 +786,10 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
                 raise
             self._settled.settle(quiet=True)
             return broken
+        except BaseException:  # interrupted while it waited: as in result(), the call goes on
+            if began:
+                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
+            raise
         try:
             self._settled.settle()
         except RefusedResponse as refused:
