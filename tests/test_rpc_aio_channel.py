@@ -298,26 +298,44 @@ def test_a_call_with_a_response_stream_is_out_but_makes_no_wait(rpc_agents: tupl
     assert c_agent._core.received_count("S") == 1
 
 
-def test_a_call_from_a_handler_waits_in_the_handlers_name(rpc_agents: tuple[RpcAgent, RpcAgent]) -> None:
+@pytest.mark.parametrize("made", ["by-the-handler", "in-a-task-it-starts"])
+def test_a_call_from_a_handler_waits_in_the_handlers_name(rpc_agents: tuple[RpcAgent, RpcAgent], made: str) -> None:
     """S's handler Relay calls T through an asyncio instrumented channel: the call waits in the
-    name of Relay's task for C's call, not in the name of the server's asyncio task."""
+    name of Relay's task for C's call, not in the name of the server's asyncio task. A call made
+    in a task the handler starts (and may never wait for: here it answers at once) waits in that
+    task's own name, though the task inherits the handler's context."""
     s_agent, c_agent = rpc_agents
     t_agent = new_agent("T")
+    started: list[asyncio.Task[bytes]] = []
 
     async def body() -> None:
         async with AioService(t_agent) as t_service, instrumented(s_agent, t_service.address, "T") as to_t:
 
             async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-                return await method(to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)
+                if made == "by-the-handler":
+                    return await method(to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)
+
+                async def background() -> bytes:
+                    return await method(to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)
+
+                started.append(asyncio.create_task(background(), name="background"))
+                return b"started"
 
             relaying = {RELAY: grpc.unary_unary_rpc_method_handler(relay)}
             async with AioService(s_agent, relaying) as s_service, instrumented(c_agent, s_service.address) as to_s:
                 reply = asyncio.ensure_future(method(to_s, "unary_unary", RELAY)(b"hold", timeout=TIMEOUT))
                 await async_poll(t_service.held.is_set, "T's Slow held", TIMEOUT)
                 (opened,) = s_agent.open_waits()
-                assert opened.task == f"/{SERVICE}/{RELAY}#C:1"
+                if made == "by-the-handler":
+                    assert opened.task == f"/{SERVICE}/{RELAY}#C:1"
+                else:
+                    assert await reply == b"started"  # the handler is done: nothing waits in its name
+                    assert opened.task == "background"
                 t_service.release.set()
-                assert await reply == b"done:hold"
+                if made == "by-the-handler":
+                    assert await reply == b"done:hold"
+                else:
+                    assert await started[0] == b"done:hold"
                 assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
 
     try:

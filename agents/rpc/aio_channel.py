@@ -41,6 +41,7 @@ from stablewatch.agents.rpc.calls import CallEvents, DeadlockBroken, OutgoingCal
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
+    NAMED_TASK,
     _cancel_soon,
     _current_task,
     _current_tasks,
@@ -320,9 +321,10 @@ class _Method:
         # _aio_task_name is written out.
         channel = self._channel
         loop = channel._loop or channel._running_loop()
+        task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
         name = CURRENT_TASK.get()
-        if not name:
-            task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
+        if not name or NAMED_TASK.get() not in (None, task):
+            # Outside a handler, or in a task its handler started (see NAMED_TASK): the task's own name.
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent
         # Not waiting yet: the caller waits once it awaits the call (_UnaryResponse.__await__).

@@ -87,6 +87,10 @@ _log = logging.getLogger(__name__)
 
 #: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
+#: The asyncio task whose handler set :data:`CURRENT_TASK` (None where a thread or the application set
+#: it). A task the handler starts inherits both variables, but its calls are its own: the handler
+#: may not be waiting for it, and its calls in the handler's name could make a deadlock up.
+NAMED_TASK: contextvars.ContextVar[Any] = contextvars.ContextVar("stablewatch_named_task", default=None)
 
 
 _running_loop, _current_thread, _get_ident = asyncio._get_running_loop, threading.current_thread, threading.get_ident
@@ -498,7 +502,14 @@ class _AioServed:
 
     def __init__(self) -> None:
         self.var: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_aio_served_call")
+        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, from its first call
         self._warned = False
+
+    def own_task(self) -> Any:
+        """The asyncio task running now (the call's, where its handler runs)."""
+        if _current_tasks is not None and self.loop is not None:
+            return _current_tasks.get(self.loop)
+        return asyncio.current_task()
 
     def get(self) -> IncomingCall | None:
         call = self.var.get(None)
@@ -519,7 +530,7 @@ def _unary_aio(
     # an agent) is written out here rather than through _start and _end_aio.
     behave, get = _awaitable(behavior, requests), served.var.get
     handler_started, respond = agent.handler_started, agent.respond
-    set_task = CURRENT_TASK.set
+    set_task, set_named, own_task = CURRENT_TASK.set, NAMED_TASK.set, served.own_task
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         call = get(None)
@@ -532,6 +543,7 @@ def _unary_aio(
         else:
             handler_started(call)
         set_task(call.name)  # the handler's own task: nothing to restore
+        set_named(own_task())
         try:
             if call.error is not None:
                 await _StampingContext(agent, call, context).abort(call.status, call.error)
@@ -566,6 +578,7 @@ def _streaming_aio(
             return
         _start(agent, call, context)
         CURRENT_TASK.set(call.name)
+        NAMED_TASK.set(served.own_task())
         closed = False
         try:
             if call.error is not None:
@@ -619,6 +632,8 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
             kept = _kept(self._wrapped, handler, wrapped, None)
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
         self._served_var.set(call)
+        if self._served.loop is None:
+            self._served.loop = asyncio.get_running_loop()
         return kept.wrapped
 
 
