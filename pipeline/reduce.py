@@ -88,13 +88,15 @@ def wait_for_frames(
     waiter; one wait keeps its model and AND waits merge into one AND waiter, while several waits
     that are not all AND each become a node ``(process, "task[wait k]")`` of their own, the waiter
     being an AND waiter over them; a passive process with waiting tasks and no wait of its own is
-    an OR waiter over those tasks; a recorded message on ``target -> waiter`` that may wake the
-    waiter (not ``no_wake``; its ``wakes_task`` empty or the waiter's task) satisfies that edge
-    unless it is a flow-control wait; a satisfied edge releases an OR waiter (all its edges are
-    set aside) and is set aside from an AND waiter (a pair is counted while any wait on it is
-    unmet). A flow-control edge is satisfied instead when an acknowledgement is in transit on
-    ``waiter -> target``: the channel's ``receiver_acked`` is ahead of its ``sender_ack_seen``,
-    both of the same incarnations. Every node that is not a waiter is free.
+    an OR waiter over those tasks, unless a channel into it holds a message that may wake (not
+    ``no_wake``, naming any task or none: it will be active, its node free); a recorded message on
+    ``target -> waiter`` that may wake the waiter (not ``no_wake``; its ``wakes_task`` empty or
+    the waiter's task) satisfies that edge unless it is a flow-control wait; a satisfied edge
+    releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a
+    pair is counted while any wait on it is unmet). A flow-control edge is satisfied instead when
+    an acknowledgement is in transit on ``waiter -> target``: the channel's ``receiver_acked`` is
+    ahead of its ``sender_ack_seen``, both of the same incarnations. Every node that is not a
+    waiter is free.
 
     Lazy: a few joins and aggregations, O(processes + wait edges + messages + channels) rows shuffled.
     """
@@ -124,9 +126,12 @@ def wait_for_frames(
     has = waits.groupBy(_ID, "process").agg(
         F.bool_or(F.col("task") == "").alias("own_wait"), F.bool_or(F.col("task") != "").alias("task_waits")
     )
+    # A process that a recorded message may wake will be active (the woken-process rule).
+    woken = messages.filter(~F.coalesce("no_wake", F.lit(False))).select(_ID, F.col("dst").alias("process")).distinct()
     implicit = (
         has.filter(~F.col("own_wait") & F.col("task_waits"))
         .join(procs.filter(~F.coalesce("active", F.lit(False))), [_ID, "process"])
+        .join(woken, [_ID, "process"], "left_anti")
         .select(_ID, "process", "process_index")
     )
     ranked = declared.join(procs, [_ID, "process"])

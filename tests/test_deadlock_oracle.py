@@ -4,12 +4,13 @@ The oracle is a naive fixpoint over the declared waits, written from DESIGN.md's
 from the graph code: a waiter is released when each of its waits is met; a wait is met when it
 has no targets, or (AND) every target is released or has a waking message in flight to the
 waiter, or (OR) any one is. A passive process with waiting tasks and no wait of its own is
-released when one of its tasks is. Anything that waits on nothing, and any process outside the
-cut, is free. A flow-control wait is never met by a message in flight; its target is met instead
-when an acknowledgement is on its way back to the waiter: on the channel from the waiter's
-process to the target's, the receiver had acknowledged further at its recording than the sender
-had seen at its own, both positions known and of the same incarnations. Whatever is never
-released is deadlocked.
+released when one of its tasks is, or when any channel into it holds a message that is not
+``no_wake`` (from anyone, naming any task or none): it will receive it and be active. Anything
+that waits on nothing, and any process outside the cut, is free. A flow-control wait is never
+met by a message in flight; its target is met instead when an acknowledgement is on its way back
+to the waiter: on the channel from the waiter's process to the target's, the receiver had
+acknowledged further at its recording than the sender had seen at its own, both positions known
+and of the same incarnations. Whatever is never released is deadlocked.
 """
 
 from __future__ import annotations
@@ -53,6 +54,9 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                 return any(not m.no_wake and m.wakes_task in ("", task) for m in c.messages)
         return False
 
+    def woken(pid: str) -> bool:
+        return any(not m.no_wake for c in snapshot.channels if c.dst == pid for m in c.messages)
+
     def acknowledged(src: str, dst: str) -> bool:
         for c in snapshot.channels:
             if c.src == src and c.dst == dst and c.HasField("receiver_acked") and c.HasField("sender_ack_seen"):
@@ -82,8 +86,9 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                     ]
                     if met and not (any(met) if w.model == WAIT_MODEL_OR else all(met)):
                         ok = False
-            else:  # a passive process with waiting tasks: released when one of its tasks is
-                ok = any(free(t) for t in waits if t[0] == pid and t[1])
+            else:  # a passive process with waiting tasks: released when one of its tasks is,
+                # or when a message on its way to it will make it active
+                ok = any(free(t) for t in waits if t[0] == pid and t[1]) or woken(pid)
             if ok:
                 released.add(waiter)
                 changed = True
@@ -101,8 +106,8 @@ class Shape:
 @st.composite
 def snapshots(draw: st.DrawFn, shape: Shape = Shape()) -> GlobalSnapshot:
     """Random mixed AND/OR waits between processes and tasks, with messages in flight that do and do
-    not wake, some aimed at one task, flow-control waits, acknowledgement positions, and targets
-    outside the cut."""
+    not wake, some aimed at one task (waiting or not), some sent from outside the cut, flow-control
+    waits, acknowledgement positions, and targets outside the cut."""
     n = draw(st.integers(2, shape.processes))
     pids = [f"P{i}" for i in range(n)]
     tasks = {pid: [f"t{k}" for k in range(draw(st.integers(0, shape.tasks)))] for pid in pids}
@@ -124,7 +129,7 @@ def snapshots(draw: st.DrawFn, shape: Shape = Shape()) -> GlobalSnapshot:
                 )
         processes.append(ProcessSnapshot(process_id=pid, state=state))
     channels = []
-    for src in pids:
+    for src in [*pids, "outside"]:
         for dst in pids:
             if src == dst or not draw(st.booleans()):
                 continue
@@ -132,7 +137,7 @@ def snapshots(draw: st.DrawFn, shape: Shape = Shape()) -> GlobalSnapshot:
                 RecordedMessage(
                     payload=b"m",
                     no_wake=draw(st.booleans()),
-                    wakes_task=draw(st.sampled_from(["", "", *tasks[dst]])),
+                    wakes_task=draw(st.sampled_from(["", "", "other", *tasks[dst]])),
                 )
                 for _ in range(draw(st.integers(0, 2)))
             ]
@@ -210,6 +215,8 @@ def test_a_waking_message_from_one_target_releases_an_or_waiter() -> None:
 
 
 def test_a_message_for_another_task_does_not_release_a_wait() -> None:
+    """C's task caller and S wait on each other; S's message to C wakes C's task other. caller stays
+    deadlocked with S; C itself will be active (other runs), so C's node is not deadlocked."""
     wait = Wait(task="caller", targets=[WaitNode(process="S")])
     snapshot = _snapshot(
         ProcessSnapshot(process_id="C", state=LocalState(waits=[wait])),
@@ -220,6 +227,8 @@ def test_a_message_for_another_task_does_not_release_a_wait() -> None:
             ),
         ),
     )
+    assert deadlocked(snapshot) == {("C", "caller"), ("S", "")} == oracle(snapshot)
+    snapshot.channels[0].messages[0].no_wake = True  # a heartbeat: C stays passive, its node blocked
     assert deadlocked(snapshot) == {("C", "caller"), ("C", ""), ("S", "")} == oracle(snapshot)
 
 

@@ -10,11 +10,11 @@ rule of the one evaluation is applied to whole columns at once:
   members first in the snapshot's order; every task name in another), and the integer work is
   numpy's (sorts, prefix sums, scatters); strings are only compared and sorted by Arrow;
 * the wait-for graph (:func:`compact_wait_for`) follows :func:`~.waitfor.build_wait_for` rule for
-  rule (merged and split waits, a passive process's implicit OR over its tasks, the in-flight and
-  acknowledgement rules). Its nodes are numbered in ``build_wait_for``'s node order (the waiters
-  first, as it inserts them, then the other targets) and each waiter's edges keep its order, in a
-  :class:`~.deadlock.CompactGraph`: flat integer arrays that the algorithms read through
-  memoryviews, without a Python object per node or edge;
+  rule (merged and split waits, a passive process's implicit OR over its tasks, the woken-process,
+  in-flight and acknowledgement rules). Its nodes are numbered in ``build_wait_for``'s node order
+  (the waiters first, as it inserts them, then the other targets) and each waiter's edges keep
+  its order, in a :class:`~.deadlock.CompactGraph`: flat integer arrays that the algorithms read
+  through memoryviews, without a Python object per node or edge;
 * the deadlock (:func:`find_compact_deadlock`) is the shared algorithm of :mod:`.deadlock` on that
   graph: the same reduction, the same cycle walk from the same first node (so the same cycle),
   the knot and the count from one pass of the same component search, and the evidence sorted as
@@ -446,12 +446,13 @@ class _Builder:
             tasks = pa.concat_arrays([tasks, pc.filter(new, pc.invert(pc.is_in(new, value_set=tasks)))])
             own = _ints(pc.index_in(own_names, value_set=tasks))
         task_count = len(tasks)
-        # A passive process with waiting tasks and no wait of its own: an OR waiter over its tasks.
+        # A passive process with waiting tasks and no wait of its own: an OR waiter over its tasks,
+        # unless a waking message is on its way to it (the woken-process rule: it counts as active).
         own_wait = np.zeros(facts.members, dtype=bool)
         own_wait[g_wp[g_wt == 0]] = True
         task_waits = np.zeros(facts.members, dtype=bool)
         task_waits[g_wp[g_wt != 0]] = True
-        implicit = np.flatnonzero(task_waits & ~own_wait & ~facts.active)
+        implicit = np.flatnonzero(task_waits & ~own_wait & ~facts.active & ~self._woken())
 
         # The waiters in build_wait_for's order: by process, then the waiter's first wait, a split
         # waiter's wait nodes right after it, the implicit OR last.
@@ -533,6 +534,14 @@ class _Builder:
             np.concatenate([waiter_t, other_t]),
             counts,
         )
+
+    def _woken(self) -> np.ndarray:
+        """Per member: whether a channel into it holds a message that may wake it (for any task)."""
+        facts = self.facts
+        woken = np.zeros(len(facts.names), dtype=bool)
+        channels = np.concatenate([facts.waking_any, facts.waking_task_channels])
+        woken[channels % max(len(facts.names), 1)] = True
+        return woken[: facts.members]
 
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""

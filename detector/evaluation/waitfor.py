@@ -16,7 +16,17 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   that names one (:func:`names_a_wait`), as one wait would be taken for another.
 * A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
   passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
-  active it is free.
+  active, or a message on its way will make it active (next rule), it is free.
+* **Woken-process rule.** A passive process becomes active on receiving a message, and P will
+  receive every message recorded on a channel ``q -> P`` (q in the cut or not). So when one of
+  them may wake (``no_wake`` false), whichever task its ``wakes_task`` names (that task will run:
+  P will be active), P counts as active: its node is free, not an OR over its tasks. It is the
+  very fact that makes termination false (a waking message in flight to P), so a deadlock never
+  holds P blocked as a process while termination says a message will wake it. The tasks keep
+  their own waits, which only the in-flight rule below meets (a message from a target's
+  process, naming the task or none): a task woken for something else still waits on its
+  targets. Likewise a wait that P declares itself (task ``""``) is what P said it needs, and
+  only the in-flight rule meets it.
 * Every other node is free: a task that waits on nothing, and any process outside the cut (it
   may well be running; see :mod:`.cut`), so a wait on it never counts as blocked.
 * **In-flight rule.** A recorded message on channel ``q -> p`` that may wake p (``no_wake``
@@ -262,14 +272,17 @@ def _targets(wait: Wait) -> list[tuple[Node, bool]]:
 
 
 def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
-    """Build the wait-for graph of `snapshot`, applying the in-flight and acknowledgement rules
-    (see the module doc).
+    """Build the wait-for graph of `snapshot`, applying the woken-process, in-flight and
+    acknowledgement rules (see the module doc).
 
     O(processes + waits + targets + recorded messages + channels).
     """
     # waiter -> (model, [(target, flow_control), ...]); `owner` maps a wait's own node to its waiter.
     waits: dict[Node, tuple[str, list[tuple[Node, bool]]]] = {}
     owner: dict[Node, Node] = {}
+    waking = _waking(snapshot)
+    # The woken-process rule: P will receive a waking message recorded on its way to it.
+    woken = {dst for _, dst in waking}
     for process in snapshot.processes:
         pid = process.process_id
         declared: dict[Node, list[tuple[Wait, Node]]] = {}
@@ -286,10 +299,9 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
                 owner[node] = waiter
                 waits[waiter][1].append((node, False))
         tasks = [waiter for waiter in declared if waiter[1]]
-        if tasks and (pid, "") not in waits and not process.state.active:
+        if tasks and (pid, "") not in waits and not process.state.active and pid not in woken:
             waits[(pid, "")] = (OR, [(task, False) for task in tasks])
 
-    waking = _waking(snapshot)
     acking = acks_in_transit(snapshot)
 
     def satisfied(waiter: Node, target: Node, flow_control: bool) -> bool:

@@ -1,0 +1,250 @@
+"""A passive process with a waking message in flight to it is not blocked as a process.
+
+The wait-for graph makes a passive process P with waiting tasks, and no wait of its own, an OR
+waiter ``(P, "")`` over its tasks (it progresses only if one of them can). A passive process
+becomes active on receiving a message, though, and a recorded message that is not ``no_wake``
+(whichever task of P it names) will be delivered: P will be active, and ``(P, "")`` is then free.
+A review found the cut saying both "deadlock" (a break could be ordered) and "not terminated,
+this message will wake B" for A waiting on process B, B passive with a task waiting on A, and a
+message in flight to B. This file pins the rule (waitfor's module doc, "Woken-process rule"):
+the reviewer's case, each side of the rule, the same answers from the columnar evaluation, and a
+property over random cuts: no deadlocked implicit process node receives a channel that
+termination counts as busy.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from snapshot_gen import START, random_snapshot, summary_of
+
+from stablewatch.detector.archive.schema import snapshot_rows, table_from_rows
+from stablewatch.detector.evaluation import choose_victims, evaluate, verdict
+from stablewatch.detector.evaluation.columnar import SnapshotRows, evaluate_rows
+from stablewatch.v1 import (
+    WAIT_MODEL_AND,
+    WAIT_MODEL_OR,
+    ChannelSnapshot,
+    Evaluation,
+    GlobalSnapshot,
+    LocalState,
+    PredicateResult,
+    ProcessSnapshot,
+    RecordedMessage,
+    Wait,
+    WaitNode,
+)
+
+Node = tuple[str, str]
+_TABLES = ("processes", "counters", "wait_edges", "channels", "messages")
+
+
+def _on(*targets: str, task: str = "", model: int = WAIT_MODEL_AND, instance: int = 0) -> Wait:
+    """A wait of `task` on `targets` (``"P"`` or ``"P/task"``)."""
+    nodes = [WaitNode(process=p, task=t) for p, _, t in (target.partition("/") for target in targets)]
+    return Wait(task=task, targets=nodes, model=model, instance=instance, began_at_us=instance)
+
+
+def _proc(pid: str, *waits: Wait, active: bool = False) -> ProcessSnapshot:
+    return ProcessSnapshot(process_id=pid, state=LocalState(active=active, waits=waits))
+
+
+def _message(src: str, dst: str, *, wakes_task: str = "", no_wake: bool = False) -> ChannelSnapshot:
+    message = RecordedMessage(payload=b"m", wakes_task=wakes_task, no_wake=no_wake)
+    return ChannelSnapshot(src=src, dst=dst, sent_before_marker=1, messages=[message])
+
+
+def _cut(*processes: ProcessSnapshot, channels: tuple[ChannelSnapshot, ...] = ()) -> GlobalSnapshot:
+    return GlobalSnapshot(snapshot_id=5, processes=processes, channels=channels)
+
+
+def _reviewers_cut(sender: str, wakes_task: str, *, no_wake: bool = False, b_active: bool = False) -> GlobalSnapshot:
+    """A waits on process B; B is passive (unless `b_active`), its task t waits on A; C is a passive
+    member without waits; a message from `sender` to B is in flight."""
+    return _cut(
+        _proc("A", _on("B", instance=1)),
+        _proc("B", _on("A", task="t", instance=2), active=b_active),
+        _proc("C"),
+        channels=(_message(sender, "B", wakes_task=wakes_task, no_wake=no_wake),),
+    )
+
+
+def _rows(snapshot: GlobalSnapshot) -> SnapshotRows:
+    """`snapshot` as the archive's writer writes it, as Arrow tables (the columnar evaluation's input)."""
+    rows = snapshot_rows(summary_of(snapshot), snapshot)
+    return SnapshotRows(rows["snapshots"][0], **{name: table_from_rows(name, rows[name]) for name in _TABLES})
+
+
+def _evaluated(snapshot: GlobalSnapshot) -> Evaluation:
+    """The detector's evaluation of `snapshot`, checked to be the columnar evaluation's too."""
+    evaluation = evaluate(snapshot)
+    columnar = evaluate_rows(_rows(snapshot))
+    assert [r.SerializeToString(deterministic=True) for r in columnar] == [
+        r.SerializeToString(deterministic=True) for r in evaluation.results
+    ]
+    return evaluation
+
+
+def _deadlocked(result: PredicateResult) -> set[Node]:
+    return {(n.process, n.task) for n in result.deadlock.deadlocked}
+
+
+def _busy_receivers(result: PredicateResult) -> set[str]:
+    """The processes that termination's evidence says a recorded message will wake."""
+    return {c.dst for c in result.termination.busy_channels}
+
+
+# -- the reviewer's case ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("wakes_task", ["", "t", "u"])  # any wait of B, B's waiting task, another task of B
+@pytest.mark.parametrize("sender", ["A", "C", "X"])  # the target, another member, a process outside the cut
+def test_a_message_that_will_wake_the_passive_process_ends_its_deadlock(sender: str, wakes_task: str) -> None:
+    snapshot = _reviewers_cut(sender, wakes_task)
+    evaluation = _evaluated(snapshot)
+    deadlock, termination = evaluation.results[0], evaluation.results[1]
+    assert verdict(termination) == "false"
+    assert _busy_receivers(termination) == {"B"}
+    assert verdict(deadlock) != "true", deadlock.summary
+    assert _deadlocked(deadlock) == set()
+    assert choose_victims(snapshot, evaluation.wait_for, "youngest") == []
+    # B counts as active: its node is free, no OR over its tasks (no edge out of it, counted or not).
+    assert [e for e in evaluation.wait_for.edges if (e.waiter.process, e.waiter.task) == ("B", "")] == []
+
+
+# -- each side of the rule ----------------------------------------------------------------------------------
+
+
+def test_without_a_message_the_deadlock_stands() -> None:
+    evaluation = _evaluated(_cut(_proc("A", _on("B")), _proc("B", _on("A", task="t")), _proc("C")))
+    assert verdict(evaluation.results[0]) == "true"
+    assert _deadlocked(evaluation.results[0]) == {("A", ""), ("B", ""), ("B", "t")}
+    assert verdict(evaluation.results[1]) == "true"  # everyone passive, nothing in flight
+
+
+@pytest.mark.parametrize("wakes_task", ["", "t"])
+def test_a_message_that_wakes_no_one_keeps_the_deadlock(wakes_task: str) -> None:
+    evaluation = _evaluated(_reviewers_cut("C", wakes_task, no_wake=True))
+    assert verdict(evaluation.results[0]) == "true"
+    assert _deadlocked(evaluation.results[0]) == {("A", ""), ("B", ""), ("B", "t")}
+    assert verdict(evaluation.results[1]) == "true"  # a heartbeat wakes no one
+
+
+def test_a_message_to_an_active_process_changes_nothing() -> None:
+    # A and B deadlocked as above; D is active, its task waits on A, and a message to D is in
+    # flight. D is free either way: the deadlock is the same with the message and without it.
+    processes = (
+        _proc("A", _on("B")),
+        _proc("B", _on("A", task="t")),
+        _proc("C"),
+        _proc("D", _on("A", task="d"), active=True),
+    )
+    without = _evaluated(_cut(*processes)).results[0]
+    with_message = _evaluated(_cut(*processes, channels=(_message("C", "D"),))).results[0]
+    assert verdict(without) == verdict(with_message) == "true"
+    assert with_message.deadlock == without.deadlock
+    # B itself active: free with the message and without it.
+    for channels in ((), (_message("C", "B"),)):
+        snapshot = _cut(_proc("A", _on("B")), _proc("B", _on("A", task="t"), active=True), channels=channels)
+        assert verdict(_evaluated(snapshot).results[0]) == "false"
+
+
+def test_a_wait_the_process_declares_is_met_only_by_its_targets() -> None:
+    """The rule is about a passive process's implicit node: a wait that B declares itself is met by
+    the in-flight rule alone (a message from one of its targets). B will take C's message, and still
+    wait on A: deadlock and "not terminated" are both true."""
+    snapshot = _cut(_proc("A", _on("B")), _proc("B", _on("A")), _proc("C"), channels=(_message("C", "B"),))
+    evaluation = _evaluated(snapshot)
+    assert verdict(evaluation.results[0]) == "true"
+    assert _deadlocked(evaluation.results[0]) == {("A", ""), ("B", "")}
+    assert verdict(evaluation.results[1]) == "false"
+
+
+@pytest.mark.parametrize("wakes_task", ["", "t", "u"])
+def test_the_woken_process_frees_its_node_not_its_tasks(wakes_task: str) -> None:
+    """B will be active, so a wait on B itself is not blocked; but B's task t waits on A's task a,
+    which waits on t: the message from C meets neither wait, and they stay deadlocked."""
+    snapshot = _cut(
+        _proc("A", _on("B/t", task="a"), _on("B", task="b")),
+        _proc("B", _on("A/a", task="t")),
+        _proc("C"),
+        channels=(_message("C", "B", wakes_task=wakes_task),),
+    )
+    evaluation = _evaluated(snapshot)
+    assert verdict(evaluation.results[0]) == "true"
+    assert _deadlocked(evaluation.results[0]) == {("A", "a"), ("B", "t")}
+    assert verdict(evaluation.results[1]) == "false"
+
+
+def test_an_or_wait_on_the_woken_process_is_released_too() -> None:
+    snapshot = _cut(
+        _proc("A", _on("B", "C", model=WAIT_MODEL_OR)),
+        _proc("B", _on("A", task="t")),
+        _proc("C", _on("A")),
+        channels=(_message("C", "B", wakes_task="t"),),  # from C, naming t: meets no wait; wakes B
+    )
+    assert verdict(_evaluated(snapshot).results[0]) == "false"
+
+
+# -- the rule over random cuts ------------------------------------------------------------------------------
+
+
+def _implicit(snapshot: GlobalSnapshot) -> set[str]:
+    """The processes whose node ``(P, "")`` is the OR over their tasks: no wait of their own, some task waiting."""
+    tasks = {p.process_id for p in snapshot.processes for w in p.state.waits if w.task}
+    own = {p.process_id for p in snapshot.processes for w in p.state.waits if not w.task}
+    return tasks - own
+
+
+def _assert_the_rule_holds(snapshot: GlobalSnapshot) -> None:
+    """The rule as a property of one cut: a deadlocked implicit node ``(P, "")`` has P passive, and
+    P receives no channel that termination's evidence lists as busy (none holds a message that
+    will wake P). So deadlock true never comes with "not terminated: a message will wake P" for
+    a process P that the deadlock holds blocked as a process over its tasks."""
+    evaluation = _evaluated(snapshot)
+    deadlock, termination = evaluation.results[0], evaluation.results[1]
+    blocked = {p for p, t in _deadlocked(deadlock) if not t} & _implicit(snapshot)
+    active = {p.process_id for p in snapshot.processes if p.state.active}
+    assert not blocked & active, deadlock.summary
+    assert not blocked & _busy_receivers(termination), (deadlock.summary, termination.summary)
+
+
+@st.composite
+def _around_passive_processes(draw: st.DrawFn) -> GlobalSnapshot:
+    """Random cuts built around the reviewer's shape: processes waiting on each other's process
+    nodes and tasks, AND and OR, mostly passive, with task waits and no own wait, and messages in
+    flight that wake any wait, one task (waiting or not), or nobody, from members and outsiders."""
+    pids = [f"P{i}" for i in range(draw(st.integers(2, 5)))]
+    nodes = [f"{p}{t}" for p in pids for t in ("", "", "/t", "/u")]
+    processes = []
+    for pid in pids:
+        waits = []
+        for task in draw(st.lists(st.sampled_from(["", "t", "t", "u"]), max_size=3)):
+            targets = draw(st.lists(st.sampled_from([*nodes, "X"]), min_size=1, max_size=2, unique=True))
+            waits.append(_on(*targets, task=task, model=draw(st.sampled_from([WAIT_MODEL_AND, WAIT_MODEL_OR]))))
+        processes.append(_proc(pid, *waits, active=draw(st.integers(0, 4)) == 0))
+    channels = []
+    for src, dst in draw(st.lists(st.tuples(st.sampled_from([*pids, "X"]), st.sampled_from(pids)), unique=True)):
+        if src == dst:
+            continue
+        messages = [
+            RecordedMessage(payload=b"m", no_wake=draw(st.integers(0, 2)) == 0, wakes_task=wakes)
+            for wakes in draw(st.lists(st.sampled_from(["", "t", "u", "v"]), max_size=2))
+        ]
+        channels.append(ChannelSnapshot(src=src, dst=dst, sent_before_marker=len(messages), messages=messages))
+    return _cut(*processes, channels=tuple(channels))
+
+
+@settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(_around_passive_processes())
+def test_no_deadlocked_process_node_has_a_waking_message_in_flight(snapshot: GlobalSnapshot) -> None:
+    _assert_the_rule_holds(snapshot)
+
+
+@settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2**32 - 1))
+def test_no_deadlocked_process_node_has_a_waking_message_in_flight_in_generated_snapshots(seed: int) -> None:
+    _assert_the_rule_holds(random_snapshot(random.Random(seed), 1, START))
