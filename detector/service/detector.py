@@ -168,6 +168,7 @@ class Detector:
             publish=self._publish_resolution,
             policy=config.resolve,
             report_timeout=config.report_timeout,
+            attached_at=self._attached_at,
         )
         self._server: grpc.aio.Server | None = None
         self._port = 0
@@ -208,6 +209,7 @@ class Detector:
         self._latest = self._store.latest_results()
         self._expected_totals = {**self._store.expected_totals(), **config.expected_totals}
         self._watch = WatchHub(self._latest)
+        self.resolutions.recover()  # breaks left pending when it stopped: no report can come now
         options = [
             ("grpc.so_reuseport", 0),  # without this, a second detector could bind the port and split the agents
             ("grpc.max_receive_message_length", config.limits.grpc_max_message),
@@ -481,6 +483,11 @@ class Detector:
 
     def _break_reported(self, process_id: str, report: BreakReport) -> None:
         self.resolutions.reported(process_id, report)
+
+    def _attached_at(self, process_id: str) -> float | None:
+        """When ``process_id``'s control stream attached (None: it is not attached)."""
+        member = self.coordinator.members.get(process_id) or self.coordinator.joining.get(process_id)
+        return None if member is None else member.attached_at
 
     def _hinted(self, process_id: str, hint: WaitHint) -> None:
         """A wait of ``process_id`` has lasted past its agent's threshold: snapshot now.

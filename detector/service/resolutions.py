@@ -4,10 +4,12 @@
 (DESIGN.md, "Breaking a proven deadlock"): it stores each break as a ``Resolution`` before it
 sends the ``BreakWait`` on the victim's control stream (so a crash never loses one that went out),
 takes the agent's ``BreakReport`` in (only from the process the break was sent to), gives up on a
-report that does not come, and hands every finished break to the archive, the metrics and the
-watchers. ``stablewatch_resolution_seconds`` measures, per wait reported broken, the time from the
-start of the snapshot that proved the deadlock to the agent's report: an upper bound on how long
-the deadlock lasted after that snapshot saw it.
+report that does not come (or that a detector restart made impossible), and hands every finished
+break to the archive, the metrics and the watchers. An operator's break of a stored snapshot goes
+only to a process attached since before that snapshot began: one that attached again may have
+restarted, and its wait instances then name other waits. ``stablewatch_resolution_seconds``
+measures, per wait reported broken, the time from the start of the snapshot that proved the deadlock
+to the agent's report: an upper bound on how long the deadlock lasted after that snapshot saw it.
 """
 
 from __future__ import annotations
@@ -61,8 +63,14 @@ class Resolutions:
         policy: str | None = None,
         report_timeout: float = DEFAULT_REPORT_TIMEOUT,
         clock: Callable[[], float] = time.time,
+        attached_at: Callable[[str], float | None] | None = None,
     ) -> None:
         self.policy = policy
+        #: When a process's current control stream attached (wall clock; None: not attached). Wait
+        #: instances are unique only within one run of a process, so a wait of a stored snapshot
+        #: is named to its process only if it has been attached since before that snapshot began.
+        #: None: not checked (every break then follows its snapshot at once).
+        self.attached_at = attached_at
         self.store: Store | None = None  # set when the detector opens its store
         self.archive: Callable[[Resolution], None] | None = None
         self._send = send
@@ -91,10 +99,24 @@ class Resolutions:
         if snapshot is None or evaluation is None or summary is None:
             raise KeyError(f"snapshot {snapshot_id} is not a completed snapshot this detector holds")
         policy = self.policy or "youngest"
-        victims = self._resolver.victims(snapshot, evaluation, summary.started_at.ToMicroseconds() / 1e6, policy)
+        started_at = summary.started_at.ToMicroseconds() / 1e6
+        victims = self._resolver.victims(snapshot, evaluation, started_at, policy)
         if not victims:
             why = self._resolver.why_none(evaluation)
             raise NothingToResolve(f"snapshot {snapshot_id} has nothing to break: {why}")
+        # A stored snapshot may be old: a process that attached again since it began may have
+        # restarted, and its instance numbers then name other waits, in no proven deadlock.
+        since = self.attached_at
+        stale = [] if since is None else [v for v in victims if (t := since(v.process)) is not None and t > started_at]
+        if stale:
+            who = ", ".join(sorted({quoted_prefix(v.process) for v in stale}))
+            _log.warning("not breaking waits of %s named by snapshot %d: attached again since", who, snapshot_id)
+            victims = [v for v in victims if v not in stale]
+            if not victims:
+                raise NothingToResolve(
+                    f"snapshot {snapshot_id} has nothing to break: {who} attached again after snapshot "
+                    f"{snapshot_id} started (it may have restarted, and its waits be others now): take a new snapshot"
+                )
         return [self._break(snapshot_id, victim, "operator", requested_by) for victim in victims]
 
     def reported(self, process_id: str, report: BreakReport) -> Resolution | None:
@@ -132,6 +154,28 @@ class Resolutions:
             self._finished(resolution)
             given_up.append(resolution)
         return given_up
+
+    def recover(self) -> list[Resolution]:
+        """Give up on the breaks the store holds as pending: sent by this detector before it stopped.
+
+        Called once as the detector starts, before it sends any break. A report answers a break on
+        the control stream it was sent on, and those streams ended with the detector, so no report
+        of these can come: each is finished as unanswered (stored, counted, archived, published)
+        rather than listed as pending for ever. Whether the agent broke the wait is unknown; a cut
+        that still shows the deadlock names the same wait again, and the agent breaks it at most once.
+        """
+        store = self._store()
+        now = self._clock()
+        stale: list[Resolution] = []
+        before: int | None = None
+        while page := store.resolutions(500, before):
+            stale.extend(r for r in page if not r.HasField("reported_at") and r.resolution_id not in self._pending)
+            before = page[-1].resolution_id
+        for resolution in reversed(stale):  # oldest first
+            resolution.reported_at.FromMicroseconds(int(now * 1e6))
+            resolution.detail = "no report: the detector restarted before it came"
+            self._finished(resolution)
+        return stale
 
     # -- internals --------------------------------------------------------------------------------
 
@@ -172,7 +216,7 @@ class Resolutions:
             self._pending[resolution.resolution_id] = resolution
             self._publish(resolution)
         else:
-            self._resolver.reported(resolution.resolution_id, now)
+            self._resolver.unsent(victim, resolution.resolution_id, now)
             resolution.reported_at.FromMicroseconds(int(now * 1e6))
             resolution.detail = f"{_NOT_ATTACHED}: the break was not sent"
             self._finished(resolution)

@@ -6,9 +6,11 @@ one victim per deadlocked sink component, chosen by the pure policy of
 :func:`~stablewatch.detector.evaluation.victims.choose_victims`. After a break, the same deadlock
 (the same sink component) gets no second victim until a snapshot that *started after the agent's
 report* still shows it: a snapshot begun earlier may have recorded the victim still waiting. A wait
-named in a break is never named again (whatever the agent answered), so a deadlock that outlives
-its victim moves on to the next candidate. A break whose report never comes is given up after
-``report_timeout`` seconds, and counts as reported then.
+named in a break that went out is never named again (whatever the agent answered), so a deadlock
+that outlives its victim moves on to the next candidate; one whose break could not be sent (the
+process was not attached) is named again by a later cut, as every other detector names it. A
+break whose report never comes is given up after ``report_timeout`` seconds, and counts as
+reported then.
 
 The caller (:mod:`.breaking`) passes the time in, sends the orders and stores what happened.
 """
@@ -111,6 +113,17 @@ class Resolver:
         if hold is not None and hold.break_id == break_id:
             hold.reported_at = now
         return True
+
+    def unsent(self, victim: Victim, break_id: int, now: float) -> None:
+        """The break ``break_id`` for ``victim`` could not go out at ``now`` (its process was not attached).
+
+        It counts as reported then: a snapshot begun earlier is not answered with another break.
+        But its wait is not named: no agent acted on it, so a later cut that still shows the
+        deadlock names the same wait again, the one any other detector names too (choosing the
+        next candidate would make a second victim of one deadlock).
+        """
+        self.reported(break_id, now)
+        self._named.pop((victim.process, victim.instance), None)
 
     def overdue(self, now: float) -> list[int]:
         """Breaks whose report has not come within ``report_timeout``: given up (reported as of ``now``)."""
