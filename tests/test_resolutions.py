@@ -239,9 +239,10 @@ def test_an_unanswered_break_is_given_up_after_the_timeout(store: Store, clock: 
     [given_up] = h.resolutions.expire()
     assert outcome_word(given_up) == "unanswered" and "no report from b" in given_up.detail
     assert h.metric("stablewatch_deadlocks_resolved_total", outcome="unanswered") == 1
-    # A snapshot that started after the detector gave up may break the next wait.
+    # A snapshot that started after the detector gave up names the same wait again (the order may
+    # have been lost; the agent breaks a wait at most once): another wait would be a second victim.
     h.complete(cycle_snapshot(11), T0 + 7)
-    assert [(p, o.instance) for p, o in h.sent[1:]] == [("a", 1)]
+    assert [(p, o.instance) for p, o in h.sent[1:]] == [(p, o.instance) for p, o in h.sent[:1]]
 
 
 def test_a_victim_that_is_not_attached_is_recorded_and_not_retried_at_once(store: Store, clock: Clock) -> None:

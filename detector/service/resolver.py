@@ -60,6 +60,7 @@ class Resolver:
         self.report_timeout = report_timeout
         self._holds: dict[Hashable, _Hold] = {}
         self._by_break: dict[int, Hashable] = {}
+        self._wait_of: dict[int, tuple[str, int]] = {}  # each break under way: the wait it names
         self._named: dict[tuple[str, int], None] = {}
 
     def victims(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float, policy: str) -> list[Victim]:
@@ -100,6 +101,7 @@ class Resolver:
         """A break for ``victim`` went out as ``break_id`` at ``now``."""
         self._holds[victim.key] = _Hold(break_id, sent_at=now)
         self._by_break[break_id] = victim.key
+        self._wait_of[break_id] = (victim.process, victim.instance)
         self._named[(victim.process, victim.instance)] = None
         if len(self._named) > _MAX_NAMED:
             del self._named[next(iter(self._named))]
@@ -107,6 +109,7 @@ class Resolver:
     def reported(self, break_id: int, now: float) -> bool:
         """The agent answered ``break_id`` at ``now``; False when no such break is under way."""
         key = self._by_break.pop(break_id, None)
+        self._wait_of.pop(break_id, None)
         if key is None:
             return False
         hold = self._holds.get(key)
@@ -126,14 +129,22 @@ class Resolver:
         self._named.pop((victim.process, victim.instance), None)
 
     def overdue(self, now: float) -> list[int]:
-        """Breaks whose report has not come within ``report_timeout``: given up (reported as of ``now``)."""
+        """Breaks whose report has not come within ``report_timeout``: given up (reported as of ``now``).
+
+        Their waits are not named either: the order may have been lost with its stream, and the wait
+        still holds the deadlock. A later cut that shows it names the same wait again, as another
+        detector would (the agent breaks a wait at most once: ``ALREADY_BROKEN`` if it had).
+        """
         late = [
             break_id
             for break_id, key in self._by_break.items()
             if now - self._holds[key].sent_at >= self.report_timeout
         ]
         for break_id in late:
+            wait = self._wait_of.get(break_id)
             self.reported(break_id, now)
+            if wait is not None:
+                self._named.pop(wait, None)
         return late
 
 
