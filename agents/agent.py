@@ -47,11 +47,12 @@ The contract with the service
   (one per blocked send) on the destination process, removed the moment the window has space.
   Its waiter is the process itself when the send is inside a message handler (the process then
   takes no message until the handler returns), else the asyncio task that sends (named by its
-  task name). Handlers blocked sending to each other with full windows and full receive queues
-  are a deadlock: the detector reports it, with its cycle. With the state go the channels'
-  acknowledgement positions (the highest acknowledgement each inbound channel sent, each
-  outbound channel received), so that the detector can tell an acknowledgement in transit that
-  will give a blocked send space.
+  task name, or ``asyncio task 0x...`` when the detector would refuse that name as a task).
+  Handlers blocked sending to each other with full windows and full receive queues are a
+  deadlock: the detector reports it, with its cycle. With the state go the channels'
+  acknowledgement positions (the highest acknowledgement each inbound channel sent, or owes
+  with room in the receive queue; each outbound channel received), so that the detector can
+  tell an acknowledgement in transit that will give a blocked send space.
 * **Recordings end.** A recording ends when the detector finishes it, or at its deadline: the
   lifetime its ``StartSnapshot`` gives, or ``recording_lifetime`` for one begun by a marker (or a
   local one), checked every ``expire_interval`` seconds and reported as a failure. At most
@@ -118,7 +119,7 @@ from stablewatch.agents.inbound import InboundChannels
 from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings, OutboundChannel
-from stablewatch.agents.state import LocalStateKeeper
+from stablewatch.agents.state import LocalStateKeeper, task_problem
 from stablewatch.v1 import LocalSnapshotPart, LocalState, channel_pb2_grpc
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN, BreakWait, WaitHint
 
@@ -136,6 +137,15 @@ _GRPC_SLACK = 64 * 1024
 
 class MessageTooLarge(ValueError):
     """A message is larger than the agent's ``max_message_bytes``."""
+
+
+def _task_waiter(task: asyncio.Task[Any]) -> str:
+    """The name a flow-control wait of ``task`` is reported under: the task's name, unless the
+    detector refuses it as a task name (then every part recorded while the send is blocked would
+    be refused, and a deadlock behind the window never found): then one made from the task's
+    identity, unique among the tasks alive."""
+    name = task.get_name()
+    return name if task_problem(name) is None else f"asyncio task {id(task):#x}"
 
 
 class _Counted:
@@ -458,7 +468,7 @@ class Agent:
         release = in_handler and lock is not None and lock.locked()
         if release:
             lock.release()
-        waiter = "" if in_handler or task is None else task.get_name()  # "": the process itself
+        waiter = "" if in_handler or task is None else _task_waiter(task)  # "": the process itself
         try:
             with self._blocked.waiting(waiter, channel):
                 while not channel.has_space():
@@ -636,7 +646,13 @@ class Agent:
                 # Where acknowledgements stand, for the detector to tell one in transit.
                 acked = self._inbound.acked() if self._inbound else None
                 seen = {dst: ack for dst, channel in self._outbound.items() if (ack := channel.ack_seen) is not None}
-                recorded = self._core.record_state(action.snapshot_id, state, undelivered, acked=acked, acks_seen=seen)
+                # A restarted sender's old messages still queued are counted on no channel: a cut
+                # now would lose them (a wake-up in transit, units in transit), so it fails.
+                stale = self._inbox.uncounted() if self._inbox else None
+                unprovable = None if stale is None else f"messages of {stale}'s previous incarnation still queued"
+                recorded = self._core.record_state(
+                    action.snapshot_id, state, undelivered, acked=acked, acks_seen=seen, unprovable=unprovable
+                )
                 self._carry_out(recorded)
             elif isinstance(action, ReportPart):
                 if action.recorded_bytes:

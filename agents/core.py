@@ -55,7 +55,10 @@ its entries arrive reliably, in order and once. An entry is an :class:`AppMessag
   clock: a marker or start given no ``now`` is dated by the latest ``now`` the driver passed.
 * **Restarts.** When the process at the other end of a channel restarts, the two ends' counts
   start again (:meth:`SnapshotCore.reset_outbound`, :meth:`SnapshotCore.reset_inbound`) and the
-  snapshots running across the restart fail: their counts can no longer be proved.
+  snapshots running across the restart fail: their counts can no longer be proved. Messages of
+  the old sender that the driver still holds undelivered are then counted on no channel: a
+  recording made while one waits could show it nowhere, so the driver passes ``unprovable`` to
+  :meth:`SnapshotCore.record_state` and that snapshot fails instead of reporting a part.
 * **Parts.** The process reports its contribution as :class:`ReportPart` actions. When it records:
   its state, the outbound counts, and every inbound channel it knows as it stands then (``m``
   and the messages still undelivered), marked ``open`` unless its marker came already; a channel
@@ -400,6 +403,7 @@ class SnapshotCore:
         *,
         acked: Mapping[str, AckPosition] | None = None,
         acks_seen: Mapping[str, AckPosition] | None = None,
+        unprovable: str | None = None,
     ) -> tuple[Action, ...]:
         """Hand over the state captured for the :class:`RecordState` action just returned.
 
@@ -407,12 +411,17 @@ class SnapshotCore:
         application has not received yet, in arrival order: they are in flight for this snapshot.
         ``acked`` holds, per inbound channel, the highest acknowledgement sent on it by now, and
         ``acks_seen``, per outbound channel, the highest one received (channels without one are
-        left out); the parts carry them to the detector.
+        left out); the parts carry them to the detector. ``unprovable``, when given, says why the
+        driver cannot vouch for this moment (a message it holds that no channel counts, say): the
+        snapshot then fails with that reason and reports no part, as no part could be true.
         """
         if self._awaiting_state != snapshot_id:
             expected = "no state" if self._awaiting_state is None else f"snapshot {self._awaiting_state}"
             raise LocalProtocolError(f"record_state({snapshot_id}) called, but the core awaits {expected}")
         recording = self._recordings[snapshot_id]
+        if unprovable is not None:
+            self._awaiting_state = None
+            return (self._fail(recording, unprovable),)
         in_flight = self._take_undelivered(recording, undelivered) if undelivered else {}
         self._awaiting_state = None
         if recording.recorded_bytes > self.max_recorded_bytes:

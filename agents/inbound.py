@@ -283,21 +283,34 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         return expected
 
     def acked(self) -> dict[str, AckPosition]:
-        """Per inbound channel, the highest acknowledgement sent to its sender's current incarnation.
+        """Per inbound channel, where acknowledgements to its sender's current incarnation stand:
+        the highest one sent, or bound to be sent.
 
-        Only streams still open count: an acknowledgement sent on a broken stream may be lost, and
-        the sender's next stream learns only what this process acknowledges then. Recorded with
-        the process's state (see :attr:`OutboundChannel.ack_seen
+        While the receive queue has room, every entry accepted is acknowledged with nothing more
+        from the application (at once, within ``ack_delay``, or in the answer to the sender's next
+        hello), so that position is reported: it counts as in transit. A recording can fall between
+        the queue's freeing and the acknowledgement's writing (a marker waiting for the handler
+        records the moment the handler returns), and the acknowledgement last written would then
+        hide the one owed: a sender blocked on the full window would look held by a receiver that
+        has consumed, a deadlock that is none. While the queue is full, the last one sent stands
+        (a hold). Only streams still open count: an acknowledgement sent on a broken stream may be
+        lost, and the sender's next stream learns only what this process acknowledges then.
+        Recorded with the process's state (see :attr:`OutboundChannel.ack_seen
         <stablewatch.agents.outbound.OutboundChannel.ack_seen>`).
         """
+        room = self._inbox.has_room()
         highest: dict[str, int] = {}
         for stream in self._streams:
             expected = stream.expected
-            if expected is None or not stream.hello_answered:
+            if expected is None or self._expected.get(stream.src) is not expected:
+                continue  # no hello yet, or a stream of an earlier sender incarnation
+            if room:
+                position = expected.next_seq  # owed: sent without anything more from the handler
+            elif stream.hello_answered:
+                position = stream.acked
+            else:
                 continue
-            if self._expected.get(stream.src) is not expected:  # a stream of an earlier sender incarnation
-                continue
-            highest[stream.src] = max(highest.get(stream.src, 0), stream.acked)
+            highest[stream.src] = max(highest.get(stream.src, 0), position)
         return {
             src: AckPosition(
                 sender_incarnation=self._expected[src].sender_incarnation,

@@ -98,6 +98,17 @@ class Inbox:
             if run.src == src:
                 run.counted = False
 
+    def uncounted(self) -> str | None:
+        """A channel with messages queued that its counts no longer cover (their sender restarted
+        since they came, and the handler has not had them all), or None.
+
+        While one waits here, no recording can account for it: it is neither received nor, by
+        its channel's new counts, in flight; a cut taken then would lose it."""
+        for run in self._runs:
+            if not run.counted and run.taken < len(run.messages):
+                return run.src
+        return None
+
     def undelivered(self) -> dict[str, list[Run]]:
         """Per channel, the messages queued that the handler has not been given, in order."""
         waiting: dict[str, list[Run]] = {}

@@ -24,7 +24,9 @@ Names are held to the detector's maxima (:mod:`stablewatch.v1.bounds`), so that 
 application learns of a name the detector would reject when it sets it, with a ValueError, not
 from snapshots that never complete: a counter's or an attribute's name at most 256 bytes (UTF-8),
 a task 1024, a wait target's process id 256, none of them with a control character, and each
-string inside an attribute's value at most 64 KiB.
+string inside an attribute's value at most 64 KiB. A task (a waiter's or a target's) may not end
+in ``[wait N]``: that is how the detector's wait-for graph names one wait of a task that has
+several, so the detector refuses a part that names a task so (the two would be one node).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import contextlib
 import copy
 import logging
 import math
+import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -65,6 +68,9 @@ Targets: TypeAlias = Target | Iterable[Target]
 
 _MODELS = {"and": WAIT_MODEL_AND, "or": WAIT_MODEL_OR}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+# How the detector's wait-for graph names one wait of a task with several (``names_a_wait`` in
+# stablewatch.detector.evaluation.waitfor); the agent does not import the detector.
+_WAIT_NODE = re.compile(r"\[wait [0-9]+\]\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,6 +496,25 @@ def _check_text(text: str, what: str, limit: int) -> None:
         raise ValueError(f"{what} {quoted_prefix(text)} {problem}, which the detector refuses")
 
 
+def task_problem(task: str) -> str | None:
+    """What makes ``task`` a task name the detector refuses, or None: over its length, a control
+    character, or ending in ``[wait N]`` (the detector's name for one wait of a task with
+    several: the two would be one node)."""
+    problem = text_problem(task, MAX_TASK_BYTES)
+    if problem is not None:
+        return f"{problem}, which the detector refuses"
+    if "[wait " in task and _WAIT_NODE.search(task) is not None:
+        return "ends in '[wait N]', the form the detector gives one wait of a task, which it refuses as a task name"
+    return None
+
+
+def _check_task(task: str, what: str) -> None:
+    """Refuse a task name the detector would reject (see :func:`task_problem`)."""
+    problem = task_problem(task)
+    if problem is not None:
+        raise ValueError(f"{what} {quoted_prefix(task)} {problem}")
+
+
 def _check_int(value: object, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool):
         raise TypeError(f"{what} must be an int, not {type(value).__name__}")
@@ -516,7 +541,7 @@ def _target(target: object) -> tuple[str, str]:
     if not process:
         raise ValueError(f"wait target {target!r} names no process")
     _check_text(process, "wait target process", MAX_ID_BYTES)
-    _check_text(task, "wait target task", MAX_TASK_BYTES)
+    _check_task(task, "wait target task")
     return process, task
 
 
@@ -525,7 +550,7 @@ def _make_wait(targets: Targets, model: str, task: str) -> _Wait:
         raise ValueError(f"wait model must be 'and' or 'or', not {model!r}")
     if not isinstance(task, str):
         raise TypeError(f"task must be a str, not {type(task).__name__}")
-    _check_text(task, "task", MAX_TASK_BYTES)
+    _check_task(task, "task")
     items = [targets] if isinstance(targets, str | WaitNode) else list(targets)
     if not items:
         raise ValueError("a wait needs at least one target")

@@ -16,6 +16,7 @@ raises it directly, its message not sent.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
@@ -96,7 +97,9 @@ class ThreadedAgent:
     ) -> None:
         """Send, blocking while the channel's window is full (up to ``timeout`` seconds).
 
-        Raises :class:`~stablewatch.agents.breaking.DeadlockVictim`, the message not sent, when
+        Raises TimeoutError when it is not sent by then: it is then not sent at all (its counters
+        still this process's), not left waiting to go later. Raises
+        :class:`~stablewatch.agents.breaking.DeadlockVictim`, the message not sent, when
         stablewatch breaks the wait to end a proven deadlock."""
         self._call(self.agent.send(dest, payload, counters=counters, wakes=wakes), timeout)
 
@@ -105,8 +108,45 @@ class ThreadedAgent:
         return self._call(self.agent.start_snapshot(snapshot_id))
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
+        """Run ``coroutine`` on the agent's loop and wait for its result, ``timeout`` seconds at most.
+
+        A call that times out is cancelled on the loop, and its outcome awaited, before
+        TimeoutError is raised: a send the thread was told timed out must not go on blocked and
+        leave later (its message and counters gone behind the thread's back). If it finished
+        just as it timed out, its result stands instead.
+        """
         if threading.current_thread() is self._thread:
             coroutine.close()
             raise RuntimeError("a ThreadedAgent method was called from its own handler; use the Agent's async API")
-        future = asyncio.run_coroutine_threadsafe(coroutine, self._loop)
-        return future.result(self._call_timeout if timeout is None else timeout)
+        limit = self._call_timeout if timeout is None else timeout
+        created: concurrent.futures.Future[asyncio.Task[T]] = concurrent.futures.Future()
+        outcome: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def start() -> None:  # on the loop
+            task = self._loop.create_task(coroutine)
+            task.add_done_callback(lambda done: _settle(outcome, done))
+            created.set_result(task)
+
+        self._loop.call_soon_threadsafe(start)
+        try:
+            return outcome.result(limit)
+        except concurrent.futures.CancelledError:
+            raise TimeoutError("the agent's loop cancelled the call") from None
+        except TimeoutError:
+            pass
+        task = created.result(self._call_timeout)
+        self._loop.call_soon_threadsafe(task.cancel)
+        try:
+            return outcome.result(self._call_timeout)  # it finished before the cancellation came
+        except concurrent.futures.CancelledError:
+            raise TimeoutError(f"the call did not finish within {limit} s; it was cancelled") from None
+
+
+def _settle(outcome: concurrent.futures.Future[T], task: asyncio.Task[T]) -> None:
+    """Pass a finished task's result, error or cancellation on to ``outcome`` (a thread waits on it)."""
+    if task.cancelled():
+        outcome.cancel()
+    elif (error := task.exception()) is not None:
+        outcome.set_exception(error)
+    else:
+        outcome.set_result(task.result())
