@@ -36,7 +36,6 @@ import contextlib
 import copy
 import logging
 import math
-import re
 import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
@@ -51,6 +50,7 @@ from stablewatch.v1.bounds import (
     MAX_NAME_BYTES,
     MAX_TASK_BYTES,
     MAX_TEXT_BYTES,
+    names_a_wait,
     quoted_prefix,
     text_problem,
     too_long,
@@ -68,9 +68,6 @@ Targets: TypeAlias = Target | Iterable[Target]
 
 _MODELS = {"and": WAIT_MODEL_AND, "or": WAIT_MODEL_OR}
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-# How the detector's wait-for graph names one wait of a task with several (``names_a_wait`` in
-# stablewatch.detector.evaluation.waitfor); the agent does not import the detector.
-_WAIT_NODE = re.compile(r"\[wait [0-9]+\]\Z")
 
 
 @dataclass(frozen=True, slots=True)
@@ -503,7 +500,7 @@ def task_problem(task: str) -> str | None:
     problem = text_problem(task, MAX_TASK_BYTES)
     if problem is not None:
         return f"{problem}, which the detector refuses"
-    if "[wait " in task and _WAIT_NODE.search(task) is not None:
+    if names_a_wait(task):
         return "ends in '[wait N]', the form the detector gives one wait of a task, which it refuses as a task name"
     return None
 

@@ -43,7 +43,6 @@ from typing import Any
 
 from google.protobuf.struct_pb2 import Struct
 
-from stablewatch.detector.evaluation.waitfor import names_a_wait
 from stablewatch.v1 import (
     AckPosition,
     ChannelSnapshot,
@@ -61,6 +60,7 @@ from stablewatch.v1.bounds import (
     MAX_TASK_BYTES,
     MAX_TEXT_BYTES,
     has_control_character,
+    names_a_wait,
     quoted_prefix,
     text_problem,
     too_long,
@@ -556,7 +556,7 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
 
     Two more make a wait mean something else than it says: a target without a process (taken for
     a free node outside the cut, it would release an OR wait), and a task named as the wait-for
-    graph names one wait of a task (:func:`~.evaluation.waitfor.names_a_wait`: the two would be
+    graph names one wait of a task (``stablewatch.v1.bounds.names_a_wait``: the two would be
     one node). Both are ``malformed``.
     """
     ids: list[str] = []

@@ -24,9 +24,8 @@ from stablewatch.agents import Agent, AppMessage, ChannelSettings, ThreadedAgent
 from stablewatch.agents.core import Marker, RecordState, SnapshotCore, SnapshotFailed
 from stablewatch.agents.frames import encode
 from stablewatch.agents.state import LocalStateKeeper
-from stablewatch.detector.evaluation.waitfor import names_a_wait
 from stablewatch.v1 import ChannelAck, ChannelFrame, ChannelHello, LocalSnapshotPart, LocalState, channel_pb2_grpc
-from stablewatch.v1.bounds import MAX_TASK_BYTES, text_problem
+from stablewatch.v1.bounds import MAX_TASK_BYTES, names_a_wait, text_problem
 
 TIMEOUT = 10.0
 FAILED = "stablewatch_agent_snapshots_failed_total"

@@ -13,7 +13,7 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   instance, so several AND waits of one task are the usual case. :func:`wait_nodes` is the one
   place that maps a wait to its node (the victim choice maps deadlocked nodes back through it).
   A task of that form is the wait's node, never a task of its own: the detector refuses a part
-  that names one (:func:`names_a_wait`), as one wait would be taken for another.
+  that names one (``stablewatch.v1.bounds.names_a_wait``), as one wait would be taken for another.
 * A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
   passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
   active, or a message on its way will make it active (next rule), it is free.
@@ -50,7 +50,6 @@ Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`)
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -94,7 +93,6 @@ __all__ = [
     "find_deadlock",
     "label",
     "meeting",
-    "names_a_wait",
     "rotated",
     "to_proto",
     "wait_counts",
@@ -214,20 +212,6 @@ def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:
         return tasks is None or task in tasks
 
     return met
-
-
-# The end of the task of one wait's own node (see wait_nodes).
-_WAIT_NODE = re.compile(r"\[wait [0-9]+\]\Z")
-
-
-def names_a_wait(task: str) -> bool:
-    """Whether `task` has the form :func:`wait_nodes` gives the node of one wait of a task that has
-    several, ``"task[wait k]"``: such a name, reported as a task, would be taken for that node.
-
-    >>> names_a_wait("t[wait 2]"), names_a_wait("t[wait]"), names_a_wait("/svc/M#p:3")
-    (True, False, False)
-    """
-    return "[wait " in task and _WAIT_NODE.search(task) is not None
 
 
 def wait_nodes(process: ProcessSnapshot) -> list[tuple[Wait, Node]]:

@@ -18,6 +18,7 @@ __all__ = [
     "MAX_TASK_BYTES",
     "MAX_TEXT_BYTES",
     "has_control_character",
+    "names_a_wait",
     "process_id_problem",
     "quoted_prefix",
     "text_problem",
@@ -75,3 +76,18 @@ def process_id_problem(process_id: str) -> str | None:
         return "process id is empty"
     problem = text_problem(process_id, MAX_ID_BYTES)
     return None if problem is None else f"process id {quoted_prefix(process_id)} {problem}"
+
+
+# The end of the task of one wait's own node in the detector's wait-for graph.
+_WAIT_NODE = re.compile(r"\[wait [0-9]+\]\Z")
+
+
+def names_a_wait(task: str) -> bool:
+    """Whether `task` has the form the detector's wait-for graph gives the node of one wait of a task
+    that has several, ``"task[wait k]"``: such a name, reported as a task, would be taken for that
+    node, so the detector refuses it and the agent's API does too.
+
+    >>> names_a_wait("t[wait 2]"), names_a_wait("t[wait]"), names_a_wait("/svc/M#p:3")
+    (True, False, False)
+    """
+    return "[wait " in task and _WAIT_NODE.search(task) is not None
