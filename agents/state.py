@@ -148,8 +148,9 @@ class WaitHandle:
     :attr:`broken` beside what it waits for, call :meth:`check` when it wakes, or register a
     callback with :meth:`on_break` that wakes it (sets its condition, cancels its future). An
     asyncio task that entered the wait with ``waiting()`` gets :class:`DeadlockVictim` raised where
-    it awaits as well. A broken wait stays in the snapshots until it is removed: only the waiter
-    knows when it has stopped waiting.
+    it awaits as well. A broken wait is left out of the snapshots from the break on, though only the
+    waiter knows when it has stopped waiting: it has been told to, and a cut that still showed it
+    would show the deadlock whole, for a detector to break another of its waits.
 
     ``instance`` is the wait's id, never reused in the process (``Wait.instance``); ``began_at_us``
     when it began, in wall-clock microseconds since the epoch (``Wait.began_at_us``).
@@ -456,14 +457,18 @@ class LocalStateKeeper:
 
         One ``Wait`` per registered wait, in the order they began, with its instance and the time it
         began; the detector merges the waits of one task (see
-        :mod:`stablewatch.detector.evaluation.waitfor`). A broken wait is there until it is removed.
+        :mod:`stablewatch.detector.evaluation.waitfor`). A broken wait is left out, as a blocked
+        send's is: its waiter has been told to leave it, so it no longer holds the deadlock, and a
+        cut taken before the waiter gets round to it must not show the deadlock whole (a detector
+        would break another wait of it: a second victim).
         """
         with self._lock:
             active = self._active
             counters = dict(self._counters)
             attributes = dict(self._attributes)  # values are never mutated in place
             waits = list(self._waits.values())  # their fields read below are never changed
-        state = LocalState(active=active, waits=[_to_proto(h) for h in waits], counters=counters)
+        kept = [_to_proto(h) for h in waits if h._victim is None]
+        state = LocalState(active=active, waits=kept, counters=counters)
         if attributes:
             state.attributes.update(attributes)
         return state
