@@ -491,10 +491,15 @@ def build_history(
     snapshots = archive.table("snapshots").drop("snapshot")
     channels = archive.table("channels")
     resolutions = archive.table("resolutions")  # empty in an archive without breaks
+    # The resolutions table is partitioned by the day a break was sent, the snapshots by the day they
+    # started: a deadlock proven before the range's last midnight may be broken after it. An
+    # episode counts the breaks of its snapshots whenever they were sent (never before the range).
+    later = Archive(archive.spark, archive.root, archive.first_day, None)
+    proved = resolutions if archive.last_day is None else later.table("resolutions")
     drift = conservation_drift(evaluations)
     found = breaks(resolutions, snapshots)
     frames = {
-        "deadlock_episodes": deadlock_episodes(evaluations, resolutions),
+        "deadlock_episodes": deadlock_episodes(evaluations, proved),
         "recurring_processes": recurring_processes(evaluations),
         "termination_episodes": episodes(evaluations, "termination"),
         "conservation": drift,

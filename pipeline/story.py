@@ -232,7 +232,7 @@ def tell(system: str, tables: Mapping[str, pa.Table], progress: str | None = Non
         sentence = ", then ".join(_phase_text(p, len(found), progress_line, involved) for p in found)
     else:
         sentence = _summed_up(found, progress_line)
-    clauses = [sentence, *_broken_clause(tables.get("breaks")), *_conservation_clauses(tables, found)]
+    clauses = [sentence, *_broken_clause(tables.get("breaks")), *_conservation_clauses(tables, found, len(times))]
     return Story(system, len(times), tuple(found), "; ".join(clauses), series, broken_at, first_at, last_at)
 
 
@@ -251,8 +251,13 @@ def _broken_clause(breaks: pa.Table | None) -> list[str]:
     return [text if broken == breaks.num_rows else f"{text} ({plural(breaks.num_rows, 'break')} sent)"]
 
 
-def _conservation_clauses(tables: Mapping[str, pa.Table], found: Sequence[Phase]) -> list[str]:
-    """A counter's word: when it was off (always told), or that it held (told of a system that only ran)."""
+def _conservation_clauses(tables: Mapping[str, pa.Table], found: Sequence[Phase], snapshots: int) -> list[str]:
+    """A counter's word: when it was off (always told), or that it held (told of a system that only ran).
+
+    "Conserved in all" is said only when it held in every one of the `snapshots` completed
+    snapshots; otherwise how many of them decided it, and why the others did not (an open cut
+    left it unknown, or the snapshot did not hold the counter): an unknown is never a "held".
+    """
     if "conservation" not in tables:
         return []
     by_counter: dict[str, list[dict[str, Any]]] = {}
@@ -268,7 +273,16 @@ def _conservation_clauses(tables: Mapping[str, pa.Table], found: Sequence[Phase]
             clauses.append(f"{counter} off in {plural(len(violated), 'snapshot')} (drift up to {worst['drift']:+d})")
         elif only_ran and held:
             total = held[-1]["observed"]
-            clauses.append(f"{counter} = {total} conserved in all {plural(len(held), 'snapshot')}")
+            if len(held) == snapshots:
+                clauses.append(f"{counter} = {total} conserved in all {plural(len(held), 'snapshot')}")
+            else:
+                unknown = sum(row["verdict"] == Verdict.UNKNOWN for row in rows)
+                without = snapshots - len({row["snapshot_id"] for row in rows})
+                why = [f"{unknown} unknown"] * bool(unknown) + [f"{without} without it"] * bool(without > 0)
+                clauses.append(
+                    f"{counter} = {total} conserved in {len(held)} of {plural(snapshots, 'snapshot')}"
+                    + (f" ({', '.join(why)})" if why else "")
+                )
     return clauses
 
 

@@ -221,8 +221,11 @@ def test_the_timeline_has_every_verdict_and_the_attributes_their_totals(history:
     assert [sid for sid, r in rows.items() if r["termination"] == "true"] == [21, 22, 23]
     assert [sid for sid, r in rows.items() if r["conservation"] == "false"] == [15]
     assert rows[1]["conservation"] == "true" and rows[5]["deadlocked_nodes"] == 2
-    # Episode 2: P2, its task t0 and P3 — three nodes of two processes.
-    assert (rows[14]["deadlocked_nodes"], rows[14]["deadlocked_processes"]) == (3, 2)
+    # Episode 2: P2, its task t0 and P3 — three nodes of two processes while nothing is in flight to
+    # P2 (16). With messages on their way to it (14), passive P2 will be active (the woken-process
+    # rule of the wait-for graph): its task t0 and P3 are still deadlocked, P2's own node is not.
+    assert (rows[16]["deadlocked_nodes"], rows[16]["deadlocked_processes"]) == (3, 2)
+    assert (rows[14]["deadlocked_nodes"], rows[14]["deadlocked_processes"]) == (2, 2)
     totals = history.tables["attributes"].to_pylist()
     assert {r["attribute"] for r in totals} == {"work"}  # the role is no number
     assert [(r["snapshot_id"], r["total"]) for r in totals] == [(sid, 5.0 * sid) for sid in sorted(rows)]
