@@ -530,7 +530,7 @@ def _unary_aio(
     # an agent) is written out here rather than through _start and _end_aio.
     behave, get = _awaitable(behavior, requests), served.var.get
     handler_started, respond = agent.handler_started, agent.respond
-    set_task, set_named, own_task = CURRENT_TASK.set, NAMED_TASK.set, served.own_task
+    set_task, set_named, tasks = CURRENT_TASK.set, NAMED_TASK.set, _current_tasks
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         call = get(None)
@@ -543,7 +543,8 @@ def _unary_aio(
         else:
             handler_started(call)
         set_task(call.name)  # the handler's own task: nothing to restore
-        set_named(own_task())
+        # served.own_task(), written out: the server's loop is known after its first call.
+        set_named(tasks.get(served.loop) if tasks is not None and served.loop is not None else asyncio.current_task())
         try:
             if call.error is not None:
                 await _StampingContext(agent, call, context).abort(call.status, call.error)
