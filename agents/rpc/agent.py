@@ -434,17 +434,15 @@ class RpcAgent:
         waits on the callee's task. A call made with ``waits`` False and not yet awaited waits on
         nothing: its caller is free to do other things, and may never block on it.
         """
-        lock = self._lock
-        lock.acquire()
-        try:
-            if call.settled or call.waits:
-                return
-            if waiter is not None:
-                call.caller_task = waiter
-            call.instance, call.began_at_us = _new_instance(), _time_ns() // 1000
-            call.waits = True
-        finally:
-            lock.release()
+        # No lock (this runs for every asyncio call): a capture or a break reads a call's wait only
+        # once ``waits`` is set, which is set last; and a call settled meanwhile has left
+        # ``_outgoing``, where captures and breaks look, so its wait is never read.
+        if call.settled or call.waits:
+            return
+        if waiter is not None:
+            call.caller_task = waiter
+        call.instance, call.began_at_us = _new_instance(), _time_ns() // 1000
+        call.waits = True
         if self.doorbell.asleep:
             self.doorbell.ring()
 
