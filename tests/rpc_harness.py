@@ -80,6 +80,23 @@ def aio_channel_to(address: str, c_agent: RpcAgent, setup: str, peer: str = "S")
     return c_agent.instrument_channel(grpc.aio.insecure_channel(address), peer)
 
 
+class AioServer:
+    """An asyncio gRPC server on 127.0.0.1 serving ``handlers``, with ``agent``'s interceptor (or none).
+    Made inside the event loop of its test; ``async with`` starts and stops it."""
+
+    def __init__(self, agent: RpcAgent | None, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
+        self.server = grpc.aio.server(interceptors=[agent.aio_server_interceptor()] if agent is not None else [])
+        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+
+    async def __aenter__(self) -> AioServer:
+        await self.server.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.server.stop(0)
+
+
 def outstanding(agent: RpcAgent) -> int:
     """The calls ``agent`` has out (waiting or not) whose end it has not taken in."""
     with agent._lock:

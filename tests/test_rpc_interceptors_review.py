@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, aio_channel_to, outstanding, sample
+from rpc_harness import SERVICE, AioServer, aio_channel_to, outstanding, sample
 
 from polling import async_poll, run
 from stablewatch.agents.rpc import BadStamp, RpcAgent
@@ -52,22 +52,6 @@ def answered_once_each(s_agent: RpcAgent, c_agent: RpcAgent, calls: int) -> None
     assert c_agent._core.sent_count("S") == c_agent._core.received_count("S") == calls
     assert c_agent._core.session("S") == 0 and sample(c_agent, "peer_resets") == 0
     assert outstanding(c_agent) == 0
-
-
-class AioServer:
-    """An asyncio gRPC server on 127.0.0.1 with ``agent``'s interceptor (or none)."""
-
-    def __init__(self, agent: RpcAgent | None, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.server = grpc.aio.server(interceptors=[agent.aio_server_interceptor()] if agent is not None else [])
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-
-    async def __aenter__(self) -> AioServer:
-        await self.server.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.server.stop(0)
 
 
 # -- sync handlers on an asyncio server ------------------------------------------------------------

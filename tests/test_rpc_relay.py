@@ -22,7 +22,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, aio_channel_to, new_agent, outstanding, sample
+from rpc_harness import SERVICE, AioServer, aio_channel_to, new_agent, outstanding, sample
 
 from polling import run
 from stablewatch.agents.rpc import BadStamp, RpcAgent
@@ -171,22 +171,6 @@ def relay_sync(setup: str, relay: Relay, c_agent: RpcAgent, s_agent: RpcAgent, t
 
 
 # -- asyncio servers, with the asyncio instrumented channel or client interceptors -----------------
-
-
-class AioServer:
-    """An asyncio gRPC server on 127.0.0.1 with ``agent``'s interceptor (made inside the test's loop)."""
-
-    def __init__(self, agent: RpcAgent, handlers: dict[str, grpc.RpcMethodHandler]) -> None:
-        self.server = grpc.aio.server(interceptors=[agent.aio_server_interceptor()])
-        self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
-        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
-
-    async def __aenter__(self) -> AioServer:
-        await self.server.start()
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.server.stop(0)
 
 
 async def relay_aio(setup: str, relay: Relay, c_agent: RpcAgent, s_agent: RpcAgent, t_agent: RpcAgent) -> None:

@@ -135,18 +135,31 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         agent = self._agent
         call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented, False)
         try:
-            outcome = self._plain.future(
-                request,
-                timeout=timeout,
-                metadata=with_stamp(metadata, call),
-                credentials=credentials,
-                wait_for_ready=wait_for_ready,
-                compression=compression,
-            )
+            outcome = self._future(call, request, timeout, metadata, credentials, wait_for_ready, compression)
         except BaseException as error:
             _take_in_failure(agent, call, error)
             raise
         return _UnaryOutcome(agent, call, outcome)
+
+    def _future(
+        self,
+        call: OutgoingCall,
+        request: Any,
+        timeout: Any,
+        metadata: Any,
+        credentials: Any,
+        wait_for_ready: Any,
+        compression: Any,
+    ) -> Any:
+        """grpc's future of ``call``, its request stamped."""
+        return self._plain.future(
+            request,
+            timeout=timeout,
+            metadata=with_stamp(metadata, call),
+            credentials=credentials,
+            wait_for_ready=wait_for_ready,
+            compression=compression,
+        )
 
     def _blocking(
         self, request: Any, timeout: Any, metadata: Any, credentials: Any, wait_for_ready: Any, compression: Any
@@ -188,14 +201,7 @@ class _BreakableUnaryUnary(_UnaryUnary):
         call = agent.call_out(self._peer, self._method, current_task_name(), self._instrumented)
         grpc_call = None
         try:
-            grpc_call = self._plain.future(
-                request,
-                timeout=timeout,
-                metadata=with_stamp(metadata, call),
-                credentials=credentials,
-                wait_for_ready=wait_for_ready,
-                compression=compression,
-            )
+            grpc_call = self._future(call, request, timeout, metadata, credentials, wait_for_ready, compression)
             call.cancel = grpc_call.cancel  # breakable from now on
             response = grpc_call.result()
         except grpc.RpcError as error:
