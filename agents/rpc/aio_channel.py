@@ -5,7 +5,9 @@
 interceptors do (:mod:`stablewatch.agents.rpc.interceptors`: the request's stamp in its initial
 metadata, the response's stamp taken in before the caller sees the response or the end of the
 response stream, the caller waiting on the callee's task while a unary-response call is out), with
-the same agent calls, so the protocol is the same.
+the same agent calls, so the protocol is the same. One difference: the caller waits only once it
+awaits the call (or writes its request stream), in the name of the task that made it; a call made
+and not yet awaited holds nobody up.
 
 Why a channel: grpc.aio runs every intercepted call through an extra task of its own (its
 ``InterceptedCall``) that runs the interceptors and then awaits the real call, and takes

@@ -4,16 +4,18 @@
 use any channel. It does what the client interceptor does (see
 :mod:`stablewatch.agents.rpc.interceptors`: the request's stamp in its initial metadata, the
 response's stamp taken in before the caller sees the response, the caller waiting on the callee's
-task while the call is out) with the same agent calls, so the protocol is the same.
+task while it is blocked on the call) with the same agent calls, so the protocol is the same.
 
 Why a channel and not only an interceptor: for every call, ``grpc.intercept_channel`` builds a new
 multi-callable (and a call-details tuple, a continuation closure and an outcome object) before the
 interceptor runs. Here a unary call keeps one multi-callable per method and goes straight to it:
 ``bench/rpc_hot_path.py`` measured one call's Python, both sides, at 5.3 µs of CPU this way
 against 7.0 µs through the client interceptor (the harness alone 0.6 µs, the stamp-only floor
-1.5 µs), with blocking calls made by ``with_call``. A ``future()`` and the
-streaming calls, whose ends come later, go through the client interceptor on the same channel, so
-they behave exactly as with ``grpc.intercept_channel``.
+1.5 µs), with blocking calls made by ``with_call``. A unary ``future()`` is made here too, so that
+its caller waits on the callee only while it blocks in ``result()`` or ``exception()`` (the
+interceptor cannot tell a future from a blocking call, so through it a future waits from when it
+is made). The streaming calls, whose ends come later, go through the client interceptor on the
+same channel, so they behave exactly as with ``grpc.intercept_channel``.
 
 Breakable blocking calls (``instrument_channel(..., breakable=True)``): a blocking unary call is
 then made as grpc's ``future()`` and waited for with ``result()``, not with ``with_call`` (whose
@@ -59,7 +61,7 @@ __all__ = ["InstrumentedChannel"]
 
 class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
     """One method of an instrumented channel: blocking calls on the fast path (``with_call``, not
-    breakable: their waits have instance 0), futures through the client interceptor.
+    breakable: their waits have instance 0), and futures, which wait only while their caller blocks.
 
     ``__call__`` runs for every call a stub makes (``bench/rpc_hot_path.py`` times it), so it does
     the blocking call itself rather than through :meth:`_blocking`, with ``with_stamp`` and
