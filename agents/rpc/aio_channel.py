@@ -197,10 +197,9 @@ class _UnaryResponse(_Ends):
         # This runs for every asyncio unary call (``bench/rpc_hot_path.py`` times it), so
         # _take_in_status and _take_in are written out for a response.
         grpc_call, call = self._grpc_call, self._call
-        if not call.waits and not call.settled:  # type: ignore[union-attr]
-            # In the name of the caller that made it: a caller awaiting a gather() of its calls is
-            # blocked on each, though gather's own tasks await them.
-            self._agent.awaited(call)  # type: ignore[arg-type]
+        # In the name of the caller that made it (a caller awaiting a gather() of its calls is
+        # blocked on each, though gather's own tasks await them); nothing once it waits or ended.
+        self._agent.awaited(call)  # type: ignore[arg-type]
         try:
             response = yield from grpc_call.__await__()
         except _AioRpcError as error:
@@ -265,9 +264,8 @@ class _RequestStream(_Ends):
     _waits_when_written = False
 
     def _writes(self) -> None:
-        call = self._call
-        if self._waits_when_written and not call.waits and not call.settled:  # type: ignore[union-attr]
-            self._agent.awaited(call)  # type: ignore[arg-type]
+        if self._waits_when_written:
+            self._agent.awaited(self._call)  # type: ignore[arg-type]
 
     async def write(self, request: Any) -> None:
         self._writes()

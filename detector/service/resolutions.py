@@ -216,7 +216,7 @@ class Resolutions:
             self._pending[resolution.resolution_id] = resolution
             self._publish(resolution)
         else:
-            self._resolver.unsent(victim, resolution.resolution_id, now)
+            self._resolver.unsent(resolution.resolution_id, now)
             resolution.reported_at.FromMicroseconds(int(now * 1e6))
             resolution.detail = f"{_NOT_ATTACHED}: the break was not sent"
             self._finished(resolution)

@@ -59,8 +59,8 @@ class Resolver:
             raise ValueError(f"report_timeout must be positive, not {report_timeout!r}")
         self.report_timeout = report_timeout
         self._holds: dict[Hashable, _Hold] = {}
-        self._by_break: dict[int, Hashable] = {}
-        self._wait_of: dict[int, tuple[str, int]] = {}  # each break under way: the wait it names
+        # Each break under way: its deadlock's key, and the wait it names.
+        self._by_break: dict[int, tuple[Hashable, tuple[str, int]]] = {}
         self._named: dict[tuple[str, int], None] = {}
 
     def victims(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float, policy: str) -> list[Victim]:
@@ -100,33 +100,33 @@ class Resolver:
     def sent(self, victim: Victim, break_id: int, now: float) -> None:
         """A break for ``victim`` went out as ``break_id`` at ``now``."""
         self._holds[victim.key] = _Hold(break_id, sent_at=now)
-        self._by_break[break_id] = victim.key
-        self._wait_of[break_id] = (victim.process, victim.instance)
+        self._by_break[break_id] = (victim.key, (victim.process, victim.instance))
         self._named[(victim.process, victim.instance)] = None
         if len(self._named) > _MAX_NAMED:
             del self._named[next(iter(self._named))]
 
     def reported(self, break_id: int, now: float) -> bool:
         """The agent answered ``break_id`` at ``now``; False when no such break is under way."""
-        key = self._by_break.pop(break_id, None)
-        self._wait_of.pop(break_id, None)
-        if key is None:
+        under_way = self._by_break.pop(break_id, None)
+        if under_way is None:
             return False
-        hold = self._holds.get(key)
+        hold = self._holds.get(under_way[0])
         if hold is not None and hold.break_id == break_id:
             hold.reported_at = now
         return True
 
-    def unsent(self, victim: Victim, break_id: int, now: float) -> None:
-        """The break ``break_id`` for ``victim`` could not go out at ``now`` (its process was not attached).
+    def unsent(self, break_id: int, now: float) -> None:
+        """The break ``break_id`` could not go out at ``now`` (its victim's process was not attached).
 
         It counts as reported then: a snapshot begun earlier is not answered with another break.
         But its wait is not named: no agent acted on it, so a later cut that still shows the
         deadlock names the same wait again, the one any other detector names too (choosing the
         next candidate would make a second victim of one deadlock).
         """
+        under_way = self._by_break.get(break_id)
         self.reported(break_id, now)
-        self._named.pop((victim.process, victim.instance), None)
+        if under_way is not None:
+            self._named.pop(under_way[1], None)
 
     def overdue(self, now: float) -> list[int]:
         """Breaks whose report has not come within ``report_timeout``: given up (reported as of ``now``).
@@ -137,14 +137,11 @@ class Resolver:
         """
         late = [
             break_id
-            for break_id, key in self._by_break.items()
+            for break_id, (key, _) in self._by_break.items()
             if now - self._holds[key].sent_at >= self.report_timeout
         ]
         for break_id in late:
-            wait = self._wait_of.get(break_id)
-            self.reported(break_id, now)
-            if wait is not None:
-                self._named.pop(wait, None)
+            self.unsent(break_id, now)  # given up as if it had never gone out (see above)
         return late
 
 
