@@ -222,8 +222,13 @@ class World:
             wakes_task="" if sent.request else f"call#{sent.call.number}",
         )
         source: RecordedMessage | Callable[[], RecordedMessage] = recorded if sent.number % 2 else lambda: recorded
+        core = self.cores[sent.dst]
         try:
-            actions = self.cores[sent.dst].receive(sent.stamp, source, now=self.clock, wall=WALL)
+            # Two of three messages as the agent delivers them (the clock-free path first), the rest
+            # through receive() alone: the two must agree.
+            actions = core.receive_checked(sent.stamp, source) if sent.number % 3 else None
+            if actions is None:
+                actions = core.receive(sent.stamp, source, now=self.clock, wall=WALL)
         except StaleStamp:
             self.stale += 1  # refused: never delivered, and a refused request ends its call
             sent.call.ended = sent.call.ended or sent.request

@@ -186,6 +186,60 @@ def test_send_counts_and_stamps_color_incarnation_session() -> None:
         p.send("p")
 
 
+def test_the_stamp_sent_moves_with_the_color_and_with_either_side_s_session() -> None:
+    p, q, _ = trio()
+    first = p.send("q")
+    assert p.send("q") is first  # one Stamp per color and session, not per message
+    start(p, 5)
+    assert p.send("q") == Stamp(5, 1, 0, "p")
+    p.reset_peer("q", "UNAVAILABLE")
+    assert p.send("q") == Stamp(5, 1, 1, "p")
+    q.reset_peer("p", "UNAVAILABLE")
+    q.reset_peer("p", "UNAVAILABLE")
+    call(q, p)  # q's session 2, above p's own: p adopts it for its direction too
+    assert p.send("q") == Stamp(5, 1, 2, "p")
+
+
+def test_receive_checked_counts_a_stamp_checked_before_and_changes_nothing_otherwise() -> None:
+    p, q, _ = trio()
+    stamp = q.send("p")
+    before = observe(p)
+    assert p.receive_checked(stamp, message()) is None  # never checked: receive() must run
+    assert observe(p) == before
+    assert deliver(p, stamp) == []
+    assert p.receive_checked(q.send("p"), message()) == ()  # the same stamp again
+    assert p.received_count("q") == 2
+    start(q, 4)
+    above = q.send("p")  # color 4: p must record before it is delivered, which needs the clock
+    assert p.receive_checked(above, message()) is None and observe(p)[0] == 0
+
+
+def test_receive_checked_records_a_message_below_a_running_recording() -> None:
+    p, q, _ = trio()
+    stamp = q.send("p")
+    deliver(p, stamp)
+    start(p, 3)
+    assert p.receive_checked(q.send("p"), message(b"late")) == ()
+    assert payloads(channel(only_part(target(p, q, 3, sent=2)))) == [b"late"]
+
+
+def test_receive_checked_leaves_a_stamp_gone_stale_since_its_check_to_receive() -> None:
+    p, q, _ = trio()
+    first = q.send("p")
+    straggler = q.send("p")  # the same stamp object: checked once first arrives
+    assert straggler is first
+    deliver(p, first)
+    q.reset_peer("p", "UNAVAILABLE")
+    start(q, 2)
+    start(p, 2)
+    target(p, q, 2, sent=0)  # names q's session 1: p adopts it, with no stamp of it yet
+    before = observe(p)
+    assert p.receive_checked(straggler, message()) is None
+    assert observe(p) == before
+    with pytest.raises(StaleStamp):
+        p.receive(straggler, message(), now=0.0, wall=WALL)
+
+
 def test_start_records_once_and_reports_a_count_for_every_peer() -> None:
     p, _, r = trio()
     p.send("q")

@@ -468,7 +468,7 @@ class RpcAgent:
                     raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
             except RemoteProtocolError as exc:
                 error = str(exc)
-        lock = self._lock
+        lock, core = self._lock, self._core
         lock.acquire()
         try:
             if call.settled:
@@ -477,7 +477,9 @@ class RpcAgent:
             try:
                 if stamp is not None:
                     try:
-                        actions = self._core.receive(stamp, call.response_message, _monotonic(), _time())
+                        actions = core.receive_checked(stamp, call.response_message)
+                        if actions is None:
+                            actions = core.receive(stamp, call.response_message, _monotonic(), _time())
                     except RemoteProtocolError as exc:
                         error = str(exc)
                     except StaleStamp as exc:
@@ -536,11 +538,13 @@ class RpcAgent:
         process_id = stamp.process_id
         call = IncomingCall(f"{method}#{process_id}:{seq_text}", process_id, True, pool)
         queued = False
-        lock = self._lock
+        lock, core = self._lock, self._core
         lock.acquire()
         try:
             try:
-                actions = self._core.receive(stamp, call.request_message, _monotonic(), _time())
+                actions = core.receive_checked(stamp, call.request_message)
+                if actions is None:
+                    actions = core.receive(stamp, call.request_message, _monotonic(), _time())
             except RemoteProtocolError as exc:
                 error = str(exc)
             except StaleStamp as exc:
@@ -585,7 +589,8 @@ class RpcAgent:
         return call
 
     def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None:
-        """The call's handler runs now (a queued call has its worker).
+        """The call's handler runs now (a queued call has its worker). A call with a peer and no pool
+        (every call of an asyncio server from a caller with an agent) needs no word: nothing changes.
 
         ``peer_address``: the caller's address (``context.peer()``), given for a call whose caller
         has no agent; the call is named by it from now on, ``{method}#grpc://{host}:{seq}``.

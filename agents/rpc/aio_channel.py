@@ -322,8 +322,8 @@ class _Method:
         channel = self._channel
         loop = channel._loop or channel._running_loop()
         task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
-        name = CURRENT_TASK.get()
-        if not name or NAMED_TASK.get() not in (None, task):
+        name, named = CURRENT_TASK.get(), NAMED_TASK.get()
+        if not name or (named is not task and named is not None):
             # Outside a handler, or in a task its handler started (see NAMED_TASK): the task's own name.
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent
@@ -334,14 +334,17 @@ class _Method:
         elif call.metadata:
             metadata = call.metadata
         try:
-            grpc_call = self._plain(
-                request,
-                timeout=timeout,
-                metadata=metadata,
-                credentials=credentials,
-                wait_for_ready=wait_for_ready,
-                compression=compression,
-            )
+            if timeout is None and credentials is None and wait_for_ready is None and compression is None:
+                grpc_call = self._plain(request, metadata=metadata)  # grpc's defaults: each keyword costs
+            else:
+                grpc_call = self._plain(
+                    request,
+                    timeout=timeout,
+                    metadata=metadata,
+                    credentials=credentials,
+                    wait_for_ready=wait_for_ready,
+                    compression=compression,
+                )
         except BaseException:  # not sent
             agent.call_returned(call, None, _CANCELLED)
             raise

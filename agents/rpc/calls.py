@@ -267,7 +267,9 @@ class CallEvents(Protocol):
         self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None
     ) -> IncomingCall: ...
 
-    def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None: ...
+    def handler_started(self, call: IncomingCall, peer_address: str | None = None) -> None:
+        """Needed for a call in a pool (it leaves the queue) or without a peer (named by
+        ``peer_address`` now); for any other call it changes nothing."""
 
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> tuple[str, str] | None:
         """Returns the response's stamp as the metadata entry to add to the trailing metadata, or None."""

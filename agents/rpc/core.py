@@ -59,7 +59,9 @@ request when its handler starts, a response when the caller gets it.
 * **Bad stamps.** Malformed metadata (:meth:`Stamp.decode`), a color at or above
   :data:`LOCAL_ID_BASE`, or a color beyond the wall clock plus ``max_skew`` (the detector's ids
   are microseconds of wall time) raise :class:`RemoteProtocolError` before anything changes: a bad
-  stamp never starts a recording.
+  stamp never starts a recording. A stamp is checked once: the same stamp again (the driver decodes
+  each text once) at or below the color needs no clock, and :meth:`ColorCore.receive_checked`
+  takes it in without one (the common case of every call).
 * **Bounds.** At most ``max_recordings`` snapshots run at once: beyond, a start is refused with
   a :class:`SnapshotFailed`. At most ``max_recordings`` jumps are kept: a new one makes room by
   dropping the oldest kept jump that no snapshot claims (a start always finds one); when every
@@ -193,7 +195,7 @@ class _Peer:
     incarnation: int | None = None  # the peer's, once a stamp or a target named it
     view: int = 0  # the peer's session with us: the one whose messages `received` counts
     received: int = 0
-    stamp: Stamp | None = None  # the last stamp sent to it: the next one, unless the color or `session` moved
+    stamp: Stamp | None = None  # the stamp of the next message; None once the color or `session` moved
     entry: tuple[str, str] = (STAMP_KEY, "")  # `stamp`'s metadata entry, encoded once per stamp
     # The last stamp received from it (the driver decodes each text once, so the same object comes
     # again): its checks that do not depend on the wall clock passed, and need not run again.
@@ -341,11 +343,37 @@ class ColorCore:
         if known is None:
             known = self._new_peer(peer)
         known.sent += 1
-        stamp = known.stamp  # one Stamp (and one encoding) per color and session, not per message
-        if stamp is None or stamp.color != self._color or stamp.session != known.session:
+        if known.stamp is None:  # one Stamp (and one encoding) per color and session, not per message
             stamp = known.stamp = Stamp(self._color, self.incarnation, known.session, self.process_id)
             known.entry = (STAMP_KEY, stamp.encode())
         return known.entry
+
+    def receive_checked(self, stamp: Stamp, message: MessageSource) -> tuple[Action, ...] | None:
+        """:meth:`receive` for the common case that needs no clock: ``stamp`` is the one last checked
+        from its sender, its incarnation and session are the ones counted, and its color is at or
+        below ours (a checked stamp passed the color's bound when it was checked, and the bound only
+        grows; a color at or below ours begins no jump). Returns None, with nothing changed, when
+        :meth:`receive` must run instead.
+        """
+        if self._awaiting is not None:
+            self._check_ready()
+        color, incarnation, session, src = stamp
+        peer = self._peers.get(src)
+        if (
+            peer is None
+            or peer.checked is not stamp
+            or color > self._color
+            or peer.incarnation != incarnation
+            or peer.view != session
+        ):
+            return None
+        peer.received += 1
+        self._arrivals += 1
+        if color < self._color and self._jumps:  # only jumps above the message's color record it
+            recorded = self._record(src, color, message)
+            if recorded:
+                return tuple(recorded)
+        return _NOTHING
 
     def receive(self, stamp: Stamp, message: MessageSource, now: float, wall: float) -> tuple[Action, ...]:
         """A message with ``stamp`` is about to be delivered (at ``now``; ``wall`` judges its color).
@@ -508,7 +536,7 @@ class ColorCore:
         if known is None:
             known = self._new_peer(peer)
         known.session += 1
-        known.sent = 0
+        known.sent, known.stamp = 0, None
         return tuple(self._restarted(peer, f"{reason}; channel counts restarted (session {known.session})"))
 
     def expire(self, now: float) -> tuple[Action, ...]:
@@ -586,7 +614,7 @@ class ColorCore:
             peer.incarnation, peer.view = incarnation, session
             if session <= peer.session:
                 return []
-            peer.session, peer.sent = session, 0
+            peer.session, peer.sent, peer.stamp = session, 0, None
             reason = f"{src} is in session {session}"
         elif incarnation != peer.incarnation:
             peer.incarnation, peer.view, peer.received = incarnation, session, 0
@@ -598,6 +626,7 @@ class ColorCore:
             if session > peer.session:
                 peer.session, peer.sent = session, 0
             reason = f"{src} moved to session {session}"
+        peer.stamp = None  # our session may have moved
         return self._restarted(src, f"{reason}; channel counts restarted")
 
     def _restarted(self, peer: str, reason: str) -> list[Action]:
@@ -621,6 +650,8 @@ class ColorCore:
     def _jump(self, hi: int, now: float) -> tuple[Action, ...]:
         """Raise the color to ``hi``, keeping a jump for ``(color, hi]`` unless the bound refuses it."""
         lo, self._color = self._color, hi
+        for peer in self._peers.values():  # their next stamps carry the new color
+            peer.stamp = None
         if not self._make_room():
             return _NOTHING  # the ids passed unrecorded: their starts will fail
         peers = sorted(self._peers.items())

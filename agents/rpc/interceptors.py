@@ -528,8 +528,7 @@ def _unary_aio(
 ) -> Callable[..., Any]:
     # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
     # an agent) is written out here rather than through _start and _end_aio.
-    behave, get = _awaitable(behavior, requests), served.var.get
-    handler_started, respond = agent.handler_started, agent.respond
+    behave, get, respond = _awaitable(behavior, requests), served.var.get, agent.respond
     set_task, set_named, tasks = CURRENT_TASK.set, NAMED_TASK.set, _current_tasks
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
@@ -538,13 +537,12 @@ def _unary_aio(
             call = served.get()  # None again, and warned once
             if call is None:
                 return await behave(request, context)
-        if call.peer is None:
+        if call.peer is None:  # named by its caller's address from now on
             _start(agent, call, context)
-        else:
-            handler_started(call)
+        # Else nothing to tell as the handler starts: an asyncio server's call has no pool to leave.
         set_task(call.name)  # the handler's own task: nothing to restore
-        # served.own_task(), written out: the server's loop is known after its first call.
-        set_named(tasks.get(served.loop) if tasks is not None and served.loop is not None else asyncio.current_task())
+        # served.own_task(), written out: the interceptor set the loop before the handler ran.
+        set_named(tasks.get(served.loop) if tasks is not None else asyncio.current_task())
         try:
             if call.error is not None:
                 await _StampingContext(agent, call, context).abort(call.status, call.error)
