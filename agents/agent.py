@@ -61,7 +61,11 @@ The contract with the service
 * **Several detectors.** ``detector`` may name several (a sequence, or addresses separated by
   commas): the agent attaches to each on its own control stream and takes part in all their
   snapshots, whose ids never collide (:mod:`stablewatch.agents.detectors`). ``agent.detectors``
-  tells where each stream stands; one detector down never holds up the others.
+  tells where each stream stands, and the resolve policy each detector stated; one detector down
+  never holds up the others. While two detectors state different policies (``--resolve youngest``
+  on one, ``oldest`` on the other: they would break two different waits of one deadlock), the
+  agent refuses their automatic breaks, reporting ``BREAK_OUTCOME_POLICIES_DISAGREE`` with the
+  policies, and logs it once; an operator's break still goes through.
 * **One report per snapshot**, mostly: the part sent at the recording holds the state, the
   outbound counts and every inbound channel as it stands, which is all the detector needs for a
   channel that had nothing in flight. Only a channel whose in-flight messages arrive later sends
@@ -352,7 +356,8 @@ class Agent:
 
     @property
     def detectors(self) -> tuple[DetectorStatus, ...]:
-        """Each detector's control stream: its address, whether it is up, its id space, its latest event."""
+        """Each detector's control stream: its address, whether it is up, its id space, its latest event,
+        and the resolve policy it stated."""
         return self._links.status() if self._links is not None else ()
 
     # -- the service's side --------------------------------------------------------------------

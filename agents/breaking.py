@@ -6,6 +6,10 @@ never reused in the process and the time it began. A detector that proves a dead
 wait by its instance; the agent breaks it at most once, only while it still waits, and answers with
 a ``BreakReport``. Each kind of wait (an application wait, a blocked send, an RPC call) lives in its
 own module and offers itself here as a :class:`WaitSource`.
+
+With several detectors side by side, exactly once rests on all of them choosing the same victim of
+a deadlock, which only the same policy does: :class:`PolicyAgreement` is the rule by which an
+agent refuses automatic breaks while its detectors' policies disagree.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import NamedTuple, NoReturn, Protocol
 
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_GONE,
+    BREAK_OUTCOME_POLICIES_DISAGREE,
     BreakReport,
     BreakWait,
     WaitHint,
@@ -33,6 +38,7 @@ __all__ = [
     "Doorbell",
     "HintWatch",
     "OpenWait",
+    "PolicyAgreement",
     "WaitSource",
     "hint_forever",
     "new_instance",
@@ -192,6 +198,90 @@ class BreakDispatcher:
     def idle(self) -> bool:
         """True when no source has a wait registered."""
         return all(source.idle() for source in self._sources)
+
+
+#: ``BreakWait.policy`` of an operator's order: one explicit order, carried out whatever the policies.
+OPERATOR = "operator"
+#: ``Registered.resolve_policy`` of a detector that breaks no deadlock unasked.
+OFF = "off"
+
+
+class PolicyAgreement:
+    """Whether the detectors an agent attaches to choose the same victims; pure bookkeeping.
+
+    DESIGN.md, "Several detectors side by side": breaking stays exactly once because every
+    detector picks the same victim of a deadlock and an agent breaks a wait at most once. Detectors
+    with different policies (``--resolve youngest`` on one, ``oldest`` on another) pick different
+    waits of the same deadlock, and each of those breaks would land. So each detector states its
+    policy when it registers the agent (``Registered.resolve_policy``), :meth:`stated` keeps the
+    latest each one stated (also while its stream is down: it comes back with it, and its cuts may
+    still be answered), and while two of them differ :meth:`refusal` refuses every automatic
+    break, from any of them (``BREAK_OUTCOME_POLICIES_DISAGREE``). An operator's order
+    (``BreakWait.policy == "operator"``) is one explicit order and goes through.
+
+    Compared are the automatic policies only: a detector that breaks nothing unasked (``off``)
+    agrees with every other, and one that states nothing (older than the field) cannot be
+    compared, so it is left out (as before the rule). An order that states no policy (from such a
+    detector) is taken as automatic.
+
+    >>> agreement = PolicyAgreement()
+    >>> agreement.stated("d0:1", "youngest"), agreement.stated("d1:1", "youngest")
+    (None, None)
+    >>> print(agreement.stated("d1:1", "oldest"))  # doctest: +ELLIPSIS
+    the detectors break deadlocks by different policies (oldest at d1:1, youngest at d0:1): ...
+    >>> agreement.refusal(BreakWait(policy="youngest")) is not None, agreement.refusal(BreakWait(policy="operator"))
+    (True, None)
+    """
+
+    def __init__(self) -> None:
+        self._policies: dict[str, str] = {}  # detector address -> the policy it stated last
+        self._told: str | None = None  # the disagreement last returned by stated()
+
+    def stated(self, detector: str, policy: str) -> str | None:
+        """The detector at ``detector`` registered this agent, stating ``policy`` ("" if it states none).
+
+        Returns what changed, to log once, when the detectors come to disagree (or disagree
+        otherwise, or agree again); None when nothing changed.
+        """
+        self._policies[detector] = policy
+        now = self.disagreement()
+        if now == self._told:
+            return None
+        self._told = now
+        return now if now is not None else "the detectors' policies agree again: automatic breaks are carried out"
+
+    def policy(self, detector: str) -> str:
+        """What the detector at ``detector`` stated last ("" when nothing, or not registered yet)."""
+        return self._policies.get(detector, "")
+
+    def disagreement(self) -> str | None:
+        """Why automatic breaks are refused (the policies and who states them), or None while they agree."""
+        automatic = {detector: p for detector, p in self._policies.items() if p not in ("", OFF)}
+        if len(set(automatic.values())) < 2:
+            return None
+        who = ", ".join(f"{policy} at {detector}" for detector, policy in sorted(automatic.items(), key=_by_policy))
+        return (
+            f"the detectors break deadlocks by different policies ({who}): each would break another wait "
+            "of the same deadlock, so this agent breaks none unasked; give every detector the same --resolve"
+        )
+
+    def refusal(self, order: BreakWait) -> BreakReport | None:
+        """The report refusing ``order`` while the policies disagree (automatic orders only); None: carry it out."""
+        if order.policy == OPERATOR:
+            return None
+        why = self.disagreement()
+        if why is None:
+            return None
+        return BreakReport(
+            break_id=order.break_id,
+            instance=order.instance,
+            outcome=BREAK_OUTCOME_POLICIES_DISAGREE,
+            detail=f"automatic break of wait {order.instance} refused: {why}",
+        )
+
+
+def _by_policy(item: tuple[str, str]) -> tuple[str, str]:
+    return item[1], item[0]
 
 
 class HintWatch:

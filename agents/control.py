@@ -39,6 +39,12 @@ What the agent promises, and what :class:`ControlClient` guarantees for it:
   when given, may refuse it (say, another detector of this agent already owns that space, and
   their ids could collide): the stream is closed, reported as ``refused``, and retried with
   backoff. (The agent sends a snapshot's parts to the detector whose space holds its id.)
+* **Policies.** ``Registered`` states the detector's resolve policy, kept in
+  :attr:`ControlClient.resolve_policy`. With :attr:`ControlClient.policies` (a
+  :class:`~stablewatch.agents.breaking.PolicyAgreement` that all of an agent's clients share, set
+  by :class:`~stablewatch.agents.detectors.DetectorLinks`), the client tells it each policy and
+  logs once when the detectors come to disagree; while they do, it answers an automatic
+  ``BreakWait`` ``BREAK_OUTCOME_POLICIES_DISAGREE`` itself, without calling ``on_break``.
 * **Reconnect.** The client retries with exponential backoff and jitter, capped at
   ``backoff_max``, until :meth:`ControlClient.stop`. A ``Refused`` registration (the same process
   id may still be attached through a previous, dying stream) is retried the same way, and so is
@@ -58,6 +64,7 @@ from typing import Any, Literal, NamedTuple, NoReturn, TypeVar
 
 import grpc
 
+from stablewatch.agents.breaking import PolicyAgreement
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_GONE,
@@ -123,8 +130,8 @@ class ControlClient:
     connection changes (see :data:`EVENTS`). With ``rpc_mode`` the registration asks the detector
     for a ``ChannelTarget`` per count another member reports towards this process, and
     ``on_channel_target(target)`` is called with each. ``on_break(order)`` breaks the wait a
-    ``BreakWait`` names and returns the report sent back (see :mod:`stablewatch.agents.breaking`).
-    All methods must be called on the event loop that runs the client.
+    ``BreakWait`` names and returns the report sent back (see :mod:`stablewatch.agents.breaking`),
+    unless :attr:`policies` refuses it. All methods must be called on the event loop that runs the client.
     """
 
     def __init__(
@@ -150,12 +157,20 @@ class ControlClient:
         on_channel_target: Callable[[ChannelTarget], None] | None = None,
         on_break: Callable[[BreakWait], BreakReport] | None = None,
         on_registered: Callable[[int], str | None] | None = None,
+        policies: PolicyAgreement | None = None,
     ) -> None:
         self.process_id = process_id
         #: The detector's address, as dialled.
         self.target = target
         #: The id space of the detector's snapshot ids, once a registration named it.
         self.id_space: int | None = None
+        #: The resolve policy the detector stated at its latest registration ("" when it states
+        #: none; None before one).
+        self.resolve_policy: str | None = None
+        #: Where the detectors' policies are compared: an automatic break is refused while they
+        #: disagree (None: every break is carried out). :class:`DetectorLinks` sets one shared by
+        #: all the agent's clients.
+        self.policies = policies
         self._register = Register(
             process_id=process_id,
             address=address,
@@ -319,6 +334,7 @@ class ControlClient:
                 self._event("refused", refusal)
                 return False
             self.id_space = space
+            self._stated(reply.registered.resolve_policy)
             registered = True
             epoch = reply.registered.detector_epoch
             if self._epoch is None:
@@ -495,7 +511,20 @@ class ControlClient:
             _log.exception("on_finish(%d) failed", snapshot_id)
             self._event("callback-error", _describe(exc))
 
+    def _stated(self, policy: str) -> None:
+        self.resolve_policy = policy
+        if self.policies is None:
+            return
+        change = self.policies.stated(self._target, policy)
+        if change is not None:  # once per change, not per refused break
+            level = logging.WARNING if self.policies.disagreement() is not None else logging.INFO
+            _log.log(level, "%s: %s", self.process_id, change)
+
     def _break(self, order: BreakWait) -> BreakReport:
+        refused = self.policies.refusal(order) if self.policies is not None else None
+        if refused is not None:
+            _log.debug("%s refused break %d: %s", self.process_id, order.break_id, refused.detail)
+            return refused
         if self._on_break is not None:
             try:
                 return self._on_break(order)

@@ -8,6 +8,11 @@ alone: a snapshot's parts and failures go to the detector whose id space holds t
 (:mod:`stablewatch.v1.ids`), and a break's report goes back on the stream its order came on (the
 control client does that). Hints go to every detector. Two detectors that name the same id space
 could hand out the same id, so the second to register is refused until the first is gone.
+
+Breaking stays exactly once only while every detector picks the same victim of a deadlock: the
+clients share one :class:`~stablewatch.agents.breaking.PolicyAgreement`, which hears each
+detector's resolve policy as it registers, and while two differ every automatic break is refused
+(``BREAK_OUTCOME_POLICIES_DISAGREE``, naming them) and logged once; an operator's order goes through.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from stablewatch.agents.breaking import PolicyAgreement
 from stablewatch.agents.control import ControlClient
 from stablewatch.v1 import LocalSnapshotPart
 from stablewatch.v1.control_pb2 import WaitHint
@@ -48,6 +54,7 @@ class DetectorStatus:
     id_space: int | None  # the detector's replica, once it registered this agent
     event: str  # the latest of ControlClient's EVENTS ("" before any)
     detail: str  # what came with it
+    resolve_policy: str = ""  # what the detector stated at its latest registration ("" if nothing)
 
 
 class DetectorLinks:
@@ -67,9 +74,13 @@ class DetectorLinks:
         self._on_change = on_change
         self._events: dict[str, tuple[str, str]] = {}
         self._by_space: dict[int, ControlClient] = {}
+        #: The detectors' resolve policies, compared: automatic breaks are refused while they differ.
+        self.policies = PolicyAgreement()
         self.clients: tuple[ControlClient, ...] = tuple(
             make_client(address, self._claimer(address), self._listener(address)) for address in addresses
         )
+        for client in self.clients:  # the agent made them: the shared rule is set here, as a doorbell is
+            client.policies = self.policies
 
     async def start(self) -> None:
         """Dial every detector in the background."""
@@ -89,9 +100,20 @@ class DetectorLinks:
     def status(self) -> tuple[DetectorStatus, ...]:
         """Each detector's stream, in the order they were given."""
         return tuple(
-            DetectorStatus(client.target, client.connected, client.id_space, *self._events.get(client.target, ("", "")))
+            DetectorStatus(
+                client.target,
+                client.connected,
+                client.id_space,
+                *self._events.get(client.target, ("", "")),
+                resolve_policy=self.policies.policy(client.target),
+            )
             for client in self.clients
         )
+
+    @property
+    def disagreement(self) -> str | None:
+        """Why this agent refuses automatic breaks (its detectors' policies differ), or None."""
+        return self.policies.disagreement()
 
     def client_for(self, snapshot_id: int) -> ControlClient | None:
         """The stream of the detector whose id space holds ``snapshot_id`` (None for a local id)."""

@@ -198,11 +198,13 @@ def members_table(members: Sequence[Member], now: float | None = None) -> Table:
 
 # -- breaks of deadlocks (ResolveDeadlock, ListResolutions, Watch) ------------------------------------------
 
-#: How each outcome of a break looks: it worked, it was not needed, or nobody knows what became of it.
+#: How each outcome of a break looks: it worked, it was not needed, it was refused (the deadlock
+#: stays until the detectors' --resolve policies agree), or nobody knows what became of it.
 _OUTCOME_STYLES = {
     "broken": "green",
     "gone": "yellow",
     "already_broken": "yellow",
+    "policies_disagree": "red",
     "unanswered": "red",
     "not_attached": "red",
     "pending": "cyan",
@@ -212,7 +214,7 @@ _OUTCOME_STYLES = {
 def resolution_dict(resolution: Resolution) -> dict[str, Any]:
     """A break as the CLI prints it in JSON: the message's fields, with ``outcome`` as a word of
     :func:`~stablewatch.detector.service.resolutions.outcome_word` (broken, gone, already_broken,
-    unanswered, not_attached, or pending while the agent's report may still come)."""
+    policies_disagree, unanswered, not_attached, or pending while the agent's report may still come)."""
     return {**proto_dict(resolution), "outcome": outcome_word(resolution)}
 
 

@@ -26,8 +26,9 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         help="the breaks of deadlocks, newest first, and their outcomes",
         description="List the breaks of deadlocks the detector sent (--resolve, or `stablewatch resolve`), "
         "newest first: the victim wait, the deadlock, who asked, and the outcome the victim's agent "
-        "reported (broken, gone: the wait had ended, already_broken), or unanswered, not_attached, and "
-        "pending while the report may still come.",
+        "reported (broken, gone: the wait had ended, already_broken, policies_disagree: the agent refused "
+        "an automatic break because its detectors' --resolve policies differ), or unanswered, not_attached, "
+        "and pending while the report may still come.",
     )
     resolutions.add_argument("--limit", type=arguments.positive_int, default=DEFAULT_LIMIT, metavar="N",
                              help="show the newest N (%(default)s)")  # fmt: skip

@@ -76,6 +76,7 @@ SYSTEM_ALERTS = {
     "StablewatchCutOpen",
     "StablewatchDeadlockBroken",
     "StablewatchBreakUnanswered",
+    "StablewatchResolvePoliciesDisagree",
 }
 # Alerts about one detector: one per instance.
 DETECTOR_ALERTS = {

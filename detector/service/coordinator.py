@@ -23,7 +23,9 @@ detector's epoch (it has forgotten the old ids), and only then a member that sna
 
 Breaking deadlocks (DESIGN.md): :meth:`Coordinator.send_break` sends a ``BreakWait`` on one
 member's stream; its ``BreakReport`` goes to ``on_break_report`` and an agent's long-wait hints
-to ``on_hint``, each with the sender's registered process id.
+to ``on_hint``, each with the sender's registered process id. Registration states the detector's
+``resolve_policy``: an agent attached to detectors side by side whose policies differ refuses
+their automatic breaks, which would make two victims of one deadlock.
 
 RPC mode (DESIGN.md, "RPC mode"): a member that registered with ``rpc_mode`` learns the counts other
 members report towards it. For every accepted part from q, each ``OutboundCount(dst=p)`` whose p is
@@ -163,8 +165,12 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         limits: Limits | None = None,
         authorizer: Authorizer | None = None,
         ended_notice_delay: float = ENDED_NOTICE_DELAY,
+        resolve_policy: str = "off",
     ) -> None:
         self.detector_id = detector_id
+        #: Stated to every agent that registers: the victim policy of this detector's automatic
+        #: breaks (``--resolve``), or "off" when it breaks none unasked.
+        self.resolve_policy = resolve_policy
         self.ended_notice_delay = ended_notice_delay
         self.heartbeat_interval = heartbeat_interval
         self.epoch = epoch
@@ -432,6 +438,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
             heartbeat_interval_ms=interval_ms,
             detector_epoch=self.epoch,
             id_space=self.id_space,
+            resolve_policy=self.resolve_policy,
         )
         member.send(DetectorMessage(registered=registered))
         return member

@@ -153,6 +153,7 @@ class Detector:
             on_hint=self._hinted,
             limits=config.limits,
             authorizer=self._authorizer,
+            resolve_policy=config.resolve or "off",
         )
         rate = config.limits.trigger_rate
         self._trigger_bucket = None if rate is None else TokenBucket(*rate)

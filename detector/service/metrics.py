@@ -25,7 +25,7 @@ from stablewatch.v1 import Evaluation, GlobalSnapshot
 __all__ = ["HINT_OUTCOMES", "RESOLUTION_OUTCOMES", "DetectorMetrics"]
 
 #: How a break ended (the label of ``stablewatch_deadlocks_resolved_total``).
-RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "unanswered", "not_attached")
+RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "unanswered", "not_attached")
 #: What a long-wait hint led to (the label of ``stablewatch_wait_hints_total``).
 HINT_OUTCOMES = ("snapshot", "coalesced", "rate_limited", "ignored")
 
@@ -96,7 +96,8 @@ class DetectorMetrics:
         )  # fmt: skip
         self.resolutions = Counter(
             "stablewatch_deadlocks_resolved",
-            "Breaks of proven deadlocks, by how they ended (broken, gone, already_broken, unanswered, not_attached)",
+            "Breaks of proven deadlocks, by how they ended (broken, gone, already_broken, policies_disagree: "
+            "refused by an agent whose detectors' --resolve policies differ, unanswered, not_attached)",
             ["outcome"], registry=r,
         )  # fmt: skip
         self.resolution_seconds = Histogram(

@@ -5,7 +5,9 @@
 sends the ``BreakWait`` on the victim's control stream (so a crash never loses one that went out),
 takes the agent's ``BreakReport`` in (only from the process the break was sent to), gives up on a
 report that does not come (or that a detector restart made impossible), and hands every finished
-break to the archive, the metrics and the watchers. An operator's break of a stored snapshot goes
+break to the archive, the metrics and the watchers. An automatic break an agent refuses because the
+detectors it attaches to break by different policies (``policies_disagree``) is recorded like the
+others and logged as a warning, once per distinct refusal. An operator's break of a stored snapshot goes
 only to a process attached since before that snapshot began: one that attached again may have
 restarted, and its wait instances then name other waits. ``stablewatch_resolution_seconds``
 measures, per wait reported broken, the time from the start of the snapshot that proved the deadlock
@@ -20,12 +22,18 @@ from collections.abc import Callable
 
 from stablewatch.detector.evaluation.victims import Victim
 from stablewatch.detector.service.metrics import RESOLUTION_OUTCOMES, DetectorMetrics
-from stablewatch.detector.service.resolver import DEFAULT_REPORT_TIMEOUT, NothingToResolve, Resolver
+from stablewatch.detector.service.resolver import (
+    DEFAULT_REFUSAL_PAUSE,
+    DEFAULT_REPORT_TIMEOUT,
+    NothingToResolve,
+    Resolver,
+)
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import Evaluation, GlobalSnapshot, WaitNode
 from stablewatch.v1.bounds import MAX_TEXT_BYTES, quoted_prefix, too_long
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_BROKEN,
+    BREAK_OUTCOME_POLICIES_DISAGREE,
     BREAK_OUTCOME_UNSPECIFIED,
     BreakOutcome,
     BreakReport,
@@ -62,6 +70,7 @@ class Resolutions:
         publish: Callable[[Resolution], None],
         policy: str | None = None,
         report_timeout: float = DEFAULT_REPORT_TIMEOUT,
+        refusal_pause: float = DEFAULT_REFUSAL_PAUSE,
         clock: Callable[[], float] = time.time,
         attached_at: Callable[[str], float | None] | None = None,
     ) -> None:
@@ -77,8 +86,9 @@ class Resolutions:
         self._metrics = metrics
         self._publish = publish
         self._clock = clock
-        self._resolver = Resolver(report_timeout=report_timeout)
+        self._resolver = Resolver(report_timeout=report_timeout, refusal_pause=refusal_pause)
         self._pending: dict[int, Resolution] = {}  # break id -> the break, until its report
+        self._refusals_told: dict[str, None] = {}  # the refusals logged as warnings (bounded)
 
     def after_snapshot(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float) -> list[Resolution]:
         """With a policy (``--resolve``), break the deadlocks ``snapshot`` proves; the breaks sent."""
@@ -100,7 +110,7 @@ class Resolutions:
             raise KeyError(f"snapshot {snapshot_id} is not a completed snapshot this detector holds")
         policy = self.policy or "youngest"
         started_at = summary.started_at.ToMicroseconds() / 1e6
-        victims = self._resolver.victims(snapshot, evaluation, started_at, policy)
+        victims = self._resolver.victims(snapshot, evaluation, started_at, policy, operator=True)
         if not victims:
             why = self._resolver.why_none(evaluation)
             raise NothingToResolve(f"snapshot {snapshot_id} has nothing to break: {why}")
@@ -133,11 +143,14 @@ class Resolutions:
             return None
         del self._pending[report.break_id]
         now = self._clock()
-        self._resolver.reported(report.break_id, now)
+        refused = report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE
+        self._resolver.reported(report.break_id, now, refused=refused)
         resolution.reported_at.FromMicroseconds(int(now * 1e6))
         resolution.outcome = report.outcome if report.outcome in BreakOutcome.values() else BREAK_OUTCOME_UNSPECIFIED
         detail = report.detail
         resolution.detail = quoted_prefix(detail, 1024) if too_long(detail, MAX_TEXT_BYTES) else detail[:4096]
+        if refused:
+            self._refused(resolution)
         self._finished(resolution)
         return resolution
 
@@ -207,6 +220,7 @@ class Resolutions:
             instance=victim.instance,
             task=victim.task,
             deadlock=victim.deadlock_text,
+            policy=policy,  # "operator": one explicit order, carried out even while policies disagree
         )
         _log.info(
             "breaking wait %d of %s (task %r) to end the deadlock of snapshot %d: %s",
@@ -221,6 +235,19 @@ class Resolutions:
             resolution.detail = f"{_NOT_ATTACHED}: the break was not sent"
             self._finished(resolution)
         return resolution
+
+    def _refused(self, resolution: Resolution) -> None:
+        """Warn of an agent's refusal (the detectors' policies disagree) once per distinct reason."""
+        reason = resolution.detail.partition(": ")[2] or resolution.detail  # without the wait's number
+        if reason in self._refusals_told:
+            return
+        self._refusals_told[reason] = None
+        if len(self._refusals_told) > 100:
+            del self._refusals_told[next(iter(self._refusals_told))]
+        _log.warning(
+            "%s refused to break wait %d of the deadlock of snapshot %d: %s",
+            quoted_prefix(resolution.process_id), resolution.instance, resolution.snapshot_id, resolution.detail,
+        )  # fmt: skip
 
     def _finished(self, resolution: Resolution) -> None:
         """Store, count, archive and publish a break whose outcome is known."""

@@ -12,6 +12,14 @@ process was not attached) is named again by a later cut, as every other detector
 break whose report never comes is given up after ``report_timeout`` seconds, and counts as
 reported then.
 
+A break the agent *refused* because the detectors it attaches to break by different policies
+(``BREAK_OUTCOME_POLICIES_DISAGREE``: each would break another wait of the deadlock) broke
+nothing. Its wait is not named either: once the policies agree again, every detector names the
+same wait, and moving on to the next candidate would make a second victim. The detector's own
+policy does not try that deadlock again until ``refusal_pause`` seconds after the refusal (each try
+would be refused the same while the configuration stays wrong); an operator's request may break
+it at once.
+
 The caller (:mod:`.breaking`) passes the time in, sends the orders and stores what happened.
 """
 
@@ -24,10 +32,14 @@ from stablewatch.detector.evaluation import Verdict, result_named
 from stablewatch.detector.evaluation.victims import Victim, choose_victims
 from stablewatch.v1 import Evaluation, GlobalSnapshot
 
-__all__ = ["DEFAULT_REPORT_TIMEOUT", "NothingToResolve", "Resolver"]
+__all__ = ["DEFAULT_REFUSAL_PAUSE", "DEFAULT_REPORT_TIMEOUT", "NothingToResolve", "Resolver"]
 
 #: Seconds a break waits for its agent's report before the detector gives up on it.
 DEFAULT_REPORT_TIMEOUT = 10.0
+#: Seconds after an agent refused a break (the detectors' policies disagree) before this
+#: detector's policy names that deadlock again: one refusal a minute per deadlock shows the
+#: misconfiguration, and a fixed one is acted on within the minute.
+DEFAULT_REFUSAL_PAUSE = 60.0
 # Waits already named in a break, remembered at most this many (oldest forgotten first). Instances
 # are never reused in a process, so forgetting one can only repeat a break that the agent ignores.
 _MAX_NAMED = 100_000
@@ -49,25 +61,41 @@ class _Hold:
     break_id: int
     reported_at: float | None = None  # when the agent answered (or the detector gave up waiting)
     sent_at: float = 0.0
+    refused: bool = False  # the agent refused it: the detectors' policies disagree, nothing was broken
 
 
 class Resolver:
     """Chooses the waits to break after each snapshot and remembers the breaks under way."""
 
-    def __init__(self, *, report_timeout: float = DEFAULT_REPORT_TIMEOUT) -> None:
+    def __init__(
+        self, *, report_timeout: float = DEFAULT_REPORT_TIMEOUT, refusal_pause: float = DEFAULT_REFUSAL_PAUSE
+    ) -> None:
         if not report_timeout > 0:
             raise ValueError(f"report_timeout must be positive, not {report_timeout!r}")
+        if not refusal_pause >= 0:
+            raise ValueError(f"refusal_pause must not be negative, not {refusal_pause!r}")
         self.report_timeout = report_timeout
+        self.refusal_pause = refusal_pause
         self._holds: dict[Hashable, _Hold] = {}
         # Each break under way: its deadlock's key, and the wait it names.
         self._by_break: dict[int, tuple[Hashable, tuple[str, int]]] = {}
         self._named: dict[tuple[str, int], None] = {}
 
-    def victims(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float, policy: str) -> list[Victim]:
+    def victims(
+        self,
+        snapshot: GlobalSnapshot,
+        evaluation: Evaluation,
+        started_at: float,
+        policy: str,
+        *,
+        operator: bool = False,
+    ) -> list[Victim]:
         """The waits to break now for ``snapshot`` (which started at ``started_at``), one per deadlock.
 
         Empty unless its deadlock predicate is true; a deadlock with a break under way, or whose
-        break was reported after this snapshot started, is skipped.
+        break was reported after this snapshot started, is skipped. One whose break an agent
+        refused (the detectors' policies disagree) is skipped until ``refusal_pause`` after the
+        refusal, unless an ``operator`` asks.
         """
         result = result_named(evaluation, "deadlock")
         if result is None or Verdict.of(result) is not Verdict.TRUE:
@@ -77,7 +105,7 @@ class Resolver:
         chosen = []
         for victim in choose_victims(snapshot, evaluation.wait_for, policy, exclude=self._named):
             hold = self._holds.get(victim.key)
-            if hold is not None and (hold.reported_at is None or started_at <= hold.reported_at):
+            if hold is not None and self._holding(hold, started_at, operator):
                 continue
             chosen.append(victim)
         return chosen
@@ -105,14 +133,22 @@ class Resolver:
         if len(self._named) > _MAX_NAMED:
             del self._named[next(iter(self._named))]
 
-    def reported(self, break_id: int, now: float) -> bool:
-        """The agent answered ``break_id`` at ``now``; False when no such break is under way."""
+    def reported(self, break_id: int, now: float, *, refused: bool = False) -> bool:
+        """The agent answered ``break_id`` at ``now``; False when no such break is under way.
+
+        ``refused``: it broke nothing because its detectors' policies disagree. The wait is not
+        named (see :meth:`unsent`), and the deadlock waits ``refusal_pause`` for this detector's
+        policy to try it again.
+        """
         under_way = self._by_break.pop(break_id, None)
         if under_way is None:
             return False
         hold = self._holds.get(under_way[0])
         if hold is not None and hold.break_id == break_id:
             hold.reported_at = now
+            hold.refused = refused
+        if refused:
+            self._named.pop(under_way[1], None)
         return True
 
     def unsent(self, break_id: int, now: float) -> None:
@@ -143,6 +179,14 @@ class Resolver:
         for break_id in late:
             self.unsent(break_id, now)  # given up as if it had never gone out (see above)
         return late
+
+    def _holding(self, hold: _Hold, started_at: float, operator: bool) -> bool:
+        """Whether ``hold`` keeps its deadlock from a victim chosen for a snapshot begun at ``started_at``."""
+        if hold.reported_at is None:
+            return True  # a break under way: one at a time
+        if hold.refused:  # nothing was broken: only the policy's next try waits
+            return not operator and started_at < hold.reported_at + self.refusal_pause
+        return started_at <= hold.reported_at
 
 
 def _expired(hold: _Hold, started_at: float) -> bool:

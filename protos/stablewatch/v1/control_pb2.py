@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from stablewatch.v1 import snapshot_pb2 as stablewatch_dot_v1_dot_snapshot__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstablewatch/v1/control.proto\x12\x0establewatch.v1\x1a\x1dstablewatch/v1/snapshot.proto\"\x82\x01\n\x08Register\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x10\n\x08rpc_mode\x18\x05 \x01(\x08\x12\x13\n\x0bknown_epoch\x18\x06 \x01(\x04\",\n\tHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"J\n\x0fSnapshotFailure\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"p\n\x0b\x42reakReport\x12\x10\n\x08\x62reak_id\x18\x01 \x01(\x04\x12\x10\n\x08instance\x18\x02 \x01(\x04\x12-\n\x07outcome\x18\x03 \x01(\x0e\x32\x1c.stablewatch.v1.BreakOutcome\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"=\n\x08WaitHint\x12\x10\n\x08instance\x18\x01 \x01(\x04\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x11\n\twaited_ms\x18\x03 \x01(\r\"\xe0\x02\n\x0c\x41gentMessage\x12,\n\x08register\x18\x01 \x01(\x0b\x32\x18.stablewatch.v1.RegisterH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.stablewatch.v1.HeartbeatH\x00\x12\x31\n\x04part\x18\x03 \x01(\x0b\x32!.stablewatch.v1.LocalSnapshotPartH\x00\x12\x32\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotFailureH\x00\x12$\n\x04pong\x18\x05 \x01(\x0b\x32\x14.stablewatch.v1.PongH\x00\x12\x33\n\x0c\x62reak_report\x18\x06 \x01(\x0b\x32\x1b.stablewatch.v1.BreakReportH\x00\x12(\n\x04hint\x18\x07 \x01(\x0b\x32\x18.stablewatch.v1.WaitHintH\x00\x42\x06\n\x04kind\"j\n\nRegistered\x12\x13\n\x0b\x64\x65tector_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65tector_epoch\x18\x03 \x01(\x04\x12\x10\n\x08id_space\x18\x04 \x01(\r\"\x19\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\"H\n\rStartSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\r\x12\r\n\x05\x65nded\x18\x03 \x03(\x04\"4\n\rAbortSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x0eSnapshotsEnded\x12\x14\n\x0csnapshot_ids\x18\x01 \x03(\x04\"i\n\rChannelTarget\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0b\n\x03src\x18\x02 \x01(\t\x12\x0c\n\x04sent\x18\x03 \x01(\x04\x12\x17\n\x0fsrc_incarnation\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\x04\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"d\n\tBreakWait\x12\x10\n\x08\x62reak_id\x18\x01 \x01(\x04\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\x12\x10\n\x08instance\x18\x03 \x01(\x04\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x10\n\x08\x64\x65\x61\x64lock\x18\x05 \x01(\t\"\x98\x03\n\x0f\x44\x65tectorMessage\x12\x30\n\nregistered\x18\x01 \x01(\x0b\x32\x1a.stablewatch.v1.RegisteredH\x00\x12*\n\x07refused\x18\x02 \x01(\x0b\x32\x17.stablewatch.v1.RefusedH\x00\x12.\n\x05start\x18\x03 \x01(\x0b\x32\x1d.stablewatch.v1.StartSnapshotH\x00\x12.\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x1d.stablewatch.v1.AbortSnapshotH\x00\x12/\n\x05\x65nded\x18\x05 \x01(\x0b\x32\x1e.stablewatch.v1.SnapshotsEndedH\x00\x12$\n\x04ping\x18\x06 \x01(\x0b\x32\x14.stablewatch.v1.PingH\x00\x12\x37\n\x0e\x63hannel_target\x18\x07 \x01(\x0b\x32\x1d.stablewatch.v1.ChannelTargetH\x00\x12/\n\nbreak_wait\x18\x08 \x01(\x0b\x32\x19.stablewatch.v1.BreakWaitH\x00\x42\x06\n\x04kind*\x81\x01\n\x0c\x42reakOutcome\x12\x1d\n\x19\x42REAK_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAK_OUTCOME_BROKEN\x10\x01\x12\x16\n\x12\x42REAK_OUTCOME_GONE\x10\x02\x12 \n\x1c\x42REAK_OUTCOME_ALREADY_BROKEN\x10\x03\x32V\n\x07\x43ontrol\x12K\n\x06\x41ttach\x12\x1c.stablewatch.v1.AgentMessage\x1a\x1f.stablewatch.v1.DetectorMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstablewatch/v1/control.proto\x12\x0establewatch.v1\x1a\x1dstablewatch/v1/snapshot.proto\"\x82\x01\n\x08Register\x12\x12\n\nprocess_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\x04\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x10\n\x08rpc_mode\x18\x05 \x01(\x08\x12\x13\n\x0bknown_epoch\x18\x06 \x01(\x04\",\n\tHeartbeat\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"J\n\x0fSnapshotFailure\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x12\n\nprocess_id\x18\x02 \x01(\t\x12\x0e\n\x06reason\x18\x03 \x01(\t\"\x15\n\x04Pong\x12\r\n\x05nonce\x18\x01 \x01(\x04\"p\n\x0b\x42reakReport\x12\x10\n\x08\x62reak_id\x18\x01 \x01(\x04\x12\x10\n\x08instance\x18\x02 \x01(\x04\x12-\n\x07outcome\x18\x03 \x01(\x0e\x32\x1c.stablewatch.v1.BreakOutcome\x12\x0e\n\x06\x64\x65tail\x18\x04 \x01(\t\"=\n\x08WaitHint\x12\x10\n\x08instance\x18\x01 \x01(\x04\x12\x0c\n\x04task\x18\x02 \x01(\t\x12\x11\n\twaited_ms\x18\x03 \x01(\r\"\xe0\x02\n\x0c\x41gentMessage\x12,\n\x08register\x18\x01 \x01(\x0b\x32\x18.stablewatch.v1.RegisterH\x00\x12.\n\theartbeat\x18\x02 \x01(\x0b\x32\x19.stablewatch.v1.HeartbeatH\x00\x12\x31\n\x04part\x18\x03 \x01(\x0b\x32!.stablewatch.v1.LocalSnapshotPartH\x00\x12\x32\n\x07\x66\x61ilure\x18\x04 \x01(\x0b\x32\x1f.stablewatch.v1.SnapshotFailureH\x00\x12$\n\x04pong\x18\x05 \x01(\x0b\x32\x14.stablewatch.v1.PongH\x00\x12\x33\n\x0c\x62reak_report\x18\x06 \x01(\x0b\x32\x1b.stablewatch.v1.BreakReportH\x00\x12(\n\x04hint\x18\x07 \x01(\x0b\x32\x18.stablewatch.v1.WaitHintH\x00\x42\x06\n\x04kind\"\x82\x01\n\nRegistered\x12\x13\n\x0b\x64\x65tector_id\x18\x01 \x01(\t\x12\x1d\n\x15heartbeat_interval_ms\x18\x02 \x01(\r\x12\x16\n\x0e\x64\x65tector_epoch\x18\x03 \x01(\x04\x12\x10\n\x08id_space\x18\x04 \x01(\r\x12\x16\n\x0eresolve_policy\x18\x05 \x01(\t\"\x19\n\x07Refused\x12\x0e\n\x06reason\x18\x01 \x01(\t\"H\n\rStartSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x13\n\x0b\x64\x65\x61\x64line_ms\x18\x02 \x01(\r\x12\r\n\x05\x65nded\x18\x03 \x03(\x04\"4\n\rAbortSnapshot\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0e\n\x06reason\x18\x02 \x01(\t\"&\n\x0eSnapshotsEnded\x12\x14\n\x0csnapshot_ids\x18\x01 \x03(\x04\"i\n\rChannelTarget\x12\x13\n\x0bsnapshot_id\x18\x01 \x01(\x04\x12\x0b\n\x03src\x18\x02 \x01(\t\x12\x0c\n\x04sent\x18\x03 \x01(\x04\x12\x17\n\x0fsrc_incarnation\x18\x04 \x01(\x04\x12\x0f\n\x07session\x18\x05 \x01(\x04\"\x15\n\x04Ping\x12\r\n\x05nonce\x18\x01 \x01(\x04\"t\n\tBreakWait\x12\x10\n\x08\x62reak_id\x18\x01 \x01(\x04\x12\x13\n\x0bsnapshot_id\x18\x02 \x01(\x04\x12\x10\n\x08instance\x18\x03 \x01(\x04\x12\x0c\n\x04task\x18\x04 \x01(\t\x12\x10\n\x08\x64\x65\x61\x64lock\x18\x05 \x01(\t\x12\x0e\n\x06policy\x18\x06 \x01(\t\"\x98\x03\n\x0f\x44\x65tectorMessage\x12\x30\n\nregistered\x18\x01 \x01(\x0b\x32\x1a.stablewatch.v1.RegisteredH\x00\x12*\n\x07refused\x18\x02 \x01(\x0b\x32\x17.stablewatch.v1.RefusedH\x00\x12.\n\x05start\x18\x03 \x01(\x0b\x32\x1d.stablewatch.v1.StartSnapshotH\x00\x12.\n\x05\x61\x62ort\x18\x04 \x01(\x0b\x32\x1d.stablewatch.v1.AbortSnapshotH\x00\x12/\n\x05\x65nded\x18\x05 \x01(\x0b\x32\x1e.stablewatch.v1.SnapshotsEndedH\x00\x12$\n\x04ping\x18\x06 \x01(\x0b\x32\x14.stablewatch.v1.PingH\x00\x12\x37\n\x0e\x63hannel_target\x18\x07 \x01(\x0b\x32\x1d.stablewatch.v1.ChannelTargetH\x00\x12/\n\nbreak_wait\x18\x08 \x01(\x0b\x32\x19.stablewatch.v1.BreakWaitH\x00\x42\x06\n\x04kind*\xa6\x01\n\x0c\x42reakOutcome\x12\x1d\n\x19\x42REAK_OUTCOME_UNSPECIFIED\x10\x00\x12\x18\n\x14\x42REAK_OUTCOME_BROKEN\x10\x01\x12\x16\n\x12\x42REAK_OUTCOME_GONE\x10\x02\x12 \n\x1c\x42REAK_OUTCOME_ALREADY_BROKEN\x10\x03\x12#\n\x1f\x42REAK_OUTCOME_POLICIES_DISAGREE\x10\x04\x32V\n\x07\x43ontrol\x12K\n\x06\x41ttach\x12\x1c.stablewatch.v1.AgentMessage\x1a\x1f.stablewatch.v1.DetectorMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stablewatch.v1.control_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_BREAKOUTCOME']._serialized_start=1836
-  _globals['_BREAKOUTCOME']._serialized_end=1965
+  _globals['_BREAKOUTCOME']._serialized_start=1877
+  _globals['_BREAKOUTCOME']._serialized_end=2043
   _globals['_REGISTER']._serialized_start=80
   _globals['_REGISTER']._serialized_end=210
   _globals['_HEARTBEAT']._serialized_start=212
@@ -48,24 +48,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WAITHINT']._serialized_end=532
   _globals['_AGENTMESSAGE']._serialized_start=535
   _globals['_AGENTMESSAGE']._serialized_end=887
-  _globals['_REGISTERED']._serialized_start=889
-  _globals['_REGISTERED']._serialized_end=995
-  _globals['_REFUSED']._serialized_start=997
-  _globals['_REFUSED']._serialized_end=1022
-  _globals['_STARTSNAPSHOT']._serialized_start=1024
-  _globals['_STARTSNAPSHOT']._serialized_end=1096
-  _globals['_ABORTSNAPSHOT']._serialized_start=1098
-  _globals['_ABORTSNAPSHOT']._serialized_end=1150
-  _globals['_SNAPSHOTSENDED']._serialized_start=1152
-  _globals['_SNAPSHOTSENDED']._serialized_end=1190
-  _globals['_CHANNELTARGET']._serialized_start=1192
-  _globals['_CHANNELTARGET']._serialized_end=1297
-  _globals['_PING']._serialized_start=1299
-  _globals['_PING']._serialized_end=1320
-  _globals['_BREAKWAIT']._serialized_start=1322
-  _globals['_BREAKWAIT']._serialized_end=1422
-  _globals['_DETECTORMESSAGE']._serialized_start=1425
-  _globals['_DETECTORMESSAGE']._serialized_end=1833
-  _globals['_CONTROL']._serialized_start=1967
-  _globals['_CONTROL']._serialized_end=2053
+  _globals['_REGISTERED']._serialized_start=890
+  _globals['_REGISTERED']._serialized_end=1020
+  _globals['_REFUSED']._serialized_start=1022
+  _globals['_REFUSED']._serialized_end=1047
+  _globals['_STARTSNAPSHOT']._serialized_start=1049
+  _globals['_STARTSNAPSHOT']._serialized_end=1121
+  _globals['_ABORTSNAPSHOT']._serialized_start=1123
+  _globals['_ABORTSNAPSHOT']._serialized_end=1175
+  _globals['_SNAPSHOTSENDED']._serialized_start=1177
+  _globals['_SNAPSHOTSENDED']._serialized_end=1215
+  _globals['_CHANNELTARGET']._serialized_start=1217
+  _globals['_CHANNELTARGET']._serialized_end=1322
+  _globals['_PING']._serialized_start=1324
+  _globals['_PING']._serialized_end=1345
+  _globals['_BREAKWAIT']._serialized_start=1347
+  _globals['_BREAKWAIT']._serialized_end=1463
+  _globals['_DETECTORMESSAGE']._serialized_start=1466
+  _globals['_DETECTORMESSAGE']._serialized_end=1874
+  _globals['_CONTROL']._serialized_start=2045
+  _globals['_CONTROL']._serialized_end=2131
 # @@protoc_insertion_point(module_scope)

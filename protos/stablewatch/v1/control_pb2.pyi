@@ -14,10 +14,12 @@ class BreakOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BREAK_OUTCOME_BROKEN: _ClassVar[BreakOutcome]
     BREAK_OUTCOME_GONE: _ClassVar[BreakOutcome]
     BREAK_OUTCOME_ALREADY_BROKEN: _ClassVar[BreakOutcome]
+    BREAK_OUTCOME_POLICIES_DISAGREE: _ClassVar[BreakOutcome]
 BREAK_OUTCOME_UNSPECIFIED: BreakOutcome
 BREAK_OUTCOME_BROKEN: BreakOutcome
 BREAK_OUTCOME_GONE: BreakOutcome
 BREAK_OUTCOME_ALREADY_BROKEN: BreakOutcome
+BREAK_OUTCOME_POLICIES_DISAGREE: BreakOutcome
 
 class Register(_message.Message):
     __slots__ = ("process_id", "address", "incarnation", "agent_version", "rpc_mode", "known_epoch")
@@ -100,16 +102,18 @@ class AgentMessage(_message.Message):
     def __init__(self, register: _Optional[_Union[Register, _Mapping]] = ..., heartbeat: _Optional[_Union[Heartbeat, _Mapping]] = ..., part: _Optional[_Union[_snapshot_pb2.LocalSnapshotPart, _Mapping]] = ..., failure: _Optional[_Union[SnapshotFailure, _Mapping]] = ..., pong: _Optional[_Union[Pong, _Mapping]] = ..., break_report: _Optional[_Union[BreakReport, _Mapping]] = ..., hint: _Optional[_Union[WaitHint, _Mapping]] = ...) -> None: ...
 
 class Registered(_message.Message):
-    __slots__ = ("detector_id", "heartbeat_interval_ms", "detector_epoch", "id_space")
+    __slots__ = ("detector_id", "heartbeat_interval_ms", "detector_epoch", "id_space", "resolve_policy")
     DETECTOR_ID_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     DETECTOR_EPOCH_FIELD_NUMBER: _ClassVar[int]
     ID_SPACE_FIELD_NUMBER: _ClassVar[int]
+    RESOLVE_POLICY_FIELD_NUMBER: _ClassVar[int]
     detector_id: str
     heartbeat_interval_ms: int
     detector_epoch: int
     id_space: int
-    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., detector_epoch: _Optional[int] = ..., id_space: _Optional[int] = ...) -> None: ...
+    resolve_policy: str
+    def __init__(self, detector_id: _Optional[str] = ..., heartbeat_interval_ms: _Optional[int] = ..., detector_epoch: _Optional[int] = ..., id_space: _Optional[int] = ..., resolve_policy: _Optional[str] = ...) -> None: ...
 
 class Refused(_message.Message):
     __slots__ = ("reason",)
@@ -162,18 +166,20 @@ class Ping(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class BreakWait(_message.Message):
-    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock")
+    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock", "policy")
     BREAK_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     DEADLOCK_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
     break_id: int
     snapshot_id: int
     instance: int
     task: str
     deadlock: str
-    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ...) -> None: ...
+    policy: str
+    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
 
 class DetectorMessage(_message.Message):
     __slots__ = ("registered", "refused", "start", "abort", "ended", "ping", "channel_target", "break_wait")
