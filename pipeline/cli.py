@@ -228,7 +228,13 @@ def parser() -> argparse.ArgumentParser:
     follow.add_argument("--checkpoint", type=Path, metavar="DIR", help="streaming checkpoint (default OUT/_checkpoint)")
     follow.add_argument("--once", action="store_true", help="process what is there now, then stop")
     follow.add_argument("--interval", type=_seconds, default=5.0, metavar="S", help="look for new batches every S s")
-    follow.add_argument("--max-files", type=_count, metavar="N", help="at most N batches per micro-batch")
+    follow.add_argument(
+        "--max-files",
+        type=_count,
+        metavar="N",
+        help="take at most N new snapshots files per micro-batch (a batch spanning midnight is one per day: "
+        "the rest of its batch comes along)",
+    )
     return top
 
 

@@ -15,6 +15,20 @@ nothing is skipped. Conservation baselines carry from batch to batch in
 ``OUT/baselines/batch=N.json``; batch N reads only those of earlier batches, so a run again sees
 what the first run saw. Batches are taken in the order their files appear, so a baseline is the
 first closed snapshot in that order (within a batch: by finish time, as everywhere).
+
+One detector batch is one ``snapshots`` file per day of start: a batch spanning midnight is two
+files, and a micro-batch may take one without the other (``maxFilesPerTrigger``, or a look between
+the two renames). The detector evaluated that batch's snapshots in the order they finished, which
+is not the order of the days (one that started after midnight may finish first and set the
+baseline), so a micro-batch evaluates whole detector batches: with each file it takes, the files
+of the same name in the other days (waiting for one the detector is still renaming into place:
+its other tables' files are there already), and it records them in ``OUT/taken/batch=N.json``.
+A later micro-batch skips the files an earlier one recorded.
+
+An output folder belongs to one run: one archive and one checkpoint (``OUT/_follow.json`` says
+which). Another checkpoint would number its micro-batches from 0 again and leave the other run's
+later batches beside its own, and another archive's snapshots would land beside the first's,
+under its baselines: ``follow`` refuses both, naming the folder.
 """
 
 from __future__ import annotations
@@ -23,23 +37,35 @@ import json
 import signal
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from urllib.parse import unquote, urlparse
 
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from rich.console import Console
 
-from stablewatch.detector.archive.files import parquet_files
-from stablewatch.detector.archive.schema import ArchiveError
+from stablewatch.detector.archive.files import batch_range, parquet_files
+from stablewatch.detector.archive.schema import SNAPSHOT_TABLES, ArchiveError
 from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
 from stablewatch.pipeline.evaluate import evaluate_snapshots, write_evaluations
 from stablewatch.pipeline.session import get_session
-from stablewatch.pipeline.tables import check_file, open_archive, spark_schema
+from stablewatch.pipeline.tables import check_file, naming_corrupt, open_archive, spark_schema
 
-__all__ = ["Followed", "follow"]
+__all__ = ["RUN_FILE", "SIBLING_WAIT", "Followed", "follow"]
+
+#: How long a micro-batch waits for a ``snapshots`` file of its detector batch that the detector is
+#: still renaming into place (it has only an fsync and renames left to do); past it, the writer is
+#: taken for dead: its next start removes that day's other files and writes its snapshots again,
+#: in a batch of another name, which a later micro-batch takes.
+SIBLING_WAIT = 30.0
+
+#: The file in the output folder that names the archive and the checkpoint of the run writing it.
+RUN_FILE = "_follow.json"
+_OUTPUTS = ("evaluations", "baselines", "taken")  # each holds ``batch=N`` entries
 
 
 @dataclass
@@ -62,6 +88,44 @@ def _earlier_baselines(folder: Path, batch_id: int) -> dict[str, int]:
     return totals
 
 
+def _earlier_taken(folder: Path, batch_id: int) -> set[str]:
+    """The ``snapshots`` files (``day=D/NAME``) evaluated by micro-batches before `batch_id`."""
+    taken: set[str] = set()
+    for path in folder.glob("batch=*.json"):
+        if int(path.stem.removeprefix("batch=")) < batch_id:
+            taken.update(json.loads(path.read_text()))
+    return taken
+
+
+def _relative(uri: str) -> str:
+    """A file of the ``snapshots`` table as ``day=D/NAME``, from the path or URI Spark gives."""
+    path = Path(unquote(urlparse(uri).path))
+    return f"{path.parent.name}/{path.name}"
+
+
+def _landing(root: Path, name: str) -> list[str]:
+    """The days of detector batch `name` whose ``snapshots`` file is not there yet but whose other
+    tables' files are: the detector renames those first, so it is landing that file now."""
+    have = {path.parent.name for path in (root / "snapshots").glob(f"day=*/{name}")}
+    days = {path.parent.name for table in SNAPSHOT_TABLES for path in (root / table).glob(f"day=*/{name}")}
+    return sorted(days - have)
+
+
+def _whole_batches(
+    root: Path, taken: Iterable[str], deadline: float, pause: Callable[[float], None] = time.sleep
+) -> set[str]:
+    """`taken` with the ``snapshots`` files of the same detector batches in the other days, those being
+    renamed into place waited for (`pause` between looks) until `deadline` (``time.monotonic()``)."""
+    files = set(taken)
+    for name in sorted({relative.split("/", 1)[1] for relative in files}):
+        if batch_range(name) is None:  # not a detector batch: the file stands alone
+            continue
+        while _landing(root, name) and time.monotonic() < deadline:
+            pause(0.01)
+        files.update(f"{path.parent.name}/{name}" for path in (root / "snapshots").glob(f"day=*/{name}"))
+    return files
+
+
 def _check_new_files(root: Path, followed: Followed) -> None:
     """Check the footer of every ``snapshots`` file not checked yet, before Spark reads it."""
     for path in parquet_files(root, "snapshots"):
@@ -82,21 +146,30 @@ def _batch_writer(
     """The ``foreachBatch`` function: evaluate one micro-batch and replace its output folder."""
 
     def write(batch: DataFrame, batch_id: int) -> None:
+        # A ``snapshots`` file whose data is corrupt behind a good footer fails in Spark: named then.
+        snapshots_files = ((path, "snapshots") for path in parquet_files(root, "snapshots"))
         try:
-            _check_new_files(root, followed)
-            days = [row["day"] for row in batch.select("day").distinct().collect()]
-            archive = open_archive(batch.sparkSession, root, min(days, default=None), max(days, default=None))
-            earlier = _earlier_baselines(out / "baselines", batch_id)
-            evaluated = evaluate_snapshots(archive, batch, {**earlier, **expected}, predicates, reduction=reduction)
-            write_evaluations(evaluated.evaluations, out / "evaluations" / f"batch={batch_id}", archive)
+            with naming_corrupt(snapshots_files):
+                _check_new_files(root, followed)
+                uris = batch.select(F.input_file_name().alias("file")).distinct().collect()
+                taken = (_relative(row["file"]) for row in uris)
+                files = _whole_batches(root, taken, time.monotonic() + SIBLING_WAIT)
+                files = sorted(files - _earlier_taken(out / "taken", batch_id))
+                _check_new_files(root, followed)  # the files waited for
+                days = [relative.split("/", 1)[0].removeprefix("day=") for relative in files]
+                archive = open_archive(batch.sparkSession, root, min(days, default=None), max(days, default=None))
+                snapshots = _snapshots_of(archive.spark, root, files)
+                earlier = _earlier_baselines(out / "baselines", batch_id)
+                evaluated = evaluate_snapshots(
+                    archive, snapshots, {**earlier, **expected}, predicates, reduction=reduction
+                )
+                write_evaluations(evaluated.evaluations, out / "evaluations" / f"batch={batch_id}", archive)
         except ArchiveError as error:
             followed.error = error
             raise
+        _replace(out / "taken" / f"batch={batch_id}.json", json.dumps(files) + "\n")
         new = {c: total for c, (_, total) in sorted(evaluated.totals.baselines.items()) if c not in earlier}
-        (out / "baselines").mkdir(parents=True, exist_ok=True)
-        staged = out / "baselines" / f".batch={batch_id}.json.tmp"
-        staged.write_text(json.dumps(new, sort_keys=True) + "\n")
-        staged.replace(out / "baselines" / f"batch={batch_id}.json")
+        _replace(out / "baselines" / f"batch={batch_id}.json", json.dumps(new, sort_keys=True) + "\n")
         followed.batches += 1
         followed.snapshots += evaluated.snapshots
         if console is not None:
@@ -106,6 +179,51 @@ def _batch_writer(
             )
 
     return write
+
+
+def _claim_output(out: Path, root: Path, checkpoint: Path) -> None:
+    """Make `out` the output folder of following `root` with `checkpoint`, or raise ArchiveError naming it
+    when it holds what another run wrote: another archive or checkpoint (per :data:`RUN_FILE`), or
+    micro-batches that `checkpoint` knows nothing of (given anew, or removed)."""
+    run = {"archive": str(root.resolve()), "checkpoint": str(checkpoint.resolve())}
+    record = out / RUN_FILE
+    if record.exists():
+        try:
+            written = json.loads(record.read_text())
+        except (OSError, ValueError) as exc:
+            raise ArchiveError(f"{record}: cannot read which run writes {out} ({exc})") from exc
+        for key, what in (("archive", "the archive"), ("checkpoint", "the checkpoint")):
+            if written.get(key) != run[key]:
+                raise ArchiveError(
+                    f"{out} holds what follow evaluated with {what} {written.get(key)}, not {run[key]}: "
+                    "give another --out (or that run's --archive and --checkpoint)"
+                )
+    batches = [entry for name in _OUTPUTS for entry in (out / name).glob("batch=*")]
+    started = any(entry.name.isdigit() for entry in (checkpoint / "offsets").glob("*"))
+    if batches and not started:  # a checkpoint given anew, or removed and started over
+        raise ArchiveError(
+            f"{out} holds micro-batches of a follow run that the checkpoint {checkpoint} does not know "
+            "(it has none): give another --out, or that run's --checkpoint"
+        )
+    if not record.exists():  # new, or written by an earlier version with this checkpoint: adopted
+        _replace(record, json.dumps(run, sort_keys=True) + "\n")
+
+
+def _replace(path: Path, text: str) -> None:
+    """Write `path` whole: aside, then renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staged = path.with_name(f".{path.name}.tmp")
+    staged.write_text(text)
+    staged.replace(path)
+
+
+def _snapshots_of(spark: SparkSession, root: Path, files: Sequence[str]) -> DataFrame:
+    """The rows of the ``snapshots`` files `files` (``day=D/NAME``), with their ``day``."""
+    schema = spark_schema("snapshots")
+    if not files:
+        return spark.createDataFrame([], schema)
+    reader = spark.read.schema(schema).option("basePath", str(root / "snapshots"))
+    return reader.parquet(*(str(root / "snapshots" / relative) for relative in files))
 
 
 def follow(
@@ -128,11 +246,14 @@ def follow(
     files every `interval` seconds until SIGINT or SIGTERM. `max_files` bounds the ``snapshots``
     files per micro-batch. `checkpoint` defaults to ``out/_checkpoint``. `reduction` is how large
     snapshots are evaluated (:func:`~.evaluate.evaluate_snapshots`). Raises ArchiveError
-    (naming the file) for bad input; returns what was done.
+    (naming the file) for bad input, and (naming `out`) when `out` holds what another archive or
+    checkpoint was followed into; returns what was done.
     """
     spark = spark or get_session()
     root, out = Path(archive), Path(out)
     open_archive(spark, root)  # the marker: ArchiveError when it is not an archive
+    checkpoint = Path(checkpoint or out / "_checkpoint")
+    _claim_output(out, root, checkpoint)
     followed = Followed()
     source = root / "snapshots"
     if not source.is_dir():
@@ -150,7 +271,7 @@ def follow(
         reader.parquet(str(source))
         .writeStream.queryName("stablewatch-follow")
         .foreachBatch(writer)
-        .option("checkpointLocation", str(checkpoint or out / "_checkpoint"))
+        .option("checkpointLocation", str(checkpoint))
     )
     query = query.trigger(availableNow=True) if once else query.trigger(processingTime=f"{interval} seconds")
     running = query.start()

@@ -222,13 +222,24 @@ def _break_tables(breaks: list[dict[str, Any]], buckets: list[dict[str, Any]]) -
     """The deadlocks broken per time bucket, and the last breaks one by one."""
     over_time = _table(
         "deadlocks broken",
-        ["from", "broken", "gone", "already broken", "unanswered", "victims", "recovery p50", "max"],
+        [
+            "from",
+            "broken",
+            "gone",
+            "already broken",
+            "policies disagree",
+            "unanswered",
+            "victims",
+            "recovery p50",
+            "max",
+        ],
         [
             [
                 _when(b["bucket_start"]),
                 b["broken"],
                 b["gone"],
                 b["already_broken"],
+                b["policies_disagree"],
                 b["unanswered"] + b["pending"],
                 _names(b["victims"]),
                 _seconds(b["recovery_p50"]),

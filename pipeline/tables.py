@@ -11,7 +11,7 @@ archive's reader (:func:`~stablewatch.detector.archive.files.read_file`) to name
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +20,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from py4j.protocol import Py4JJavaError
 from pyspark.errors import PySparkException
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession, Window
+from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
 from pyspark.sql.types import StructType
 
 from stablewatch.detector.archive.files import check_marker, parquet_files, read_file
 from stablewatch.detector.archive.schema import METADATA_KEY, SCHEMA_VERSION, TABLES, ArchiveError, table_schema
 
-__all__ = ["Archive", "check_archive", "check_file", "open_archive", "spark_schema"]
+__all__ = ["Archive", "check_archive", "check_file", "naming_corrupt", "open_archive", "spark_schema"]
 
 
 def spark_schema(table: str) -> StructType:
@@ -89,13 +90,15 @@ class Archive:
         return self._checked[table]
 
     def table(self, table: str) -> DataFrame:
-        """Table `table` as a DataFrame with the archive's schema (``day`` included)."""
+        """Table `table` as a DataFrame with the archive's schema (``day`` included); for
+        ``resolutions``, one row per break (:func:`latest_breaks`)."""
         files = self.files(table)
         schema = spark_schema(table)
         if not files:
             return self.spark.createDataFrame([], schema)
         reader = self.spark.read.schema(schema).option("basePath", str(self.root / table))
-        return reader.parquet(*(str(path) for path in files))
+        frame = reader.parquet(*(str(path) for path in files))
+        return latest_breaks(frame) if table == "resolutions" else frame
 
     @contextmanager
     def reading(self) -> Iterator[None]:
@@ -104,17 +107,40 @@ class Archive:
         On a failure, every file read so far is read again with the archive's own checked reader,
         and the first that fails raises its ArchiveError; otherwise Spark's error propagates.
         """
-        try:
+        with naming_corrupt((path, table) for table, files in self._checked.items() for path in files):
             yield
-        except (Py4JJavaError, PySparkException):
-            for table, files in self._checked.items():
-                for path in files:
-                    read_file(path, table)
-            raise
 
     def _in_range(self, path: Path) -> bool:
         day = path.parent.name.removeprefix("day=")
         return (self.first_day is None or day >= self.first_day) and (self.last_day is None or day <= self.last_day)
+
+
+def latest_breaks(resolutions: DataFrame) -> DataFrame:
+    """One row per break of ``resolutions`` rows: the record of each, as the detector's reader keeps
+    it (:func:`stablewatch.detector.archive.schema.latest_rows`). A report that came after the
+    detector gave up on a break is archived as a second row of that break (the archive's files are
+    never rewritten): an agent's answer wins over ``unanswered``, which wins over ``pending``, then
+    the latest ``reported_at``. Both rows are filed under the day the break was sent, so a read of
+    some days has both or neither."""
+    outcome = F.col("outcome")
+    finality = F.when(outcome.isNull() | (outcome == "pending"), 0).when(outcome == "unanswered", 1).otherwise(2)
+    latest = Window.partitionBy("snapshot_id", "resolution_id").orderBy(
+        finality.desc(), F.col("reported_at").desc_nulls_last()
+    )
+    return resolutions.withColumn("_latest", F.row_number().over(latest)).where(F.col("_latest") == 1).drop("_latest")
+
+
+@contextmanager
+def naming_corrupt(files: Iterable[tuple[Path, str]]) -> Iterator[None]:
+    """Run Spark actions that read `files` (each a path and its table); when Spark fails, read each with the
+    archive's own checked reader and raise the ArchiveError of the first that fails (naming it), else
+    Spark's error. `files` is only iterated on a failure."""
+    try:
+        yield
+    except (Py4JJavaError, PySparkException):
+        for path, table in files:
+            read_file(path, table)
+        raise
 
 
 def check_archive(root: Path) -> None:

@@ -349,3 +349,26 @@ def test_bad_flags_for_several_systems_are_usage_errors(
         cli.main(["history", *flags, "--out", "o"])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_break_answered_after_it_was_given_up_counts_once_with_its_answer(
+    spark: SparkSession, tmp_path: Path
+) -> None:
+    # Break 4 (P4) was given up on after 5 s; its agent's report came 15 s later, and the detector
+    # archived the answer as a second row of the break (the archive's files are never rewritten).
+    root = scripted_archive(tmp_path / "archive")
+    late = scripted_breaks()[3]
+    late.outcome = BREAK_OUTCOME_BROKEN
+    late.reported_at.FromDatetime(at(24) + timedelta(seconds=23))
+    write_resolution_batch(root, [late])
+    history = run_history(root, tmp_path / "out", bucket_seconds=600)
+    found = history.tables["breaks"].to_pylist()
+    assert [(b["snapshot_id"], b["victim"], b["outcome"]) for b in found][-2:] == [
+        (17, "P2/t0", "broken"),
+        (24, "P4", "broken"),
+    ]
+    assert len(found) == 4 and found[-1]["answer_seconds"] == 20.0
+    buckets = history.tables["breaks_over_time"].to_pylist()
+    assert [(b["breaks"], b["broken"], b["unanswered"]) for b in buckets] == [(2, 1, 0), (1, 1, 0), (1, 1, 0)]
+    episodes = history.tables["deadlock_episodes"].to_pylist()
+    assert [(e["breaks"], e["broken"]) for e in episodes] == [(2, 1), (1, 1), (1, 1)]
