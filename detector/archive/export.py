@@ -8,7 +8,9 @@ archive that a running detector writes is refused: that detector catches up on i
 
 A store that lists its breaks (:class:`~.writer.ResolutionSource`) has those whose outcome is
 known copied too, into the ``resolutions`` table, again only those the archive lacks (by
-snapshot and break id). A break still waiting for its agent's answer is left for a later export.
+snapshot and break id), or holds only as given up while the store has the answer that came late
+(:func:`~.recovery.needs_archiving`). A break still waiting for its agent's answer is left for a
+later export.
 """
 
 from __future__ import annotations
@@ -19,8 +21,7 @@ from pathlib import Path
 from typing import Protocol
 
 from stablewatch.detector.archive.files import unlock_archive
-from stablewatch.detector.archive.recovery import archived_ids, archived_resolutions, repair
-from stablewatch.detector.archive.schema import resolution_key
+from stablewatch.detector.archive.recovery import archived_ids, archived_outcomes, needs_archiving, repair
 from stablewatch.detector.archive.writer import (
     SnapshotSource,
     finished_resolutions,
@@ -51,7 +52,7 @@ class ExportResult:
     batches: int
     files: int
     resolutions: int = 0  # breaks written now (files counts theirs too)
-    resolutions_already: int = 0  # finished breaks of the store that the archive held already
+    resolutions_already: int = 0  # finished breaks of the store that the archive held already, as the store has them
 
 
 def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportResult:
@@ -76,9 +77,9 @@ def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportRes
                 files += len(write_finished(root, items))
                 exported += len(items)
                 batches += 1
-        archived = archived_resolutions(root)
+        archived = archived_outcomes(root)
         breaks = list(finished_resolutions(store))
-        new = [resolution for resolution in breaks if resolution_key(resolution) not in archived]
+        new = [resolution for resolution in breaks if needs_archiving(resolution, archived)]
         new.reverse()  # oldest first, as the snapshots
         for start in range(0, len(new), batch_size):
             files += len(write_resolution_batch(root, new[start : start + batch_size]))

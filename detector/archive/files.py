@@ -13,9 +13,11 @@ hold the first and last snapshot id, so a batch written twice replaces itself.
 
 Breaks (the ``resolutions`` table) belong to no batch of snapshots: :func:`write_resolutions`
 writes them the same way, aside then renamed, one file per day, named for the break ids and a
-digest of the breaks it holds (:func:`resolutions_name`), so that a file never replaces one
-holding other breaks. What is archived is read back from the files themselves
-(:func:`read_keys`), not from the names.
+digest of the breaks and outcomes it holds (:func:`resolutions_name`), so that a file never
+replaces one holding other breaks, or the same breaks with other outcomes (a late answer's row is
+a new file beside the ``unanswered`` one: files are never rewritten, and a reader that takes
+files as they appear sees it). What is archived is read back from the files themselves
+(:func:`read_keys`, :func:`read_outcomes`), not from the names.
 
 The marker holds the newest schema version written into the folder: a writer of a newer version
 raises it (:func:`raise_marker`) when it opens an older archive, whose files all still read.
@@ -62,6 +64,7 @@ __all__ = [
     "raise_marker",
     "read_ids",
     "read_keys",
+    "read_outcomes",
     "read_table",
     "resolutions_name",
     "unlock_archive",
@@ -187,8 +190,9 @@ def write_batch(root: Path, rows: Mapping[str, Sequence[Mapping[str, Any]]]) -> 
 
 def resolutions_name(rows: Sequence[Mapping[str, Any]]) -> str:
     """The file name of these ``resolutions`` rows: their first and last break id, and a digest of
-    the breaks (snapshot and break ids), so that other breaks never get the same name."""
-    keys = sorted((row["snapshot_id"], row["resolution_id"]) for row in rows)
+    the breaks (snapshot and break ids) and their outcomes, so that other breaks, or a break's
+    later outcome, never get the same name (the same rows written again do)."""
+    keys = sorted((row["snapshot_id"], row["resolution_id"], row["outcome"]) for row in rows)
     digest = hashlib.blake2b(repr(keys).encode(), digest_size=8).hexdigest()
     ids = [row["resolution_id"] % 2**64 for row in rows]
     return f"part-{min(ids):020d}-{max(ids):020d}-{digest}.parquet"
@@ -308,8 +312,13 @@ def _file_schema(path: Path, table: str, version: int) -> pa.Schema:
 
 def read_keys(path: Path) -> list[tuple[int, int]]:
     """The (snapshot id, break id) of every row of one ``resolutions`` file, read alone (cheap)."""
+    return [(snapshot_id, resolution_id) for snapshot_id, resolution_id, _ in read_outcomes(path)]
+
+
+def read_outcomes(path: Path) -> list[tuple[int, int, str]]:
+    """The (snapshot id, break id, outcome) of every row of one ``resolutions`` file, read alone (cheap)."""
     file, version = _open(path)
-    columns = ["snapshot_id", "resolution_id"]
+    columns = ["snapshot_id", "resolution_id", "outcome"]
     expected = _file_schema(path, "resolutions", version)
     schema = file.schema_arrow
     if any(n not in schema.names or schema.field(n).type != expected.field(n).type for n in columns):
@@ -318,7 +327,7 @@ def read_keys(path: Path) -> list[tuple[int, int]]:
         read = file.read(columns=columns)
     except (OSError, pa.ArrowException) as exc:
         raise ArchiveError(f"{path}: corrupt Parquet file ({exc})") from exc
-    return list(zip(read.column(0).to_pylist(), read.column(1).to_pylist(), strict=True))
+    return list(zip(*(read.column(i).to_pylist() for i in range(3)), strict=True))
 
 
 def read_ids(path: Path) -> list[int]:

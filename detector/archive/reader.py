@@ -26,6 +26,8 @@ from stablewatch.detector.archive.schema import (
     SCHEMA_VERSION,
     TABLES,
     ArchiveError,
+    latest_rows,
+    outcome_rank,
     resolution_from_row,
     snapshot_from_rows,
     table_schema,
@@ -183,11 +185,13 @@ def _columns(path: Path, table: str, columns: list[str], snapshot_id: int) -> pa
 
 
 def read_resolutions(root: Path) -> list[Resolution]:
-    """Every break in the archive at `root`, as the ``Resolution`` the detector archived, oldest
-    first (by break id, then snapshot id). ArchiveError naming a bad file."""
+    """Every break in the archive at `root`, as the ``Resolution`` the detector archived last, oldest
+    first (by break id, then snapshot id): a break given up and then answered late has two rows,
+    and reads as its answer (:func:`.schema.latest_rows`). ArchiveError naming a bad file."""
     root = Path(root)
     check_marker(root)
     rows = [row for path in parquet_files(root, _BREAKS) for row in _rows(read_file(path, _BREAKS), _BREAKS)]
+    rows = latest_rows(rows)
     rows.sort(key=lambda row: (row["resolution_id"] % 2**64, row["snapshot_id"] % 2**64))
     return [resolution_from_row(row) for row in rows]
 
@@ -207,27 +211,31 @@ def _may_hold(name: str, wanted: list[int]) -> bool:
 
 @dataclass
 class ArchiveCheck:
-    """What :func:`check` found: files and rows per table, the snapshots by outcome, the breaks by outcome."""
+    """What :func:`check` found: files and rows per table, the snapshots by outcome, the breaks by the
+    outcome they read as (one each), and how many of them were answered after they were given up."""
 
     schema_version: int
     files: dict[str, int] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)
     resolutions: dict[str, int] = field(default_factory=dict)
+    late_answers: int = 0
 
 
 def check(root: Path) -> ArchiveCheck:
     """Read every file of the archive at `root`, and count; ArchiveError naming the first bad file.
 
     A snapshot id found in two ``snapshots`` rows is an error too (the archive holds each once),
-    and so is a break (snapshot and break id) found in two ``resolutions`` rows.
+    and so is a break (snapshot and break id) found in two ``resolutions`` rows, but for one case:
+    an ``unanswered`` (or ``pending``) row and an agent's answer that came late (a break has at
+    most one of each).
     """
     root = Path(root)
     found = ArchiveCheck(schema_version=check_marker(root))
     seen: dict[int, Path] = {}
-    seen_breaks: dict[tuple[int, int], Path] = {}
+    # Per break: its answer's row and its other row (given up, or pending), by where each was seen.
+    seen_breaks: dict[tuple[int, int], dict[bool, tuple[str, Path]]] = {}
     outcomes: Counter[str] = Counter()
-    breaks: Counter[str] = Counter()
     for table in TABLES:
         paths = parquet_files(root, table)
         found.files[table] = len(paths)
@@ -244,14 +252,18 @@ def check(root: Path) -> ArchiveCheck:
                         )
                     seen[snapshot_id] = path
             elif table == "resolutions":
-                breaks.update(arrow.column("outcome").to_pylist())
-                for key in zip(*(arrow.column(n).to_pylist() for n in ("snapshot_id", "resolution_id")), strict=True):
-                    if key in seen_breaks:
+                columns = (arrow.column(n).to_pylist() for n in ("snapshot_id", "resolution_id", "outcome"))
+                for snapshot_id, resolution_id, outcome in zip(*columns, strict=True):
+                    rows_of = seen_breaks.setdefault((snapshot_id, resolution_id), {})
+                    answered = outcome_rank(outcome) == 2
+                    if answered in rows_of:
                         raise ArchiveError(
-                            f"{path}: break {key[1] % 2**64} of snapshot {key[0] % 2**64} is archived twice "
-                            f"(also in {seen_breaks[key]})"
+                            f"{path}: break {resolution_id % 2**64} of snapshot {snapshot_id % 2**64} is archived "
+                            f"twice (also in {rows_of[answered][1]})"
                         )
-                    seen_breaks[key] = path
+                    rows_of[answered] = (outcome, path)
     found.outcomes = dict(sorted(outcomes.items()))
+    breaks = Counter(rows_of[max(rows_of)][0] for rows_of in seen_breaks.values())
     found.resolutions = dict(sorted(breaks.items()))
+    found.late_answers = sum(len(rows_of) == 2 for rows_of in seen_breaks.values())
     return found

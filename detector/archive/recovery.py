@@ -13,7 +13,9 @@ into place first, then the ``snapshots`` files, one per day. A writer killed on 
 Breaks (``resolutions``, written by :func:`.files.write_resolutions`) leave less: temporary
 files (1), and of breaks sent on several days, the files of some days and not the others. Each
 visible file is whole and stands alone, so nothing visible is removed; the breaks it holds are
-found by :func:`archived_resolutions` and not written again, and the rest are.
+found by :func:`archived_resolutions` and not written again, and the rest are. A break archived
+as ``unanswered`` whose agent's answer came late is written again, once, with its answer
+(:func:`archived_outcomes` says what each break reads as; :func:`needs_archiving` decides).
 
 :func:`repair` removes 1 and 2; :func:`archived_ids` finds 3. All must run with the archive's
 writer lock held (:func:`.files.lock_archive`), before anything new is written.
@@ -23,10 +25,18 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stablewatch.detector.archive.files import batch_range, parquet_files, read_ids, read_keys
-from stablewatch.detector.archive.schema import SNAPSHOT_TABLES, TABLES, ArchiveError
+from stablewatch.detector.archive.files import batch_range, parquet_files, read_ids, read_outcomes
+from stablewatch.detector.archive.schema import (
+    SNAPSHOT_TABLES,
+    TABLES,
+    ArchiveError,
+    outcome_rank,
+    resolution_key,
+    resolution_outcome,
+)
+from stablewatch.v1.query_pb2 import Resolution
 
-__all__ = ["archived_ids", "archived_resolutions", "repair"]
+__all__ = ["archived_ids", "archived_outcomes", "archived_resolutions", "needs_archiving", "repair"]
 
 
 def repair(root: Path) -> list[Path]:
@@ -72,10 +82,29 @@ def archived_resolutions(root: Path) -> set[tuple[int, int]]:
     Reads those two columns of every ``resolutions`` file (breaks are few). ArchiveError naming
     the file when one cannot be read.
     """
-    found: set[tuple[int, int]] = set()
+    return set(archived_outcomes(root))
+
+
+def archived_outcomes(root: Path) -> dict[tuple[int, int], str]:
+    """Each break in the archive (:func:`.schema.resolution_key`) and the outcome it reads as: of its
+    rows, the most final (:func:`.schema.outcome_rank`). Reads three columns of every
+    ``resolutions`` file; ArchiveError naming the file when one cannot be read.
+    """
+    found: dict[tuple[int, int], str] = {}
     for path in parquet_files(root, "resolutions"):
-        found.update(read_keys(path))
+        for snapshot_id, resolution_id, outcome in read_outcomes(path):
+            key = (snapshot_id, resolution_id)
+            if key not in found or outcome_rank(outcome) > outcome_rank(found[key]):
+                found[key] = outcome
     return found
+
+
+def needs_archiving(resolution: Resolution, archived: dict[tuple[int, int], str]) -> bool:
+    """Whether a finished break must be written to an archive holding `archived`
+    (:func:`archived_outcomes`): it is not there, or only as a less final outcome (given up on,
+    and then answered late). A row written for it then is what readers take."""
+    word = archived.get(resolution_key(resolution))
+    return word is None or outcome_rank(resolution_outcome(resolution)) > outcome_rank(word)
 
 
 def _remove(path: Path) -> None:

@@ -26,7 +26,12 @@ together. One table does not (since version 3):
   proven deadlock"): which wait of which process, the snapshot that proved the deadlock, the
   policy, who asked, the sink component, when the break was sent and answered, and the outcome as
   a word. Partitioned by the day it was sent; its ``snapshot_id`` is the proving snapshot's,
-  which may be in another day or (retention) nowhere in the archive.
+  which may be in another day or (retention) nowhere in the archive. A break has one row, or two
+  when its agent's answer came after the detector gave it up: the ``unanswered`` row, then the
+  answer's, in another file of the same day (files are never rewritten). The answer is the
+  break's record: :func:`latest_rows` keeps, of the rows of one break (:func:`resolution_key`),
+  the one of the most final outcome (an agent's answer, over ``unanswered``, over ``pending``),
+  the latest ``reported_at`` among equals. Every reader of the table must do the same.
 
 :func:`snapshot_rows` turns one finished snapshot into rows; :func:`snapshot_from_rows` turns the
 rows back into the identical ``GlobalSnapshot``; :func:`resolution_row` and
@@ -63,6 +68,7 @@ from stablewatch.v1.control_pb2 import BREAK_OUTCOME_UNSPECIFIED, BreakOutcome
 from stablewatch.v1.query_pb2 import Resolution, SnapshotSummary
 
 __all__ = [
+    "ANSWERS",
     "MARKER_FILE",
     "MAX_BLOB_BYTES",
     "METADATA_KEY",
@@ -72,6 +78,8 @@ __all__ = [
     "TABLES",
     "ArchiveError",
     "day_of",
+    "latest_rows",
+    "outcome_rank",
     "outcome_word",
     "resolution_from_row",
     "resolution_key",
@@ -246,6 +254,8 @@ _TABLE_ADDED: dict[str, int] = {"resolutions": 3}
 #: ``policies_disagree`` (an agent refused an automatic break: its detectors' policies differ) is
 #: a word, not a column: files of version 3 hold it, and a reader without it reads ``unanswered``.
 RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "unanswered", "pending")
+#: The outcomes that are an agent's answer: a break has at most one.
+ANSWERS = ("broken", "gone", "already_broken", "policies_disagree")
 
 # The agent's answers, as words: broken, gone, already_broken, policies_disagree.
 _BREAK_OUTCOMES = {
@@ -593,6 +603,37 @@ def resolution_key(resolution: Resolution) -> tuple[int, int]:
     archive that both export to.
     """
     return (_signed(resolution.snapshot_id), _signed(resolution.resolution_id))
+
+
+def outcome_rank(word: str | None) -> int:
+    """How final an outcome word of the ``resolutions`` table is: ``pending`` 0, ``unanswered`` 1,
+    an agent's answer 2 (a word this code does not know counts as one: only an answer can be new)."""
+    if word == "pending" or word is None:
+        return 0
+    return 1 if word == "unanswered" else 2
+
+
+def latest_rows(rows: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """One row per break (:func:`resolution_key`'s columns) of ``resolutions`` rows: the one that is
+    its record, of the most final outcome (:func:`outcome_rank`), then the latest ``reported_at``
+    (a ``datetime`` or microseconds). O(rows); the rows kept in the order each break first appears.
+
+    >>> given_up = {"snapshot_id": 1, "resolution_id": 2, "outcome": "unanswered", "reported_at": 5}
+    >>> [row["outcome"] for row in latest_rows([given_up, {**given_up, "outcome": "broken", "reported_at": 9}])]
+    ['broken']
+    """
+    kept: dict[tuple[int, int], Mapping[str, Any]] = {}
+    for row in rows:
+        key = (row["snapshot_id"], row["resolution_id"])
+        other = kept.get(key)
+        if other is None or _finality(row) > _finality(other):
+            kept[key] = row
+    return list(kept.values())
+
+
+def _finality(row: Mapping[str, Any]) -> tuple[int, int]:
+    reported = _micros(row.get("reported_at"))
+    return (outcome_rank(row["outcome"]), -(2**63) if reported is None else reported)
 
 
 def _stamp(resolution: Resolution, name: str) -> int | None:

@@ -24,6 +24,10 @@ Theory of operation:
   ``resolutions`` table (:func:`.files.write_resolutions`). The store marks no break archived:
   resync reads which breaks the archive holds (:func:`.recovery.archived_resolutions`) and writes
   the store's finished breaks it lacks, skipping those pending, so breaks too are written once.
+  A break given up (``unanswered``) and then answered late is handed over again: while the first
+  is still waiting in memory the answer takes its place (one row), and once it is written the
+  answer follows as a second row, which readers take (:func:`.schema.latest_rows`); resync
+  writes an answer the archive holds only as ``unanswered`` (:func:`.recovery.needs_archiving`).
   A store without ``resolutions`` (:class:`ResolutionSource`) cannot be resynced from: its
   breaks stay pending in memory across failed writes instead (at most :data:`MAX_PENDING_BREAKS`).
 
@@ -59,7 +63,7 @@ from stablewatch.detector.archive.files import (
     write_batch,
     write_resolutions,
 )
-from stablewatch.detector.archive.recovery import archived_ids, archived_resolutions, repair
+from stablewatch.detector.archive.recovery import archived_ids, archived_outcomes, needs_archiving, repair
 from stablewatch.detector.archive.schema import (
     SNAPSHOT_TABLES,
     ArchiveError,
@@ -219,6 +223,7 @@ class ArchiveWriter:
         self._pending_ids: set[int] = set()
         self._breaks: list[_PendingBreak] = []
         self._break_keys: set[tuple[int, int]] = set()
+        self._writing_breaks = 0  # the first this many of _breaks are being written now
         self._resyncs_breaks = callable(getattr(store, "resolutions", None))
         self._behind = False  # the store holds unarchived snapshots that are not pending: resync
         self._retry_at = 0.0
@@ -265,14 +270,21 @@ class ArchiveWriter:
     def add_resolution(self, resolution: Resolution) -> None:
         """Queue one break whose outcome is known (its agent answered, or the detector gave up on an
         answer; stored already); never blocks. It is written with the next batch, into the
-        ``resolutions`` table, partitioned by the day it was sent. A break queued twice (same
-        snapshot and break id) is written once. Ignored after :meth:`close`: a store that lists its
-        breaks has it, and the next start writes it."""
+        ``resolutions`` table, partitioned by the day it was sent. A break queued again (same
+        snapshot and break id: answered late after it was given up) replaces the one waiting, or
+        follows it when that one is being written. Ignored after :meth:`close`: a store that lists
+        its breaks has it, and the next start writes it."""
         key = resolution_key(resolution)
-        if self._task is None or self._closing or key in self._break_keys:
+        if self._task is None or self._closing:
             return
         copy = Resolution()
         copy.CopyFrom(resolution)  # the detector may go on changing its own
+        if key in self._break_keys:
+            for pending in self._breaks[self._writing_breaks :]:
+                if resolution_key(pending.resolution) == key:
+                    pending.resolution = copy  # the earlier word was never written: only the last is
+                    return
+            # The earlier one is being written: this one is written after it, and read instead.
         self._breaks.append(_PendingBreak(copy, asyncio.get_running_loop().time()))
         self._break_keys.add(key)
         if len(self._breaks) == 1 or len(self._breaks) >= self.batch_size:
@@ -339,13 +351,16 @@ class ArchiveWriter:
                 await self._write(items)
             if self._breaks:
                 breaks = self._breaks[: self.batch_size]
+                self._writing_breaks = len(breaks)
                 await self._write_breaks([pending.resolution for pending in breaks])
                 # Only now: a break added meanwhile stays pending; one that failed is kept (below).
                 del self._breaks[: len(breaks)]
-                self._break_keys.difference_update(resolution_key(pending.resolution) for pending in breaks)
+                self._break_keys = {resolution_key(pending.resolution) for pending in self._breaks}
         except Exception as error:  # whatever it was, the store still has the snapshots
             self._failed(error)
             return False
+        finally:
+            self._writing_breaks = 0
         return True
 
     def _failed(self, error: Exception) -> None:
@@ -359,7 +374,7 @@ class ArchiveWriter:
         elif len(self._breaks) > MAX_PENDING_BREAKS:  # nowhere else to find them: keep the newest
             dropped = self._breaks[: len(self._breaks) - MAX_PENDING_BREAKS]
             del self._breaks[: len(dropped)]
-            self._break_keys.difference_update(resolution_key(pending.resolution) for pending in dropped)
+            self._break_keys = {resolution_key(pending.resolution) for pending in self._breaks}
             _log.error("archive %s: %d breaks dropped, not archived: too many wait in memory", self.root, len(dropped))
         self._behind = True
         self._retry_at = asyncio.get_running_loop().time() + self.max_age
@@ -403,13 +418,14 @@ class ArchiveWriter:
         self._behind = False
 
     async def _resync_breaks(self) -> None:
-        """Write the store's finished breaks that the archive lacks and that are not pending."""
-        present = await asyncio.to_thread(archived_resolutions, self.root)
+        """Write the store's finished breaks that the archive lacks (or holds as given up only, when
+        the store has their late answer) and that are not pending."""
+        present = await asyncio.to_thread(archived_outcomes, self.root)
         # No await between the listing and this filter: a break finished meanwhile is pending.
         missing = [
             resolution
             for resolution in finished_resolutions(self._store)
-            if (key := resolution_key(resolution)) not in present and key not in self._break_keys
+            if needs_archiving(resolution, present) and resolution_key(resolution) not in self._break_keys
         ]
         missing.reverse()  # oldest first
         for start in range(0, len(missing), self.batch_size):

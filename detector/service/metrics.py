@@ -22,10 +22,13 @@ from stablewatch.detector.service.coordinator import ABORT_KINDS
 from stablewatch.detector.service.limits import REFUSAL_REASONS
 from stablewatch.v1 import Evaluation, GlobalSnapshot
 
-__all__ = ["HINT_OUTCOMES", "RESOLUTION_OUTCOMES", "DetectorMetrics"]
+__all__ = ["HINT_OUTCOMES", "LATE_REPORT_OUTCOMES", "RESOLUTION_OUTCOMES", "DetectorMetrics"]
 
 #: How a break ended (the label of ``stablewatch_deadlocks_resolved_total``).
 RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "unanswered", "not_attached")
+#: The agents' answers that can come after the detector gave up waiting (the label of
+#: ``stablewatch_break_reports_late_total``).
+LATE_REPORT_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree")
 #: What a long-wait hint led to (the label of ``stablewatch_wait_hints_total``).
 HINT_OUTCOMES = ("snapshot", "coalesced", "rate_limited", "ignored")
 
@@ -94,10 +97,20 @@ class DetectorMetrics:
             "Control streams and API calls the detector refused (identity, permission, limits), by reason",
             ["reason"], registry=r,
         )  # fmt: skip
+        # A break given up (unanswered) whose agent then answers late is counted twice here: as
+        # unanswered when the detector gave up, and under its answer when that came (also counted in
+        # late_reports). Both happened; unanswered minus the late answers is the breaks never answered.
         self.resolutions = Counter(
             "stablewatch_deadlocks_resolved",
             "Breaks of proven deadlocks, by how they ended (broken, gone, already_broken, policies_disagree: "
-            "refused by an agent whose detectors' --resolve policies differ, unanswered, not_attached)",
+            "refused by an agent whose detectors' --resolve policies differ, unanswered, not_attached); "
+            "an answer that came after the break was given up as unanswered is counted under it too",
+            ["outcome"], registry=r,
+        )  # fmt: skip
+        self.late_reports = Counter(
+            "stablewatch_break_reports_late",
+            "Agents' answers to breaks already given up as unanswered, by answer: each is also counted in "
+            "stablewatch_deadlocks_resolved_total under that answer, and the break's record now holds it",
             ["outcome"], registry=r,
         )  # fmt: skip
         self.resolution_seconds = Histogram(
@@ -111,7 +124,8 @@ class DetectorMetrics:
         )  # fmt: skip
         self.unexpected_reports = Counter(
             "stablewatch_break_reports_ignored",
-            "Break reports that answered no break waiting for that process (unknown id, another process)",
+            "Break reports that answered no break waiting for that process (unknown id, another process, "
+            "or a break given up on longer ago than the late window)",
             registry=r,
         )
         self.wait_hints = Counter(
@@ -121,6 +135,8 @@ class DetectorMetrics:
         )  # fmt: skip
         for outcome in RESOLUTION_OUTCOMES:
             self.resolutions.labels(outcome)
+        for outcome in LATE_REPORT_OUTCOMES:
+            self.late_reports.labels(outcome)
         for requester in ("detector", "operator"):
             self.breaks_sent.labels(requester)
         for outcome in HINT_OUTCOMES:

@@ -12,6 +12,16 @@ only to a process attached since before that snapshot began: one that attached a
 restarted, and its wait instances then name other waits. ``stablewatch_resolution_seconds``
 measures, per wait reported broken, the time from the start of the snapshot that proved the deadlock
 to the agent's report: an upper bound on how long the deadlock lasted after that snapshot saw it.
+
+A report that comes after its break was given up (a slow agent, a congested stream) is not lost: for
+the resolver's ``late_window`` (a minute), the victim's process may still answer a break given up
+on, and its answer becomes the break's record, as true as any other. The stored ``Resolution`` takes
+the agent's outcome and the time its report came, and its ``detail`` says it came late and when
+the detector had given up; that record is archived again (the archive's readers take the answer
+over the earlier ``unanswered`` row: :func:`~stablewatch.detector.archive.schema.latest_rows`),
+published to watchers again, and counted under its outcome in ``stablewatch_deadlocks_resolved``
+and in ``stablewatch_break_reports_late`` (counters only go up: the give-up stays counted as
+``unanswered``, it happened; ``unanswered`` minus the late answers is the breaks never answered).
 """
 
 from __future__ import annotations
@@ -19,10 +29,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from datetime import UTC, datetime
 
 from stablewatch.detector.evaluation.victims import Victim
 from stablewatch.detector.service.metrics import RESOLUTION_OUTCOMES, DetectorMetrics
 from stablewatch.detector.service.resolver import (
+    DEFAULT_LATE_WINDOW,
     DEFAULT_REFUSAL_PAUSE,
     DEFAULT_REPORT_TIMEOUT,
     NothingToResolve,
@@ -71,6 +83,7 @@ class Resolutions:
         policy: str | None = None,
         report_timeout: float = DEFAULT_REPORT_TIMEOUT,
         refusal_pause: float = DEFAULT_REFUSAL_PAUSE,
+        late_window: float = DEFAULT_LATE_WINDOW,
         clock: Callable[[], float] = time.time,
         attached_at: Callable[[str], float | None] | None = None,
     ) -> None:
@@ -86,7 +99,7 @@ class Resolutions:
         self._metrics = metrics
         self._publish = publish
         self._clock = clock
-        self._resolver = Resolver(report_timeout=report_timeout, refusal_pause=refusal_pause)
+        self._resolver = Resolver(report_timeout=report_timeout, refusal_pause=refusal_pause, late_window=late_window)
         self._pending: dict[int, Resolution] = {}  # break id -> the break, until its report
         self._refusals_told: dict[str, None] = {}  # the refusals logged as warnings (bounded)
 
@@ -131,26 +144,16 @@ class Resolutions:
 
     def reported(self, process_id: str, report: BreakReport) -> Resolution | None:
         """An agent answered a break; ignored (and logged) unless it is the victim's process answering
-        a break still waiting for its report."""
+        a break still waiting for its report, or one given up on less than the late window ago
+        (then the record is corrected: see the module docstring)."""
         resolution = self._pending.get(report.break_id)
         if resolution is None or resolution.process_id != process_id or resolution.instance != report.instance:
-            self._metrics.unexpected_reports.inc()
-            _log.warning(
-                "ignored a break report from %s for break %d: no such break is waiting for that process's answer",
-                quoted_prefix(process_id),
-                report.break_id,
-            )
-            return None
+            return self._late(process_id, report)
         del self._pending[report.break_id]
         now = self._clock()
         refused = report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE
         self._resolver.reported(report.break_id, now, refused=refused)
-        resolution.reported_at.FromMicroseconds(int(now * 1e6))
-        resolution.outcome = report.outcome if report.outcome in BreakOutcome.values() else BREAK_OUTCOME_UNSPECIFIED
-        detail = report.detail
-        resolution.detail = quoted_prefix(detail, 1024) if too_long(detail, MAX_TEXT_BYTES) else detail[:4096]
-        if refused:
-            self._refused(resolution)
+        self._answer(resolution, report, now)
         self._finished(resolution)
         return resolution
 
@@ -191,6 +194,44 @@ class Resolutions:
         return stale
 
     # -- internals --------------------------------------------------------------------------------
+
+    def _late(self, process_id: str, report: BreakReport) -> Resolution | None:
+        """A report for no pending break: the answer to one given up on lately, or ignored."""
+        now = self._clock()
+        refused = report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE
+        # The resolver checks the process and the wait: the break named them when it went out.
+        wait = (process_id, report.instance)
+        # A late report without an answer this detector knows would only say "unanswered" again.
+        known = report.outcome in BreakOutcome.values() and report.outcome != BREAK_OUTCOME_UNSPECIFIED
+        remembered = known and self._resolver.remembers(report.break_id)
+        resolution = self._store().resolution(report.break_id) if remembered else None
+        if resolution is None or not self._resolver.reported_late(report.break_id, wait, now, refused=refused):
+            self._metrics.unexpected_reports.inc()
+            _log.warning(
+                "ignored a break report from %s for break %d: no such break is waiting for that process's answer",
+                quoted_prefix(process_id),
+                report.break_id,
+            )
+            return None
+        gave_up = resolution.reported_at.ToMicroseconds() / 1e6
+        sent = resolution.sent_at.ToMicroseconds() / 1e6
+        self._answer(resolution, report, now)
+        resolution.detail += (
+            f" (reported late, {now - sent:.1f} s after the break was sent: the detector gave up waiting at "
+            f"{datetime.fromtimestamp(gave_up, UTC).isoformat(timespec='milliseconds')})"
+        )
+        self._metrics.late_reports.labels(outcome_word(resolution)).inc()
+        self._finished(resolution)
+        return resolution
+
+    def _answer(self, resolution: Resolution, report: BreakReport, now: float) -> None:
+        """Record the agent's answer in ``resolution``."""
+        resolution.reported_at.FromMicroseconds(int(now * 1e6))
+        resolution.outcome = report.outcome if report.outcome in BreakOutcome.values() else BREAK_OUTCOME_UNSPECIFIED
+        detail = report.detail
+        resolution.detail = quoted_prefix(detail, 1024) if too_long(detail, MAX_TEXT_BYTES) else detail[:4096]
+        if report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE:
+            self._refused(resolution)
 
     def _store(self) -> Store:
         assert self.store is not None, "the detector sets the store when it starts"

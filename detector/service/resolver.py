@@ -12,6 +12,13 @@ process was not attached) is named again by a later cut, as every other detector
 break whose report never comes is given up after ``report_timeout`` seconds, and counts as
 reported then.
 
+A report may still come after that (a slow agent, a congested stream). A break given up is
+remembered for ``late_window`` seconds (at most ``max_given_up`` of them, oldest forgotten first),
+and a report from its victim's process for its wait within that time is taken as the answer it is
+(:meth:`Resolver.reported_late`): a wait broken (or gone, or already broken) is named again by no
+later cut, even if a break of it sent again is given up too; and when the deadlock has no newer
+break, its hold moves to the late report, so a snapshot begun before it gets no second victim.
+
 A break the agent *refused* because the detectors it attaches to break by different policies
 (``BREAK_OUTCOME_POLICIES_DISAGREE``: each would break another wait of the deadlock) broke
 nothing. Its wait is not named either: once the policies agree again, every detector names the
@@ -32,7 +39,14 @@ from stablewatch.detector.evaluation import Verdict, result_named
 from stablewatch.detector.evaluation.victims import Victim, choose_victims
 from stablewatch.v1 import Evaluation, GlobalSnapshot
 
-__all__ = ["DEFAULT_REFUSAL_PAUSE", "DEFAULT_REPORT_TIMEOUT", "NothingToResolve", "Resolver"]
+__all__ = [
+    "DEFAULT_LATE_WINDOW",
+    "DEFAULT_MAX_GIVEN_UP",
+    "DEFAULT_REFUSAL_PAUSE",
+    "DEFAULT_REPORT_TIMEOUT",
+    "NothingToResolve",
+    "Resolver",
+]
 
 #: Seconds a break waits for its agent's report before the detector gives up on it.
 DEFAULT_REPORT_TIMEOUT = 10.0
@@ -40,6 +54,11 @@ DEFAULT_REPORT_TIMEOUT = 10.0
 #: detector's policy names that deadlock again: one refusal a minute per deadlock shows the
 #: misconfiguration, and a fixed one is acted on within the minute.
 DEFAULT_REFUSAL_PAUSE = 60.0
+#: Seconds after giving a break up during which its agent's late report is still taken: a minute,
+#: whatever the report timeout (a slow agent or a congested stream is slow for a time of its own).
+DEFAULT_LATE_WINDOW = 60.0
+#: Breaks given up that are remembered at once for a late report (oldest forgotten first).
+DEFAULT_MAX_GIVEN_UP = 10_000
 # Waits already named in a break, remembered at most this many (oldest forgotten first). Instances
 # are never reused in a process, so forgetting one can only repeat a break that the agent ignores.
 _MAX_NAMED = 100_000
@@ -64,22 +83,47 @@ class _Hold:
     refused: bool = False  # the agent refused it: the detectors' policies disagree, nothing was broken
 
 
+@dataclass(frozen=True)
+class _GivenUp:
+    """A break given up on, whose report may still come late."""
+
+    key: Hashable  # its deadlock's
+    wait: tuple[str, int]  # the process and instance it names
+    at: float  # when it was given up
+
+
 class Resolver:
     """Chooses the waits to break after each snapshot and remembers the breaks under way."""
 
     def __init__(
-        self, *, report_timeout: float = DEFAULT_REPORT_TIMEOUT, refusal_pause: float = DEFAULT_REFUSAL_PAUSE
+        self,
+        *,
+        report_timeout: float = DEFAULT_REPORT_TIMEOUT,
+        refusal_pause: float = DEFAULT_REFUSAL_PAUSE,
+        late_window: float = DEFAULT_LATE_WINDOW,
+        max_given_up: int = DEFAULT_MAX_GIVEN_UP,
     ) -> None:
         if not report_timeout > 0:
             raise ValueError(f"report_timeout must be positive, not {report_timeout!r}")
         if not refusal_pause >= 0:
             raise ValueError(f"refusal_pause must not be negative, not {refusal_pause!r}")
+        if not late_window >= 0:
+            raise ValueError(f"late_window must not be negative, not {late_window!r}")
+        if max_given_up < 1:
+            raise ValueError(f"max_given_up must be at least 1, not {max_given_up!r}")
         self.report_timeout = report_timeout
         self.refusal_pause = refusal_pause
+        self.late_window = late_window
+        self._max_given_up = max_given_up
         self._holds: dict[Hashable, _Hold] = {}
         # Each break under way: its deadlock's key, and the wait it names.
         self._by_break: dict[int, tuple[Hashable, tuple[str, int]]] = {}
         self._named: dict[tuple[str, int], None] = {}
+        # Breaks given up, oldest first, while a late report may still answer them.
+        self._given_up: dict[int, _GivenUp] = {}
+        # Waits an agent said it acted on (broken, gone, already broken): never named again, even
+        # when a break of the same wait sent again is given up (bounded as the named ones).
+        self._settled: dict[tuple[str, int], None] = {}
 
     def victims(
         self,
@@ -149,7 +193,40 @@ class Resolver:
             hold.refused = refused
         if refused:
             self._named.pop(under_way[1], None)
+        else:
+            self._settle(under_way[1])
         return True
+
+    def reported_late(self, break_id: int, wait: tuple[str, int], now: float, *, refused: bool = False) -> bool:
+        """A report for ``break_id``, given up on before, came at ``now`` naming ``wait`` (its
+        process and instance); False (and nothing changes) unless that break was given up less
+        than ``late_window`` ago and named that very wait.
+
+        Otherwise it is taken as :meth:`reported` takes a report in time: a wait the agent acted on
+        is named again by no cut, and a refusal names nothing and pauses the policy. The deadlock's
+        hold moves to ``now`` only if no newer break of it went out since: that newer break holds
+        it, and its agent answers it (``ALREADY_BROKEN`` when this one broke the wait).
+        """
+        self._forget_given_up(now)
+        given_up = self._given_up.get(break_id)
+        if given_up is None or given_up.wait != wait:
+            return False
+        del self._given_up[break_id]
+        hold = self._holds.get(given_up.key)
+        if hold is not None and hold.break_id == break_id:
+            hold.reported_at = max(now, hold.reported_at or now)
+            hold.refused = refused
+        if not refused:
+            self._named[wait] = None
+            if len(self._named) > _MAX_NAMED:
+                del self._named[next(iter(self._named))]
+            self._settle(wait)
+        return True
+
+    @property
+    def given_up(self) -> int:
+        """How many breaks given up are remembered for a late report."""
+        return len(self._given_up)
 
     def unsent(self, break_id: int, now: float) -> None:
         """The break ``break_id`` could not go out at ``now`` (its victim's process was not attached).
@@ -159,9 +236,13 @@ class Resolver:
         deadlock names the same wait again, the one any other detector names too (choosing the
         next candidate would make a second victim of one deadlock).
         """
-        under_way = self._by_break.get(break_id)
-        self.reported(break_id, now)
-        if under_way is not None:
+        under_way = self._by_break.pop(break_id, None)
+        if under_way is None:
+            return
+        hold = self._holds.get(under_way[0])
+        if hold is not None and hold.break_id == break_id:
+            hold.reported_at = now
+        if under_way[1] not in self._settled:  # an agent said it acted on that wait: keep it named
             self._named.pop(under_way[1], None)
 
     def overdue(self, now: float) -> list[int]:
@@ -169,7 +250,9 @@ class Resolver:
 
         Their waits are not named either: the order may have been lost with its stream, and the wait
         still holds the deadlock. A later cut that shows it names the same wait again, as another
-        detector would (the agent breaks a wait at most once: ``ALREADY_BROKEN`` if it had).
+        detector would (the agent breaks a wait at most once: ``ALREADY_BROKEN`` if it had). Each is
+        remembered for a late report (:meth:`reported_late`) for ``late_window``; those given up
+        longer ago are forgotten now.
         """
         late = [
             break_id
@@ -177,8 +260,30 @@ class Resolver:
             if now - self._holds[key].sent_at >= self.report_timeout
         ]
         for break_id in late:
+            key, wait = self._by_break[break_id]
             self.unsent(break_id, now)  # given up as if it had never gone out (see above)
+            self._given_up[break_id] = _GivenUp(key, wait, now)
+        while len(self._given_up) > self._max_given_up:
+            del self._given_up[next(iter(self._given_up))]
+        self._forget_given_up(now)
         return late
+
+    def remembers(self, break_id: int) -> bool:
+        """Whether ``break_id`` was given up and a late report may still answer it."""
+        return break_id in self._given_up
+
+    def _forget_given_up(self, now: float) -> None:
+        """Forget the breaks given up more than ``late_window`` before ``now`` (oldest first)."""
+        while self._given_up:
+            break_id, given_up = next(iter(self._given_up.items()))
+            if now - given_up.at <= self.late_window:
+                return
+            del self._given_up[break_id]
+
+    def _settle(self, wait: tuple[str, int]) -> None:
+        self._settled[wait] = None
+        if len(self._settled) > _MAX_NAMED:
+            del self._settled[next(iter(self._settled))]
 
     def _holding(self, hold: _Hold, started_at: float, operator: bool) -> bool:
         """Whether ``hold`` keeps its deadlock from a victim chosen for a snapshot begun at ``started_at``."""
