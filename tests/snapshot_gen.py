@@ -156,6 +156,17 @@ def _position(incarnations: tuple[int, int], next_seq: int) -> AckPosition:
     return AckPosition(sender_incarnation=sender, receiver_incarnation=receiver, next_seq=next_seq)
 
 
+def pair_deadlocked(snapshot_id: int, started: datetime) -> GlobalSnapshot:
+    """A closed cut, taken in half a second from `started`, in which P0 and P1 wait on each other: a deadlock."""
+    snapshot = GlobalSnapshot(snapshot_id=snapshot_id, expected_members=["P0", "P1"])
+    snapshot.started_at.FromDatetime(started)
+    snapshot.completed_at.FromDatetime(started + timedelta(milliseconds=500))
+    for pid, other in (("P0", "P1"), ("P1", "P0")):
+        state = LocalState(waits=[Wait(targets=[WaitNode(process=other)])])
+        snapshot.processes.append(ProcessSnapshot(process_id=pid, state=state))
+    return snapshot
+
+
 def summary_of(snapshot: GlobalSnapshot) -> SnapshotSummary:
     """The detector's summary of a completed `snapshot`."""
     summary = SnapshotSummary(

@@ -13,12 +13,12 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from snapshot_gen import Archived, summary_of, write_archive
+from snapshot_gen import Archived, pair_deadlocked, summary_of, write_archive
 
 from stablewatch.detector.archive.writer import write_resolution_batch
 from stablewatch.pipeline.history import run_history
 from stablewatch.pipeline.story import tell
-from stablewatch.v1 import GlobalSnapshot, LocalState, ProcessSnapshot, Wait, WaitNode
+from stablewatch.v1 import WaitNode
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 from stablewatch.v1.query_pb2 import Resolution
 
@@ -101,23 +101,12 @@ def test_conserved_in_all_is_said_when_every_snapshot_held() -> None:
 MIDNIGHT = datetime(2026, 3, 2, tzinfo=UTC)
 
 
-def _deadlocked(sid: int, started: datetime) -> Any:
-    """A closed cut in which P0 and P1 wait on each other: a deadlock."""
-    snapshot = GlobalSnapshot(snapshot_id=sid, expected_members=["P0", "P1"])
-    snapshot.started_at.FromDatetime(started)
-    snapshot.completed_at.FromDatetime(started + timedelta(milliseconds=500))
-    for pid, other in (("P0", "P1"), ("P1", "P0")):
-        state = LocalState(waits=[Wait(targets=[WaitNode(process=other)])])
-        snapshot.processes.append(ProcessSnapshot(process_id=pid, state=state))
-    return snapshot
-
-
 def test_a_break_sent_after_midnight_counts_for_the_episode_of_a_day_range(spark: Any, tmp_path: Path) -> None:
     # The deadlock is proven by a snapshot that started 2 s before midnight (day 2026-03-01); its
     # break is sent and answered just after (the resolutions table is partitioned by the day it was
     # sent: 2026-03-02). The history of 2026-03-01 alone must still count the break of its episode.
     root = tmp_path / "archive"
-    snapshot = _deadlocked(1, MIDNIGHT - timedelta(seconds=2))
+    snapshot = pair_deadlocked(1, MIDNIGHT - timedelta(seconds=2))
     write_archive(root, [Archived(summary_of(snapshot), snapshot)])
     resolution = Resolution(
         resolution_id=1,

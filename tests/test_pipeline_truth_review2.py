@@ -17,7 +17,16 @@ from typing import Any
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 import pytest
-from snapshot_gen import START, Archived, as_version, detector_evaluations, random_snapshot, summary_of, write_archive
+from snapshot_gen import (
+    START,
+    Archived,
+    as_version,
+    detector_evaluations,
+    pair_deadlocked,
+    random_snapshot,
+    summary_of,
+    write_archive,
+)
 
 from stablewatch.detector.archive.files import parquet_files
 from stablewatch.detector.archive.reader import read_snapshots
@@ -28,7 +37,7 @@ from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, order_k
 from stablewatch.pipeline.follow import _whole_batches, follow
 from stablewatch.pipeline.history import run_history
 from stablewatch.pipeline.tables import open_archive
-from stablewatch.v1 import Evaluation, GlobalSnapshot, LocalState, ProcessSnapshot, Wait, WaitNode
+from stablewatch.v1 import Evaluation, GlobalSnapshot, LocalState, ProcessSnapshot, WaitNode
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 from stablewatch.v1.query_pb2 import Resolution
 
@@ -152,16 +161,6 @@ def test_rows_and_reduction_give_the_detectors_verdicts_on_the_archived_snapshot
 # -- a bad file past the range's last day ---------------------------------------------------------------------
 
 
-def _deadlocked(sid: int, started: datetime) -> GlobalSnapshot:
-    snapshot = GlobalSnapshot(snapshot_id=sid, expected_members=["P0", "P1"])
-    snapshot.started_at.FromDatetime(started)
-    snapshot.completed_at.FromDatetime(started + timedelta(milliseconds=500))
-    for pid, other in (("P0", "P1"), ("P1", "P0")):
-        state = LocalState(waits=[Wait(targets=[WaitNode(process=other)])])
-        snapshot.processes.append(ProcessSnapshot(process_id=pid, state=state))
-    return snapshot
-
-
 def _break(resolution_id: int, sent_at: datetime) -> Resolution:
     resolution = Resolution(
         resolution_id=resolution_id,
@@ -192,7 +191,7 @@ def test_corrupt_breaks_after_the_days_asked_for_are_named(spark: Any, tmp_path:
     # The history of 2026-03-01 reads the breaks sent after it too (a deadlock proven before midnight
     # is broken after it). A corrupt file among those must be named, like one inside the range.
     root = tmp_path / "archive"
-    snapshot = _deadlocked(1, MIDNIGHT - timedelta(seconds=2))
+    snapshot = pair_deadlocked(1, MIDNIGHT - timedelta(seconds=2))
     write_archive(root, [Archived(summary_of(snapshot), snapshot)])
     write_resolution_batch(root, [_break(1, MIDNIGHT + timedelta(milliseconds=100))])
     write_resolution_batch(root, [_break(2, MIDNIGHT + timedelta(days=1))])

@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 from rich.console import Console
+from test_cli_resolve import resolution
 
 from stablewatch.cli.main import main
 from stablewatch.cli.render import resolution_dict, resolution_line, resolutions_table
 from stablewatch.detector.archive.schema import RESOLUTION_OUTCOMES as ARCHIVED_OUTCOMES
 from stablewatch.detector.service.metrics import RESOLUTION_OUTCOMES
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_POLICIES_DISAGREE, BREAK_OUTCOME_UNSPECIFIED, BreakOutcome
-from stablewatch.v1.query_pb2 import Resolution
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,20 +37,6 @@ REFUSAL = (
 )
 # Outcomes after which nothing is left to do: the wait was broken, or needed no break.
 QUIET = {"gone", "already_broken"}
-
-
-def resolution(**fields: Any) -> Resolution:
-    """A break of wait 7 of b/y, chosen by youngest for snapshot 12, sent at 1000 s, with the fields given."""
-    sent = Resolution(resolution_id=4, snapshot_id=12, process_id="b", task="y", instance=7, policy="youngest")
-    sent.deadlock = "a/x -> b/y -> a/x"
-    sent.requested_by = "detector"
-    sent.sent_at.FromMilliseconds(1_000_000)
-    for name, value in fields.items():
-        if name == "reported_after_ms":
-            sent.reported_at.FromMilliseconds(1_000_000 + value)
-        else:
-            setattr(sent, name, value)
-    return sent
 
 
 def outcome_style(line: Any, word: str) -> str:

@@ -32,6 +32,7 @@ from typing import Any
 
 import grpc
 import pytest
+from detector_pair import attached, deadlocked, settled, take
 from pool_service import PoolService
 from rpc_harness import call
 
@@ -41,7 +42,6 @@ from stablewatch.agents.metrics import BREAK_KINDS
 from stablewatch.agents.rpc import RpcAgent
 from stablewatch.agents.rpc.metrics import BREAK_KINDS as RPC_BREAK_KINDS
 from stablewatch.detector.service.detector import DetectorConfig
-from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.resolutions import outcome_word
 from stablewatch.testing.deadlock_node import DeadlockProcess, introduce
 from stablewatch.testing.detector import Running
@@ -110,37 +110,6 @@ def scheduled(tmp_path: Path) -> Iterator[Pair]:
 
 
 # -- looking at the detectors ---------------------------------------------------------------------
-
-
-def take(running: Running) -> SnapshotResults:
-    return running.call(running.detector.take_snapshot(deadline=10), 40)
-
-
-def attached(running: Running) -> set[str]:
-    return set(running.detector.coordinator.members)
-
-
-def deadlocked(results: SnapshotResults) -> bool:
-    """Whether a completed snapshot proves a deadlock (the predicate true, not unknown)."""
-    assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
-    (deadlock,) = [result for result in results.results if result.name == "deadlock"]
-    assert not deadlock.unknown
-    return deadlock.holds
-
-
-def resolutions(running: Running) -> list[Resolution]:
-    """The detector's breaks, oldest first."""
-    return running.on_loop(lambda: running.detector.store.resolutions(1000))[::-1]
-
-
-def settled(running: Running) -> list[Resolution]:
-    """The detector's breaks once none waits for its agent's report."""
-
-    def look() -> tuple[list[Resolution]] | None:
-        found = resolutions(running)
-        return None if any(outcome_word(r) == "pending" for r in found) else (found,)
-
-    return poll(look, "every break reported")[0]
 
 
 def a_later_snapshot(running: Running, what: str) -> SnapshotResults:

@@ -26,6 +26,7 @@ from concurrent import futures
 from pathlib import Path
 
 import pytest
+from detector_pair import attached, deadlocked, settled, take
 
 from polling import poll
 from stablewatch.agents import ThreadedAgent, WaitHandle
@@ -39,7 +40,6 @@ from stablewatch.detector.evaluation import evaluate
 from stablewatch.detector.evaluation.victims import Victim
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.metrics import RESOLUTION_OUTCOMES, DetectorMetrics
-from stablewatch.detector.service.query import outcome_name
 from stablewatch.detector.service.resolutions import Resolutions, outcome_word
 from stablewatch.detector.service.resolver import Resolver
 from stablewatch.detector.service.store import Store
@@ -70,37 +70,6 @@ def detector(data_dir: Path, replica: int, resolve: str | None) -> Running:
         replica=replica, resolve=resolve,
     )  # fmt: skip
     return Running(config)
-
-
-def take(running: Running) -> SnapshotResults:
-    return running.call(running.detector.take_snapshot(deadline=20), 40)
-
-
-def attached(running: Running) -> set[str]:
-    return set(running.detector.coordinator.members)
-
-
-def deadlocked(results: SnapshotResults) -> bool:
-    """Whether a completed snapshot proves a deadlock (the predicate true, not unknown)."""
-    assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
-    (deadlock,) = [result for result in results.results if result.name == "deadlock"]
-    assert not deadlock.unknown
-    return deadlock.holds
-
-
-def resolutions(running: Running) -> list[Resolution]:
-    """The detector's breaks, oldest first."""
-    return running.on_loop(lambda: running.detector.store.resolutions(1000))[::-1]
-
-
-def settled(running: Running) -> list[Resolution]:
-    """The detector's breaks once none waits for its agent's report."""
-
-    def look() -> tuple[list[Resolution]] | None:
-        found = resolutions(running)
-        return None if any(outcome_word(r) == "pending" for r in found) else (found,)
-
-    return poll(look, "every break reported")[0]
 
 
 class Waiter:
