@@ -39,6 +39,7 @@ from stablewatch.detector.service.resolver import (
     DEFAULT_REPORT_TIMEOUT,
     NothingToResolve,
     Resolver,
+    remember,
 )
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import Evaluation, GlobalSnapshot, WaitNode
@@ -282,9 +283,7 @@ class Resolutions:
         reason = resolution.detail.partition(": ")[2] or resolution.detail  # without the wait's number
         if reason in self._refusals_told:
             return
-        self._refusals_told[reason] = None
-        if len(self._refusals_told) > 100:
-            del self._refusals_told[next(iter(self._refusals_told))]
+        remember(self._refusals_told, reason, bound=100)
         _log.warning(
             "%s refused to break wait %d of the deadlock of snapshot %d: %s",
             quoted_prefix(resolution.process_id), resolution.instance, resolution.snapshot_id, resolution.detail,

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass
+from typing import Any
 
 from stablewatch.detector.evaluation import Verdict, result_named
 from stablewatch.detector.evaluation.victims import Victim, choose_victims
@@ -46,6 +47,7 @@ __all__ = [
     "DEFAULT_REPORT_TIMEOUT",
     "NothingToResolve",
     "Resolver",
+    "remember",
 ]
 
 #: Seconds a break waits for its agent's report before the detector gives up on it.
@@ -62,6 +64,14 @@ DEFAULT_MAX_GIVEN_UP = 10_000
 # Waits already named in a break, remembered at most this many (oldest forgotten first). Instances
 # are never reused in a process, so forgetting one can only repeat a break that the agent ignores.
 _MAX_NAMED = 100_000
+
+
+def remember(memory: dict[Any, Any], key: Any, value: Any = None, bound: int = _MAX_NAMED) -> None:
+    """Keep ``key`` (with ``value``) in ``memory``, an insertion-ordered dict of at most ``bound``
+    entries: the oldest is forgotten to make room."""
+    memory[key] = value
+    if len(memory) > bound:
+        del memory[next(iter(memory))]
 
 
 # A hold outlives its report by this long: no snapshot runs longer (its deadline is far below), so
@@ -173,9 +183,7 @@ class Resolver:
         """A break for ``victim`` went out as ``break_id`` at ``now``."""
         self._holds[victim.key] = _Hold(break_id, sent_at=now)
         self._by_break[break_id] = (victim.key, (victim.process, victim.instance))
-        self._named[(victim.process, victim.instance)] = None
-        if len(self._named) > _MAX_NAMED:
-            del self._named[next(iter(self._named))]
+        remember(self._named, (victim.process, victim.instance))
 
     def reported(self, break_id: int, now: float, *, refused: bool = False) -> bool:
         """The agent answered ``break_id`` at ``now``; False when no such break is under way.
@@ -194,7 +202,7 @@ class Resolver:
         if refused:
             self._named.pop(under_way[1], None)
         else:
-            self._settle(under_way[1])
+            remember(self._settled, under_way[1])
         return True
 
     def reported_late(self, break_id: int, wait: tuple[str, int], now: float, *, refused: bool = False) -> bool:
@@ -217,10 +225,8 @@ class Resolver:
             hold.reported_at = max(now, hold.reported_at or now)
             hold.refused = refused
         if not refused:
-            self._named[wait] = None
-            if len(self._named) > _MAX_NAMED:
-                del self._named[next(iter(self._named))]
-            self._settle(wait)
+            remember(self._named, wait)
+            remember(self._settled, wait)
         return True
 
     @property
@@ -262,9 +268,7 @@ class Resolver:
         for break_id in late:
             key, wait = self._by_break[break_id]
             self.unsent(break_id, now)  # given up as if it had never gone out (see above)
-            self._given_up[break_id] = _GivenUp(key, wait, now)
-        while len(self._given_up) > self._max_given_up:
-            del self._given_up[next(iter(self._given_up))]
+            remember(self._given_up, break_id, _GivenUp(key, wait, now), self._max_given_up)
         self._forget_given_up(now)
         return late
 
@@ -279,11 +283,6 @@ class Resolver:
             if now - given_up.at <= self.late_window:
                 return
             del self._given_up[break_id]
-
-    def _settle(self, wait: tuple[str, int]) -> None:
-        self._settled[wait] = None
-        if len(self._settled) > _MAX_NAMED:
-            del self._settled[next(iter(self._settled))]
 
     def _holding(self, hold: _Hold, started_at: float, operator: bool) -> bool:
         """Whether ``hold`` keeps its deadlock from a victim chosen for a snapshot begun at ``started_at``."""
