@@ -17,7 +17,7 @@ digest of the breaks and outcomes it holds (:func:`resolutions_name`), so that a
 replaces one holding other breaks, or the same breaks with other outcomes (a late answer's row is
 a new file beside the ``unanswered`` one: files are never rewritten, and a reader that takes
 files as they appear sees it). What is archived is read back from the files themselves
-(:func:`read_keys`, :func:`read_outcomes`), not from the names.
+(:func:`read_outcomes`), not from the names.
 
 The marker holds the newest schema version written into the folder: a writer of a newer version
 raises it (:func:`raise_marker`) when it opens an older archive, whose files all still read.
@@ -63,7 +63,6 @@ __all__ = [
     "parquet_files",
     "raise_marker",
     "read_ids",
-    "read_keys",
     "read_outcomes",
     "read_table",
     "resolutions_name",
@@ -308,11 +307,6 @@ def _file_schema(path: Path, table: str, version: int) -> pa.Schema:
     except ArchiveError as error:
         raise ArchiveError(f"{path}: {error}") from None
     return expected.remove(expected.get_field_index("day"))
-
-
-def read_keys(path: Path) -> list[tuple[int, int]]:
-    """The (snapshot id, break id) of every row of one ``resolutions`` file, read alone (cheap)."""
-    return [(snapshot_id, resolution_id) for snapshot_id, resolution_id, _ in read_outcomes(path)]
 
 
 def read_outcomes(path: Path) -> list[tuple[int, int, str]]:
