@@ -32,6 +32,8 @@ from stablewatch.v1.control_pb2 import (
 
 __all__ = [
     "DEFAULT_HINT_AFTER",
+    "OFF",
+    "OPERATOR",
     "BreakDispatcher",
     "Broken",
     "DeadlockVictim",

@@ -54,6 +54,7 @@ from typing import NoReturn
 
 import grpc
 
+from stablewatch.agents.breaking import OFF
 from stablewatch.detector.assembly import Assembler, Completed, PartRejected, recorded_count
 from stablewatch.detector.service.auth import Authorizer, Denied, peer_identity
 from stablewatch.detector.service.limits import Limits
@@ -165,7 +166,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         limits: Limits | None = None,
         authorizer: Authorizer | None = None,
         ended_notice_delay: float = ENDED_NOTICE_DELAY,
-        resolve_policy: str = "off",
+        resolve_policy: str = OFF,
     ) -> None:
         self.detector_id = detector_id
         #: Stated to every agent that registers: the victim policy of this detector's automatic

@@ -35,6 +35,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from stablewatch.agents.breaking import OFF
 from stablewatch.agents.certificates import server_credentials
 from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
@@ -153,7 +154,7 @@ class Detector:
             on_hint=self._hinted,
             limits=config.limits,
             authorizer=self._authorizer,
-            resolve_policy=config.resolve or "off",
+            resolve_policy=config.resolve or OFF,
         )
         rate = config.limits.trigger_rate
         self._trigger_bucket = None if rate is None else TokenBucket(*rate)

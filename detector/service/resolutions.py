@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from datetime import UTC, datetime
 
+from stablewatch.agents.breaking import OPERATOR
 from stablewatch.detector.evaluation.victims import Victim
 from stablewatch.detector.service.metrics import RESOLUTION_OUTCOMES, DetectorMetrics
 from stablewatch.detector.service.resolver import (
@@ -141,7 +142,7 @@ class Resolutions:
                     f"snapshot {snapshot_id} has nothing to break: {who} attached again after snapshot "
                     f"{snapshot_id} started (it may have restarted, and its waits be others now): take a new snapshot"
                 )
-        return [self._break(snapshot_id, victim, "operator", requested_by) for victim in victims]
+        return [self._break(snapshot_id, victim, OPERATOR, requested_by) for victim in victims]
 
     def reported(self, process_id: str, report: BreakReport) -> Resolution | None:
         """An agent answered a break; ignored (and logged) unless it is the victim's process answering
