@@ -18,6 +18,7 @@ from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.detector.service.auth import role_uri
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.limits import Limits
+from stablewatch.detector.service.store import Store
 from stablewatch.testing.detector import Running
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,3 +115,10 @@ def limited_detector(
         config = tls | config
     options: dict[str, Any] = {"listen": "127.0.0.1:0", "metrics_port": None, "interval": None} | config
     return Running(DetectorConfig(data_dir=data_dir, limits=limits or Limits(), **options))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Iterator[Store]:
+    """A detector's store in a fresh folder, closed after the test."""
+    with Store(tmp_path / "data") as store:
+        yield store

@@ -13,7 +13,7 @@ import json
 import os
 import signal
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -128,12 +128,6 @@ def restart_writer(root: Path, store: Store, batch_size: int = 500) -> int:
         return writer.written
 
     return run(cycle)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(tmp_path / "data") as store:
-        yield store
 
 
 # -- round trip and batching ----------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -105,12 +105,6 @@ def assert_each_break_once(root: Path, wanted: list[Resolution]) -> None:
     """The archive holds exactly these breaks, once each, equal to what the detector had."""
     check(root)  # no file unreadable, no break twice
     assert read_resolutions(root) == sorted(wanted, key=lambda r: (r.resolution_id, r.snapshot_id))
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(tmp_path / "data") as store:
-        yield store
 
 
 # -- rows -------------------------------------------------------------------------------------------

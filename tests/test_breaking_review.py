@@ -8,7 +8,6 @@ recorded ``send`` (the harness of tests/test_resolutions.py), a settable clock.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,12 +20,6 @@ from stablewatch.testing.detector import Running
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(tmp_path / "data") as store:
-        yield store
 
 
 @pytest.fixture

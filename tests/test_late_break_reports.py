@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,12 +42,6 @@ from stablewatch.v1.query_pb2 import Resolution
 pytestmark = pytest.mark.timeout(60)
 
 TIMEOUT = 5.0  # the harness's report_timeout
-
-
-@pytest.fixture
-def store(tmp_path: Path) -> Iterator[Store]:
-    with Store(tmp_path / "data") as store:
-        yield store
 
 
 @pytest.fixture

@@ -65,12 +65,6 @@ class Clock:
 
 
 @pytest.fixture
-def store(tmp_path: Path):
-    with Store(tmp_path / "data") as store:
-        yield store
-
-
-@pytest.fixture
 def clock() -> Clock:
     return Clock()
 

@@ -44,12 +44,6 @@ def ids(summaries: list[SnapshotSummary]) -> list[int]:
     return [s.snapshot_id for s in summaries]
 
 
-@pytest.fixture
-def store(tmp_path: Path):
-    with Store(tmp_path / "data") as store:
-        yield store
-
-
 # -- round trips ----------------------------------------------------------------------------------
 
 
