@@ -37,7 +37,8 @@ from stablewatch.v1 import (
     Wait,
     WaitNode,
 )
-from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED, SnapshotSummary
+from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
+from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED, Resolution, SnapshotSummary
 
 START = datetime(2026, 3, 1, 23, 50, tzinfo=UTC)  # snapshots a few minutes apart cross midnight: two days
 _TASKS = ["", "", "", "t0", "t1"]
@@ -165,6 +166,26 @@ def pair_deadlocked(snapshot_id: int, started: datetime) -> GlobalSnapshot:
         state = LocalState(waits=[Wait(targets=[WaitNode(process=other)])])
         snapshot.processes.append(ProcessSnapshot(process_id=pid, state=state))
     return snapshot
+
+
+def pair_break(resolution_id: int, sent_at: datetime) -> Resolution:
+    """A break of P0's wait in :func:`pair_deadlocked`'s deadlock (snapshot 1), sent at ``sent_at`` and
+    reported broken 200 ms later."""
+    resolution = Resolution(
+        resolution_id=resolution_id,
+        snapshot_id=1,
+        process_id="P0",
+        instance=resolution_id,
+        policy="youngest",
+        requested_by="detector",
+        component=[WaitNode(process="P0"), WaitNode(process="P1")],
+        deadlock="a cycle",
+        outcome=BREAK_OUTCOME_BROKEN,
+    )
+    resolution.wait_began_at.FromDatetime(sent_at - timedelta(seconds=30))
+    resolution.sent_at.FromDatetime(sent_at)
+    resolution.reported_at.FromDatetime(sent_at + timedelta(milliseconds=200))
+    return resolution
 
 
 def summary_of(snapshot: GlobalSnapshot) -> SnapshotSummary:

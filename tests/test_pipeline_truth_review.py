@@ -13,14 +13,11 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
-from snapshot_gen import Archived, pair_deadlocked, summary_of, write_archive
+from snapshot_gen import Archived, pair_break, pair_deadlocked, summary_of, write_archive
 
 from stablewatch.detector.archive.writer import write_resolution_batch
 from stablewatch.pipeline.history import run_history
 from stablewatch.pipeline.story import tell
-from stablewatch.v1 import WaitNode
-from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
-from stablewatch.v1.query_pb2 import Resolution
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -108,21 +105,7 @@ def test_a_break_sent_after_midnight_counts_for_the_episode_of_a_day_range(spark
     root = tmp_path / "archive"
     snapshot = pair_deadlocked(1, MIDNIGHT - timedelta(seconds=2))
     write_archive(root, [Archived(summary_of(snapshot), snapshot)])
-    resolution = Resolution(
-        resolution_id=1,
-        snapshot_id=1,
-        process_id="P0",
-        instance=7,
-        policy="youngest",
-        requested_by="detector",
-        component=[WaitNode(process="P0"), WaitNode(process="P1")],
-        deadlock="a cycle",
-        outcome=BREAK_OUTCOME_BROKEN,
-    )
-    resolution.wait_began_at.FromDatetime(MIDNIGHT - timedelta(seconds=30))
-    resolution.sent_at.FromDatetime(MIDNIGHT + timedelta(milliseconds=100))
-    resolution.reported_at.FromDatetime(MIDNIGHT + timedelta(milliseconds=300))
-    write_resolution_batch(root, [resolution])
+    write_resolution_batch(root, [pair_break(1, MIDNIGHT + timedelta(milliseconds=100))])
     history = run_history(root, tmp_path / "out", chart=False, first_day="2026-03-01", last_day="2026-03-01")
     episodes = history.tables["deadlock_episodes"].to_pylist()
     assert [(e["first_snapshot_id"], e["breaks"], e["broken"]) for e in episodes] == [(1, 1, 1)]

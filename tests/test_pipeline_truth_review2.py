@@ -22,6 +22,7 @@ from snapshot_gen import (
     Archived,
     as_version,
     detector_evaluations,
+    pair_break,
     pair_deadlocked,
     random_snapshot,
     summary_of,
@@ -37,9 +38,7 @@ from stablewatch.pipeline.evaluate import EVALUATIONS, evaluate_archive, order_k
 from stablewatch.pipeline.follow import _whole_batches, follow
 from stablewatch.pipeline.history import run_history
 from stablewatch.pipeline.tables import open_archive
-from stablewatch.v1 import Evaluation, GlobalSnapshot, LocalState, ProcessSnapshot, WaitNode
-from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
-from stablewatch.v1.query_pb2 import Resolution
+from stablewatch.v1 import Evaluation, GlobalSnapshot, LocalState, ProcessSnapshot
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -161,24 +160,6 @@ def test_rows_and_reduction_give_the_detectors_verdicts_on_the_archived_snapshot
 # -- a bad file past the range's last day ---------------------------------------------------------------------
 
 
-def _break(resolution_id: int, sent_at: datetime) -> Resolution:
-    resolution = Resolution(
-        resolution_id=resolution_id,
-        snapshot_id=1,
-        process_id="P0",
-        instance=resolution_id,
-        policy="youngest",
-        requested_by="detector",
-        component=[WaitNode(process="P0"), WaitNode(process="P1")],
-        deadlock="a cycle",
-        outcome=BREAK_OUTCOME_BROKEN,
-    )
-    resolution.wait_began_at.FromDatetime(sent_at - timedelta(seconds=30))
-    resolution.sent_at.FromDatetime(sent_at)
-    resolution.reported_at.FromDatetime(sent_at + timedelta(milliseconds=200))
-    return resolution
-
-
 def _corrupt_pages(path: Path) -> None:
     """Overwrite every page of the Parquet file `path`; its footer still reads fine."""
     data = bytearray(path.read_bytes())
@@ -193,8 +174,8 @@ def test_corrupt_breaks_after_the_days_asked_for_are_named(spark: Any, tmp_path:
     root = tmp_path / "archive"
     snapshot = pair_deadlocked(1, MIDNIGHT - timedelta(seconds=2))
     write_archive(root, [Archived(summary_of(snapshot), snapshot)])
-    write_resolution_batch(root, [_break(1, MIDNIGHT + timedelta(milliseconds=100))])
-    write_resolution_batch(root, [_break(2, MIDNIGHT + timedelta(days=1))])
+    write_resolution_batch(root, [pair_break(1, MIDNIGHT + timedelta(milliseconds=100))])
+    write_resolution_batch(root, [pair_break(2, MIDNIGHT + timedelta(days=1))])
     bad = parquet_files(root, "resolutions")[-1]
     assert "2026-03-03" in str(bad)
     _corrupt_pages(bad)
