@@ -463,7 +463,9 @@ def standin(iterations: int) -> None:
     """Python of the plainest kind, the kind an agent's step per call is made of, that does nothing:
     per iteration an object with four fields, an f-string, a clock read, a lock taken and released,
     and a dict entry set and removed. Its cost in place, set beside its cost here alone, is what
-    any Python on the call path costs (the ``python stand-in`` cases)."""
+    any Python on the call path costs (the ``python stand-in`` cases), at least: a loop touches the
+    same few objects each turn, so only its first turn runs cold, where the agent's steps, each its
+    own code and objects, run cold throughout (``rpc_hot_path.py --cold``)."""
     for seq in range(iterations):
         item = _StandInItem(seq, "peer", f"/bench.Echo/Call#peer:{seq}", time.time_ns())
         _STANDIN_LOCK.acquire()

@@ -104,6 +104,23 @@ def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
         assert low <= result[key] <= high, (key, result)
     assert result["hot_path_agent_us"] > 0, result
     assert set(result["targets"]) == {"hot_path_agent_us_at_most_4", "aio_hot_path_agent_us_at_most_4"}
+    assert result["cold_mb"] == 0, result
+
+
+def test_rpc_hot_path_benchmark_runs_each_call_cold_when_asked() -> None:
+    result = bench_json("rpc_hot_path.py", "--seconds", "0.05", "--rounds", "2", "--cold", "1", timeout=120)
+    assert result["cold_mb"] == 1, result
+    # Each call timed alone after an eviction; the agents were on every call's path.
+    for case in ("loopback", "stamp_only", "instrumented", "pooled_instrumented", "aio_stamp_only", "aio_instrumented"):
+        low, high = result[f"{case}_spread"]
+        assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
+        assert result[f"{case}_calls"] > 0, (case, result)
+    for case in ("instrumented", "pooled_instrumented", "aio_instrumented"):
+        assert result[f"{case}_stamped_requests"] == result[f"{case}_calls"], (case, result)
+    for key in ("hot_path_agent_us", "aio_hot_path_agent_us", "hot_path_agent_pooled_us"):
+        low, high = result[f"{key}_spread"]
+        assert low <= result[key] <= high, (key, result)
+    assert "targets" not in result, result  # set for the warm measure only
 
 
 @pytest.mark.timeout(180)
