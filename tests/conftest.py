@@ -12,6 +12,7 @@ import pytest
 from certs import issue, make_certs
 from detector_stub import StubDetector
 from rpc_harness import new_agent
+from settable_clock import Clock
 
 from stablewatch.agents.peer_identity import process_uri
 from stablewatch.agents.rpc.agent import RpcAgent
@@ -122,3 +123,9 @@ def store(tmp_path: Path) -> Iterator[Store]:
     """A detector's store in a fresh folder, closed after the test."""
     with Store(tmp_path / "data") as store:
         yield store
+
+
+@pytest.fixture
+def clock() -> Clock:
+    """A settable wall clock, at ``settable_clock.T0``."""
+    return Clock()

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_resolutions import T0, Clock, Harness, cycle_snapshot, report
+from settable_clock import T0, Clock
+from test_resolutions import Harness, cycle_snapshot, report
 
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.resolutions import NothingToResolve, outcome_word
@@ -20,11 +21,6 @@ from stablewatch.testing.detector import Running
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 def test_a_break_that_was_never_sent_does_not_move_the_deadlock_to_another_victim(store: Store, clock: Clock) -> None:

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 from control_streams import RawAgent
-from test_resolutions import T0, Clock, Harness, cycle_snapshot, report
+from settable_clock import T0, Clock
+from test_resolutions import Harness, cycle_snapshot, report
 
 from polling import async_poll, poll
 from stablewatch.cli.main import main
@@ -42,11 +43,6 @@ from stablewatch.v1.query_pb2 import Resolution
 pytestmark = pytest.mark.timeout(60)
 
 TIMEOUT = 5.0  # the harness's report_timeout
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 def given_up(h: Harness, clock: Clock, snapshot_id: int = 10) -> tuple[BreakWait, Resolution]:

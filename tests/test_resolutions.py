@@ -10,6 +10,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
+from settable_clock import T0, Clock
 
 from stablewatch.detector.evaluation import evaluate
 from stablewatch.detector.service.metrics import DetectorMetrics
@@ -25,8 +26,6 @@ from stablewatch.v1.control_pb2 import (
     BreakWait,
 )
 from stablewatch.v1.query_pb2 import Resolution
-
-T0 = 1_700_000_000.0
 
 
 def wait(task: str, target: tuple[str, str], instance: int, began_us: int) -> Wait:
@@ -54,19 +53,6 @@ def cycle_snapshot(snapshot_id: int, *, extra_free: bool = False) -> GlobalSnaps
 def free_snapshot(snapshot_id: int) -> GlobalSnapshot:
     processes = [ProcessSnapshot(process_id=p, state=LocalState(active=True)) for p in ("a", "b")]
     return GlobalSnapshot(snapshot_id=snapshot_id, processes=processes, expected_members=["a", "b"])
-
-
-class Clock:
-    def __init__(self, now: float = T0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
 
 
 class Harness:
