@@ -75,6 +75,7 @@ from typing import Any, NamedTuple
 import grpc
 from grpc import _interceptor
 from grpc._server import _RPCState
+from least_agent import LeastAgent
 from report import interleaved, json_line, medians_and_spreads, spread, spread_row
 from rich.console import Console
 from rich.table import Table
@@ -95,6 +96,12 @@ AGENT_KEYS = {
     "hot_path_agent_recording_us": ("instrumented_recording", "stamp_only"),
     "aio_hot_path_agent_us": ("aio_instrumented", "aio_stamp_only"),
     "hot_path_agent_pooled_us": ("pooled_instrumented", "pooled_stamp_only"),
+    "hot_path_least_agent_us": ("least_agent", "stamp_only"),
+    "hot_path_bare_bookkeeping_us": ("bare_bookkeeping", "stamp_only"),
+    "hot_path_agent_over_least_us": ("instrumented", "least_agent"),
+    "aio_hot_path_least_agent_us": ("aio_least_agent", "aio_stamp_only"),
+    "aio_hot_path_bare_bookkeeping_us": ("aio_bare_bookkeeping", "aio_stamp_only"),
+    "aio_hot_path_agent_over_least_us": ("aio_instrumented", "aio_least_agent"),
 }
 
 
@@ -418,7 +425,12 @@ def agents(recording: bool) -> tuple[RpcAgent, RpcAgent]:
     return client, server
 
 
-def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
+def least_agents(facts: bool) -> tuple[LeastAgent, LeastAgent]:
+    """A client and a server :class:`~least_agent.LeastAgent` (``facts``: the least agent, else bare bookkeeping)."""
+    return LeastAgent("client", facts=facts), LeastAgent("server", facts=facts)
+
+
+def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent | LeastAgent]]:
     """Each sync case's blocking unary method (called with the payload), and the client agent of each
     case that has one."""
     plain = LoopbackChannel(LoopbackServer([])).unary_unary(METHOD)
@@ -427,7 +439,7 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
     def channel(server: RpcAgent) -> LoopbackChannel:
         return LoopbackChannel(LoopbackServer([server.server_interceptor(workers=4)]))
 
-    clients: dict[str, RpcAgent] = {}
+    clients: dict[str, RpcAgent | LeastAgent] = {}
     clients["instrumented"], server = agents(False)
     instrumented = clients["instrumented"].instrument_channel(channel(server), "server").unary_unary(METHOD)
     clients["instrumented_recording"], server = agents(True)
@@ -442,6 +454,14 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
     pool = InlineWorkerPool(4)
     pooled_channel = LoopbackChannel(LoopbackServer([server.server_interceptor(workers=pool)], pool))
     pooled = clients["pooled_instrumented"].instrument_channel(pooled_channel, "server").unary_unary(METHOD)
+    clients["least_agent"], least_server = least_agents(True)
+    least = clients["least_agent"].method(
+        LoopbackChannel(LoopbackServer([least_server.server_interceptor()])).unary_unary(METHOD), "server"
+    )
+    clients["bare_bookkeeping"], bare_server = least_agents(False)
+    bare = clients["bare_bookkeeping"].method(
+        LoopbackChannel(LoopbackServer([bare_server.server_interceptor()])).unary_unary(METHOD), "server"
+    )
     methods = {
         "loopback": plain,
         "stamp_only": stamp_only,
@@ -450,15 +470,17 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent]]:
         "client_interceptor": intercepted,
         "pooled_stamp_only": pooled_stamp_only,
         "pooled_instrumented": pooled,
+        "least_agent": least,
+        "bare_bookkeeping": bare,
     }
     return methods, clients
 
 
-def aio_cases() -> tuple[dict[str, Callable[[bytes], Awaitable[Any]]], dict[str, RpcAgent]]:
+def aio_cases() -> tuple[dict[str, Callable[[bytes], Awaitable[Any]]], dict[str, RpcAgent | LeastAgent]]:
     """Each asyncio case's unary method (awaited with the payload), and its client agent if it has one."""
     plain = AioLoopbackMethod(AioLoopbackServer([]))
     stamp_only = AioStampOnlyMethod(AioLoopbackMethod(AioLoopbackServer([AioStampOnlyServerInterceptor()])))
-    clients: dict[str, RpcAgent] = {}
+    clients: dict[str, RpcAgent | LeastAgent] = {}
     clients["aio_instrumented"], server = agents(False)
     loopback = AioLoopbackChannel(AioLoopbackServer([server.aio_server_interceptor()]))
     channel = AioInstrumentedChannel(loopback, clients["aio_instrumented"], "server", True)  # type: ignore[arg-type]
@@ -471,6 +493,11 @@ def aio_cases() -> tuple[dict[str, Callable[[bytes], Awaitable[Any]]], dict[str,
         "aio_instrumented": channel.unary_unary(METHOD),
         "aio_client_interceptors": intercepted,
     }
+    for name, facts in (("aio_least_agent", True), ("aio_bare_bookkeeping", False)):
+        clients[name], server = least_agents(facts)
+        methods[name] = clients[name].aio_method(
+            AioLoopbackMethod(AioLoopbackServer([server.aio_server_interceptor()])), "server"
+        )
     return methods, clients
 
 
@@ -606,8 +633,11 @@ def main() -> None:
         summary[f"{name}_calls"] = calls[name]
         if name != loopback:
             summary[f"{name}_added_us"] = round(added, 2)
-        if name in clients:  # the agent was really on the path: it stamped every request
-            summary[f"{name}_stamped_requests"] = stamped_requests(clients[name])
+        client = clients.get(name)
+        if isinstance(client, RpcAgent):  # the agent was really on the path: it stamped every request
+            summary[f"{name}_stamped_requests"] = stamped_requests(client)
+        elif client is not None:  # and the least agent took in every stamped response
+            summary[f"{name}_stamped_responses"] = client.taken_in("server")
     for key, (case, floor) in AGENT_KEYS.items():  # paired within each round, against drift
         above = [value - base for value, base in zip(results[case], results[floor], strict=True)]
         summary[key] = round(statistics.median(above), 2)

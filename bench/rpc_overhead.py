@@ -52,6 +52,13 @@ attaches to a detector in this process. Cases (the asyncio ones are named ``aio 
   both sides, ``hot_path_agent_us`` in ``rpc_hot_path.py``). What it costs in place, beside what it
   costs alone, is what that much Python costs on the call path whatever it does: the floor under
   the targets of any agent written in Python within that bound.
+* ``least agent+snapshots`` (``least_agent``), ``realistic least agent+snapshots``
+  (``realistic_least_agent``) and ``bare bookkeeping+snapshots`` (``bare_bookkeeping``): the echo
+  or ``work`` method through ``least_agent.py``'s client method and server interceptor instead of
+  the stamp-only ones, snapshots at 10 a second (the least agent takes part in none; the other
+  agents do). The least agent keeps the facts the detector needs, each in the plainest Python;
+  bare bookkeeping keeps only counts and waits. What they cost in place is the floor under the
+  targets of any agent that keeps those facts, whatever its code.
 
 Each case runs ``--warmup`` seconds, then is measured for ``--seconds``: the latency of every call
 that started in that window (its p50 and p99, in µs) and the calls completed per second. The cases
@@ -81,6 +88,13 @@ call of both processes together (``<key>_cpu_us_per_call``) and of each (``<key>
   (instrumented+snapshots against the stand-in: what the agent costs beyond Python of the bound's
   size), ``realistic_standin_overhead_p50``, ``realistic_standin_throughput_ratio`` and
   ``realistic_standin_cpu_overhead`` (against realistic plain, as the realistic targets);
+* the least agent's and bare bookkeeping's: ``least_floor_overhead_p50``,
+  ``least_floor_throughput_ratio``, ``least_floor_cpu_overhead``, ``bare_floor_overhead_p50``,
+  ``bare_floor_throughput_ratio`` and ``bare_floor_cpu_overhead`` (against stamp-only+snapshots, as
+  the floor targets set the agent), ``over_least_p50`` and ``over_least_cpu_overhead``
+  (instrumented+snapshots against the least agent: what the agent costs beyond the facts it must
+  keep), ``realistic_least_overhead_p50``, ``realistic_least_throughput_ratio`` and
+  ``realistic_least_cpu_overhead`` (against realistic plain, as the realistic targets);
 * against plain, as before: ``overhead_p50`` (intercepted p50 / plain p50 - 1),
   ``overhead_p50_with_snapshots``, the floors' ``noop_overhead_p50`` and ``stamp_only_overhead_p50``
   and ``client_interceptor_overhead_p50``; ``cpu_overhead`` (intercepted over plain, - 1),
@@ -122,8 +136,8 @@ handler), the latter three shared by all of a process's servers, so run one case
 (``--cases``) to read them. A second line, ``probe-gc <role> {...}``, counts the garbage
 collector's passes per generation and their time.
 
-A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 24 cases (12 for
-each API): about 22 minutes by default, 11 with ``--api sync``.
+A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 30 cases (15 for
+each API): about 28 minutes by default, 14 with ``--api sync``.
 """
 
 from __future__ import annotations
@@ -146,6 +160,7 @@ from typing import Any
 import grpc
 from child import Child, emit
 from coordinator import attached, served_coordinator, stop_snapshots, take_snapshots
+from least_agent import LeastAgent
 from report import json_line, rounds_row, rounds_table, spread
 
 from stablewatch.agents.rpc.agent import RpcAgent
@@ -164,7 +179,7 @@ class Case:
     """What one case measures: which API, channel (and server), method, and whether snapshots run."""
 
     api: str  # "sync" or "aio"
-    channel: str  # plain, noop, stamp_only, standin, client_interceptor, intercepted
+    channel: str  # plain, noop, stamp_only, standin, least, bare, client_interceptor, intercepted
     method: str  # echo or work
     snapshots: bool
     key: str  # its name in the JSON line
@@ -184,6 +199,9 @@ def _cases() -> dict[str, Case]:
         "realistic instrumented+snapshots": Case("sync", "intercepted", "work", True, "realistic"),
         "python stand-in+snapshots": Case("sync", "standin", "echo", True, "standin"),
         "realistic python stand-in+snapshots": Case("sync", "standin", "work", True, "realistic_standin"),
+        "least agent+snapshots": Case("sync", "least", "echo", True, "least_agent"),
+        "realistic least agent+snapshots": Case("sync", "least", "work", True, "realistic_least_agent"),
+        "bare bookkeeping+snapshots": Case("sync", "bare", "echo", True, "bare_bookkeeping"),
     }
     aio = {
         f"aio {name}": Case("aio", case.channel, case.method, case.snapshots, f"aio_{case.key}")
@@ -221,6 +239,18 @@ RATIOS = (
     ("realistic_standin_overhead_p50", "realistic python stand-in+snapshots", "realistic plain", "p50"),
     ("realistic_standin_throughput_ratio", "realistic python stand-in+snapshots", "realistic plain", "rate"),
     ("realistic_standin_cpu_overhead", "realistic python stand-in+snapshots", "realistic plain", "cpu"),
+    # What the least agent (least_agent.py) costs in place: the facts any agent must keep, written plainly.
+    ("least_floor_overhead_p50", "least agent+snapshots", "stamp-only+snapshots", "p50"),
+    ("least_floor_throughput_ratio", "least agent+snapshots", "stamp-only+snapshots", "rate"),
+    ("least_floor_cpu_overhead", "least agent+snapshots", "stamp-only+snapshots", "cpu"),
+    ("bare_floor_overhead_p50", "bare bookkeeping+snapshots", "stamp-only+snapshots", "p50"),
+    ("bare_floor_throughput_ratio", "bare bookkeeping+snapshots", "stamp-only+snapshots", "rate"),
+    ("bare_floor_cpu_overhead", "bare bookkeeping+snapshots", "stamp-only+snapshots", "cpu"),
+    ("over_least_p50", "instrumented+snapshots", "least agent+snapshots", "p50"),
+    ("over_least_cpu_overhead", "instrumented+snapshots", "least agent+snapshots", "cpu"),
+    ("realistic_least_overhead_p50", "realistic least agent+snapshots", "realistic plain", "p50"),
+    ("realistic_least_throughput_ratio", "realistic least agent+snapshots", "realistic plain", "rate"),
+    ("realistic_least_cpu_overhead", "realistic least agent+snapshots", "realistic plain", "cpu"),
     ("noop_overhead_p50", "no-op interceptors", "plain", "p50"),
     ("overhead_p50", "instrumented", "plain", "p50"),
     ("overhead_p50_with_snapshots", "instrumented+snapshots", "plain", "p50"),
@@ -550,11 +580,14 @@ def serve(args: argparse.Namespace) -> None:
     standins, standin_us = calibrate_standin(args.standin_us)
     servers = {}
     instrumented_pool = agent.thread_pool(args.workers, thread_name_prefix="intercepted-worker")  # the README's
+    least, bare = LeastAgent("server"), LeastAgent("server", facts=False)
     kinds = (
         ("plain", [], None),
         ("noop", [NoopServerInterceptor()], None),
         ("stamp_only", [StampOnlyServerInterceptor()], None),
         ("standin", [StampOnlyServerInterceptor(standins)], None),
+        ("least", [least.server_interceptor()], None),
+        ("bare", [bare.server_interceptor()], None),
         # for both of the agent's clients (the instrumented channel and the client interceptor)
         ("intercepted", [agent.server_interceptor(workers=instrumented_pool)], instrumented_pool),
     )
@@ -592,6 +625,8 @@ async def aio_servers(args: argparse.Namespace) -> None:
         ("noop", [AioNoopServerInterceptor()]),
         ("stamp_only", [AioStampOnlyServerInterceptor()]),
         ("standin", [AioStampOnlyServerInterceptor(standins)]),
+        ("least", [LeastAgent("aio-server").aio_server_interceptor()]),
+        ("bare", [LeastAgent("aio-server", facts=False).aio_server_interceptor()]),
         ("intercepted", [agent.aio_server_interceptor()]),
     )
     servers = {}
@@ -617,12 +652,15 @@ async def aio_servers(args: argparse.Namespace) -> None:
 def call(args: argparse.Namespace) -> None:
     """Measure sync phases on the orchestrator's command (one JSON line in, one out) until stdin closes."""
     agent = start_agent("client", args.detector)
+    least, bare = LeastAgent("client"), LeastAgent("client", facts=False)
     addresses = json.loads(args.peer)
     channels = {
         "plain": grpc.insecure_channel(addresses["plain"]),
         "noop": grpc.intercept_channel(grpc.insecure_channel(addresses["noop"]), NoopClientInterceptor()),
         "stamp_only": grpc.insecure_channel(addresses["stamp_only"]),
         "standin": grpc.insecure_channel(addresses["standin"]),
+        "least": grpc.insecure_channel(addresses["least"]),
+        "bare": grpc.insecure_channel(addresses["bare"]),
         "client_interceptor": grpc.intercept_channel(
             grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor("server")
         ),
@@ -635,6 +673,8 @@ def call(args: argparse.Namespace) -> None:
     for name in METHODS:
         methods["stamp_only", name] = StampOnlyMethod(methods["stamp_only", name])
         methods["standin", name] = StampOnlyMethod(methods["standin", name], standins)
+        methods["least", name] = least.method(methods["least", name], "server")
+        methods["bare", name] = bare.method(methods["bare", name], "server")
     for method in methods.values():  # connect every channel before anything is measured
         method(PAYLOAD, wait_for_ready=True, timeout=30)
     emit(ready=True, standin_iterations=standins, standin_us=standin_us)
@@ -654,12 +694,15 @@ def aio_call(args: argparse.Namespace) -> None:
 
 async def aio_client(args: argparse.Namespace) -> None:
     agent = start_agent("aio-client", args.detector)
+    least, bare = LeastAgent("aio-client"), LeastAgent("aio-client", facts=False)
     addresses = json.loads(args.peer)
     channels = {
         "plain": grpc.aio.insecure_channel(addresses["plain"]),
         "noop": grpc.aio.insecure_channel(addresses["noop"], interceptors=[AioNoopClientInterceptor()]),
         "stamp_only": grpc.aio.insecure_channel(addresses["stamp_only"]),
         "standin": grpc.aio.insecure_channel(addresses["standin"]),
+        "least": grpc.aio.insecure_channel(addresses["least"]),
+        "bare": grpc.aio.insecure_channel(addresses["bare"]),
         "client_interceptor": grpc.aio.insecure_channel(
             addresses["intercepted"], interceptors=agent.aio_client_interceptors("aio-server")
         ),
@@ -672,6 +715,8 @@ async def aio_client(args: argparse.Namespace) -> None:
     for name in METHODS:
         methods["stamp_only", name] = AioStampOnlyMethod(methods["stamp_only", name])
         methods["standin", name] = AioStampOnlyMethod(methods["standin", name], standins)
+        methods["least", name] = least.aio_method(methods["least", name], "aio-server")
+        methods["bare", name] = bare.aio_method(methods["bare", name], "aio-server")
     for method in methods.values():  # connect every channel before anything is measured
         await method(PAYLOAD, wait_for_ready=True, timeout=30)
     emit(ready=True, standin_iterations=standins, standin_us=standin_us)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from typing import Any
@@ -88,6 +89,7 @@ def test_hot_path_benchmark_prints_its_json_line() -> None:
 def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_hot_path.py", "--seconds", "0.05", "--rounds", "2", timeout=120)
     cases = ("loopback", "stamp_only", "instrumented", "instrumented_recording", "client_interceptor")
+    cases += ("least_agent", "bare_bookkeeping", "aio_least_agent", "aio_bare_bookkeeping")
     for case in (*cases, "aio_loopback", "aio_stamp_only", "aio_instrumented", "aio_client_interceptors"):
         low, high = result[f"{case}_spread"]
         assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
@@ -98,8 +100,14 @@ def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
     for case in (*agent_cases, "aio_instrumented", "aio_client_interceptors"):
         assert result[f"{case}_stamped_requests"] == result[f"{case}_calls"], (case, result)
     assert "stamp_only_stamped_requests" not in result and "aio_stamp_only_stamped_requests" not in result
-    # The agents' own cost above the stamp-only floor, paired within each round.
-    for key in ("hot_path_agent_us", "hot_path_agent_recording_us", "aio_hot_path_agent_us"):
+    # The least agents were on the path too: each took in the server's stamped response of every call.
+    for case in ("least_agent", "bare_bookkeeping", "aio_least_agent", "aio_bare_bookkeeping"):
+        assert result[f"{case}_stamped_responses"] == result[f"{case}_calls"], (case, result)
+    # The agents' own cost above the stamp-only floor, and the least agents', paired within each round.
+    keys = ("hot_path_agent_us", "hot_path_agent_recording_us", "aio_hot_path_agent_us")
+    keys += ("hot_path_least_agent_us", "hot_path_bare_bookkeeping_us", "hot_path_agent_over_least_us")
+    keys += ("aio_hot_path_least_agent_us", "aio_hot_path_bare_bookkeeping_us", "aio_hot_path_agent_over_least_us")
+    for key in keys:
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
     assert result["hot_path_agent_us"] > 0, result
@@ -123,6 +131,47 @@ def test_rpc_hot_path_benchmark_runs_each_call_cold_when_asked() -> None:
     assert "targets" not in result, result  # set for the warm measure only
 
 
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed (apt-get install valgrind)")
+def test_rpc_cache_profile_counts_cold_calls_under_cachegrind() -> None:
+    # Four runs under valgrind, about half a minute each on a quiet machine, two at a time.
+    options = ["--cases", "stamp_only,instrumented", "--calls", "3", "--top", "5"]
+    result = bench_json("rpc_cache_profile.py", *options, timeout=840)
+    assert (result["calls"], result["floor"]) == (3, "stamp_only"), result
+    assert set(result["simulated_caches"]) == {"I1", "D1", "LL"}, result
+    figures = ("ir", "l1_misses", "ll_misses", "ll_instruction_misses", "ll_data_misses")
+    for case in ("stamp_only", "instrumented"):
+        for figure in figures:
+            assert result[f"{case}_{figure}"] > 0, (case, figure, result)
+        parts = result[f"{case}_ll_instruction_misses"] + result[f"{case}_ll_data_misses"]
+        assert parts == pytest.approx(result[f"{case}_ll_misses"], abs=0.2), (case, result)
+    assert "stamp_only_above_floor_ir" not in result, result  # the floor is not compared with itself
+    # The agents' calls run more instructions than the floor's; above the floor is the difference.
+    assert result["instrumented_ir"] > result["stamp_only_ir"], result
+    difference = result["instrumented_ir"] - result["stamp_only_ir"]
+    assert result["instrumented_above_floor_ir"] == pytest.approx(difference, abs=0.11), result
+    difference = result["instrumented_ll_misses"] - result["stamp_only_ll_misses"]
+    assert result["instrumented_above_floor_ll_misses"] == pytest.approx(difference, abs=0.11), result
+    # Where the extra misses go: functions by name, the most grown first.
+    functions = result["top_functions"]
+    assert 0 < len(functions) <= 5, result
+    assert all(isinstance(each["function"], str) and each["function"] for each in functions), functions
+    assert all(each["ll_misses"] > 0 for each in functions), functions
+    assert [each["ll_misses"] for each in functions] == sorted((each["ll_misses"] for each in functions), reverse=True)
+
+
+def test_rpc_cache_profile_refuses_an_unknown_case() -> None:
+    run = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "rpc_cache_profile.py"), "--cases", "stamp_only,no_such_case"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert run.returncode != 0
+    assert "no_such_case" in run.stderr and "instrumented" in run.stderr, run.stderr  # the known cases listed
+
+
 @pytest.mark.timeout(180)
 def test_rpc_phantom_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_phantom.py", "--snapshots", "30", "--max-seconds", "60", timeout=150)
@@ -142,7 +191,7 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_overhead.py", *sizes, timeout=150)
     cases = ("plain", "noop", "stamp_only", "stamp_only_with_snapshots", "intercepted", "with_snapshots")
     cases += ("realistic_plain", "realistic_stamp_only", "realistic", "standin", "realistic_standin")
-    cases += ("client_interceptor",)
+    cases += ("client_interceptor", "least_agent", "realistic_least_agent", "bare_bookkeeping")
     for case in (*cases, *(f"aio_{case}" for case in cases)):
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
@@ -169,6 +218,10 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     keys += ("over_standin_p50", "over_standin_cpu_overhead")
     keys += ("realistic_standin_overhead_p50", "realistic_standin_throughput_ratio", "realistic_standin_cpu_overhead")
     keys += ("client_interceptor_overhead_p50", "client_interceptor_throughput_ratio")
+    keys += ("least_floor_overhead_p50", "least_floor_throughput_ratio", "least_floor_cpu_overhead")
+    keys += ("bare_floor_overhead_p50", "bare_floor_throughput_ratio", "bare_floor_cpu_overhead")
+    keys += ("over_least_p50", "over_least_cpu_overhead")
+    keys += ("realistic_least_overhead_p50", "realistic_least_throughput_ratio", "realistic_least_cpu_overhead")
     for key in (*keys, *(f"aio_{name}" for name in keys)):
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
