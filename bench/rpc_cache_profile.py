@@ -13,8 +13,9 @@ the caches (copies ``EVICT_BYTES``, twice the simulated last level) and makes on
 starts with none of its lines cached. Cachegrind counts a whole process, start-up included and
 valgrind 3.19 cannot switch counting on and off, so each case runs twice, with its calls and with
 the same evictions and no call, and the difference over ``--calls`` is what one cold call costs
-(``PYTHONHASHSEED=0`` in both). Asyncio cases are awaited in one event loop, as
-``rpc_hot_path.py`` awaits them.
+(``PYTHONHASHSEED=0`` in both; a garbage collection after the warm-up, and an exit without the
+interpreter's teardown, keep the counts the same from run to run to within a few instructions a
+call). Asyncio cases are awaited in one event loop, as ``rpc_hot_path.py`` awaits them.
 
 The table and the last line (JSON) give, per call of each case: ``<case>_ir`` (instructions),
 ``<case>_l1_misses`` (first-level misses, instructions and data: I1mr + D1mr + D1mw),
@@ -22,9 +23,13 @@ The table and the last line (JSON) give, per call of each case: ``<case>_ir`` (i
 ``<case>_ll_instruction_misses`` (ILmr) and ``<case>_ll_data_misses`` (DLmr + DLmw); for each case
 but the floor (``--floor``, ``stamp_only``), ``<case>_above_floor_ir`` and
 ``<case>_above_floor_ll_misses``. Then where each case's extra last-level misses go: the functions
-(source file:function, from CPython's debug information) whose last-level misses per call grow
-most above the floor's, ``--top`` (20) of them, with their instructions and last-level misses per
-call above the floor; ``top_functions`` holds them for the first case that is not the floor.
+(source file:function, from CPython's debug information; a function inlined from a header counts
+under the header, and ``???:???`` is code without debug information, such as gRPC's compiled
+extension) whose last-level misses per call grow most above the floor's, ``--top`` (20) of them,
+with their instructions and last-level misses per call above the floor; ``top_functions`` holds
+them for the first case that is not the floor. Above ``stamp_only``, an asyncio case counts the
+event loop's and coroutines' own work too: ``--cases aio_stamp_only,aio_instrumented --floor
+aio_stamp_only`` leaves it out.
 ``calls``, ``floor`` and ``simulated_caches`` say how it was counted. Counts only: turning them
 into time takes a model of a real machine, which this benchmark leaves out.
 
@@ -71,8 +76,9 @@ class Cache(NamedTuple):
 #: The simulated machine. The first levels are a current x86 core's (32 KiB of instructions,
 #: 48 KiB of data). The last level is much smaller than our hosts' (32 MiB): what counts is that
 #: a call starts with none of its lines cached, and the eviction before each call must copy more
-#: than the last level, which under valgrind costs about a second per 100 MiB copied; a 2 MiB last
-#: level keeps the eviction cheap while still holding everything a warm call touches.
+#: than the last level, every byte of it simulated by valgrind; 2 MiB keeps that copy cheap (a
+#: 32 MiB last level would need 64 MiB copied before every call) and still holds far more than
+#: one call touches.
 SIMULATED_CACHES = {
     "I1": Cache(32 * 1024, 8, 64),
     "D1": Cache(48 * 1024, 12, 64),
@@ -338,7 +344,7 @@ def main() -> None:
         return
     if args.calls < 1:
         parser.error("--calls must be at least 1")
-    names = [name for name in args.cases.split(",") if name]
+    names = list(dict.fromkeys(name for name in args.cases.split(",") if name))
     if args.floor not in names:
         names.insert(0, args.floor)
     known = known_cases()
