@@ -36,6 +36,7 @@ import grpc
 
 from stablewatch.agents.breaking import new_instance
 from stablewatch.agents.rpc.core import STAMP_KEY, ColorCore, RecordedMessage, Stamp
+from stablewatch.agents.rpc.interceptors import stamp_of
 
 #: The running handler's call name, for the calls it makes (the agent's ``CURRENT_TASK``), with the
 #: asyncio task it names (None in a sync server, whose threads do not inherit it).
@@ -65,15 +66,6 @@ class Served:
 def _unrecorded() -> RecordedMessage:
     # The least agent takes part in no snapshot, so its core never records a message.
     raise AssertionError("the least agent's core recorded a message, but it takes part in no snapshot")
-
-
-def _stamp_text(metadata: Any) -> str | None:
-    """The last entry of ours among ``metadata`` (a request's or a response's), or None."""
-    text = None
-    for key, value in metadata or ():
-        if key == STAMP_KEY:
-            text = value
-    return text
 
 
 class LeastAgent:
@@ -200,7 +192,7 @@ class LeastMethod:
             response, call = self._method.with_call(
                 request, metadata=(*metadata, entry) if metadata else (entry,), **options
             )
-            text = _stamp_text(call.trailing_metadata())
+            text = stamp_of(call.trailing_metadata())
         finally:
             agent.returned(seq, peer, text)
         return response
@@ -222,7 +214,7 @@ class AioLeastMethod(LeastMethod):
         try:
             call = self._method(request, metadata=(*metadata, entry) if metadata else (entry,), **options)
             response = await call
-            text = _stamp_text(await call.trailing_metadata())
+            text = stamp_of(await call.trailing_metadata())
         finally:
             agent.returned(seq, peer, text)
         return response
@@ -242,7 +234,7 @@ class _Wrapping:
     def _arrived(self, handler: Any, handler_call_details: Any) -> Any:
         """The handler to run for an arriving call (passed through, uncounted, if it is not a unary
         call with our entry)."""
-        text = _stamp_text(handler_call_details.invocation_metadata)
+        text = stamp_of(handler_call_details.invocation_metadata)
         if handler is None or handler.unary_unary is None or text is None:
             return handler
         self._served.set(self._agent.arrive(handler_call_details.method, text))

@@ -315,15 +315,19 @@ def known_cases() -> list[str]:
     return [*rpc_hot_path.cases()[0], *rpc_hot_path.aio_cases()[0]]
 
 
+def above_floor(result: PerCall, floor: PerCall) -> dict[str, float]:
+    """``result``'s instructions and last-level misses per call above ``floor``'s, as reported."""
+    return {figure: tenths(result.totals[figure] - floor.totals[figure]) for figure in ("ir", "ll_misses")}
+
+
 def _rows(results: Mapping[str, PerCall], floor: str) -> Iterator[list[str]]:
-    base = results[floor].totals
     for name, result in results.items():
         cells = [format(tenths(result.totals[figure]), ",.1f") for figure in FIGURES]
         if name == floor:
             yield [name, *cells, "", ""]
         else:
-            above = (result.totals["ir"] - base["ir"], result.totals["ll_misses"] - base["ll_misses"])
-            yield [name, *cells, *(format(tenths(value), ",.1f") for value in above)]
+            above = above_floor(result, results[floor]).values()
+            yield [name, *cells, *(format(value, ",.1f") for value in above)]
 
 
 def main() -> None:
@@ -374,15 +378,14 @@ def main() -> None:
     summary: dict[str, object] = {"calls": args.calls, "floor": args.floor}
     summary["simulated_caches"] = {cache: config._asdict() for cache, config in SIMULATED_CACHES.items()}
     summary["evicted_bytes"] = EVICT_BYTES
-    base = results[args.floor].totals
     top_functions: list[dict[str, Any]] | None = None
     for name, result in results.items():
         for figure, value in result.totals.items():
             summary[f"{name}_{figure}"] = tenths(value)
         if name == args.floor:
             continue
-        summary[f"{name}_above_floor_ir"] = tenths(result.totals["ir"] - base["ir"])
-        summary[f"{name}_above_floor_ll_misses"] = tenths(result.totals["ll_misses"] - base["ll_misses"])
+        for figure, value in above_floor(result, results[args.floor]).items():
+            summary[f"{name}_above_floor_{figure}"] = value
         functions = grown(result, results[args.floor], args.top)
         if top_functions is None:
             top_functions = functions

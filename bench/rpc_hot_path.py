@@ -454,14 +454,6 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent | Lea
     pool = InlineWorkerPool(4)
     pooled_channel = LoopbackChannel(LoopbackServer([server.server_interceptor(workers=pool)], pool))
     pooled = clients["pooled_instrumented"].instrument_channel(pooled_channel, "server").unary_unary(METHOD)
-    clients["least_agent"], least_server = least_agents(True)
-    least = clients["least_agent"].method(
-        LoopbackChannel(LoopbackServer([least_server.server_interceptor()])).unary_unary(METHOD), "server"
-    )
-    clients["bare_bookkeeping"], bare_server = least_agents(False)
-    bare = clients["bare_bookkeeping"].method(
-        LoopbackChannel(LoopbackServer([bare_server.server_interceptor()])).unary_unary(METHOD), "server"
-    )
     methods = {
         "loopback": plain,
         "stamp_only": stamp_only,
@@ -470,9 +462,12 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent | Lea
         "client_interceptor": intercepted,
         "pooled_stamp_only": pooled_stamp_only,
         "pooled_instrumented": pooled,
-        "least_agent": least,
-        "bare_bookkeeping": bare,
     }
+    for name, facts in (("least_agent", True), ("bare_bookkeeping", False)):
+        clients[name], server = least_agents(facts)
+        methods[name] = clients[name].method(
+            LoopbackChannel(LoopbackServer([server.server_interceptor()])).unary_unary(METHOD), "server"
+        )
     return methods, clients
 
 
