@@ -233,6 +233,34 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     assert set(result["targets"]) == targets | {f"aio_{target}" for target in targets}
 
 
+@pytest.mark.timeout(120)
+def test_rpc_overhead_benchmark_reports_the_ratios_of_the_cases_it_ran() -> None:
+    cases = "aio stamp-only+snapshots,aio instrumented+snapshots,aio least agent+snapshots"
+    sizes = ["--seconds", "0.5", "--warmup", "0.2", "--rounds", "2", "--concurrency", "2"]
+    result = bench_json("rpc_overhead.py", *sizes, "--api", "aio", "--cases", cases, timeout=100)
+    for case in ("aio_stamp_only_with_snapshots", "aio_with_snapshots", "aio_least_agent"):
+        low, high = result[f"{case}_p50_us_spread"]
+        assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
+    for key in ("aio_floor_overhead_p50", "aio_floor_throughput_ratio", "aio_least_floor_overhead_p50"):
+        low, high = result[f"{key}_spread"]
+        assert low <= result[key] <= high, (key, result)
+    assert "aio_over_least_p50" in result and "aio_least_floor_cpu_overhead" in result, result
+    # Nothing whose cases did not run: no sync case, no realistic ratio, no plain.
+    general = {"seconds", "warmup", "rounds", "concurrency", "workers", "api", "targets", "snapshots_completed"}
+    general |= {"snapshots_per_s", "realistic_handler", "python_standin"}
+    assert {key for key in result if not key.startswith("aio_")} == general, result
+    assert "aio_realistic_overhead_p50" not in result and "aio_plain_p50_us" not in result, result
+    assert set(result["targets"]) == {"aio_floor_overhead_p50_at_most_0.05", "aio_floor_throughput_ratio_at_least_0.95"}
+    assert result["snapshots_per_s"] > 0, result
+
+
+def test_rpc_overhead_benchmark_refuses_cases_of_another_api() -> None:
+    command = [sys.executable, str(ROOT / "bench" / "rpc_overhead.py"), "--api", "sync", "--cases", "aio plain"]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "none of the cases aio plain is of --api sync" in run.stderr
+
+
 @pytest.mark.timeout(300)
 def test_resolution_benchmark_prints_its_json_line() -> None:
     sizes = ["--deadlocks", "2", "--churn-snapshots", "20", "--detection-rounds", "1", "--max-seconds", "60"]
