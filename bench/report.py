@@ -89,6 +89,15 @@ def rounds_table(title: str, rounds: int) -> Table:
     return table
 
 
+def print_whole(table: Table, width: int) -> None:
+    """Print ``table`` at least ``width`` columns wide, and wider if its rows need it (many rounds),
+    so that no case name or figure is wrapped."""
+    from rich.console import Console
+
+    needed = Console(width=100_000).measure(table).maximum
+    Console(width=max(width, needed)).print(table)
+
+
 def rounds_row(
     table: Table, label: str, values: Sequence[float], form: str, target: str = "", median: float | None = None
 ) -> None:

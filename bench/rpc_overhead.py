@@ -163,7 +163,7 @@ import grpc
 from child import Child, emit
 from coordinator import attached, served_coordinator, stop_snapshots, take_snapshots
 from least_agent import LeastAgent
-from report import json_line, rounds_row, rounds_table, spread
+from report import json_line, print_whole, rounds_row, rounds_table, spread
 
 from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.detector.service.coordinator import Coordinator
@@ -1044,8 +1044,6 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]], calibration
 def print_table(
     args: argparse.Namespace, rounds: list[dict[str, Phase]], result: dict[str, object], figures: dict[str, list[float]]
 ) -> None:
-    from rich.console import Console
-
     table = rounds_table(
         f"unary calls, 64-byte echo and the realistic handler, {args.concurrency} client threads or tasks, "
         f"{args.workers} sync server workers: {args.rounds} interleaved rounds of {args.seconds:g} s per case "
@@ -1070,7 +1068,7 @@ def print_table(
             for r in rounds
         ]
         rounds_row(table, "snapshots/s completed", rates, ".1f", "10 asked", result["snapshots_per_s"])
-    Console(width=220).print(table)
+    print_whole(table, 220)
 
 
 def main() -> None:
