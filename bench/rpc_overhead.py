@@ -982,7 +982,14 @@ def all_ratios(args: argparse.Namespace, rounds: list[dict[str, Phase]]) -> dict
     return figures
 
 
-def report(args: argparse.Namespace, rounds: list[dict[str, Phase]], calibration: dict[str, dict]) -> dict[str, object]:
+def report(
+    args: argparse.Namespace,
+    rounds: list[dict[str, Phase]],
+    calibration: dict[str, dict],
+    figures: dict[str, list[float]],
+) -> dict[str, object]:
+    """The JSON line's object: each case that ran, the ``figures`` (:func:`all_ratios`) and their targets."""
+
     def per_round(function: Callable[[dict[str, Phase]], float]) -> list[float]:
         return [function(r) for r in rounds]
 
@@ -1001,7 +1008,6 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Phase]], calibration
         result[f"{key}_cpu_us_per_call"] = round(median(per_round(lambda r, c=case: r[c].cpu_us)), 1)
         result[f"{key}_client_cpu_us"] = round(median(per_round(lambda r, c=case: r[c].client_cpu_us)), 1)
         result[f"{key}_server_cpu_us"] = round(median(per_round(lambda r, c=case: r[c].server_cpu_us)), 1)
-    figures = all_ratios(args, rounds)
     for key, values in figures.items():
         result[key] = round(median(values), 4)
         result[f"{key}_spread"] = spread(values, 4)
@@ -1110,8 +1116,9 @@ def main() -> None:
     if not any(CASES[case].api in apis(args) for case in args.cases):
         parser.error(f"none of the cases {', '.join(args.cases)} is of --api {args.api}")
     rounds, calibration = asyncio.run(orchestrate(args))
-    result = report(args, rounds, calibration)
-    print_table(args, rounds, result, all_ratios(args, rounds))
+    figures = all_ratios(args, rounds)
+    result = report(args, rounds, calibration, figures)
+    print_table(args, rounds, result, figures)
     json_line(result)
 
 
