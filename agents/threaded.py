@@ -22,6 +22,7 @@ from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
 from stablewatch.agents.agent import Agent, MessageHandler
+from stablewatch.agents.loop_thread import LoopThread
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.state import LocalStateKeeper
 
@@ -37,14 +38,12 @@ class ThreadedAgent:
     def __init__(self, process_id: str, *, call_timeout: float = 30.0, **agent_options: Any) -> None:
         self.agent = Agent(process_id, **agent_options)
         self._call_timeout = call_timeout
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"stablewatch-agent-{process_id}", daemon=True
-        )
+        self._loop_thread = LoopThread(f"stablewatch-agent-{process_id}")
+        self._loop, self._thread = self._loop_thread.loop, self._loop_thread.thread
 
     def start(self) -> None:
         """Start the agent's thread, listen for peers and dial the detector."""
-        self._thread.start()
+        self._loop_thread.start()
         self._call(self.agent.start())
 
     def stop(self) -> None:
@@ -54,9 +53,7 @@ class ThreadedAgent:
         try:
             self._call(self.agent.stop())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(self._call_timeout)
-            self._loop.close()
+            self._loop_thread.stop(self._call_timeout)
 
     def __enter__(self) -> ThreadedAgent:
         self.start()

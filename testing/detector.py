@@ -10,11 +10,10 @@ Each method returns once the detector's loop has done the work.
 
 from __future__ import annotations
 
-import asyncio
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from stablewatch.agents.loop_thread import LoopThread
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 
 __all__ = ["Running"]
@@ -27,15 +26,15 @@ class Running:
     test code, or an agent on another loop, can use it."""
 
     def __init__(self, config: DetectorConfig) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self._loop_thread = LoopThread("stablewatch-detector")
+        self.loop, self.thread = self._loop_thread.loop, self._loop_thread.thread
+        self._loop_thread.start()
         self.detector = Detector(config)
         self.call(self.detector.start())
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
         """Run ``coroutine`` on the detector's loop and return its result (fails after ``timeout`` seconds)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
+        return self._loop_thread.run(coroutine, timeout)
 
     def on_loop(self, function: Callable[[], T]) -> T:
         """Run ``function`` on the detector's thread (the store belongs to it)."""
@@ -52,7 +51,7 @@ class Running:
 
     def stop(self) -> None:
         """Stop the detector, then its loop and thread."""
-        self.call(self.detector.stop())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        try:
+            self.call(self.detector.stop())
+        finally:
+            self._loop_thread.stop(10)

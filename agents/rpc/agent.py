@@ -103,6 +103,7 @@ from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.control import ControlClient
 from stablewatch.agents.core import Action, RecordState, RemoteProtocolError, ReportPart, SnapshotFailed
 from stablewatch.agents.detectors import DetectorLinks, DetectorStatus, detector_addresses
+from stablewatch.agents.loop_thread import LoopThread
 from stablewatch.agents.rpc.aio_channel import AioInstrumentedChannel
 from stablewatch.agents.rpc.calls import (
     BadStamp,
@@ -238,10 +239,8 @@ class RpcAgent:
         self._pools: list[WorkerPool] = []
         self._broken: collections.OrderedDict[int, None] = collections.OrderedDict()  # instances broken here
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=f"stablewatch-rpc-{process_id}", daemon=True
-        )
+        self._loop_thread = LoopThread(f"stablewatch-rpc-{process_id}")
+        self._loop = self._loop_thread.loop
         self._links: DetectorLinks | None = None
         self._expiry: asyncio.Task[None] | None = None
         self._hints: asyncio.Task[None] | None = None
@@ -254,7 +253,7 @@ class RpcAgent:
         if self._started:
             return self
         self._started = True
-        self._thread.start()
+        self._loop_thread.start()
         self._run(self._start())
         if self._metrics_port is not None:
             self._metrics_server, _ = self.metrics.serve_http(self._metrics_port, self._metrics_bind)
@@ -262,14 +261,12 @@ class RpcAgent:
 
     def stop(self) -> None:
         """Close the control stream and stop the agent's thread. Interceptors pass calls through after."""
-        if not self._started or not self._thread.is_alive():
+        if not self._started or not self._loop_thread.is_alive():
             return
         try:
             self._run(self._stop())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(self._call_timeout)
-            self._loop.close()
+            self._loop_thread.stop(self._call_timeout)
             if self._metrics_server is not None:
                 self._metrics_server.shutdown()
                 self._metrics_server.server_close()
@@ -801,7 +798,7 @@ class RpcAgent:
             listener(part)
 
     def _run(self, coroutine: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(self._call_timeout)
+        return self._loop_thread.run(coroutine, self._call_timeout)
 
     async def _start(self) -> None:
         self._expiry = asyncio.create_task(self._expire_forever(), name=f"rpc-expiry-{self.process_id}")
