@@ -406,8 +406,8 @@ class RpcAgent:
         """
         seq = next(self._seqs)
         if waits:  # the fields in order (metadata and settled at their defaults): no attribute set after
-            instance, began_at_us = _new_instance(), _time_ns() // 1000
-            call = OutgoingCall(seq, peer, method, caller_task, instrumented, True, (), False, instance, began_at_us)
+            instance, began_at_ns = _new_instance(), _time_ns()
+            call = OutgoingCall(seq, peer, method, caller_task, instrumented, True, (), False, instance, began_at_ns)
         else:
             call = OutgoingCall(seq, peer, method, caller_task, instrumented, False)
         lock = self._lock
@@ -438,7 +438,7 @@ class RpcAgent:
             return
         if waiter is not None:
             call.caller_task = waiter
-        call.instance, call.began_at_us = _new_instance(), _time_ns() // 1000
+        call.instance, call.began_at_ns = _new_instance(), _time_ns()
         call.waits = True
         if self.doorbell.asleep:
             self.doorbell.ring()
@@ -707,7 +707,9 @@ class RpcAgent:
     def open_waits(self) -> list[OpenWait]:
         """The outgoing calls and queued requests now waiting (for the long-wait hints)."""
         with self._lock:
-            waits = [OpenWait(c.instance, c.caller_task, c.began_at_us) for c in self._outgoing.values() if c.waits]
+            waits = [
+                OpenWait(c.instance, c.caller_task, c.began_at_ns // 1000) for c in self._outgoing.values() if c.waits
+            ]
             for pool in self._pools:
                 waits.extend(OpenWait(c.instance, name, c.began_at_us) for name, c in pool.queued.items())
         return waits
@@ -771,7 +773,7 @@ class RpcAgent:
                     targets=[{"process": call.peer, "task": self.callee_task(call)}],
                     model=WAIT_MODEL_AND,
                     instance=call.instance if call.cancel is not None else 0,  # 0: cannot be broken
-                    began_at_us=call.began_at_us,
+                    began_at_us=call.began_at_ns // 1000,
                 )
         for pool in self._pools:
             state.waits.extend(pool.waits(self.process_id))
