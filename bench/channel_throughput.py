@@ -68,7 +68,7 @@ from typing import TYPE_CHECKING
 import grpc
 from child import Child, emit
 from coordinator import attached, served_coordinator, stop_snapshots, take_snapshots
-from report import json_line, rounds_row, rounds_table, spread
+from report import json_line, print_whole, rounds_row, rounds_table, spread
 
 from stablewatch.agents import Agent, AppMessage
 from stablewatch.agents.breaking import DEFAULT_HINT_AFTER
@@ -391,8 +391,6 @@ def all_cases(detectors: int) -> tuple[str, ...]:
 
 
 def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
-    from rich.console import Console
-
     cases = all_cases(args.detectors)
     rates = {case: [r[case].rate for r in rounds] for case in cases}
     median = {case: statistics.median(values) for case, values in rates.items()}
@@ -418,7 +416,7 @@ def report(args: argparse.Namespace, rounds: list[dict[str, Measured]]) -> None:
     snapshot_rates = [r["agent+snapshots"].snapshots / r["agent+snapshots"].seconds for r in rounds]
     rounds_row(table, "snapshots/s completed", snapshot_rates, ".1f", "10 asked", snapshots / snapshot_seconds)
     two = two_detector_figures(rounds, table) if args.detectors == 2 else {}
-    Console().print(table)
+    print_whole(table, 100)
     json_line(
         {
             "seconds": args.seconds,

@@ -84,7 +84,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from google.protobuf.timestamp_pb2 import Timestamp
-from report import json_line, percentile, quiet_teardown, rounds_row, rounds_table, spread
+from report import json_line, percentile, print_whole, quiet_teardown, rounds_row, rounds_table, spread
 from rich.console import Console
 from rich.table import Table
 
@@ -654,7 +654,7 @@ def print_tables(
         detect = rounds_table("detection alone (no breaking): last worker blocked -> proof, ms", rounds)
         for name, values in detections.items():
             rounds_row(detect, name.replace("_", " ") + "/s", values[:rounds], ".1f")
-        console.print(detect)
+        print_whole(detect, console.width)
     if hint_rounds:
         cost = rounds_table("what the hints cost: one agent channel at full speed, hints on and off", len(hint_rounds))
         rounds_row(cost, "agent msgs/s, hints on", [r.on["agent"] for r in hint_rounds], ",.0f")
@@ -666,7 +666,7 @@ def print_tables(
         rounds_row(cost, "snapshot overhead, hints off", off, ".3f")
         rounds_row(cost, "hints sent/s, hints on", [r.hints for r in hint_rounds], ".2f")
         rounds_row(cost, "snapshots taken for them/s", [r.hint_snapshots for r in hint_rounds], ".2f")
-        console.print(cost)
+        print_whole(cost, console.width)
 
 
 async def run(args: argparse.Namespace) -> dict[str, object]:
