@@ -10,7 +10,6 @@ has just ended still has a task of its own that takes its status in.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
 from collections.abc import Coroutine
@@ -23,18 +22,27 @@ _log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+#: How long the loop's tasks get to end once cancelled: a task still running after that is stuck.
+_FINISH_SECONDS = 5.0
+
+
 class LoopThread:
     """An event loop run forever by a daemon thread named ``name``, until :meth:`stop`."""
 
     def __init__(self, name: str) -> None:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._stopping = threading.Lock()
 
     def start(self) -> None:
         self.thread.start()
 
     def is_alive(self) -> bool:
         return self.thread.is_alive()
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on the loop's own thread (where it must not wait for the loop)."""
+        return threading.current_thread() is self.thread
 
     def run(self, coroutine: Coroutine[Any, Any, T], timeout: float | None) -> T:
         """Run ``coroutine`` on the loop, and wait for its result (``timeout`` seconds at most)."""
@@ -43,18 +51,31 @@ class LoopThread:
     def stop(self, timeout: float) -> None:
         """Cancel the loop's tasks and wait for them to end, then stop the thread and close the loop.
 
-        Each step waits ``timeout`` seconds at most; a task that does not end by then is left, and logged.
+        The tasks get at most 5 seconds to end, and the thread ``timeout``; a task still running then
+        is logged and left, and a loop that does not stop is left open. Several threads may call
+        this at once (one stops the loop, the others wait for it); the loop's own thread may not.
         """
-        if self.thread.is_alive():
-            try:
-                self.run(_finish_tasks(timeout), timeout + 1)
-            except (concurrent.futures.TimeoutError, RuntimeError):
-                _log.warning("the loop of %s did not finish its tasks in time", self.thread.name)
-            finally:
-                self.loop.call_soon_threadsafe(self.loop.stop)
+        if self.is_current():
+            raise RuntimeError(f"{self.thread.name} was asked to stop its own loop from inside it")
+        with self._stopping:
+            if self.thread.is_alive() and not self.loop.is_closed():
+                self._finish(min(timeout, _FINISH_SECONDS))
+                if not self.loop.is_closed():
+                    self.loop.call_soon_threadsafe(self.loop.stop)
                 self.thread.join(timeout)
-        if not self.loop.is_running():
-            self.loop.close()
+            if not self.loop.is_running() and not self.loop.is_closed():
+                self.loop.close()
+
+    def _finish(self, seconds: float) -> None:
+        """Run :func:`_finish_tasks` on the loop; whatever happens, the loop is stopped after."""
+        finishing = asyncio.run_coroutine_threadsafe(_finish_tasks(seconds), self.loop)
+        try:
+            finishing.result(seconds + 1)
+        except TimeoutError:
+            finishing.cancel()
+            _log.warning("the loop of %s did not finish its tasks in %.0f s", self.thread.name, seconds)
+        except Exception:  # the tasks' end is tidying up: it must not keep the loop from stopping
+            _log.exception("the loop of %s failed to finish its tasks", self.thread.name)
 
 
 async def _finish_tasks(timeout: float) -> None:

@@ -50,6 +50,8 @@ class ThreadedAgent:
         """Stop the agent and its thread."""
         if not self._thread.is_alive():
             return
+        if self._loop_thread.is_current():
+            raise RuntimeError("ThreadedAgent.stop() was called from its own handler; stop it from another thread")
         try:
             self._call(self.agent.stop())
         finally:

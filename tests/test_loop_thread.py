@@ -4,6 +4,7 @@ error in the log ("Task was destroyed but it is pending!"), as gRPC's tasks of j
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import threading
@@ -12,6 +13,7 @@ import pytest
 from rpc_harness import agent
 
 from stablewatch.agents.loop_thread import LoopThread
+from stablewatch.agents.threaded import ThreadedAgent
 from stablewatch.testing.detector import Running
 
 
@@ -65,15 +67,11 @@ def test_a_task_that_fails_as_it_is_cancelled_is_logged_once(caplog: pytest.LogC
 
 def test_a_task_that_will_not_end_is_named_and_the_thread_still_stops(caplog: pytest.LogCaptureFixture) -> None:
     loop_thread = started()
-    release = threading.Event()
 
     async def stubborn() -> None:
         while True:
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await asyncio.sleep(3600)
-            except asyncio.CancelledError:
-                if release.is_set():
-                    raise
 
     async def start_stubborn() -> asyncio.Task[None]:
         return asyncio.get_running_loop().create_task(stubborn(), name="stubborn")
@@ -84,6 +82,50 @@ def test_a_task_that_will_not_end_is_named_and_the_thread_still_stops(caplog: py
     assert any("did not end" in record.getMessage() and "stubborn" in record.getMessage() for record in caplog.records)
     assert not loop_thread.is_alive() and loop_thread.loop.is_closed()
     assert not task.done()  # left as it was: the loop is closed under it
+    # Put away here, or asyncio would log it destroyed pending in whichever test runs when it is freed.
+    task.get_coro().close()
+    task._log_destroy_pending = False  # type: ignore[attr-defined]
+
+
+def test_stopping_from_the_loop_s_own_thread_is_refused_at_once_and_the_loop_goes_on() -> None:
+    loop_thread = started()
+
+    async def stop_from_inside() -> str:
+        try:
+            loop_thread.stop(10)
+        except RuntimeError as refused:
+            return str(refused)
+        return "not refused"
+
+    assert "from inside it" in loop_thread.run(stop_from_inside(), 10)
+    assert loop_thread.is_alive() and not loop_thread.loop.is_closed()
+    loop_thread.stop(10)
+    assert not loop_thread.is_alive() and loop_thread.loop.is_closed()
+
+
+def test_threads_stopping_it_at_once_all_return_and_the_loop_is_closed_once() -> None:
+    loop_thread = started()
+    errors: list[BaseException] = []
+
+    def stop() -> None:
+        try:
+            loop_thread.stop(10)
+        except BaseException as error:
+            errors.append(error)
+
+    stoppers = [threading.Thread(target=stop) for _ in range(4)]
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join(30)
+    assert errors == [] and not any(stopper.is_alive() for stopper in stoppers)
+    assert not loop_thread.is_alive() and loop_thread.loop.is_closed()
+
+
+def test_a_loop_thread_never_started_is_closed_by_stop() -> None:
+    loop_thread = LoopThread("never-started")
+    loop_thread.stop(1)
+    assert loop_thread.loop.is_closed()
 
 
 @pytest.mark.parametrize("attempt", range(3))  # gRPC left a task pending in 2 of 3 such stops before
@@ -96,7 +138,27 @@ def test_rpc_agents_stopped_while_snapshots_run_leave_no_task_pending(
         each.stop()
     for taken in snapshots:
         running.call(_ended(taken))
+    left = [task for each in agents for task in asyncio.all_tasks(each._loop) if not task.done()]
+    assert left == []
+    del agents, left, snapshots  # so that the collector frees whatever the agents left, and asyncio logs it
     assert destroyed_pending(caplog) == []
+
+
+def test_an_rpc_agent_refuses_to_be_stopped_from_its_own_thread(running: Running) -> None:
+    attached = agent(running, "P")
+
+    async def stop_from_inside() -> str:
+        try:
+            attached.stop()
+        except RuntimeError as refused:
+            return str(refused)
+        return "not refused"
+
+    try:
+        assert "own thread" in attached._loop_thread.run(stop_from_inside(), 10)
+        assert attached.detector_connected
+    finally:
+        attached.stop()
 
 
 async def _started_snapshot(running: Running) -> asyncio.Task[object]:
@@ -105,3 +167,22 @@ async def _started_snapshot(running: Running) -> asyncio.Task[object]:
 
 async def _ended(task: asyncio.Task[object]) -> None:
     await asyncio.wait([task])
+
+
+def test_a_threaded_agent_refuses_to_be_stopped_from_its_own_thread() -> None:
+    threaded = ThreadedAgent("T")
+    threaded.start()
+
+    async def stop_from_inside() -> str:
+        try:
+            threaded.stop()
+        except RuntimeError as refused:
+            return str(refused)
+        return "not refused"
+
+    try:
+        assert "own handler" in threaded._loop_thread.run(stop_from_inside(), 10)
+        assert threaded._loop_thread.is_alive()
+    finally:
+        threaded.stop()
+    assert not threaded._loop_thread.is_alive()

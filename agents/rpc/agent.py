@@ -263,6 +263,8 @@ class RpcAgent:
         """Close the control stream and stop the agent's thread. Interceptors pass calls through after."""
         if not self._started or not self._loop_thread.is_alive():
             return
+        if self._loop_thread.is_current():
+            raise RuntimeError("RpcAgent.stop() was called from the agent's own thread; stop it from another thread")
         try:
             self._run(self._stop())
         finally:
