@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
+
+from stablewatch.agents.loop_thread import LoopThread
 
 __all__ = ["TcpProxy"]
 
@@ -62,9 +63,9 @@ class TcpProxy:
         self._rate = rate
         self._chunk = _CHUNK if rate is None else max(512, min(_CHUNK, int(rate / 100)))
         self._connect_retry = connect_retry
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name=f"tcp-proxy-{target}", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread(f"tcp-proxy-{target}")
+        self._loop, self._thread = self._loop_thread.loop, self._loop_thread.thread
+        self._loop_thread.start()
         self._pairs: set[_Pair] = set()
         self._accepting: set[asyncio.Task[None]] = set()  # accepts waiting for a pause to end
         self._accepts: set[asyncio.Task[None]] = set()  # every accept still setting up its connection
@@ -276,10 +277,7 @@ class TcpProxy:
     # -- plumbing ---------------------------------------------------------------------------------
 
     def _call(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_TIMEOUT)
+        return self._loop_thread.run(coroutine, _TIMEOUT)
 
     def _shutdown_loop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(_TIMEOUT)
-        if not self._thread.is_alive():
-            self._loop.close()
+        self._loop_thread.stop(_TIMEOUT)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
 import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import grpc
 
+from stablewatch.agents.loop_thread import LoopThread
 from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.service.coordinator import Coordinator, SnapshotAborted
 from stablewatch.v1 import GlobalSnapshot, control_pb2_grpc
@@ -23,9 +22,8 @@ class StubDetector:
     """A control server on 127.0.0.1 that runs one-hop snapshots on demand."""
 
     def __init__(self, heartbeat_interval: float = 0.2) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="stub-detector", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("stub-detector")
+        self._loop_thread.start()
         self.rejections: list[PartRejected] = []
         self.coordinator = Coordinator(heartbeat_interval=heartbeat_interval, on_rejected=self.rejections.append)
         self.port = self._call(self._serve())
@@ -52,10 +50,10 @@ class StubDetector:
         return self._call(self.coordinator.ping_all(timeout), timeout + 5)
 
     def stop(self) -> None:
-        self._call(self._server.stop(grace=0))
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
+        try:
+            self._call(self._server.stop(grace=0))
+        finally:
+            self._loop_thread.stop(10)
 
     async def _serve(self) -> int:
         self._server = grpc.aio.server()
@@ -65,4 +63,4 @@ class StubDetector:
         return port
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 30) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        return self._loop_thread.run(coroutine, timeout)

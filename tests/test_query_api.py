@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from polling import poll
 from stablewatch.agents import Agent
+from stablewatch.agents.loop_thread import LoopThread
 from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.v1 import AgentMessage, control_pb2, control_pb2_grpc, query_pb2, query_pb2_grpc
@@ -37,9 +38,8 @@ class LoopDetector:
     """A Detector, and agents attached to it, on an event loop in a background thread."""
 
     def __init__(self, data_dir: Path, **config: Any) -> None:
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="detector", daemon=True)
-        self._thread.start()
+        self._loop_thread = LoopThread("detector")
+        self._loop_thread.start()
         settings = {"listen": "127.0.0.1:0", "metrics_port": 0, "interval": None, **config}
         self.detector = Detector(DetectorConfig(data_dir=data_dir, **settings))
         self.agents: dict[str, Agent] = {}
@@ -52,7 +52,7 @@ class LoopDetector:
         self.address = self.detector.address
 
     def call(self, coroutine: Coroutine[Any, Any, T], timeout: float = 20) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)
+        return self._loop_thread.run(coroutine, timeout)
 
     def attach(self, process_id: str, peers: dict[str, str] | None = None) -> Agent:
         # No long-wait hints: the tests count the snapshots they start themselves.
@@ -72,9 +72,7 @@ class LoopDetector:
                 self.call(agent.stop())
             self.call(self.detector.stop())
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
-            self._loop.close()
+            self._loop_thread.stop(10)
 
 
 def attach_deadlocked_pair(running: LoopDetector) -> None:
