@@ -1096,7 +1096,7 @@ def main() -> None:
     parser.add_argument("--probe", action="store_true", help="time the agent's steps in place (see above)")
     parser.add_argument(
         "--cases",
-        type=lambda text: text.split(","),
+        type=lambda text: [name.strip() for name in text.split(",")],  # a wrapped line's spaces too
         default=list(CASES),
         help="comma-separated cases to run (all by default; fewer for more rounds, one to profile)",
     )
