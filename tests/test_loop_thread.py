@@ -8,6 +8,7 @@ import contextlib
 import gc
 import logging
 import threading
+from collections.abc import Callable
 
 import pytest
 from rpc_harness import agent
@@ -27,6 +28,19 @@ def started() -> LoopThread:
     loop_thread = LoopThread("test-loop")
     loop_thread.start()
     return loop_thread
+
+
+def refusal_from_inside(loop_thread: LoopThread, stop: Callable[[], None]) -> str:
+    """What ``stop()`` raises when it is called on ``loop_thread``'s own thread (RuntimeError expected)."""
+
+    async def stop_from_inside() -> str:
+        try:
+            stop()
+        except RuntimeError as refused:
+            return str(refused)
+        return "not refused"
+
+    return loop_thread.run(stop_from_inside(), 10)
 
 
 def test_a_task_left_on_the_loop_is_cancelled_and_awaited_as_it_stops(caplog: pytest.LogCaptureFixture) -> None:
@@ -89,15 +103,7 @@ def test_a_task_that_will_not_end_is_named_and_the_thread_still_stops(caplog: py
 
 def test_stopping_from_the_loop_s_own_thread_is_refused_at_once_and_the_loop_goes_on() -> None:
     loop_thread = started()
-
-    async def stop_from_inside() -> str:
-        try:
-            loop_thread.stop(10)
-        except RuntimeError as refused:
-            return str(refused)
-        return "not refused"
-
-    assert "from inside it" in loop_thread.run(stop_from_inside(), 10)
+    assert "from inside it" in refusal_from_inside(loop_thread, lambda: loop_thread.stop(10))
     assert loop_thread.is_alive() and not loop_thread.loop.is_closed()
     loop_thread.stop(10)
     assert not loop_thread.is_alive() and loop_thread.loop.is_closed()
@@ -146,16 +152,8 @@ def test_rpc_agents_stopped_while_snapshots_run_leave_no_task_pending(
 
 def test_an_rpc_agent_refuses_to_be_stopped_from_its_own_thread(running: Running) -> None:
     attached = agent(running, "P")
-
-    async def stop_from_inside() -> str:
-        try:
-            attached.stop()
-        except RuntimeError as refused:
-            return str(refused)
-        return "not refused"
-
     try:
-        assert "own thread" in attached._loop_thread.run(stop_from_inside(), 10)
+        assert "own thread" in refusal_from_inside(attached._loop_thread, attached.stop)
         assert attached.detector_connected
     finally:
         attached.stop()
@@ -172,16 +170,8 @@ async def _ended(task: asyncio.Task[object]) -> None:
 def test_a_threaded_agent_refuses_to_be_stopped_from_its_own_thread() -> None:
     threaded = ThreadedAgent("T")
     threaded.start()
-
-    async def stop_from_inside() -> str:
-        try:
-            threaded.stop()
-        except RuntimeError as refused:
-            return str(refused)
-        return "not refused"
-
     try:
-        assert "own handler" in threaded._loop_thread.run(stop_from_inside(), 10)
+        assert "own handler" in refusal_from_inside(threaded._loop_thread, threaded.stop)
         assert threaded._loop_thread.is_alive()
     finally:
         threaded.stop()
