@@ -60,8 +60,7 @@ class LoopThread:
         with self._stopping:
             if self.thread.is_alive() and not self.loop.is_closed():
                 self._finish(min(timeout, _FINISH_SECONDS))
-                if not self.loop.is_closed():
-                    self.loop.call_soon_threadsafe(self.loop.stop)
+                self.loop.call_soon_threadsafe(self.loop.stop)  # only stop() closes it, under the lock
                 self.thread.join(timeout)
             if not self.loop.is_running() and not self.loop.is_closed():
                 self.loop.close()

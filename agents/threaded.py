@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import threading
 from collections.abc import Coroutine, Mapping
 from typing import Any, TypeVar
 
@@ -39,7 +38,7 @@ class ThreadedAgent:
         self.agent = Agent(process_id, **agent_options)
         self._call_timeout = call_timeout
         self._loop_thread = LoopThread(f"stablewatch-agent-{process_id}")
-        self._loop, self._thread = self._loop_thread.loop, self._loop_thread.thread
+        self._loop = self._loop_thread.loop
 
     def start(self) -> None:
         """Start the agent's thread, listen for peers and dial the detector."""
@@ -48,7 +47,7 @@ class ThreadedAgent:
 
     def stop(self) -> None:
         """Stop the agent and its thread."""
-        if not self._thread.is_alive():
+        if not self._loop_thread.is_alive():
             return
         if self._loop_thread.is_current():
             raise RuntimeError("ThreadedAgent.stop() was called from its own handler; stop it from another thread")
@@ -114,7 +113,7 @@ class ThreadedAgent:
         leave later (its message and counters gone behind the thread's back). If it finished
         just as it timed out, its result stands instead.
         """
-        if threading.current_thread() is self._thread:
+        if self._loop_thread.is_current():
             coroutine.close()
             raise RuntimeError("a ThreadedAgent method was called from its own handler; use the Agent's async API")
         limit = self._call_timeout if timeout is None else timeout

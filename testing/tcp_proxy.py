@@ -64,7 +64,6 @@ class TcpProxy:
         self._chunk = _CHUNK if rate is None else max(512, min(_CHUNK, int(rate / 100)))
         self._connect_retry = connect_retry
         self._loop_thread = LoopThread(f"tcp-proxy-{target}")
-        self._loop, self._thread = self._loop_thread.loop, self._loop_thread.thread
         self._loop_thread.start()
         self._pairs: set[_Pair] = set()
         self._accepting: set[asyncio.Task[None]] = set()  # accepts waiting for a pause to end
@@ -126,7 +125,7 @@ class TcpProxy:
 
     def stop(self) -> None:
         """Stop listening, abort every connection and end the proxy's thread."""
-        if not self._thread.is_alive():
+        if not self._loop_thread.is_alive():
             return
         try:
             self._call(self._close())
