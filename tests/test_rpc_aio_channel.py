@@ -298,18 +298,38 @@ def test_a_call_with_a_response_stream_is_out_but_makes_no_wait(rpc_agents: tupl
     assert c_agent._core.received_count("S") == 1
 
 
-@pytest.mark.parametrize("made", ["by-the-handler", "in-a-task-it-starts"])
-def test_a_call_from_a_handler_waits_in_the_handlers_name(rpc_agents: tuple[RpcAgent, RpcAgent], made: str) -> None:
-    """S's handler Relay calls T through an asyncio instrumented channel: the call waits in the
-    name of Relay's task for C's call, not in the name of the server's asyncio task. A call made
-    in a task the handler starts (and may never wait for: here it answers at once) waits in that
-    task's own name, though the task inherits the handler's context."""
+def to_peer(agent: RpcAgent, address: str, peer: str, client: str) -> grpc.aio.Channel:
+    """An asyncio channel from ``agent`` to ``peer``: its instrumented channel, or a channel with its
+    client interceptors."""
+    if client == "instrumented-channel":
+        return instrumented(agent, address, peer)
+    return grpc.aio.insecure_channel(address, interceptors=agent.aio_client_interceptors(peer))
+
+
+@pytest.mark.parametrize(
+    ("made", "client"),
+    [
+        ("by-the-handler", "instrumented-channel"),
+        ("by-the-handler", "client-interceptors"),
+        ("in-a-task-it-starts", "instrumented-channel"),
+        # Not through the client interceptors: grpc.aio runs them in a task of its own, which cannot
+        # tell the handler's task from one it started (README, "asyncio client interceptors").
+    ],
+)
+def test_a_call_from_a_handler_waits_in_the_handlers_name(
+    rpc_agents: tuple[RpcAgent, RpcAgent], made: str, client: str
+) -> None:
+    """S's handler Relay calls T through an asyncio channel (instrumented, or with the client
+    interceptors): the call waits in the name of Relay's task for C's call, not in the name of the
+    server's asyncio task. A call made in a task the handler starts (and may never wait for: here
+    it answers at once) waits in that task's own name, though the task inherits the handler's
+    context."""
     s_agent, c_agent = rpc_agents
     t_agent = new_agent("T")
     started: list[asyncio.Task[bytes]] = []
 
     async def body() -> None:
-        async with AioService(t_agent) as t_service, instrumented(s_agent, t_service.address, "T") as to_t:
+        async with AioService(t_agent) as t_service, to_peer(s_agent, t_service.address, "T", client) as to_t:
 
             async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
                 if made == "by-the-handler":

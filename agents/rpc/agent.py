@@ -727,9 +727,9 @@ class RpcAgent:
         if len(self._broken) > _REMEMBERED_BREAKS:
             self._broken.popitem(last=False)
 
-    def _cancel_outgoing(self, call: OutgoingCall, cancel: Callable[[], bool]) -> Broken | None:
+    def _cancel_outgoing(self, call: OutgoingCall, cancel: Callable[[Any], bool]) -> Broken | None:
         """Cancel the claimed outgoing ``call`` (outside the lock: grpc may end it right here)."""
-        if not cancel():  # it ended first: its caller sees its own end
+        if not cancel(call.handle):  # it ended first: its caller sees its own end
             with self._lock:
                 call.broken = None
                 self._broken.pop(call.instance, None)

@@ -34,11 +34,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import time
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import grpc
 
+from stablewatch.agents import breaking
 from stablewatch.agents.rpc.calls import CallEvents, DeadlockBroken, OutgoingCall, RefusedResponse
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
@@ -58,7 +60,7 @@ __all__ = ["AioInstrumentedChannel"]
 
 _AioRpcError, _CancelledError, _EOF = grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.EOF
 _CANCELLED = grpc.StatusCode.CANCELLED
-_partial, _new = functools.partial, object.__new__
+_new, _new_instance, _time_ns = object.__new__, breaking.new_instance, time.time_ns
 
 
 async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
@@ -197,9 +199,15 @@ class _UnaryResponse(_Ends):
         # This runs for every asyncio unary call (``bench/rpc_hot_path.py`` times it), so
         # _take_in_status and _take_in are written out for a response.
         grpc_call, call = self._grpc_call, self._call
-        # In the name of the caller that made it (a caller awaiting a gather() of its calls is
+        # self._agent.awaited(call), written out (a call and a frame less on every call): the caller
+        # that made it waits now, in its own name (a caller awaiting a gather() of its calls is
         # blocked on each, though gather's own tasks await them); nothing once it waits or ended.
-        self._agent.awaited(call)  # type: ignore[arg-type]
+        if not call.waits and not call.settled:  # type: ignore[union-attr]
+            call.instance, call.began_at_ns = _new_instance(), _time_ns()  # type: ignore[union-attr]
+            call.waits = True  # type: ignore[union-attr]  # last: captures and breaks read a wait once it is set
+            doorbell = self._agent.doorbell
+            if doorbell.asleep:
+                doorbell.ring()
         try:
             response = yield from grpc_call.__await__()
         except _AioRpcError as error:
@@ -349,7 +357,7 @@ class _Method:
             agent.call_returned(call, None, _CANCELLED)
             raise
         if self._waits:
-            call.cancel = _partial(_cancel_unless_ended, loop, grpc_call)  # breakable from now on
+            call.cancel, call.handle = channel._cancel, grpc_call  # breakable from now on
         proxy = _new(self._kind)  # its fields set here: one frame less per call than an __init__
         proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
         return proxy
@@ -428,11 +436,15 @@ class AioInstrumentedChannel(grpc.aio.Channel):
         # A grpc.aio channel belongs to the loop it was made in; found at the first call and kept,
         # since asyncio's lookup of the running loop costs a getpid() per call.
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Its calls' cancel (OutgoingCall.cancel), on that loop: one for all of them.
+        self._cancel: Callable[[Any], bool] | None = None
 
     def _running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self._loop
         if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
+            loop = asyncio.get_running_loop()
+            self._cancel = functools.partial(_cancel_unless_ended, loop)
+            self._loop = loop
         return loop
 
     def _method(

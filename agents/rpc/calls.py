@@ -26,6 +26,7 @@ __all__ = [
     "RefusedResponse",
     "StaleResponse",
     "WorkerPool",
+    "cancel_future",
     "request_entry",
     "split_request",
     "stamp_entry",
@@ -122,8 +123,10 @@ class OutgoingCall:
     ``instance`` names the caller's wait (a number never reused in the process); the wait can be
     broken once ``cancel`` is set, by the channel or the interceptor that holds a handle on the
     call it can cancel from another thread (before that, and for a blocking call through
-    ``grpc.intercept_channel``, it is reported with instance 0: not breakable). ``cancel`` returns
-    whether the call was still running; ``broken`` holds the victim's message from the moment it
+    ``grpc.intercept_channel``, it is reported with instance 0: not breakable). ``cancel(handle)``
+    cancels it and returns whether the call was still running (``handle`` is grpc's call object:
+    one function serves every call of a channel, and no object is made per call for it);
+    ``broken`` holds the victim's message from the moment it
     is cancelled for a break, so the caller's code raises :class:`DeadlockBroken` instead of a
     cancellation.
     """
@@ -140,7 +143,8 @@ class OutgoingCall:
     # When its wait began, wall clock in ns (a wait's ``began_at_us`` is this // 1000, divided only
     # when a capture or a hint reads it: on a cold call, the division's code costs cache misses).
     began_at_ns: int = 0
-    cancel: Callable[[], bool] | None = None
+    cancel: Callable[[Any], bool] | None = None
+    handle: Any = None  # what ``cancel`` is given: grpc's call object
     broken: str | None = None
 
     def broken_error(self) -> DeadlockBroken | None:
@@ -152,6 +156,12 @@ class OutgoingCall:
         """The call's response as a channel state holds it: it wakes only its caller's task. The
         core builds it only if a recording needs it (a bound method costs less than a partial)."""
         return RecordedMessage(wakes_task=self.caller_task)
+
+
+def cancel_future(future: Any) -> bool:
+    """A sync call's ``OutgoingCall.cancel``: grpc's future (the handle) cancelled, from any thread;
+    whether it was still running."""
+    return future.cancel()
 
 
 @dataclass(slots=True)
@@ -253,6 +263,10 @@ class WorkerPool:
 class CallEvents(Protocol):
     """What the interceptors and the instrumented channel report to the agent, one call per gRPC
     event (:class:`~stablewatch.agents.rpc.agent.RpcAgent` documents each and is the one implementation)."""
+
+    #: Rung after a wait begins. The asyncio channel begins a call's wait itself, as :meth:`awaited`
+    #: would (its code written out in the channel: it runs on every call).
+    doorbell: breaking.Doorbell
 
     def call_out(
         self, peer: str, method: str, caller_task: str, instrumented: bool, waits: bool = True

@@ -39,7 +39,7 @@ from typing import Any
 
 import grpc
 
-from stablewatch.agents.rpc.calls import CallEvents, OutgoingCall, RefusedResponse
+from stablewatch.agents.rpc.calls import CallEvents, OutgoingCall, RefusedResponse, cancel_future
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
@@ -204,7 +204,7 @@ class _BreakableUnaryUnary(_UnaryUnary):
         grpc_call = None
         try:
             grpc_call = self._future(call, request, timeout, metadata, credentials, wait_for_ready, compression)
-            call.cancel = grpc_call.cancel  # breakable from now on
+            call.cancel, call.handle = cancel_future, grpc_call  # breakable from now on
             response = grpc_call.result()
         except grpc.RpcError as error:
             _take_in_error(agent, call, error)

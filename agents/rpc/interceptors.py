@@ -79,6 +79,7 @@ from stablewatch.agents.rpc.calls import (
     OutgoingCall,
     RefusedResponse,
     WorkerPool,
+    cancel_future,
 )
 from stablewatch.agents.rpc.core import STAMP_KEY
 
@@ -756,7 +757,7 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         self._call: OutgoingCall | None = call
         self._settled = _Settled(agent, call, outcome)
         if self.caller_waits:
-            call.cancel = outcome.cancel  # breakable from now on
+            call.cancel, call.handle = cancel_future, outcome  # breakable from now on
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._outcome, name)
@@ -1013,7 +1014,7 @@ class _AioClient:
             details = _aio_details_with(client_call_details, call)
         try:
             grpc_call = await continuation(details, request)
-            call.cancel = _partial(_cancel_soon, loop, grpc_call)  # breakable from now on
+            call.cancel, call.handle = _partial(_cancel_soon, loop), grpc_call  # breakable from now on
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
@@ -1131,7 +1132,8 @@ def unless_cancelling(broken: DeadlockBroken | None) -> DeadlockBroken | None:
 def _cancel_soon(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> bool:
     """Cancel the asyncio ``grpc_call`` from any thread: it runs on ``loop``, the call's (grpc.aio
     objects belong to their loop). True when it was scheduled (the call ends cancelled unless it ends
-    first); False when the loop is closed. A call's cancel is this, with both bound (a partial)."""
+    first); False when the loop is closed. A call's cancel is this with its loop bound (a partial),
+    given the call as its handle."""
     try:
         loop.call_soon_threadsafe(grpc_call.cancel)
     except RuntimeError:  # the loop is closed: so is the call
