@@ -1,7 +1,8 @@
 """An asyncio handler's task is freed when its call ends, not left to the garbage collector.
 
-The agent's server interceptor names the handler's task in a context variable of that task's own
-context (``NAMED_TASK``). Left there, the task referred to itself (task -> its context -> the task):
+The agent's server interceptor puts the handler's call in a context variable of the task's own
+context (``NAMED_TASK``), and the call names the task while the handler runs. Left so, the task
+referred to itself (task -> its context -> the call -> the task):
 every call's task, coroutine, request and response then waited for a garbage collection, and the
 collections that freed them cost the server CPU on every call (``bench/rpc_overhead.py --probe``
 counted twice the collector's passes of the stamp-only server). Each test turns the collector off,

@@ -331,7 +331,7 @@ class _Method:
         loop = channel._loop or channel._running_loop()
         task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
         name = CURRENT_TASK.get()
-        if not name or ((named := NAMED_TASK.get()) is not task and named is not None):
+        if not name or ((named := NAMED_TASK.get()) is not None and named.own_task is not task):
             # Outside a handler, or in a task its handler started (see NAMED_TASK): the task's own name.
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent

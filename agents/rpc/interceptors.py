@@ -58,7 +58,6 @@ none); and a request stream must be given as an iterator (not written with ``cal
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import functools
 import inspect
@@ -89,20 +88,14 @@ _log = logging.getLogger(__name__)
 
 #: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
-#: The asyncio task whose handler set :data:`CURRENT_TASK` (None where a thread or the application set
-#: it). A task the handler starts inherits both variables, but its calls are its own: the handler
-#: may not be waiting for it, and its calls in the handler's name could make a deadlock up.
-#: The handler takes it out of its task's context as it ends (:func:`_forget_own_task`).
-NAMED_TASK: contextvars.ContextVar[Any] = contextvars.ContextVar("stablewatch_named_task", default=None)
-
-
-def _forget_own_task(token: contextvars.Token[Any]) -> None:
-    """Take a handler's task out of :data:`NAMED_TASK` as the handler ends. The task's own context
-    holds the variable, so while it names the task, the task refers to itself: a cycle that only the
-    garbage collector frees, with the call's coroutine, request and response, on every call."""
-    # An async generator closed from another context (a finalizer) cannot: the collector frees that one.
-    with contextlib.suppress(ValueError):
-        NAMED_TASK.reset(token)
+#: The call whose asyncio handler set :data:`CURRENT_TASK` (None where a thread or the application set
+#: it); the call's ``own_task`` is the handler's task while the handler runs, then None. A task the
+#: handler starts inherits both variables, but its calls are its own: the handler may not be
+#: waiting for it, and its calls in the handler's name could make a deadlock up. (The variable holds
+#: the call, not the task: a variable of the task's own context naming the task would make a cycle,
+#: task -> its context -> the task, that only the garbage collector frees, with the call's coroutine,
+#: request and response, on every call. The call's link to its task is cut as the handler ends.)
+NAMED_TASK: contextvars.ContextVar[IncomingCall | None] = contextvars.ContextVar("stablewatch_named_task", default=None)
 
 
 _running_loop, _current_thread, _get_ident = asyncio._get_running_loop, threading.current_thread, threading.get_ident
@@ -541,7 +534,7 @@ def _unary_aio(
     # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
     # an agent) is written out here rather than through _start and _end_aio.
     behave, get, respond = _awaitable(behavior, requests), served.var.get, agent.respond
-    set_task, set_named, reset_named, tasks = CURRENT_TASK.set, NAMED_TASK.set, NAMED_TASK.reset, _current_tasks
+    set_task, set_named, tasks = CURRENT_TASK.set, NAMED_TASK.set, _current_tasks
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         call = get(None)
@@ -554,17 +547,14 @@ def _unary_aio(
         # Else nothing to tell as the handler starts: an asyncio server's call has no pool to leave.
         set_task(call.name)  # the handler's own task: nothing to restore
         # served.own_task(), written out: the interceptor set the loop before the handler ran.
-        named = set_named(tasks.get(served.loop) if tasks is not None else asyncio.current_task())
+        call.own_task = tasks.get(served.loop) if tasks is not None else asyncio.current_task()
+        set_named(call)
         try:
             if call.error is not None:
                 await _StampingContext(agent, call, context).abort(call.status, call.error)
             return await behave(request, _StampingContext(agent, call, context))
         finally:
-            # _forget_own_task(named), written out: suppress() would cost a context manager per call.
-            try:  # noqa: SIM105
-                reset_named(named)
-            except ValueError:
-                pass
+            call.own_task = None
             if call.peer is None:
                 _end_aio(agent, call, context)
             else:
@@ -594,7 +584,8 @@ def _streaming_aio(
             return
         _start(agent, call, context)
         CURRENT_TASK.set(call.name)
-        named = NAMED_TASK.set(served.own_task())
+        call.own_task = served.own_task()
+        NAMED_TASK.set(call)
         closed = False
         try:
             if call.error is not None:
@@ -607,7 +598,7 @@ def _streaming_aio(
             closed = True
             raise
         finally:
-            _forget_own_task(named)
+            call.own_task = None
             if closed:
                 agent.respond(call, "", False)
             else:
