@@ -14,6 +14,7 @@ caller's cancellation stays a cancellation; a break fails the call with ``Deadlo
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -312,6 +313,7 @@ def to_peer(agent: RpcAgent, address: str, peer: str, client: str) -> grpc.aio.C
         ("by-the-handler", "instrumented-channel"),
         ("by-the-handler", "client-interceptors"),
         ("in-a-task-it-starts", "instrumented-channel"),
+        ("in-a-callback-it-schedules", "instrumented-channel"),
         # Not through the client interceptors: grpc.aio runs them in a task of its own, which cannot
         # tell the handler's task from one it started (README, "asyncio client interceptors").
     ],
@@ -323,10 +325,13 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     interceptors): the call waits in the name of Relay's task for C's call, not in the name of the
     server's asyncio task. A call made in a task the handler starts (and may never wait for: here
     it answers at once) waits in that task's own name, though the task inherits the handler's
-    context."""
+    context; one made in a callback the handler schedules (in no task) waits in the thread's name.
+    Not so through the client interceptors (see the parameters)."""
     s_agent, c_agent = rpc_agents
     t_agent = new_agent("T")
     started: list[asyncio.Task[bytes]] = []
+
+    loop_thread = threading.current_thread().name  # the loop of run() runs in this thread
 
     async def body() -> None:
         async with AioService(t_agent) as t_service, to_peer(s_agent, t_service.address, "T", client) as to_t:
@@ -338,7 +343,13 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
                 async def background() -> bytes:
                     return await method(to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)
 
-                started.append(asyncio.create_task(background(), name="background"))
+                def made_in_a_callback() -> None:  # made here, awaited in a task: it waits in its maker's name
+                    started.append(asyncio.ensure_future(method(to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)))
+
+                if made == "in-a-task-it-starts":
+                    started.append(asyncio.create_task(background(), name="background"))
+                else:
+                    asyncio.get_running_loop().call_soon(made_in_a_callback)
                 return b"started"
 
             relaying = {RELAY: grpc.unary_unary_rpc_method_handler(relay)}
@@ -350,7 +361,7 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
                     assert opened.task == f"/{SERVICE}/{RELAY}#C:1"
                 else:
                     assert await reply == b"started"  # the handler is done: nothing waits in its name
-                    assert opened.task == "background"
+                    assert opened.task == ("background" if made == "in-a-task-it-starts" else loop_thread)
                 t_service.release.set()
                 if made == "by-the-handler":
                     assert await reply == b"done:hold"

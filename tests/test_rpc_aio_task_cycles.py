@@ -30,7 +30,8 @@ CALLS = 3
 
 class TaskTrackingServer:
     """An asyncio server with ``agent``'s interceptor whose handlers keep a weak reference to their
-    own task: ``Unary`` answers ``ok``, ``Stream`` answers ``a``, ``b``, ``c``."""
+    own task: ``Unary`` answers ``ok``, ``Abort`` aborts (``FAILED_PRECONDITION``), ``Stream``
+    answers ``a``, ``b``, ``c``."""
 
     def __init__(self, agent: RpcAgent) -> None:
         self.tasks: list[weakref.ref[asyncio.Task[object]]] = []
@@ -38,6 +39,7 @@ class TaskTrackingServer:
         methods = {
             "Unary": grpc.unary_unary_rpc_method_handler(self._unary),
             "Stream": grpc.unary_stream_rpc_method_handler(self._stream),
+            "Abort": grpc.unary_unary_rpc_method_handler(self._abort),
         }
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
         self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
@@ -50,6 +52,11 @@ class TaskTrackingServer:
     async def _unary(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         self._track()
         return b"ok"
+
+    async def _abort(self, request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        self._track()
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "refused")
+        raise AssertionError("abort returned")
 
     async def _stream(self, request: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[bytes]:
         self._track()
@@ -84,6 +91,10 @@ async def _serve_and_count(kind: str, instrumented: bool) -> tuple[int, int]:
         for _ in range(CALLS):
             if kind == "unary":
                 assert await channel.unary_unary(f"/{SERVICE}/Unary")(b"x") == b"ok"
+            elif kind == "aborted":
+                with pytest.raises(grpc.aio.AioRpcError) as raised:
+                    await channel.unary_unary(f"/{SERVICE}/Abort")(b"x")
+                assert raised.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             else:
                 assert [part async for part in channel.unary_stream(f"/{SERVICE}/Stream")(b"x")] == [b"a", b"b", b"c"]
         with contextlib.suppress(TimeoutError):  # reported by the caller, with the count
@@ -96,7 +107,7 @@ async def _serve_and_count(kind: str, instrumented: bool) -> tuple[int, int]:
         client_agent.stop()
 
 
-@pytest.mark.parametrize("kind", ["unary", "stream"])
+@pytest.mark.parametrize("kind", ["unary", "aborted", "stream"])
 @pytest.mark.parametrize("instrumented", [True, False], ids=["caller_with_agent", "caller_without_agent"])
 @pytest.mark.usefixtures("collector_off")
 def test_a_handlers_task_is_freed_when_its_call_ends(kind: str, instrumented: bool) -> None:

@@ -13,7 +13,10 @@ import grpc
 import pytest
 from rpc_harness import SERVICE
 
+from polling import run
+from stablewatch.agents.breaking import Doorbell
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.aio_channel import AioInstrumentedChannel
 from stablewatch.agents.rpc.calls import CallEvents
 from stablewatch.agents.rpc.channel import InstrumentedChannel
 from stablewatch.agents.rpc.interceptors import ClientInterceptor, ServerInterceptor
@@ -24,6 +27,9 @@ EVENTS = ("call_out", "awaited", "not_awaited", "call_returned", "arrive", "hand
 def test_call_events_names_the_agent_calls_and_rpc_agent_has_them_with_the_same_signatures() -> None:
     named = tuple(name for name in vars(CallEvents) if not name.startswith("_"))
     assert named == EVENTS
+    # And one attribute: the doorbell the asyncio channel rings when it begins a call's wait itself.
+    assert set(CallEvents.__annotations__) == {"doorbell"}
+    assert isinstance(RpcAgent("P").doorbell, Doorbell)
     for name in EVENTS:
         assert inspect.signature(getattr(RpcAgent, name)) == inspect.signature(getattr(CallEvents, name)), name
 
@@ -31,10 +37,11 @@ def test_call_events_names_the_agent_calls_and_rpc_agent_has_them_with_the_same_
 class OnlyCallEvents:
     """Nothing but the calls of CallEvents (no other attribute to reach for), passed on to a real agent and logged."""
 
-    __slots__ = ("_agent", "log")
+    __slots__ = ("_agent", "doorbell", "log")
 
     def __init__(self, agent: RpcAgent) -> None:
         self._agent = agent
+        self.doorbell = agent.doorbell
         self.log: list[str] = []
 
     def call_out(self, *args: Any) -> Any:
@@ -101,6 +108,32 @@ def test_a_call_goes_through_the_call_events_alone(server: tuple[str, OnlyCallEv
     # The call's two messages went out stamped, as the protocol's, not passed through unstamped.
     assert stamped(client_agent, "request") == 1
     assert stamped(served._agent, "response") == 1
+
+
+def test_an_asyncio_call_goes_through_the_call_events_alone(server: tuple[str, OnlyCallEvents]) -> None:
+    """The asyncio channel begins a unary call's wait itself at its await (with the doorbell of
+    CallEvents), and reports the rest through the calls."""
+    address, served = server
+    client_agent = RpcAgent("client")
+    client = OnlyCallEvents(client_agent)
+    waits: list[bool] = []
+
+    async def body() -> bytes:
+        channel = AioInstrumentedChannel(grpc.aio.insecure_channel(address), client, "server", True)
+        try:
+            call = channel.unary_unary(f"/{SERVICE}/Echo")(b"ping", timeout=10)
+            waits.append(call._call.waits)  # made: nobody waits on it yet
+            response = await call
+            waits.append(call._call.waits)  # awaited: its caller waited on it until its end
+            return response
+        finally:
+            await channel.close()
+
+    assert run(body(), 10) == b"ping"
+    assert waits == [False, True]
+    assert client.log == ["call_out", "call_returned"]
+    assert served.log == ["arrive", "handler_started", "respond"]
+    assert stamped(client_agent, "request") == 1 and client_agent.open_waits() == []
 
 
 def stamped(agent: RpcAgent, kind: str) -> float | None:

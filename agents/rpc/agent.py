@@ -433,6 +433,8 @@ class RpcAgent:
         waits on the callee's task. A call made with ``waits`` False and not yet awaited waits on
         nothing: its caller is free to do other things, and may never block on it.
         """
+        # The asyncio channel's unary await (aio_channel._UnaryResponse.__await__) writes this out
+        # for a call made by its awaiting caller: keep the two in step.
         # No lock (this runs for every asyncio call): a capture or a break reads a call's wait only
         # once ``waits`` is set, which is set last; and a call settled meanwhile has left
         # ``_outgoing``, where captures and breaks look, so its wait is never read.

@@ -5,9 +5,10 @@
 interceptors do (:mod:`stablewatch.agents.rpc.interceptors`: the request's stamp in its initial
 metadata, the response's stamp taken in before the caller sees the response or the end of the
 response stream, the caller waiting on the callee's task while a unary-response call is out), with
-the same agent calls, so the protocol is the same. One difference: the caller waits only once it
-awaits the call (or writes its request stream), in the name of the task that made it; a call made
-and not yet awaited holds nobody up.
+the same agent calls (a unary call's wait begun at its await as ``RpcAgent.awaited`` begins it,
+written out), so the protocol is the same. One difference: the caller waits only once it awaits the
+call (or writes its request stream), in the name of the task that made it; a call made and not yet
+awaited holds nobody up.
 
 Why a channel: grpc.aio runs every intercepted call through an extra task of its own (its
 ``InterceptedCall``) that runs the interceptors and then awaits the real call, and takes
@@ -331,8 +332,9 @@ class _Method:
         loop = channel._loop or channel._running_loop()
         task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
         name = CURRENT_TASK.get()
-        if not name or ((named := NAMED_TASK.get()) is not None and named.own_task is not task):
-            # Outside a handler, or in a task its handler started (see NAMED_TASK): the task's own name.
+        if not name or ((named := NAMED_TASK.get()) is not None and (task is None or named.own_task is not task)):
+            # Outside a handler, in a task its handler started or in a callback it scheduled (see
+            # NAMED_TASK): the task's (or the thread's) own name.
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent
         # Not waiting yet: the caller waits once it awaits the call (_UnaryResponse.__await__).
@@ -357,7 +359,7 @@ class _Method:
             agent.call_returned(call, None, _CANCELLED)
             raise
         if self._waits:
-            call.cancel, call.handle = channel._cancel, grpc_call  # breakable from now on
+            call.handle, call.cancel = grpc_call, channel._cancel  # breakable from now on (cancel last)
         proxy = _new(self._kind)  # its fields set here: one frame less per call than an __init__
         proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
         return proxy

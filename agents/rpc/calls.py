@@ -124,8 +124,9 @@ class OutgoingCall:
     broken once ``cancel`` is set, by the channel or the interceptor that holds a handle on the
     call it can cancel from another thread (before that, and for a blocking call through
     ``grpc.intercept_channel``, it is reported with instance 0: not breakable). ``cancel(handle)``
-    cancels it and returns whether the call was still running (``handle`` is grpc's call object:
-    one function serves every call of a channel, and no object is made per call for it);
+    cancels it and returns whether the call was still running (``handle`` is grpc's call object,
+    set before ``cancel``: a break reads ``cancel`` under the agent's lock and the handle after; the
+    asyncio channel's one function serves all its calls, with no object made per call for it);
     ``broken`` holds the victim's message from the moment it
     is cancelled for a break, so the caller's code raises :class:`DeadlockBroken` instead of a
     cancellation.
@@ -263,7 +264,8 @@ class WorkerPool:
 
 class CallEvents(Protocol):
     """What the interceptors and the instrumented channel report to the agent, one call per gRPC
-    event (:class:`~stablewatch.agents.rpc.agent.RpcAgent` documents each and is the one implementation)."""
+    event (:class:`~stablewatch.agents.rpc.agent.RpcAgent` documents each and is the one implementation),
+    but for the wait an asyncio unary call begins at its await (see ``doorbell``)."""
 
     #: Rung after a wait begins. The asyncio channel begins a call's wait itself, as :meth:`awaited`
     #: would (its code written out in the channel: it runs on every call).

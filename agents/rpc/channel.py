@@ -204,7 +204,7 @@ class _BreakableUnaryUnary(_UnaryUnary):
         grpc_call = None
         try:
             grpc_call = self._future(call, request, timeout, metadata, credentials, wait_for_ready, compression)
-            call.cancel, call.handle = cancel_future, grpc_call  # breakable from now on
+            call.handle, call.cancel = grpc_call, cancel_future  # breakable from now on (cancel last)
             response = grpc_call.result()
         except grpc.RpcError as error:
             _take_in_error(agent, call, error)

@@ -51,7 +51,8 @@ waits like a unary one, for the whole call.
 Limits of the asyncio client interceptors (the instrumented asyncio channel of
 :mod:`stablewatch.agents.rpc.aio_channel` has none of them): grpc.aio runs client interceptors in a
 task of its own, so an aio call made outside a handler waits in the name of that task (one per
-call), not the caller's; a unary call returns its response (the call object's metadata accessors see
+call), not the caller's, and one made in a task a handler started waits in the handler's name (that
+task cannot tell the two apart); a unary call returns its response (the call object's metadata accessors see
 none); and a request stream must be given as an iterator (not written with ``call.write``).
 """
 
@@ -748,7 +749,7 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         self._call: OutgoingCall | None = call
         self._settled = _Settled(agent, call, outcome)
         if self.caller_waits:
-            call.cancel, call.handle = cancel_future, outcome  # breakable from now on
+            call.handle, call.cancel = outcome, cancel_future  # breakable from now on (cancel last)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._outcome, name)
@@ -1005,7 +1006,7 @@ class _AioClient:
             details = _aio_details_with(client_call_details, call)
         try:
             grpc_call = await continuation(details, request)
-            call.cancel, call.handle = _partial(_cancel_soon, loop), grpc_call  # breakable from now on
+            call.handle, call.cancel = grpc_call, _partial(_cancel_soon, loop)  # breakable from now on (cancel last)
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
@@ -1123,8 +1124,8 @@ def unless_cancelling(broken: DeadlockBroken | None) -> DeadlockBroken | None:
 def _cancel_soon(loop: asyncio.AbstractEventLoop, grpc_call: Any) -> bool:
     """Cancel the asyncio ``grpc_call`` from any thread: it runs on ``loop``, the call's (grpc.aio
     objects belong to their loop). True when it was scheduled (the call ends cancelled unless it ends
-    first); False when the loop is closed. A call's cancel is this with its loop bound (a partial),
-    given the call as its handle."""
+    first); False when the loop is closed. An asyncio client interceptor's call's cancel is this with
+    its loop bound (a partial), given the call as its handle."""
     try:
         loop.call_soon_threadsafe(grpc_call.cancel)
     except RuntimeError:  # the loop is closed: so is the call
