@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, new_agent, outstanding, recorded, sample, stamped
+from rpc_harness import SERVICE, aio_channel_to, new_agent, outstanding, recorded, sample, stamped
 
 from polling import async_poll, run
 from stablewatch.agents.rpc import AioInstrumentedChannel, BadStamp, DeadlockBroken, RpcAgent
@@ -299,21 +299,13 @@ def test_a_call_with_a_response_stream_is_out_but_makes_no_wait(rpc_agents: tupl
     assert c_agent._core.received_count("S") == 1
 
 
-def to_peer(agent: RpcAgent, address: str, peer: str, client: str) -> grpc.aio.Channel:
-    """An asyncio channel from ``agent`` to ``peer``: its instrumented channel, or a channel with its
-    client interceptors."""
-    if client == "instrumented-channel":
-        return instrumented(agent, address, peer)
-    return grpc.aio.insecure_channel(address, interceptors=agent.aio_client_interceptors(peer))
-
-
 @pytest.mark.parametrize(
     ("made", "client"),
     [
-        ("by-the-handler", "instrumented-channel"),
-        ("by-the-handler", "client-interceptors"),
-        ("in-a-task-it-starts", "instrumented-channel"),
-        ("in-a-callback-it-schedules", "instrumented-channel"),
+        ("by-the-handler", "channel"),
+        ("by-the-handler", "interceptors"),
+        ("in-a-task-it-starts", "channel"),
+        ("in-a-callback-it-schedules", "channel"),
         # Not through the client interceptors: grpc.aio runs them in a task of its own, which cannot
         # tell the handler's task from one it started (README, "asyncio client interceptors").
     ],
@@ -334,7 +326,7 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     loop_thread = threading.current_thread().name  # the loop of run() runs in this thread
 
     async def body() -> None:
-        async with AioService(t_agent) as t_service, to_peer(s_agent, t_service.address, "T", client) as to_t:
+        async with AioService(t_agent) as t_service, aio_channel_to(t_service.address, s_agent, client, "T") as to_t:
 
             async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
                 if made == "by-the-handler":

@@ -127,9 +127,8 @@ class OutgoingCall:
     cancels it and returns whether the call was still running (``handle`` is grpc's call object,
     set before ``cancel``: a break reads ``cancel`` under the agent's lock and the handle after; the
     asyncio channel's one function serves all its calls, with no object made per call for it);
-    ``broken`` holds the victim's message from the moment it
-    is cancelled for a break, so the caller's code raises :class:`DeadlockBroken` instead of a
-    cancellation.
+    ``broken`` holds the victim's message from the moment it is cancelled for a break, so the
+    caller's code raises :class:`DeadlockBroken` instead of a cancellation.
     """
 
     seq: int

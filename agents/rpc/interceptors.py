@@ -52,8 +52,9 @@ Limits of the asyncio client interceptors (the instrumented asyncio channel of
 :mod:`stablewatch.agents.rpc.aio_channel` has none of them): grpc.aio runs client interceptors in a
 task of its own, so an aio call made outside a handler waits in the name of that task (one per
 call), not the caller's, and one made in a task a handler started waits in the handler's name (that
-task cannot tell the two apart); a unary call returns its response (the call object's metadata accessors see
-none); and a request stream must be given as an iterator (not written with ``call.write``).
+task cannot tell the two apart); a unary call returns its response (the call object's metadata
+accessors see none); and a request stream must be given as an iterator (not written with
+``call.write``).
 """
 
 from __future__ import annotations
