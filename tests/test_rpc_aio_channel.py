@@ -595,6 +595,28 @@ def test_a_cancelled_caller_gets_its_cancellation_and_the_wait_ends(
     run(body(), TIMEOUT)
 
 
+def test_a_reader_cancelled_as_its_request_is_sent_cancels_the_call(rpc_agents: tuple[RpcAgent, RpcAgent]) -> None:
+    """grpc.aio cancels a response-stream call when its reader is cancelled, but not when the reader
+    is cancelled after the request was sent and before it woke up to that: the call would go on
+    unread, and its end never be taken in while its caller keeps it. The instrumented call cancels it
+    then too. (The moment is made with grpc's private task that sends the request: a callback added
+    to it before the reader awaits it runs first, and cancels the reader there.)"""
+    s_agent, c_agent = rpc_agents
+
+    async def body() -> None:
+        async with AioService(s_agent) as service, instrumented(c_agent, service.address) as channel:
+            call = held_call(channel, "unary_stream")
+            reader = asyncio.ensure_future(call.read())
+            call._grpc_call._preparation.add_done_callback(lambda _: reader.cancel())
+            with pytest.raises(asyncio.CancelledError):
+                await reader
+            assert call.cancelled()
+            await async_poll(lambda: outstanding(c_agent) == 0, "the cancelled call's end taken in", TIMEOUT)
+            assert c_agent._core.session("S") == 1  # nobody knows what was on its way: counts restart
+
+    run(body(), TIMEOUT)
+
+
 @pytest.mark.parametrize("awaited", ["awaited", "in-a-gather"])
 @pytest.mark.parametrize("kind", WAITING)
 def test_a_broken_call_raises_deadlock_broken_and_reports_aborted(

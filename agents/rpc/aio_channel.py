@@ -254,10 +254,15 @@ class _StreamResponse(_Ends):
         except _AioRpcError as error:
             self._take_in_error(error)
             raise
-        except BaseException:
-            # The call ended (grpc cancels it when its reader is cancelled): take that in. Else its
-            # end comes later, and is taken in then (see _abandoned) if nobody reads it.
-            if self._grpc_call.done():
+        except BaseException as error:
+            grpc_call = self._grpc_call
+            if isinstance(error, _CancelledError) and not grpc_call.done():
+                # grpc cancels a call when its reader is cancelled, except while its request is still
+                # being sent (it then keeps running, unread): cancel it here as well.
+                grpc_call.cancel()
+            # Ended: take that in. Else its end comes later, and is taken in then (see _abandoned)
+            # if nobody reads it.
+            if grpc_call.done():
                 self._take_in(None, _CANCELLED)
             raise
         if response is _EOF:
