@@ -255,14 +255,17 @@ def test_a_request_stream_may_be_given_by_its_keyword_as_grpc_names_it(
 # -- waits ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("client", ["channel", "interceptors"])
 @pytest.mark.parametrize("kind", WAITING)
 def test_a_call_outside_a_handler_waits_in_its_callers_task_name(
-    rpc_agents: tuple[RpcAgent, RpcAgent], kind: str
+    rpc_agents: tuple[RpcAgent, RpcAgent], kind: str, client: str
 ) -> None:
+    """Through the client interceptors too, though grpc.aio runs them in a task of its own: the
+    caller is the task that awaits that task."""
     s_agent, c_agent = rpc_agents
 
     async def body() -> None:
-        async with AioService(s_agent) as service, instrumented(c_agent, service.address) as channel:
+        async with AioService(s_agent) as service, aio_channel_to(service.address, c_agent, client) as channel:
 
             async def caller() -> bytes:
                 return await held_call(channel, kind)
@@ -305,9 +308,9 @@ def test_a_call_with_a_response_stream_is_out_but_makes_no_wait(rpc_agents: tupl
         ("by-the-handler", "channel"),
         ("by-the-handler", "interceptors"),
         ("in-a-task-it-starts", "channel"),
+        ("in-a-task-it-starts", "interceptors"),
         ("in-a-callback-it-schedules", "channel"),
-        # Not through the client interceptors: grpc.aio runs them in a task of its own, which cannot
-        # tell the handler's task from one it started (README, "asyncio client interceptors").
+        ("in-a-callback-it-schedules", "interceptors"),
     ],
 )
 def test_a_call_from_a_handler_waits_in_the_handlers_name(
@@ -318,7 +321,9 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     server's asyncio task. A call made in a task the handler starts (and may never wait for: here
     it answers at once) waits in that task's own name, though the task inherits the handler's
     context; one made in a callback the handler schedules (in no task) waits in the thread's name.
-    Not so through the client interceptors (see the parameters)."""
+    Through the client interceptors, which grpc.aio runs in a task of its own, the waiter is the
+    task that awaits that task: none yet when the callback's call starts (ensure_future's task
+    awaits it after), so it waits in the name of grpc's task, and never in the handler's."""
     s_agent, c_agent = rpc_agents
     t_agent = new_agent("T")
     started: list[asyncio.Task[bytes]] = []
@@ -353,7 +358,12 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
                     assert opened.task == f"/{SERVICE}/{RELAY}#C:1"
                 else:
                     assert await reply == b"started"  # the handler is done: nothing waits in its name
-                    assert opened.task == ("background" if made == "in-a-task-it-starts" else loop_thread)
+                    if made == "in-a-task-it-starts":
+                        assert opened.task == "background"
+                    elif client == "channel":
+                        assert opened.task == loop_thread
+                    else:
+                        assert opened.task.startswith("Task-")  # grpc's task around the interceptors
                 t_service.release.set()
                 if made == "by-the-handler":
                     assert await reply == b"done:hold"

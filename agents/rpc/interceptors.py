@@ -50,11 +50,10 @@ waits like a unary one, for the whole call.
 
 Limits of the asyncio client interceptors (the instrumented asyncio channel of
 :mod:`stablewatch.agents.rpc.aio_channel` has none of them): grpc.aio runs client interceptors in a
-task of its own, so an aio call made outside a handler waits in the name of that task (one per
-call), not the caller's, and one made in a task a handler started waits in the handler's name (that
-task cannot tell the two apart); a unary call returns its response (the call object's metadata
-accessors see none); and a request stream must be given as an iterator (not written with
-``call.write``).
+task of its own, so a call waits in the name of the task that awaits that task as the call starts
+(the caller, when it awaits the call at once), else of grpc's task (a deadlock through it is missed);
+a unary call returns its response (the call object's metadata accessors see none); and a request
+stream must be given as an iterator (not written with ``call.write``).
 """
 
 from __future__ import annotations
@@ -956,6 +955,29 @@ class ClientInterceptor(
 _AioDetails = grpc.aio.ClientCallDetails
 _current_task = asyncio.current_task
 _new_tuple, _partial = tuple.__new__, functools.partial
+#: asyncio's task types: a task awaiting a future is woken by a method bound to it.
+_TASK_TYPES = tuple({asyncio.Task, getattr(asyncio.tasks, "_PyTask", asyncio.Task)})
+
+
+def _interceptors_caller(task: asyncio.Task[Any] | None) -> str:
+    """The waiter's name of an asyncio call made through the client interceptors, which grpc.aio runs
+    in ``task``, a task of its own: the task that awaits that task (the caller, when it awaited the
+    call at once), named as a handler's call if it is the handler's own task, else by its own name;
+    else ``task``'s name. Not the inherited :data:`CURRENT_TASK`: a task a handler started inherits
+    it, and its calls in the handler's name could make a deadlock up. A call awaited later, or
+    through a wrapper (``gather``, ``wait_for``), waits in grpc's task's name: a deadlock through it
+    is missed, never made up."""
+    if task is None:
+        return _current_thread().name
+    # A private attribute of asyncio's futures: the task awaiting this one has put its wake-up there.
+    for callback, _ in getattr(task, "_callbacks", None) or ():
+        caller = getattr(callback, "__self__", None)
+        if isinstance(caller, _TASK_TYPES):
+            named = NAMED_TASK.get()
+            if named is not None and named.own_task is caller:
+                return named.name
+            return caller.get_name()
+    return task.get_name()
 
 
 class _AioClient:
@@ -965,6 +987,7 @@ class _AioClient:
         # asyncio's lookup, which costs a getpid() per call: a BaseEventLoop knows the thread it
         # runs in, and a thread runs one loop at a time.
         self._loop: asyncio.BaseEventLoop | None = None
+        self._cancel: Callable[[Any], bool] | None = None  # a call's cancel on self._loop (set first)
 
     def _running_loop(self) -> Any:
         """The running loop (``asyncio._get_running_loop()``), as cheaply as it can be known."""
@@ -972,21 +995,24 @@ class _AioClient:
         if loop is not None and loop._thread_id == _get_ident():  # type: ignore[attr-defined]
             return loop
         loop = _running_loop()
-        self._loop = loop if isinstance(loop, asyncio.BaseEventLoop) else None
+        if isinstance(loop, asyncio.BaseEventLoop):
+            self._cancel = _partial(_cancel_soon, loop)
+            self._loop = loop
+        else:
+            self._loop = None
         return loop
 
     async def _unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
         # This runs for every asyncio unary call (``bench/rpc_hot_path.py`` times it): the unary-unary
         # interceptor is this method itself (no coroutine around it), and the common case of
-        # _aio_details_with, method_name, _aio_task_name and self._running_loop is written out.
+        # _aio_details_with, method_name and self._running_loop is written out.
         agent = self._agent
         loop = self._loop  # looked up once: for the caller's name and for the cancel
         if loop is None or loop._thread_id != _get_ident():  # type: ignore[attr-defined]
             loop = self._running_loop()
         name = CURRENT_TASK.get()
-        if not name:
-            task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
-            name = task.get_name() if task is not None else _current_thread().name
+        if not name or NAMED_TASK.get() is not None:  # not a name the application set: find the caller
+            name = _interceptors_caller(_current_task(loop) if _current_tasks is None else _current_tasks.get(loop))
         method = client_call_details.method
         text = method if type(method) is str else method_name(method)
         call = agent.call_out(self._peer, text, name, self._instrumented)
@@ -1007,7 +1033,8 @@ class _AioClient:
             details = _aio_details_with(client_call_details, call)
         try:
             grpc_call = await continuation(details, request)
-            call.handle, call.cancel = grpc_call, _partial(_cancel_soon, loop)  # breakable from now on (cancel last)
+            # Breakable from now on (cancel last); the cancel bound to the latest loop is kept.
+            call.handle, call.cancel = grpc_call, self._cancel if loop is self._loop else _partial(_cancel_soon, loop)
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
