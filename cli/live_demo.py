@@ -82,6 +82,8 @@ BREAK_LINES = 3  # the latest breaks the live view shows under the shop
 VICTIM_TEXT = "stablewatch broke"  # in the details of the ABORTED a victim's caller sees
 VICTIM_SNAPSHOT = re.compile(r"proven by snapshot (\d+)")
 LINGER = 2.0  # seconds the demo goes on once every outcome was seen, so its history shows what came after
+REPORT_WAIT = 2.0  # seconds the summary waits for the reports of breaks sent just before the end
+REPORT_POLL = 0.02  # seconds between looks at the detector's breaks meanwhile
 JOB_WORK_MS = "80"  # at most per task: the job runs for a few seconds, long enough to be seen running
 
 
@@ -175,6 +177,18 @@ class ShopBreaks:
             word = outcome_word(resolution)
             counts[word] = counts.get(word, 0) + 1
         return counts
+
+    def keep(self, ids: set[int]) -> None:
+        """Forget the breaks not among ``ids`` (sent after the end the report is taken at). If the
+        first one broken was one of them, the first broken among the rest is explained instead, from
+        the next read of the books."""
+        self.resolutions = {key: value for key, value in self.resolutions.items() if key in ids}
+        if self.first is not None and self.first.resolution_id not in ids:
+            self.first = self.victim_aborted = self.client_aborted = None
+            self.last_block = self.orders_at_break = None
+            self.orders_after = 0
+            for key in sorted(self.resolutions):
+                self.seen(self.resolutions[key])
 
     def latest(self, count: int) -> list[Resolution]:
         """The ``count`` newest breaks, oldest first."""
@@ -444,15 +458,29 @@ async def _read_once(system: _System) -> None:
 
 
 async def _read_books_last(system: _System) -> None:
-    """Read the shop's books one last time, for the report."""
+    """Read the shop's breaks and books one last time, for the report: the breaks sent by now, each
+    with its report if that comes within :data:`REPORT_WAIT` seconds (a break sent just before the
+    end is answered some milliseconds later, and is not pending), and none sent after."""
     if system.shop is None or system.breaks is None:
         return
+    store = system.detector.store
+    sent = {resolution.resolution_id for resolution in store.resolutions(100_000)}
+    deadline = time.monotonic() + REPORT_WAIT
+    while _pending(store.resolutions(100_000), sent) and time.monotonic() < deadline:
+        await asyncio.sleep(REPORT_POLL)
     # Every break the store holds, oldest first: the final word on each, even one whose
     # watch event had not been read yet.
-    for resolution in reversed(system.detector.store.resolutions(100_000)):
+    for resolution in reversed(store.resolutions(100_000)):
         system.breaks.seen(resolution)
+    system.breaks.keep(sent)
     if system.breaks.first is not None:
         await _read_once(system)
+    system.breaks.keep(sent)  # the watch may have brought newer ones meanwhile
+
+
+def _pending(resolutions: Sequence[Resolution], ids: set[int]) -> bool:
+    """Whether a break of ``ids`` among ``resolutions`` still waits for its report."""
+    return any(outcome_word(r) == "pending" for r in resolutions if r.resolution_id in ids)
 
 
 async def _stop_shop(system: _System) -> bool:

@@ -4,6 +4,7 @@ what the demo reads in the shop's books; a quiet output."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -15,14 +16,16 @@ import sys
 import threading
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 from typing import IO
 
+import grpc
 import pytest
 from rich.console import Console
 
 from polling import poll
 from stablewatch.cli.demo import history_arguments, shop_breaks_lines, verbose_logging, where_text
-from stablewatch.cli.live_demo import DemoReport, ShopBreaks, call_of, write_graph
+from stablewatch.cli.live_demo import DemoReport, ShopBreaks, _read_books_last, call_of, write_graph
 from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import evaluate
 from stablewatch.detector.service.detector import Detector, DetectorConfig
@@ -291,6 +294,49 @@ def test_the_first_break_is_explained_from_the_shop_books() -> None:
     assert breaks.recovery_ms == 130.0
     assert breaks.client_aborted is not None and breaks.client_aborted.details.endswith("ended in ABORTED")
     assert (breaks.orders_at_break, breaks.orders_after) == (1, 2)
+
+
+class _StoreAnswering:
+    """A detector's store whose breaks are answered (and one more sent) after ``looks`` looks."""
+
+    def __init__(self, looks: int) -> None:
+        self.looks = looks
+
+    def resolutions(self, page_size: int) -> list[Resolution]:
+        self.looks -= 1
+        if self.looks >= 0:
+            return [_break(2, 8, broken=False), _break(1, 7, broken=True)]  # newest first
+        return [_break(3, 9, broken=False), _break(2, 8, broken=True), _break(1, 7, broken=True)]
+
+
+class _ShopAway:
+    def status(self, role: str) -> dict[str, object]:
+        raise grpc.RpcError  # the books cannot be read: the breaks are counted all the same
+
+
+def test_the_summary_waits_for_the_report_of_a_break_sent_just_before_the_end() -> None:
+    """A break sent just before the end is answered some milliseconds later: the summary waits for
+    that (up to REPORT_WAIT seconds) and does not count it pending, nor one sent after the end."""
+    store = _StoreAnswering(looks=3)
+    system = SimpleNamespace(shop=_ShopAway(), breaks=ShopBreaks(), detector=SimpleNamespace(store=store))
+    asyncio.run(asyncio.wait_for(_read_books_last(system), 10))  # type: ignore[arg-type]
+    assert store.looks < 0  # it looked again until the report came
+    assert system.breaks.outcomes() == {"broken": 2}
+    assert system.breaks.first is not None and system.breaks.first.resolution_id == 1
+
+
+def test_a_break_sent_after_the_end_is_forgotten_with_what_it_explained() -> None:
+    breaks = ShopBreaks()
+    breaks.seen(_break(5, 7, broken=False))
+    breaks.seen(_break(6, 8, broken=True))  # answered first, though sent after the end
+    breaks.read(_books(CLIENT_PLACES))
+    breaks.seen(_break(5, 7, broken=True))
+    assert breaks.first is not None and breaks.first.resolution_id == 6
+    assert breaks.client_aborted is not None
+    breaks.keep({5})
+    assert breaks.outcomes() == {"broken": 1}
+    assert breaks.first is not None and breaks.first.resolution_id == 5
+    assert breaks.client_aborted is None  # explained again, for break 5, at the next read
 
 
 def test_the_orders_after_the_break_only_grow_as_the_books_forget() -> None:
