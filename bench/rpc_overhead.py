@@ -401,7 +401,7 @@ class AioNoopClientInterceptor(grpc.aio.UnaryUnaryClientInterceptor):
 
 PROBED = {
     "agent": ("arrive", "handler_started", "respond", "call_ended", "call_out", "call_returned"),
-    "interceptors": ("_details_with", "_aio_details_with", "stamp_of", "current_task_name", "_aio_task_name"),
+    "interceptors": ("_details_with", "_aio_details_with", "stamp_of", "current_task_name"),
     "channel": ("stamp_of", "take_in_end", "current_task_name"),
 }
 

@@ -378,6 +378,53 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     assert t_agent._core.received_count("S") == s_agent._core.received_count("T") == 1
 
 
+@pytest.mark.parametrize("client", ["channel", "interceptor"])
+def test_a_call_from_a_thread_an_asyncio_handler_runs_waits_in_the_threads_name(
+    rpc_agents: tuple[RpcAgent, RpcAgent], client: str
+) -> None:
+    """``asyncio.to_thread`` copies the handler's context, its name with it, into the thread; but the
+    handler need not wait for the thread (here it answers at once), so a sync call made there waits
+    in the thread's own name, through the instrumented channel and the client interceptor alike."""
+    s_agent, c_agent = rpc_agents
+    t_agent = new_agent("T")
+    threads: list[str] = []
+    started: list[asyncio.Task[bytes]] = []
+
+    async def body() -> None:
+        async with AioService(t_agent) as t_service:
+            plain = grpc.insecure_channel(t_service.address)
+            if client == "channel":
+                to_t = s_agent.instrument_channel(plain, "T")
+            else:
+                to_t = grpc.intercept_channel(plain, s_agent.client_interceptor("T"))
+
+            def call_t(request: bytes) -> bytes:
+                threads.append(threading.current_thread().name)
+                return to_t.unary_unary(f"/{SERVICE}/{SLOW}")(request, timeout=TIMEOUT)
+
+            async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                started.append(asyncio.ensure_future(asyncio.to_thread(call_t, request)))
+                return b"started"
+
+            relaying = {RELAY: grpc.unary_unary_rpc_method_handler(relay)}
+            try:
+                async with AioService(s_agent, relaying) as s_service, instrumented(c_agent, s_service.address) as to_s:
+                    assert await method(to_s, "unary_unary", RELAY)(b"hold", timeout=TIMEOUT) == b"started"
+                    await async_poll(t_service.held.is_set, "T's Slow held", TIMEOUT)
+                    (opened,) = s_agent.open_waits()
+                    assert opened.task == threads[0] != f"/{SERVICE}/{RELAY}#C:1"
+                    t_service.release.set()
+                    assert await started[0] == b"done:hold"
+                    assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
+            finally:
+                plain.close()
+
+    try:
+        run(body(), TIMEOUT)
+    finally:
+        t_agent.stop()
+
+
 # -- ends nobody met --------------------------------------------------------------------------------
 
 

@@ -23,10 +23,12 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   task for that call, ``(callee, "{method}#{caller}:{seq}")``: one ``Wait`` per call, with its own
   instance and the time the wait began. The caller is the task of the handler the call is made
   from (the same name, set by the server interceptor), else the thread's name (sync) or the asyncio
-  task's name (aio). A blocking call's edge appears in the critical section that counts the
-  request; a future's or an asyncio call's when something blocks on it (:meth:`RpcAgent.awaited`:
-  a call made and not awaited holds nobody up, and reporting it would invent deadlocks). The edge
-  goes in the critical section that takes in the response (or ends the call).
+  task's name (aio). A task an asyncio handler starts, or a thread it runs code in, inherits its
+  context but is a caller of its own: the handler may not wait for it. A blocking call's edge
+  appears in the critical section that counts the request; a future's or an asyncio call's when
+  something blocks on it (:meth:`RpcAgent.awaited`: a call made and not awaited holds nobody up,
+  and reporting it would invent deadlocks). The edge goes in the critical section that takes in
+  the response (or ends the call).
 * **Response streams.** A call with a response stream (unary-stream, stream-stream) makes no wait
   edge. gRPC carries metadata per call, not per message, so the messages inside a stream are neither
   counted nor recorded: one in flight could wake a caller that the cut shows waiting, and a deadlock

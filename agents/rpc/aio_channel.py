@@ -332,7 +332,7 @@ class _Method:
         compression: Any = None,
     ) -> Any:
         # This runs for every asyncio call a stub makes (``bench/rpc_hot_path.py`` times it), so
-        # _aio_task_name is written out.
+        # current_task_name is written out.
         channel = self._channel
         loop = channel._loop or channel._running_loop()
         task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)

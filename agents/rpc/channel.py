@@ -43,6 +43,7 @@ from stablewatch.agents.rpc.calls import CallEvents, OutgoingCall, RefusedRespon
 from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
+    NAMED_TASK,
     ClientInterceptor,
     _current_tasks,
     _current_thread,
@@ -85,8 +86,8 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         # _blocking(...)[0], written out (see the class docstring), and current_task_name() for a call
         # made by a thread outside any handler and task.
         name = CURRENT_TASK.get()
-        if not name:
-            if _current_tasks is not None and not _current_tasks:
+        if not name or NAMED_TASK.get() is not None:  # NAMED_TASK: an asyncio handler's name, maybe not ours
+            if _current_tasks is not None and not _current_tasks and not name:
                 thread = _threads.get(_get_ident())
                 name = (thread if thread is not None else _current_thread()).name
             else:

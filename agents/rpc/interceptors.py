@@ -111,9 +111,11 @@ _threads: dict[int, threading.Thread] = threading._active  # type: ignore[attr-d
 
 
 def current_task_name() -> str:
-    """The waiter of a call made here: the running handler's call name, else the asyncio task's or thread's name."""
+    """The waiter of a call made here: the running handler's call name, else the asyncio task's or
+    thread's name. An asyncio handler's name reaches a thread it runs code in (``asyncio.to_thread``
+    copies the context) and the tasks it starts, but names only its own task (see :data:`NAMED_TASK`)."""
     name = CURRENT_TASK.get()
-    if name:
+    if name and ((named := NAMED_TASK.get()) is None or _is_own_task(named)):
         return name
     if _current_tasks is not None and not _current_tasks:  # no task runs here: a thread's call
         thread = _threads.get(_get_ident())  # current_thread(), written out
@@ -125,14 +127,13 @@ def current_task_name() -> str:
     return task.get_name() if task is not None else _current_thread().name
 
 
-def _aio_task_name(loop: asyncio.AbstractEventLoop) -> str:
-    """:func:`current_task_name` in a coroutine of ``loop`` (finding the running loop costs more than
-    the rest: an asyncio call looks it up once)."""
-    name = CURRENT_TASK.get()
-    if name:
-        return name
-    task = asyncio.current_task(loop)
-    return task.get_name() if task is not None else _current_thread().name
+def _is_own_task(named: IncomingCall) -> bool:
+    """Whether the code running here is ``named``'s asyncio handler's own task (not a task it started,
+    a callback it scheduled or a thread it runs code in, whose calls it may not wait for)."""
+    if named.own_task is None:  # the handler ended
+        return False
+    loop = _running_loop()  # this thread's: another thread's current task is not the code running here
+    return loop is not None and asyncio.current_task(loop) is named.own_task
 
 
 def stamp_of(metadata: Any) -> str | None:
