@@ -11,6 +11,7 @@ wait; a wait that would hang fails at once instead (see ``interrupted``).
 
 from __future__ import annotations
 
+import contextvars
 import gc
 import threading
 import weakref
@@ -23,11 +24,12 @@ import grpc
 import grpc._channel
 import pytest
 from pool_service import PoolService
-from rpc_harness import SERVICE, new_agent, outstanding, recorded, sample
+from rpc_harness import SERVICE, Service, new_agent, outstanding, recorded, sample
 
 from polling import poll
 from stablewatch.agents.rpc import pool as rpc_pool
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_GONE, BreakWait
 
 #: grpc's call object behind a sync future or stream (a private class of grpc, stable in 1.85).
@@ -384,3 +386,49 @@ def test_a_server_stopped_with_a_call_queued_takes_it_out_of_the_pools_picture(
     one_worker.release.set()
     assert stopped.wait(10)
     poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
+
+
+@pytest.mark.parametrize("cleared", [False, True])
+def test_a_thread_given_a_sync_handlers_context_waits_in_its_name_unless_cleared(cleared: bool) -> None:
+    """A thread does not inherit its handler's context, but code may copy it there; its calls then
+    wait in the handler's name (README, "A sync handler's context copied into another thread"),
+    unless ``CURRENT_TASK`` is set to None in it first: then in the thread's own name."""
+    s_agent, t_agent = new_agent("S"), new_agent("T")
+    release, held = threading.Event(), threading.Event()
+    started: list[futures.Future[bytes]] = []
+
+    def slow(request: bytes, context: Any) -> bytes:
+        held.set()
+        release.wait(10)
+        return b"done:" + request
+
+    t_service = Service({"Slow": slow}, t_agent)
+    to_t = s_agent.instrument_channel(grpc.insecure_channel(t_service.address), "T")
+    background = futures.ThreadPoolExecutor(1, thread_name_prefix="background")
+
+    def call_t(request: bytes) -> bytes:
+        if cleared:
+            CURRENT_TASK.set(None)
+        return to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+    def relay(request: bytes, context: Any) -> bytes:
+        started.append(background.submit(contextvars.copy_context().run, call_t, request))
+        return b"started"
+
+    s_service = Service({"Relay": relay}, s_agent)
+    try:
+        with grpc.insecure_channel(s_service.address) as to_s:
+            assert to_s.unary_unary(f"/{SERVICE}/Relay")(b"hold", timeout=10) == b"started"
+        assert held.wait(10)
+        (opened,) = s_agent.open_waits()
+        assert opened.task == ("background_0" if cleared else f"/{SERVICE}/Relay#grpc://127.0.0.1:1")
+        release.set()
+        assert started[0].result(10) == b"done:hold"
+    finally:
+        release.set()
+        background.shutdown(wait=True)
+        to_t.close()
+        s_service.stop()
+        t_service.stop()
+        s_agent.stop()
+        t_agent.stop()
