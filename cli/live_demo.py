@@ -160,7 +160,11 @@ class ShopBreaks:
     orders_after: int = 0  # Places completed after it
 
     def seen(self, resolution: Resolution) -> None:
-        """A break was sent or answered (``WatchEvent.resolution``)."""
+        """A break was sent or answered (``WatchEvent.resolution``). The news of its sending may come
+        after its answer (the watch lags the detector's store): it replaces no answer."""
+        known = self.resolutions.get(resolution.resolution_id)
+        if known is not None and outcome_word(resolution) == "pending" and outcome_word(known) != "pending":
+            return
         self.resolutions[resolution.resolution_id] = resolution
         if self.first is None and resolution.outcome == BREAK_OUTCOME_BROKEN:
             self.first = resolution

@@ -337,6 +337,8 @@ def test_a_break_sent_after_the_end_is_forgotten_with_what_it_explained() -> Non
     assert breaks.outcomes() == {"broken": 1}
     assert breaks.first is not None and breaks.first.resolution_id == 5
     assert breaks.client_aborted is None  # explained again, for break 5, at the next read
+    breaks.seen(_break(5, 7, broken=False))  # the watch's late news of its sending
+    assert breaks.outcomes() == {"broken": 1}
 
 
 def test_the_orders_after_the_break_only_grow_as_the_books_forget() -> None:

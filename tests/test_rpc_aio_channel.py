@@ -378,6 +378,55 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     assert t_agent._core.received_count("S") == s_agent._core.received_count("T") == 1
 
 
+@pytest.mark.parametrize("awaited", ["handed-to-a-task", "in-a-gather", "in-wait-for", "in-ensure-future"])
+def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is_blocked(
+    rpc_agents: tuple[RpcAgent, RpcAgent], awaited: str
+) -> None:
+    """A call S's handler makes through the instrumented channel but another task awaits: the
+    handler is the waiter only while it is blocked on that task (the task of a gather, wait_for or
+    ensure_future around the call); a call handed to a task it does not wait for (here it answers
+    at once) waits in that task's name, not the handler's, which could make a deadlock up."""
+    s_agent, c_agent = rpc_agents
+    t_agent = new_agent("T")
+    handed: list[asyncio.Task[bytes]] = []
+    handler = f"/{SERVICE}/{RELAY}#C:1"
+
+    async def body() -> None:
+        async with AioService(t_agent) as t_service, instrumented(s_agent, t_service.address, "T") as to_t:
+
+            async def consume(call: Any) -> bytes:
+                return await call
+
+            async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+                call = method(to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)
+                if awaited == "handed-to-a-task":
+                    handed.append(asyncio.create_task(consume(call), name="consumer"))
+                    return b"started"
+                if awaited == "in-a-gather":
+                    (response,) = await asyncio.gather(call)
+                    return response
+                if awaited == "in-wait-for":
+                    return await asyncio.wait_for(call, TIMEOUT)
+                return await asyncio.ensure_future(call)
+
+            relaying = {RELAY: grpc.unary_unary_rpc_method_handler(relay)}
+            async with AioService(s_agent, relaying) as s_service, instrumented(c_agent, s_service.address) as to_s:
+                reply = asyncio.ensure_future(method(to_s, "unary_unary", RELAY)(b"hold", timeout=TIMEOUT))
+                await async_poll(t_service.held.is_set, "T's Slow held", TIMEOUT)
+                if awaited == "handed-to-a-task":
+                    assert await reply == b"started"  # the handler answered: it waits on nothing
+                (opened,) = s_agent.open_waits()
+                assert opened.task == ("consumer" if awaited == "handed-to-a-task" else handler)
+                t_service.release.set()
+                assert await (handed[0] if handed else reply) == b"done:hold"
+                assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
+
+    try:
+        run(body(), TIMEOUT)
+    finally:
+        t_agent.stop()
+
+
 @pytest.mark.parametrize("client", ["channel", "interceptor"])
 def test_a_call_from_a_thread_an_asyncio_handler_runs_waits_in_the_threads_name(
     rpc_agents: tuple[RpcAgent, RpcAgent], client: str

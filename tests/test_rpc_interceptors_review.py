@@ -27,7 +27,7 @@ from rpc_harness import SERVICE, AioServer, aio_channel_to, outstanding, sample
 from polling import async_poll, run
 from stablewatch.agents.rpc import BadStamp, RpcAgent
 from stablewatch.agents.rpc.core import STAMP_KEY
-from stablewatch.agents.rpc.interceptors import CURRENT_TASK
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK, current_task_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -58,8 +58,8 @@ def answered_once_each(s_agent: RpcAgent, c_agent: RpcAgent, calls: int) -> None
 
 
 def name() -> bytes:
-    """The running handler's task name, as its own calls would wait in it."""
-    return (CURRENT_TASK.get() or "none").encode()
+    """The name the running handler's own calls wait in ("none" without a handler's name)."""
+    return current_task_name().encode() if CURRENT_TASK.get() else b"none"
 
 
 def sync_handlers(callbacks: list[str]) -> dict[str, grpc.RpcMethodHandler]:
@@ -199,11 +199,11 @@ def test_a_sync_response_stream_on_an_asyncio_server_is_taken_in_threads_in_the_
     """A sync response stream on an asyncio server is produced step by step in threads: every step
     runs in the call's name, so a call the handler makes between two responses waits in it."""
     s_agent, c_agent = rpc_agents
-    seen: list[tuple[str | None, bool]] = []
+    seen: list[tuple[str, bool]] = []
 
     def names(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
         for _ in range(3):
-            seen.append((CURRENT_TASK.get(), threading.current_thread() is threading.main_thread()))
+            seen.append((current_task_name(), threading.current_thread() is threading.main_thread()))
             yield b"."
 
     async def body() -> None:
@@ -212,7 +212,7 @@ def test_a_sync_response_stream_on_an_asyncio_server_is_taken_in_threads_in_the_
             assert [r async for r in to_s.unary_stream(f"/{SERVICE}/Names")(b"", timeout=TIMEOUT)] == [b"."] * 3
 
     run(body(), TIMEOUT)
-    assert len({task for task, _ in seen}) == 1 and seen[0][0].startswith(f"/{SERVICE}/Names#C:")  # type: ignore[union-attr]
+    assert len({task for task, _ in seen}) == 1 and seen[0][0].startswith(f"/{SERVICE}/Names#C:")
     assert not any(on_main for _, on_main in seen)  # never on the event loop's thread
     answered_once_each(s_agent, c_agent, 1)
 

@@ -70,6 +70,33 @@ async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
     return stamp, None if stamp is not None else await grpc_call.code()
 
 
+def _awaiter(handler_name: str, handler: Any, awaiting: Any) -> str:
+    """The waiter of a call an asyncio handler's own task (``handler``, named ``handler_name``) made
+    and ``awaiting``, another task, begins to await: still the handler while it is blocked on
+    ``awaiting`` (the task of ``ensure_future``, ``gather`` or Python 3.11's ``wait_for`` around the
+    call); else ``awaiting``, in its handler's name if it is a handler's own task. A call handed to
+    another task may not be waited for by the handler, and a wait in its name could make a deadlock up."""
+    if awaiting is None or _blocked_on(handler, awaiting):
+        return handler_name
+    name = CURRENT_TASK.get()
+    if name and ((named := NAMED_TASK.get()) is None or named.own_task is awaiting):
+        return name
+    return awaiting.get_name()
+
+
+def _blocked_on(task: Any, awaited: Any) -> bool:
+    """Whether ``task`` is blocked on the task ``awaited``: awaiting it, a ``gather`` of it, or the
+    future Python 3.11's ``wait_for`` releases when it ends (asyncio's private attributes, read only
+    for a call awaited by a task other than its maker; unknown ones say no)."""
+    blocking = getattr(task, "_fut_waiter", None)
+    if blocking is None:
+        return False
+    if blocking is awaited or awaited in getattr(blocking, "_children", ()):
+        return True
+    callbacks = getattr(awaited, "_callbacks", None) or ()
+    return any(type(callback) is functools.partial and blocking in callback.args for callback, _ in callbacks)
+
+
 class _Ends:
     """Takes in the end of one asyncio call where its caller meets it, exactly once.
 
@@ -85,6 +112,10 @@ class _Ends:
     _agent: CallEvents
     _grpc_call: Any
     _loop: asyncio.AbstractEventLoop
+    # The asyncio handler's own task that made the call in the handler's name; None for any other
+    # maker, whose name nobody waits on (only a handler's task is waited on), so no deadlock is
+    # made up through it whoever awaits the call.
+    _handler: Any = None
 
     def __del__(self) -> None:
         call = self._call
@@ -202,8 +233,15 @@ class _UnaryResponse(_Ends):
         grpc_call, call = self._grpc_call, self._call
         # self._agent.awaited(call), written out (a call and a frame less on every call): the caller
         # that made it waits now, in its own name (a caller awaiting a gather() of its calls is
-        # blocked on each, though gather's own tasks await them); nothing once it waits or ended.
+        # blocked on each, though gather's own tasks await them), unless it handed the call to
+        # another task (see _awaiter); nothing once it waits or ended.
         if not call.waits and not call.settled:  # type: ignore[union-attr]
+            handler = self._handler
+            if handler is not None:  # made by a handler: is the handler still the one that waits?
+                loop = self._loop
+                awaiting = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
+                if awaiting is not handler:
+                    call.caller_task = _awaiter(call.caller_task, handler, awaiting)  # type: ignore[union-attr]
             call.instance, call.began_at_ns = _new_instance(), _time_ns()  # type: ignore[union-attr]
             call.waits = True  # type: ignore[union-attr]  # last: captures and breaks read a wait once it is set
             doorbell = self._agent.doorbell
@@ -278,8 +316,12 @@ class _RequestStream(_Ends):
     _waits_when_written = False
 
     def _writes(self) -> None:
-        if self._waits_when_written:
-            self._agent.awaited(self._call)  # type: ignore[arg-type]
+        call = self._call
+        if self._waits_when_written and not call.waits and not call.settled:  # type: ignore[union-attr]
+            waiter = None
+            if self._handler is not None and (writer := asyncio.current_task(self._loop)) is not self._handler:
+                waiter = _awaiter(call.caller_task, self._handler, writer)  # type: ignore[union-attr]
+            self._agent.awaited(call, waiter)  # type: ignore[arg-type]
 
     async def write(self, request: Any) -> None:
         self._writes()
@@ -337,9 +379,13 @@ class _Method:
         loop = channel._loop or channel._running_loop()
         task = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
         name = CURRENT_TASK.get()
-        if not name or ((named := NAMED_TASK.get()) is not None and (task is None or named.own_task is not task)):
-            # Outside a handler, in a task its handler started or in a callback it scheduled (see
-            # NAMED_TASK): the task's (or the thread's) own name.
+        handler = None  # the asyncio handler's own task, making the call in the handler's name
+        if name and (named := NAMED_TASK.get()) is not None:
+            if task is not None and named.own_task is task:
+                handler = task
+            else:  # in a task its handler started or in a callback it scheduled (see NAMED_TASK)
+                name = None
+        if not name:  # the task's (or the thread's) own name
             name = task.get_name() if task is not None else _current_thread().name
         agent = channel._agent
         # Not waiting yet: the caller waits once it awaits the call (_UnaryResponse.__await__).
@@ -367,6 +413,8 @@ class _Method:
             call.handle, call.cancel = grpc_call, channel._cancel  # breakable from now on (cancel last)
         proxy = _new(self._kind)  # its fields set here: one frame less per call than an __init__
         proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
+        if handler is not None:
+            proxy._handler = handler
         return proxy
 
 

@@ -456,7 +456,8 @@ def _awaitable(behavior: Callable[..., Any], requests: bool = False) -> Callable
     """``behavior`` (with a unary response) as a coroutine function: itself, or a sync one run in a
     thread, as grpc.aio runs it: with a sync context (:class:`_SyncContext`) and, for a request stream
     (``requests``), a sync iterator of it. The thread runs in the call's context (``asyncio.to_thread``
-    copies it), so the handler's own calls wait in its name; it is one of the loop's default executor
+    copies it), without :data:`NAMED_TASK` (the handler's task awaits the thread: it is the handler's
+    own), so the handler's own calls wait in its name; it is one of the loop's default executor
     (the interceptor is not told of a ``migration_thread_pool`` given to the server). Decided once per
     method."""
     if inspect.iscoroutinefunction(behavior):
@@ -467,6 +468,7 @@ def _awaitable(behavior: Callable[..., Any], requests: bool = False) -> Callable
         sync_context = _SyncContext(context, loop)
         if requests:
             request = _sync_requests(request, loop)
+        NAMED_TASK.set(None)  # the thread is the handler's own (its task awaits it): its calls wait in its name
         response = await asyncio.to_thread(behavior, request, sync_context)
         sync_context.ended()
         return response
@@ -488,6 +490,7 @@ def _in_threads(behavior: Callable[..., Any], requests: bool) -> Callable[..., A
         sync_context = _SyncContext(context, loop)
         if requests:
             request = _sync_requests(request, loop)
+        NAMED_TASK.set(None)  # as in _awaitable: each thread is the handler's own
         responses = await asyncio.to_thread(_iterator_of, behavior, request, sync_context)
         while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
             yield response
@@ -988,7 +991,9 @@ class _AioClient:
         # asyncio's lookup, which costs a getpid() per call: a BaseEventLoop knows the thread it
         # runs in, and a thread runs one loop at a time.
         self._loop: asyncio.BaseEventLoop | None = None
-        self._cancel: Callable[[Any], bool] | None = None  # a call's cancel on self._loop (set first)
+        # A call's cancel on a loop, with that loop, in one tuple: read once, the two agree even if
+        # another thread (another loop, sharing these interceptors) sets them meanwhile.
+        self._bound: tuple[Any, Callable[[Any], bool] | None] = (None, None)
 
     def _running_loop(self) -> Any:
         """The running loop (``asyncio._get_running_loop()``), as cheaply as it can be known."""
@@ -997,7 +1002,7 @@ class _AioClient:
             return loop
         loop = _running_loop()
         if isinstance(loop, asyncio.BaseEventLoop):
-            self._cancel = _partial(_cancel_soon, loop)
+            self._bound = (loop, _partial(_cancel_soon, loop))
             self._loop = loop
         else:
             self._loop = None
@@ -1035,7 +1040,8 @@ class _AioClient:
         try:
             grpc_call = await continuation(details, request)
             # Breakable from now on (cancel last); the cancel bound to the latest loop is kept.
-            call.handle, call.cancel = grpc_call, self._cancel if loop is self._loop else _partial(_cancel_soon, loop)
+            bound_loop, cancel = self._bound
+            call.handle, call.cancel = grpc_call, cancel if bound_loop is loop else _partial(_cancel_soon, loop)
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
             agent.call_returned(call, stamp_of(error.trailing_metadata()), error.code())
