@@ -378,14 +378,18 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     assert t_agent._core.received_count("S") == s_agent._core.received_count("T") == 1
 
 
-@pytest.mark.parametrize("awaited", ["handed-to-a-task", "in-a-gather", "in-wait-for", "in-ensure-future"])
+@pytest.mark.parametrize(
+    "awaited", ["handed-to-a-task", "in-a-gather", "in-a-gather-failing-fast", "in-wait-for", "in-ensure-future"]
+)
 def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is_blocked(
     rpc_agents: tuple[RpcAgent, RpcAgent], awaited: str
 ) -> None:
     """A call S's handler makes through the instrumented channel but another task awaits: the
-    handler is the waiter only while it is blocked on that task (the task of a gather, wait_for or
-    ensure_future around the call); a call handed to a task it does not wait for (here it answers
-    at once) waits in that task's name, not the handler's, which could make a deadlock up."""
+    handler is the waiter only while it is blocked on that task until it ends (the task of a
+    gather with return_exceptions=True, wait_for or ensure_future around the call); a call handed
+    to a task it does not wait for (here it answers at once), or gathered failing fast (another
+    call failing would let the handler go on while this one runs), waits in that task's name, not
+    the handler's, which could make a deadlock up."""
     s_agent, c_agent = rpc_agents
     t_agent = new_agent("T")
     handed: list[asyncio.Task[bytes]] = []
@@ -402,8 +406,8 @@ def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is
                 if awaited == "handed-to-a-task":
                     handed.append(asyncio.create_task(consume(call), name="consumer"))
                     return b"started"
-                if awaited == "in-a-gather":
-                    (response,) = await asyncio.gather(call)
+                if awaited.startswith("in-a-gather"):
+                    (response,) = await asyncio.gather(call, return_exceptions=awaited == "in-a-gather")
                     return response
                 if awaited == "in-wait-for":
                     return await asyncio.wait_for(call, TIMEOUT)
@@ -416,10 +420,67 @@ def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is
                 if awaited == "handed-to-a-task":
                     assert await reply == b"started"  # the handler answered: it waits on nothing
                 (opened,) = s_agent.open_waits()
-                assert opened.task == ("consumer" if awaited == "handed-to-a-task" else handler)
+                if awaited == "handed-to-a-task":
+                    assert opened.task == "consumer"
+                elif awaited == "in-a-gather-failing-fast":
+                    assert opened.task.startswith("Task-")  # gather's task around the call
+                else:
+                    assert opened.task == handler
                 t_service.release.set()
                 assert await (handed[0] if handed else reply) == b"done:hold"
                 assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
+
+    try:
+        run(body(), TIMEOUT)
+    finally:
+        t_agent.stop()
+
+
+@pytest.mark.parametrize("made", ["by-the-handler", "in-a-task-it-schedules"])
+def test_a_sync_handler_on_an_asyncio_server_waits_in_its_name_and_its_tasks_in_theirs(
+    rpc_agents: tuple[RpcAgent, RpcAgent], made: str
+) -> None:
+    """The agent runs a sync handler of an asyncio server in a thread its task awaits: the handler's
+    own calls there wait in its name. A task it schedules on the loop from that thread, and does not
+    wait for (here it answers at once), inherits its context but waits in its own name."""
+    s_agent, c_agent = rpc_agents
+    t_agent = new_agent("T")
+    scheduled: list[Any] = []
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        plain = None
+        async with AioService(t_agent) as t_service, instrumented(s_agent, t_service.address, "T") as aio_to_t:
+            plain = grpc.insecure_channel(t_service.address)
+            to_t = s_agent.instrument_channel(plain, "T")
+
+            async def background(request: bytes) -> bytes:
+                asyncio.current_task().set_name("background")  # type: ignore[union-attr]
+                return await method(aio_to_t, "unary_unary", SLOW)(request, timeout=TIMEOUT)
+
+            def relay(request: bytes, context: Any) -> bytes:  # a sync handler
+                if made == "by-the-handler":
+                    return to_t.unary_unary(f"/{SERVICE}/{SLOW}")(request, timeout=TIMEOUT)
+                scheduled.append(asyncio.run_coroutine_threadsafe(background(request), loop))
+                return b"started"
+
+            relaying = {RELAY: grpc.unary_unary_rpc_method_handler(relay)}
+            try:
+                async with AioService(s_agent, relaying) as s_service, instrumented(c_agent, s_service.address) as to_s:
+                    reply = asyncio.ensure_future(method(to_s, "unary_unary", RELAY)(b"hold", timeout=TIMEOUT))
+                    await async_poll(t_service.held.is_set, "T's Slow held", TIMEOUT)
+                    if made == "in-a-task-it-schedules":
+                        assert await reply == b"started"
+                    (opened,) = s_agent.open_waits()
+                    assert opened.task == (f"/{SERVICE}/{RELAY}#C:1" if made == "by-the-handler" else "background")
+                    t_service.release.set()
+                    if scheduled:
+                        assert await asyncio.wrap_future(scheduled[0]) == b"done:hold"
+                    else:
+                        assert await reply == b"done:hold"
+                    assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
+            finally:
+                plain.close()
 
     try:
         run(body(), TIMEOUT)

@@ -391,7 +391,7 @@ def test_a_server_stopped_with_a_call_queued_takes_it_out_of_the_pools_picture(
 @pytest.mark.parametrize("cleared", [False, True])
 def test_a_thread_given_a_sync_handlers_context_waits_in_its_name_unless_cleared(cleared: bool) -> None:
     """A thread does not inherit its handler's context, but code may copy it there; its calls then
-    wait in the handler's name (README, "A sync handler's context copied into another thread"),
+    wait in the handler's name (README, "A sync server's handler context copied into another thread"),
     unless ``CURRENT_TASK`` is set to None in it first: then in the thread's own name."""
     s_agent, t_agent = new_agent("S"), new_agent("T")
     release, held = threading.Event(), threading.Event()

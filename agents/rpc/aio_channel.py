@@ -73,9 +73,10 @@ async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
 def _awaiter(handler_name: str, handler: Any, awaiting: Any) -> str:
     """The waiter of a call an asyncio handler's own task (``handler``, named ``handler_name``) made
     and ``awaiting``, another task, begins to await: still the handler while it is blocked on
-    ``awaiting`` (the task of ``ensure_future``, ``gather`` or Python 3.11's ``wait_for`` around the
-    call); else ``awaiting``, in its handler's name if it is a handler's own task. A call handed to
-    another task may not be waited for by the handler, and a wait in its name could make a deadlock up."""
+    ``awaiting`` until it ends (see :func:`_blocked_on`: the task of ``ensure_future``, ``gather``
+    with ``return_exceptions=True`` or Python 3.11's ``wait_for`` around the call); else
+    ``awaiting``, in its handler's name if it is a handler's own task. A call handed to another task
+    may not be waited for by the handler, and a wait in its name could make a deadlock up."""
     if awaiting is None or _blocked_on(handler, awaiting):
         return handler_name
     name = CURRENT_TASK.get()
@@ -85,16 +86,30 @@ def _awaiter(handler_name: str, handler: Any, awaiting: Any) -> str:
 
 
 def _blocked_on(task: Any, awaited: Any) -> bool:
-    """Whether ``task`` is blocked on the task ``awaited``: awaiting it, a ``gather`` of it, or the
-    future Python 3.11's ``wait_for`` releases when it ends (asyncio's private attributes, read only
-    for a call awaited by a task other than its maker; unknown ones say no)."""
-    blocking = getattr(task, "_fut_waiter", None)
-    if blocking is None:
+    """Whether ``task`` is blocked on the task ``awaited`` until it ends: awaiting it, a ``gather`` of
+    it with ``return_exceptions=True`` (without, one failing lets ``task`` go on while the others
+    run), or the future Python 3.11's ``wait_for`` releases when it ends. It reads asyncio's private
+    attributes, only for a call awaited by a task other than its maker; what it does not know says no."""
+    try:
+        blocking = getattr(task, "_fut_waiter", None)
+        if blocking is None:
+            return False
+        if blocking is awaited:
+            return True
+        callbacks = getattr(awaited, "_callbacks", None) or ()
+        if awaited in getattr(blocking, "_children", ()):
+            return any(_gathers_every_end(callback) for callback, _ in callbacks)
+        return any(type(callback) is functools.partial and blocking in callback.args for callback, _ in callbacks)
+    except Exception:  # an unknown future's attributes
         return False
-    if blocking is awaited or awaited in getattr(blocking, "_children", ()):
-        return True
-    callbacks = getattr(awaited, "_callbacks", None) or ()
-    return any(type(callback) is functools.partial and blocking in callback.args for callback, _ in callbacks)
+
+
+def _gathers_every_end(callback: Any) -> bool:
+    """Whether ``callback`` is the one ``asyncio.gather(..., return_exceptions=True)`` put on a child."""
+    code = getattr(callback, "__code__", None)
+    if code is None or "return_exceptions" not in code.co_freevars:
+        return False
+    return callback.__closure__[code.co_freevars.index("return_exceptions")].cell_contents is True
 
 
 class _Ends:

@@ -128,12 +128,16 @@ def current_task_name() -> str:
 
 
 def _is_own_task(named: IncomingCall) -> bool:
-    """Whether the code running here is ``named``'s asyncio handler's own task (not a task it started,
-    a callback it scheduled or a thread it runs code in, whose calls it may not wait for)."""
-    if named.own_task is None:  # the handler ended
+    """Whether the code running here is ``named``'s asyncio handler's own task, or the thread a sync
+    handler of an asyncio server runs in (not a task it started, a callback it scheduled or a thread
+    it runs code in, whose calls it may not wait for)."""
+    own = named.own_task
+    if own is None:  # the handler ended
         return False
     loop = _running_loop()  # this thread's: another thread's current task is not the code running here
-    return loop is not None and asyncio.current_task(loop) is named.own_task
+    if loop is None:
+        return own is _current_thread()
+    return asyncio.current_task(loop) is own
 
 
 def stamp_of(metadata: Any) -> str | None:
@@ -456,8 +460,8 @@ def _awaitable(behavior: Callable[..., Any], requests: bool = False) -> Callable
     """``behavior`` (with a unary response) as a coroutine function: itself, or a sync one run in a
     thread, as grpc.aio runs it: with a sync context (:class:`_SyncContext`) and, for a request stream
     (``requests``), a sync iterator of it. The thread runs in the call's context (``asyncio.to_thread``
-    copies it), without :data:`NAMED_TASK` (the handler's task awaits the thread: it is the handler's
-    own), so the handler's own calls wait in its name; it is one of the loop's default executor
+    copies it), as the handler's own while it runs there (see :func:`_as_handler`), so the handler's
+    own calls wait in its name; it is one of the loop's default executor
     (the interceptor is not told of a ``migration_thread_pool`` given to the server). Decided once per
     method."""
     if inspect.iscoroutinefunction(behavior):
@@ -468,12 +472,24 @@ def _awaitable(behavior: Callable[..., Any], requests: bool = False) -> Callable
         sync_context = _SyncContext(context, loop)
         if requests:
             request = _sync_requests(request, loop)
-        NAMED_TASK.set(None)  # the thread is the handler's own (its task awaits it): its calls wait in its name
-        response = await asyncio.to_thread(behavior, request, sync_context)
+        response = await asyncio.to_thread(_as_handler, NAMED_TASK.get(), behavior, request, sync_context)
         sync_context.ended()
         return response
 
     return in_thread
+
+
+def _as_handler(call: IncomingCall | None, function: Callable[..., Any], *args: Any) -> Any:
+    """``function(*args)`` in this thread as the sync handler of ``call`` on an asyncio server: the
+    call's ``own_task`` is this thread meanwhile (the handler's task awaits it), so the calls made
+    here wait in the handler's name, and not those of a task it schedules on a loop."""
+    if call is None:
+        return function(*args)
+    task, call.own_task = call.own_task, _current_thread()
+    try:
+        return function(*args)
+    finally:
+        call.own_task = task
 
 
 def _iterator_of(behavior: Callable[..., Any], request: Any, context: Any) -> Iterator[Any]:
@@ -490,9 +506,9 @@ def _in_threads(behavior: Callable[..., Any], requests: bool) -> Callable[..., A
         sync_context = _SyncContext(context, loop)
         if requests:
             request = _sync_requests(request, loop)
-        NAMED_TASK.set(None)  # as in _awaitable: each thread is the handler's own
-        responses = await asyncio.to_thread(_iterator_of, behavior, request, sync_context)
-        while (response := await asyncio.to_thread(next, responses, _END)) is not _END:
+        call = NAMED_TASK.get()
+        responses = await asyncio.to_thread(_as_handler, call, _iterator_of, behavior, request, sync_context)
+        while (response := await asyncio.to_thread(_as_handler, call, next, responses, _END)) is not _END:
             yield response
         sync_context.ended()
 
