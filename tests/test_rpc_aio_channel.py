@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
@@ -255,6 +255,14 @@ def test_a_request_stream_may_be_given_by_its_keyword_as_grpc_names_it(
 # -- waits ----------------------------------------------------------------------------------------
 
 
+@pytest.fixture
+def t_agent() -> Iterator[RpcAgent]:
+    """A third process's agent, T, whom S's handlers call."""
+    agent = new_agent("T")
+    yield agent
+    agent.stop()
+
+
 @pytest.mark.parametrize("client", ["channel", "interceptors"])
 @pytest.mark.parametrize("kind", WAITING)
 def test_a_call_outside_a_handler_waits_in_its_callers_task_name(
@@ -314,7 +322,7 @@ def test_a_call_with_a_response_stream_is_out_but_makes_no_wait(rpc_agents: tupl
     ],
 )
 def test_a_call_from_a_handler_waits_in_the_handlers_name(
-    rpc_agents: tuple[RpcAgent, RpcAgent], made: str, client: str
+    rpc_agents: tuple[RpcAgent, RpcAgent], t_agent: RpcAgent, made: str, client: str
 ) -> None:
     """S's handler Relay calls T through an asyncio channel (instrumented, or with the client
     interceptors): the call waits in the name of Relay's task for C's call, not in the name of the
@@ -325,7 +333,6 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     task that awaits that task: none yet when the callback's call starts (ensure_future's task
     awaits it after), so it waits in the name of grpc's task, and never in the handler's."""
     s_agent, c_agent = rpc_agents
-    t_agent = new_agent("T")
     started: list[asyncio.Task[bytes]] = []
 
     loop_thread = threading.current_thread().name  # the loop of run() runs in this thread
@@ -371,10 +378,7 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
                     assert await started[0] == b"done:hold"
                 assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
 
-    try:
-        run(body(), TIMEOUT)
-    finally:
-        t_agent.stop()
+    run(body(), TIMEOUT)
     assert t_agent._core.received_count("S") == s_agent._core.received_count("T") == 1
 
 
@@ -382,7 +386,7 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
     "awaited", ["handed-to-a-task", "in-a-gather", "in-a-gather-failing-fast", "in-wait-for", "in-ensure-future"]
 )
 def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is_blocked(
-    rpc_agents: tuple[RpcAgent, RpcAgent], awaited: str
+    rpc_agents: tuple[RpcAgent, RpcAgent], t_agent: RpcAgent, awaited: str
 ) -> None:
     """A call S's handler makes through the instrumented channel but another task awaits: the
     handler is the waiter only while it is blocked on that task until it ends (the task of a
@@ -391,7 +395,6 @@ def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is
     call failing would let the handler go on while this one runs), waits in that task's name, not
     the handler's, which could make a deadlock up."""
     s_agent, c_agent = rpc_agents
-    t_agent = new_agent("T")
     handed: list[asyncio.Task[bytes]] = []
     handler = f"/{SERVICE}/{RELAY}#C:1"
 
@@ -430,21 +433,17 @@ def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is
                 assert await (handed[0] if handed else reply) == b"done:hold"
                 assert s_agent.open_waits() == [] and outstanding(s_agent) == 0
 
-    try:
-        run(body(), TIMEOUT)
-    finally:
-        t_agent.stop()
+    run(body(), TIMEOUT)
 
 
 @pytest.mark.parametrize("made", ["by-the-handler", "in-a-task-it-schedules"])
 def test_a_sync_handler_on_an_asyncio_server_waits_in_its_name_and_its_tasks_in_theirs(
-    rpc_agents: tuple[RpcAgent, RpcAgent], made: str
+    rpc_agents: tuple[RpcAgent, RpcAgent], t_agent: RpcAgent, made: str
 ) -> None:
     """The agent runs a sync handler of an asyncio server in a thread its task awaits: the handler's
     own calls there wait in its name. A task it schedules on the loop from that thread, and does not
     wait for (here it answers at once), inherits its context but waits in its own name."""
     s_agent, c_agent = rpc_agents
-    t_agent = new_agent("T")
     scheduled: list[Any] = []
 
     async def body() -> None:
@@ -482,21 +481,17 @@ def test_a_sync_handler_on_an_asyncio_server_waits_in_its_name_and_its_tasks_in_
             finally:
                 plain.close()
 
-    try:
-        run(body(), TIMEOUT)
-    finally:
-        t_agent.stop()
+    run(body(), TIMEOUT)
 
 
 @pytest.mark.parametrize("client", ["channel", "interceptor"])
 def test_a_call_from_a_thread_an_asyncio_handler_runs_waits_in_the_threads_name(
-    rpc_agents: tuple[RpcAgent, RpcAgent], client: str
+    rpc_agents: tuple[RpcAgent, RpcAgent], t_agent: RpcAgent, client: str
 ) -> None:
     """``asyncio.to_thread`` copies the handler's context, its name with it, into the thread; but the
     handler need not wait for the thread (here it answers at once), so a sync call made there waits
     in the thread's own name, through the instrumented channel and the client interceptor alike."""
     s_agent, c_agent = rpc_agents
-    t_agent = new_agent("T")
     threads: list[str] = []
     started: list[asyncio.Task[bytes]] = []
 
@@ -529,10 +524,7 @@ def test_a_call_from_a_thread_an_asyncio_handler_runs_waits_in_the_threads_name(
             finally:
                 plain.close()
 
-    try:
-        run(body(), TIMEOUT)
-    finally:
-        t_agent.stop()
+    run(body(), TIMEOUT)
 
 
 # -- ends nobody met --------------------------------------------------------------------------------
