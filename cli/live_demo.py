@@ -468,13 +468,15 @@ async def _read_books_last(system: _System) -> None:
     if system.shop is None or system.breaks is None:
         return
     store = system.detector.store
-    sent = {resolution.resolution_id for resolution in store.resolutions(100_000)}
+    latest = store.resolutions(100_000)
+    sent = {resolution.resolution_id for resolution in latest}
     deadline = time.monotonic() + REPORT_WAIT
-    while _pending(store.resolutions(100_000), sent) and time.monotonic() < deadline:
+    while _pending(latest, sent) and time.monotonic() < deadline:
         await asyncio.sleep(REPORT_POLL)
+        latest = store.resolutions(100_000)
     # Every break the store holds, oldest first: the final word on each, even one whose
     # watch event had not been read yet.
-    for resolution in reversed(store.resolutions(100_000)):
+    for resolution in reversed(latest):
         system.breaks.seen(resolution)
     system.breaks.keep(sent)
     if system.breaks.first is not None:

@@ -53,6 +53,7 @@ from stablewatch.agents.rpc.interceptors import (
     _current_thread,
     method_name,
     stamp_of,
+    task_waiter_name,
     unless_cancelling,
     with_stamp,
 )
@@ -79,10 +80,7 @@ def _awaiter(handler_name: str, handler: Any, awaiting: Any) -> str:
     may not be waited for by the handler, and a wait in its name could make a deadlock up."""
     if awaiting is None or _blocked_on(handler, awaiting):
         return handler_name
-    name = CURRENT_TASK.get()
-    if name and ((named := NAMED_TASK.get()) is None or named.own_task is awaiting):
-        return name
-    return awaiting.get_name()
+    return task_waiter_name(awaiting)
 
 
 def _blocked_on(task: Any, awaited: Any) -> bool:

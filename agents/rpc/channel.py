@@ -86,12 +86,11 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         # _blocking(...)[0], written out (see the class docstring), and current_task_name() for a call
         # made by a thread outside any handler and task.
         name = CURRENT_TASK.get()
-        if not name or NAMED_TASK.get() is not None:  # NAMED_TASK: an asyncio handler's name, maybe not ours
-            if _current_tasks is not None and not _current_tasks and not name:
-                thread = _threads.get(_get_ident())
-                name = (thread if thread is not None else _current_thread()).name
-            else:
-                name = current_task_name()
+        if not name and _current_tasks is not None and not _current_tasks:  # a thread outside any task
+            thread = _threads.get(_get_ident())
+            name = (thread if thread is not None else _current_thread()).name
+        elif not name or NAMED_TASK.get() is not None:  # NAMED_TASK: an asyncio handler's name, maybe not ours
+            name = current_task_name()
         agent = self._agent
         call = agent.call_out(self._peer, self._method, name, self._instrumented)
         try:  # whatever fails from here on ends the call's wait (the stamping too: metadata grpc cannot carry)

@@ -993,35 +993,37 @@ def _interceptors_caller(task: asyncio.Task[Any] | None) -> str:
     for callback, _ in getattr(task, "_callbacks", None) or ():
         caller = getattr(callback, "__self__", None)
         if isinstance(caller, _TASK_TYPES):
-            named = NAMED_TASK.get()
-            if named is not None and named.own_task is caller:
-                return named.name
-            return caller.get_name()
+            return task_waiter_name(caller)
+    return task.get_name()
+
+
+def task_waiter_name(task: asyncio.Task[Any]) -> str:
+    """The name ``task`` waits in, read in this context: :data:`CURRENT_TASK` (a handler's call name,
+    or the application's) unless an asyncio handler set it and ``task`` is not that handler's own
+    task (see :data:`NAMED_TASK`); else the task's own name."""
+    name = CURRENT_TASK.get()
+    if name and ((named := NAMED_TASK.get()) is None or named.own_task is task):
+        return name
     return task.get_name()
 
 
 class _AioClient:
     def __init__(self, agent: CallEvents, peer: str, instrumented: bool) -> None:
         self._agent, self._peer, self._instrumented = agent, peer, instrumented
-        # The loop of the latest call (a BaseEventLoop's only), to find the running loop without
-        # asyncio's lookup, which costs a getpid() per call: a BaseEventLoop knows the thread it
-        # runs in, and a thread runs one loop at a time.
-        self._loop: asyncio.BaseEventLoop | None = None
-        # A call's cancel on a loop, with that loop, in one tuple: read once, the two agree even if
-        # another thread (another loop, sharing these interceptors) sets them meanwhile.
-        self._bound: tuple[Any, Callable[[Any], bool] | None] = (None, None)
+        # The loop of the latest call (a BaseEventLoop's only) and a call's cancel on it, in one
+        # tuple: read once, the two agree even if another thread (another loop, sharing these
+        # interceptors) sets them meanwhile. The loop finds the running loop without asyncio's
+        # lookup, which costs a getpid() per call: a BaseEventLoop knows the thread it runs in, and
+        # a thread runs one loop at a time.
+        self._bound: tuple[asyncio.BaseEventLoop | None, Callable[[Any], bool] | None] = (None, None)
 
     def _running_loop(self) -> Any:
         """The running loop (``asyncio._get_running_loop()``), as cheaply as it can be known."""
-        loop = self._loop
+        loop = self._bound[0]
         if loop is not None and loop._thread_id == _get_ident():  # type: ignore[attr-defined]
             return loop
         loop = _running_loop()
-        if isinstance(loop, asyncio.BaseEventLoop):
-            self._bound = (loop, _partial(_cancel_soon, loop))
-            self._loop = loop
-        else:
-            self._loop = None
+        self._bound = (loop, _partial(_cancel_soon, loop)) if isinstance(loop, asyncio.BaseEventLoop) else (None, None)
         return loop
 
     async def _unary(self, continuation: Callable[..., Any], client_call_details: Any, request: Any) -> Any:
@@ -1029,7 +1031,8 @@ class _AioClient:
         # interceptor is this method itself (no coroutine around it), and the common case of
         # _aio_details_with, method_name and self._running_loop is written out.
         agent = self._agent
-        loop = self._loop  # looked up once: for the caller's name and for the cancel
+        loop, cancel = self._bound  # looked up once: for the caller's name and for the cancel
+        bound_loop = loop
         if loop is None or loop._thread_id != _get_ident():  # type: ignore[attr-defined]
             loop = self._running_loop()
         name = CURRENT_TASK.get()
@@ -1056,7 +1059,6 @@ class _AioClient:
         try:
             grpc_call = await continuation(details, request)
             # Breakable from now on (cancel last); the cancel bound to the latest loop is kept.
-            bound_loop, cancel = self._bound
             call.handle, call.cancel = grpc_call, cancel if bound_loop is loop else _partial(_cancel_soon, loop)
             response = await grpc_call
         except grpc.aio.AioRpcError as error:
