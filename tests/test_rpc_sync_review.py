@@ -11,11 +11,12 @@ wait; a wait that would hang fails at once instead (see ``interrupted``).
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import gc
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +30,6 @@ from rpc_harness import SERVICE, Service, new_agent, outstanding, recorded, samp
 from polling import poll
 from stablewatch.agents.rpc import pool as rpc_pool
 from stablewatch.agents.rpc.agent import RpcAgent
-from stablewatch.agents.rpc.interceptors import CURRENT_TASK
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_GONE, BreakWait
 
 #: grpc's call object behind a sync future or stream (a private class of grpc, stable in 1.85).
@@ -388,47 +388,153 @@ def test_a_server_stopped_with_a_call_queued_takes_it_out_of_the_pools_picture(
     poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
 
 
-@pytest.mark.parametrize("cleared", [False, True])
-def test_a_thread_given_a_sync_handlers_context_waits_in_its_name_unless_cleared(cleared: bool) -> None:
-    """A thread does not inherit its handler's context, but code may copy it there; its calls then
-    wait in the handler's name (README, "A sync server's handler context copied into another thread"),
-    unless ``CURRENT_TASK`` is set to None in it first: then in the thread's own name."""
+class _Relaying:
+    """S relays to T's ``Slow`` (which holds until ``release``) from a sync handler, ``Relay``, in
+    the way a test gives; S's caller has no agent, so the handler's name is known."""
+
+    handler_name = f"/{SERVICE}/Relay#grpc://127.0.0.1:1"
+
+    def __init__(self, relay: Callable[[RpcAgent, str, bytes], bytes]) -> None:
+        self.s_agent, self.t_agent = new_agent("S"), new_agent("T")
+        self.release, self.held = threading.Event(), threading.Event()
+
+        def slow(request: bytes, context: Any) -> bytes:
+            self.held.set()
+            self.release.wait(10)
+            return b"done:" + request
+
+        self.t_service = Service({"Slow": slow}, self.t_agent)
+        self.s_service = Service(
+            {"Relay": lambda request, context: relay(self.s_agent, self.t_service.address, request)}, self.s_agent
+        )
+        self.to_s = grpc.insecure_channel(self.s_service.address)
+
+    def waiter_while_held(self) -> str:
+        """The name S's one open wait is in, while T holds the relayed call; then T answers."""
+        answer = self.to_s.unary_unary(f"/{SERVICE}/Relay").future(b"hold", timeout=10)
+        assert self.held.wait(10)
+        (opened,) = self.s_agent.open_waits()
+        self.release.set()
+        assert answer.result(10) == b"done:hold"
+        return opened.task
+
+    def close(self) -> None:
+        self.release.set()
+        self.to_s.close()
+        self.s_service.stop()
+        self.t_service.stop()
+        self.s_agent.stop()
+        self.t_agent.stop()
+
+
+@pytest.fixture
+def relaying() -> Iterator[Callable[[Callable[[RpcAgent, str, bytes], bytes]], _Relaying]]:
+    made: list[_Relaying] = []
+
+    def make(relay: Callable[[RpcAgent, str, bytes], bytes]) -> _Relaying:
+        made.append(_Relaying(relay))
+        return made[-1]
+
+    yield make
+    for each in made:
+        each.close()
+
+
+@pytest.mark.parametrize("setup", ["channel", "interceptor"])
+def test_a_thread_given_a_sync_handlers_context_waits_in_its_own_name(relaying: Any, setup: str) -> None:
+    """Code may copy a handler's context into another thread (``copy_context().run``); the handler may
+    or may not wait for that thread, so the thread's calls wait in the thread's own name, not the
+    handler's (a deadlock through the handler's wait on the thread is missed, never made up)."""
+    background = futures.ThreadPoolExecutor(1, thread_name_prefix="background")
+
+    def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        def call_t() -> bytes:
+            plain = grpc.insecure_channel(address)
+            if setup == "channel":
+                to_t = s_agent.instrument_channel(plain, "T")
+            else:
+                to_t = grpc.intercept_channel(plain, s_agent.client_interceptor("T"))
+            with to_t:
+                return to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+        return background.submit(contextvars.copy_context().run, call_t).result(10)
+
+    try:
+        assert relaying(relay).waiter_while_held() == "background_0"
+    finally:
+        background.shutdown(wait=True)
+
+
+def test_a_blocking_call_in_a_loop_a_sync_handler_runs_waits_in_the_handlers_name(relaying: Any) -> None:
+    """A sync handler that runs an event loop (``asyncio.run``) is blocked by a blocking call any task
+    of that loop makes: the call waits in the handler's name."""
+
+    def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        async def call_t() -> bytes:
+            with s_agent.instrument_channel(grpc.insecure_channel(address), "T") as to_t:
+                return to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+        async def main() -> bytes:
+            return await asyncio.create_task(call_t(), name="in-the-handlers-loop")
+
+        return asyncio.run(main())
+
+    assert relaying(relay).waiter_while_held() == _Relaying.handler_name
+
+
+def test_an_asyncio_call_in_a_loop_a_sync_handler_runs_waits_in_its_tasks_name(relaying: Any) -> None:
+    """An asyncio call in a task of a loop a sync handler runs waits in that task's name: the handler
+    may not be waiting for the task (missed, never made up)."""
+
+    def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        async def call_t() -> bytes:
+            async with s_agent.instrument_channel(grpc.aio.insecure_channel(address), "T") as to_t:
+                return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+        async def main() -> bytes:
+            return await asyncio.create_task(call_t(), name="in-the-handlers-loop")
+
+        return asyncio.run(main())
+
+    assert relaying(relay).waiter_while_held() == "in-the-handlers-loop"
+
+
+def test_a_call_a_sync_response_stream_handler_makes_waits_in_its_name() -> None:
+    """A sync handler with a response stream (a generator, which grpc's sync server runs in one
+    worker) makes its calls in its own name, between its responses too."""
     s_agent, t_agent = new_agent("S"), new_agent("T")
     release, held = threading.Event(), threading.Event()
-    started: list[futures.Future[bytes]] = []
 
     def slow(request: bytes, context: Any) -> bytes:
         held.set()
         release.wait(10)
-        return b"done:" + request
+        return request
 
     t_service = Service({"Slow": slow}, t_agent)
     to_t = s_agent.instrument_channel(grpc.insecure_channel(t_service.address), "T")
-    background = futures.ThreadPoolExecutor(1, thread_name_prefix="background")
 
-    def call_t(request: bytes) -> bytes:
-        if cleared:
-            CURRENT_TASK.set(None)
-        return to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+    def relay(request: bytes, context: Any) -> Iterator[bytes]:
+        yield b"first"
+        yield to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
 
-    def relay(request: bytes, context: Any) -> bytes:
-        started.append(background.submit(contextvars.copy_context().run, call_t, request))
-        return b"started"
-
-    s_service = Service({"Relay": relay}, s_agent)
+    s_server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[s_agent.server_interceptor(workers=2)])
+    methods = {"Relay": grpc.unary_stream_rpc_method_handler(relay)}
+    s_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
+    port = s_server.add_insecure_port("127.0.0.1:0")
+    s_server.start()
     try:
-        with grpc.insecure_channel(s_service.address) as to_s:
-            assert to_s.unary_unary(f"/{SERVICE}/Relay")(b"hold", timeout=10) == b"started"
-        assert held.wait(10)
-        (opened,) = s_agent.open_waits()
-        assert opened.task == ("background_0" if cleared else f"/{SERVICE}/Relay#grpc://127.0.0.1:1")
-        release.set()
-        assert started[0].result(10) == b"done:hold"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as to_s:
+            responses = to_s.unary_stream(f"/{SERVICE}/Relay")(b"hold", timeout=10)
+            assert next(responses) == b"first"
+            assert held.wait(10)
+            (opened,) = s_agent.open_waits()
+            assert opened.task == f"/{SERVICE}/Relay#grpc://127.0.0.1:1"
+            release.set()
+            assert list(responses) == [b"hold"]
     finally:
         release.set()
-        background.shutdown(wait=True)
+        s_server.stop(grace=None).wait(10)
         to_t.close()
-        s_service.stop()
         t_service.stop()
         s_agent.stop()
         t_agent.stop()

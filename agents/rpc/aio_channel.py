@@ -396,7 +396,7 @@ class _Method:
         if name and (named := NAMED_TASK.get()) is not None:
             if task is not None and named.own_task is task:
                 handler = task
-            else:  # in a task its handler started or in a callback it scheduled (see NAMED_TASK)
+            else:  # in a task its handler started, a callback it scheduled, a loop a sync one runs (NAMED_TASK)
                 name = None
         if not name:  # the task's (or the thread's) own name
             name = task.get_name() if task is not None else _current_thread().name

@@ -191,7 +191,7 @@ class IncomingCall:
     instance: int = 0
     began_at_us: int = 0
     work: Any = None  # a pool.QueuedWork while it waits in a WorkerExecutor's queue
-    own_task: Any = None  # an asyncio handler's task (or a sync one's thread) while it runs (interceptors.NAMED_TASK)
+    own_task: Any = None  # its handler's asyncio task, or a sync one's thread, while it runs (interceptors.NAMED_TASK)
 
     def request_message(self) -> RecordedMessage:
         """The call's request as a channel state holds it: it will start the call's handler, and wakes

@@ -89,7 +89,7 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         if not name and _current_tasks is not None and not _current_tasks:  # a thread outside any task
             thread = _threads.get(_get_ident())
             name = (thread if thread is not None else _current_thread()).name
-        elif not name or NAMED_TASK.get() is not None:  # NAMED_TASK: an asyncio handler's name, maybe not ours
+        elif not name or NAMED_TASK.get() is not None:  # NAMED_TASK: a handler's name, maybe not ours
             name = current_task_name()
         agent = self._agent
         call = agent.call_out(self._peer, self._method, name, self._instrumented)

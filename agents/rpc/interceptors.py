@@ -89,10 +89,12 @@ _log = logging.getLogger(__name__)
 
 #: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
-#: The call whose asyncio handler set :data:`CURRENT_TASK` (None where a thread or the application set
-#: it); the call's ``own_task`` is the handler's task while the handler runs, then None. A task the
-#: handler starts inherits both variables, but its calls are its own: the handler may not be
-#: waiting for it, and its calls in the handler's name could make a deadlock up. (The variable holds
+#: The call whose handler set :data:`CURRENT_TASK` (None where the application set it); the call's
+#: ``own_task`` is the handler's asyncio task, or a sync handler's thread, while the handler runs,
+#: then None. A task the handler starts inherits both variables, and so does a thread that code
+#: hands the handler's context (``contextvars.copy_context().run``, ``asyncio.to_thread``), but
+#: their calls are their own: the handler may not be waiting for them, and their calls in the
+#: handler's name could make a deadlock up. (The variable holds
 #: the call, not the task: a variable of the task's own context naming the task would make a cycle,
 #: task -> its context -> the task, that only the garbage collector frees, with the call's coroutine,
 #: request and response, on every call. The call's link to its task is cut as the handler ends.)
@@ -112,8 +114,8 @@ _threads: dict[int, threading.Thread] = threading._active  # type: ignore[attr-d
 
 def current_task_name() -> str:
     """The waiter of a call made here: the running handler's call name, else the asyncio task's or
-    thread's name. An asyncio handler's name reaches a thread it runs code in (``asyncio.to_thread``
-    copies the context) and the tasks it starts, but names only its own task (see :data:`NAMED_TASK`)."""
+    thread's name. A handler's name reaches the tasks it starts and any thread its context is copied
+    into, but names only its own task or thread (see :data:`NAMED_TASK`)."""
     name = CURRENT_TASK.get()
     if name and ((named := NAMED_TASK.get()) is None or _is_own_task(named)):
         return name
@@ -128,16 +130,19 @@ def current_task_name() -> str:
 
 
 def _is_own_task(named: IncomingCall) -> bool:
-    """Whether the code running here is ``named``'s asyncio handler's own task, or the thread a sync
-    handler of an asyncio server runs in (not a task it started, a callback it scheduled or a thread
-    it runs code in, whose calls it may not wait for)."""
+    """Whether a call made here, blocking this thread, is ``named``'s handler's own wait: the code
+    running here is its asyncio handler's own task, or runs in a sync handler's thread (not a task
+    it started, a callback it scheduled or a thread its context was copied into, whose calls it may
+    not wait for)."""
     own = named.own_task
     if own is None:  # the handler ended
         return False
+    # A sync handler's thread: a blocking call here blocks the handler, even when a task of an event
+    # loop the handler runs (asyncio.run) makes it.
+    if own is _current_thread():
+        return True
     loop = _running_loop()  # this thread's: another thread's current task is not the code running here
-    if loop is None:
-        return own is _current_thread()
-    return asyncio.current_task(loop) is own
+    return loop is not None and asyncio.current_task(loop) is own
 
 
 def stamp_of(metadata: Any) -> str | None:
@@ -210,7 +215,7 @@ def _served(served: contextvars.ContextVar[IncomingCall]) -> IncomingCall:
 def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall], behavior: Callable[..., Any]) -> Any:
     # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
     # an agent, a call still active) is written out here rather than through _start and _end_sync.
-    handler_started, respond, get = agent.handler_started, agent.respond, served.get
+    handler_started, respond, get, current_thread = agent.handler_started, agent.respond, served.get, _current_thread
 
     def run(request: Any, context: grpc.ServicerContext) -> Any:
         call = get(None)
@@ -220,11 +225,13 @@ def _unary_sync(agent: CallEvents, served: contextvars.ContextVar[IncomingCall],
             _start(agent, call, context)
         else:
             handler_started(call)
+        call.own_task = current_thread()  # its calls wait in its name here only (see NAMED_TASK)
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
             return behavior(request, context)
         finally:
+            call.own_task = None
             if call.peer is None:
                 _end_sync(agent, call, context)
             else:
@@ -242,11 +249,14 @@ def _streaming_sync(
     def run(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         call = _served(served)
         _start(agent, call, context)
+        # grpc's sync server takes every response in the worker the generator started in.
+        call.own_task = _current_thread()
         try:
             if call.error is not None:
                 context.abort(call.status, call.error)
             yield from behavior(request, context)
         finally:
+            call.own_task = None
             _end_sync(agent, call, context)
 
     return run
@@ -363,6 +373,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, kept.pool)
         self._served.set(call)
         CURRENT_TASK.set(call.name)  # the calls its handler makes wait in its name
+        NAMED_TASK.set(call)  # in its own thread only: the context may be copied to others
         return kept.wrapped
 
 
