@@ -26,8 +26,9 @@ from rpc_harness import SERVICE, AioServer, aio_channel_to, outstanding, sample
 
 from polling import async_poll, run
 from stablewatch.agents.rpc import BadStamp, RpcAgent
+from stablewatch.agents.rpc.calls import IncomingCall
 from stablewatch.agents.rpc.core import STAMP_KEY
-from stablewatch.agents.rpc.interceptors import CURRENT_TASK, current_task_name
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK, _as_handler, current_task_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -425,3 +426,51 @@ def test_a_streams_refused_end_reaches_its_reader_whichever_takes_it_in_first(ba
 
     run(body(), TIMEOUT)
     assert sample(c_agent, "bad_stamps", side="client") == 3 and outstanding(c_agent) == 0
+
+
+@pytest.mark.parametrize("cancelled", [False, True])
+def test_a_sync_handlers_thread_hands_its_call_back_only_to_a_task_still_running(cancelled: bool) -> None:
+    """A sync handler on an asyncio server runs in a thread that owns its call meanwhile
+    (``_as_handler``); then the call is its task's again, unless that task ended meanwhile (a
+    cancelled call, whose handler's task ends while the thread still runs): an ended task handed
+    back would be kept alive, with its context, in a cycle only the garbage collector frees."""
+    call = IncomingCall(f"/{SERVICE}/Hold#C:1", "C", True)
+    handlers_task = object()
+    call.own_task = handlers_task
+
+    def handler() -> None:
+        assert call.own_task is threading.current_thread()
+        if cancelled:
+            call.own_task = None  # as the handler's task does as it ends (_unary_aio)
+
+    _as_handler(call, handler)
+    assert call.own_task is (None if cancelled else handlers_task)
+
+
+def test_a_non_blocking_sync_handler_is_refused_with_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
+    """grpc's ``experimental_non_blocking`` handlers send their responses from other threads after they
+    return, where RPC mode cannot stamp them: the server interceptor says so for each call, rather
+    than failing inside the handler with an argument missing."""
+    agent = RpcAgent("S", expire_interval=0.05, hint_after=None).start()
+    sent: list[bytes] = []
+
+    def answer(request: bytes, context: Any, send_response_callback: Callable[[Any], None]) -> None:
+        sent.append(request)
+        send_response_callback(request)
+        send_response_callback(None)
+
+    answer.experimental_non_blocking = True  # type: ignore[attr-defined]
+    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[agent.server_interceptor(workers=2)])
+    methods = {"Stream": grpc.unary_stream_rpc_method_handler(answer)}
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as failed:
+            list(channel.unary_stream(f"/{SERVICE}/Stream")(b"x", timeout=10))
+        assert failed.value.code() == grpc.StatusCode.UNKNOWN
+        assert sent == []
+        assert f"the handler of /{SERVICE}/Stream is experimental_non_blocking" in caplog.text
+    finally:
+        server.stop(grace=None).wait(10)
+        agent.stop()

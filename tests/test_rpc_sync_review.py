@@ -482,13 +482,40 @@ def test_a_blocking_call_in_a_loop_a_sync_handler_runs_waits_in_the_handlers_nam
     assert relaying(relay).waiter_while_held() == _Relaying.handler_name
 
 
-def test_an_asyncio_call_in_a_loop_a_sync_handler_runs_waits_in_its_tasks_name(relaying: Any) -> None:
-    """An asyncio call in a task of a loop a sync handler runs waits in that task's name: the handler
-    may not be waiting for the task (missed, never made up)."""
+def _aio_channel_to(s_agent: RpcAgent, address: str, setup: str) -> grpc.aio.Channel:
+    """S's asyncio channel to T: the instrumented one, or one through the asyncio client interceptors."""
+    if setup == "channel":
+        return s_agent.instrument_channel(grpc.aio.insecure_channel(address), "T")
+    return grpc.aio.insecure_channel(address, interceptors=s_agent.aio_client_interceptors("T"))
+
+
+@pytest.mark.parametrize("setup", ["channel", "interceptors"])
+def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits_waits_in_the_handlers_name(
+    relaying: Any, setup: str
+) -> None:
+    """``asyncio.run(...)`` in a sync handler blocks the handler until its main task ends: an asyncio
+    call that task awaits waits in the handler's name."""
+
+    def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        async def main() -> bytes:
+            async with _aio_channel_to(s_agent, address, setup) as to_t:
+                return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+        return asyncio.run(main())
+
+    assert relaying(relay).waiter_while_held() == _Relaying.handler_name
+
+
+@pytest.mark.parametrize("setup", ["channel", "interceptors"])
+def test_an_asyncio_call_in_another_task_of_a_sync_handlers_loop_waits_in_its_tasks_name(
+    relaying: Any, setup: str
+) -> None:
+    """An asyncio call in another task of a loop a sync handler runs waits in that task's name: the
+    handler may not be waiting for the task (missed, never made up)."""
 
     def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
         async def call_t() -> bytes:
-            async with s_agent.instrument_channel(grpc.aio.insecure_channel(address), "T") as to_t:
+            async with _aio_channel_to(s_agent, address, setup) as to_t:
                 return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
 
         async def main() -> bytes:

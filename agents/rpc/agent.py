@@ -24,7 +24,8 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   instance and the time the wait began. The caller is the task of the handler the call is made
   from (the same name, set by the server interceptor), else the thread's name (sync) or the asyncio
   task's name (aio). A task a handler starts, or a thread its context is copied into, inherits its
-  context but is a caller of its own: the handler may not wait for it. A blocking call's edge
+  context but is a caller of its own: the handler may not wait for it (but a sync handler that runs
+  an event loop waits on its main task, and is blocked by a blocking call of any of its tasks). A blocking call's edge
   appears in the critical section that counts the request; a future's or an asyncio call's when
   something blocks on it (:meth:`RpcAgent.awaited`: a call made and not awaited holds nobody up,
   and reporting it would invent deadlocks). The edge goes in the critical section that takes in

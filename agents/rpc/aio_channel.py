@@ -52,6 +52,7 @@ from stablewatch.agents.rpc.interceptors import (
     _current_tasks,
     _current_thread,
     method_name,
+    runs_handlers_loop,
     stamp_of,
     task_waiter_name,
     unless_cancelling,
@@ -394,7 +395,7 @@ class _Method:
         name = CURRENT_TASK.get()
         handler = None  # the asyncio handler's own task, making the call in the handler's name
         if name and (named := NAMED_TASK.get()) is not None:
-            if task is not None and named.own_task is task:
+            if task is not None and (named.own_task is task or runs_handlers_loop(named, task)):
                 handler = task
             else:  # in a task its handler started, a callback it scheduled, a loop a sync one runs (NAMED_TASK)
                 name = None

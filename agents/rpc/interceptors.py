@@ -89,15 +89,16 @@ _log = logging.getLogger(__name__)
 
 #: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
-#: The call whose handler set :data:`CURRENT_TASK` (None where the application set it); the call's
-#: ``own_task`` is the handler's asyncio task, or a sync handler's thread, while the handler runs,
-#: then None. A task the handler starts inherits both variables, and so does a thread that code
-#: hands the handler's context (``contextvars.copy_context().run``, ``asyncio.to_thread``), but
-#: their calls are their own: the handler may not be waiting for them, and their calls in the
-#: handler's name could make a deadlock up. (The variable holds
-#: the call, not the task: a variable of the task's own context naming the task would make a cycle,
-#: task -> its context -> the task, that only the garbage collector frees, with the call's coroutine,
-#: request and response, on every call. The call's link to its task is cut as the handler ends.)
+#: The call whose handler's context this is, which set :data:`CURRENT_TASK` to its name (None
+#: outside a handler's context); the call's ``own_task`` is the handler's asyncio task, or a sync
+#: handler's thread, while the handler runs, then None. A task the handler starts inherits both
+#: variables, and so does a thread that code hands the handler's context
+#: (``contextvars.copy_context().run``, ``asyncio.to_thread``), but their calls are their own: the
+#: handler may not be waiting for them, and their calls in the handler's name could make a
+#: deadlock up. (The variable holds the call, not the task: a variable of the task's own context
+#: naming the task would make a cycle, task -> its context -> the task, that only the garbage
+#: collector frees, with the call's coroutine, request and response, on every call. The call's
+#: link to its task is cut as the handler ends.)
 NAMED_TASK: contextvars.ContextVar[IncomingCall | None] = contextvars.ContextVar("stablewatch_named_task", default=None)
 
 
@@ -338,8 +339,9 @@ class ServerInterceptor(grpc.ServerInterceptor):
     call is queued for the thread pool: that is where the request is taken in (and, with ``workers``,
     where it joins the queue). The handler runs later in a worker, in the same ``contextvars.Context``
     (the sync server makes one per call for its interceptors and its handler): the interceptor puts
-    the call there, in a variable of its own, and :data:`CURRENT_TASK`, so the handler is wrapped
-    once per method, not per call. A method whose handler runs in a thread pool of its own (grpc's
+    the call there, in a variable of its own, and in :data:`CURRENT_TASK` and :data:`NAMED_TASK`
+    (its name, for the calls the handler makes in its own thread), so the handler is wrapped once
+    per method, not per call. A method whose handler runs in a thread pool of its own (grpc's
     ``experimental_thread_pool``) keeps it, and its calls never queue in ``workers``.
     """
 
@@ -363,6 +365,13 @@ class ServerInterceptor(grpc.ServerInterceptor):
             return None
         kept = self._wrapped.get(id(handler))
         if kept is None or kept.handler is not handler:
+            if getattr(_behavior(handler), "experimental_non_blocking", False):
+                # Its responses are sent from other threads after the handler returns: neither the
+                # response's stamp nor the handler's end is where the wrapping looks for them.
+                raise TypeError(
+                    f"stablewatch: the handler of {method_name(handler_call_details.method)} is "
+                    "experimental_non_blocking, which RPC mode's server interceptor does not support"
+                )
             agent, served = self._agent, self._served
             wrapped = _wrap(
                 handler,
@@ -496,11 +505,13 @@ def _as_handler(call: IncomingCall | None, function: Callable[..., Any], *args: 
     here wait in the handler's name, and not those of a task it schedules on a loop."""
     if call is None:
         return function(*args)
-    task, call.own_task = call.own_task, _current_thread()
+    task, thread = call.own_task, _current_thread()
+    call.own_task = thread
     try:
         return function(*args)
     finally:
-        call.own_task = task
+        if call.own_task is thread:  # not if the handler's task ended meanwhile (cancelled): it is over
+            call.own_task = task
 
 
 def _iterator_of(behavior: Callable[..., Any], request: Any, context: Any) -> Iterator[Any]:
@@ -1010,12 +1021,26 @@ def _interceptors_caller(task: asyncio.Task[Any] | None) -> str:
 
 def task_waiter_name(task: asyncio.Task[Any]) -> str:
     """The name ``task`` waits in, read in this context: :data:`CURRENT_TASK` (a handler's call name,
-    or the application's) unless an asyncio handler set it and ``task`` is not that handler's own
-    task (see :data:`NAMED_TASK`); else the task's own name."""
+    or the application's) unless a handler set it and ``task`` is not that handler's own (see
+    :data:`NAMED_TASK` and :func:`runs_handlers_loop`); else the task's own name."""
     name = CURRENT_TASK.get()
-    if name and ((named := NAMED_TASK.get()) is None or named.own_task is task):
+    if name and ((named := NAMED_TASK.get()) is None or named.own_task is task or runs_handlers_loop(named, task)):
         return name
     return task.get_name()
+
+
+#: The done callback that ``loop.run_until_complete(future)`` (and so ``asyncio.run``) puts on the
+#: future its thread runs the loop until (asyncio's private function; None if it has another name).
+_until_complete_callback = getattr(asyncio.base_events, "_run_until_complete_cb", None)
+
+
+def runs_handlers_loop(named: IncomingCall, task: Any) -> bool:
+    """Whether ``task`` is the one a sync handler of ``named`` runs an event loop until, in its own
+    thread (the main task of ``asyncio.run``, or ``run_until_complete``'s): the handler is blocked
+    on that task as on itself. Not another task of that loop, which the handler may not wait for."""
+    if named.own_task is not _current_thread() or task is None:
+        return False
+    return any(callback is _until_complete_callback for callback, _ in getattr(task, "_callbacks", None) or ())
 
 
 class _AioClient:
