@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -40,15 +39,17 @@ def recorded(agent: RpcAgent, lifetime: float = 0.2) -> LocalState | None:
 
 
 class Service:
-    """A sync gRPC server on 127.0.0.1 with the given raw-bytes unary handlers (and its agent's interceptor)."""
+    """A sync gRPC server on 127.0.0.1 with the given raw-bytes unary handlers, or method handlers of
+    any kind (``grpc.unary_stream_rpc_method_handler(...)``), and its agent's interceptor."""
 
-    def __init__(
-        self, handlers: dict[str, Callable[[bytes, Any], bytes]], agent: RpcAgent | None, workers: int = 4
-    ) -> None:
+    def __init__(self, handlers: dict[str, Any], agent: RpcAgent | None, workers: int = 4) -> None:
         self.pool = futures.ThreadPoolExecutor(workers)
         interceptors = [agent.server_interceptor(workers=workers)] if agent is not None else []
         self.server = grpc.server(self.pool, interceptors=interceptors)
-        methods = {name: grpc.unary_unary_rpc_method_handler(fn) for name, fn in handlers.items()}
+        methods = {
+            name: fn if isinstance(fn, grpc.RpcMethodHandler) else grpc.unary_unary_rpc_method_handler(fn)
+            for name, fn in handlers.items()
+        }
         self.server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
         self.port = self.server.add_insecure_port("127.0.0.1:0")
         self.server.start()

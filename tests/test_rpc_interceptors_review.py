@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, AioServer, aio_channel_to, outstanding, sample
+from rpc_harness import SERVICE, AioServer, Service, aio_channel_to, outstanding, sample
 
 from polling import async_poll, run
 from stablewatch.agents.rpc import BadStamp, RpcAgent
@@ -460,17 +460,13 @@ def test_a_non_blocking_sync_handler_is_refused_with_a_clear_error(caplog: pytes
         send_response_callback(None)
 
     answer.experimental_non_blocking = True  # type: ignore[attr-defined]
-    server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[agent.server_interceptor(workers=2)])
-    methods = {"Stream": grpc.unary_stream_rpc_method_handler(answer)}
-    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
+    service = Service({"Stream": grpc.unary_stream_rpc_method_handler(answer)}, agent, workers=2)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel, pytest.raises(grpc.RpcError) as failed:
+        with grpc.insecure_channel(service.address) as channel, pytest.raises(grpc.RpcError) as failed:
             list(channel.unary_stream(f"/{SERVICE}/Stream")(b"x", timeout=10))
         assert failed.value.code() == grpc.StatusCode.UNKNOWN
         assert sent == []
         assert f"the handler of /{SERVICE}/Stream is experimental_non_blocking" in caplog.text
     finally:
-        server.stop(grace=None).wait(10)
+        service.stop()
         agent.stop()

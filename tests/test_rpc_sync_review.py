@@ -25,7 +25,7 @@ import grpc
 import grpc._channel
 import pytest
 from pool_service import PoolService
-from rpc_harness import SERVICE, Service, new_agent, outstanding, recorded, sample
+from rpc_harness import SERVICE, Service, aio_channel_to, new_agent, outstanding, recorded, sample
 
 from polling import poll
 from stablewatch.agents.rpc import pool as rpc_pool
@@ -482,13 +482,6 @@ def test_a_blocking_call_in_a_loop_a_sync_handler_runs_waits_in_the_handlers_nam
     assert relaying(relay).waiter_while_held() == _Relaying.handler_name
 
 
-def _aio_channel_to(s_agent: RpcAgent, address: str, setup: str) -> grpc.aio.Channel:
-    """S's asyncio channel to T: the instrumented one, or one through the asyncio client interceptors."""
-    if setup == "channel":
-        return s_agent.instrument_channel(grpc.aio.insecure_channel(address), "T")
-    return grpc.aio.insecure_channel(address, interceptors=s_agent.aio_client_interceptors("T"))
-
-
 @pytest.mark.parametrize("setup", ["channel", "interceptors"])
 def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits_waits_in_the_handlers_name(
     relaying: Any, setup: str
@@ -498,7 +491,7 @@ def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits_waits_in_t
 
     def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
         async def main() -> bytes:
-            async with _aio_channel_to(s_agent, address, setup) as to_t:
+            async with aio_channel_to(address, s_agent, setup, "T") as to_t:
                 return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
 
         return asyncio.run(main())
@@ -515,7 +508,7 @@ def test_an_asyncio_call_in_another_task_of_a_sync_handlers_loop_waits_in_its_ta
 
     def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
         async def call_t() -> bytes:
-            async with _aio_channel_to(s_agent, address, setup) as to_t:
+            async with aio_channel_to(address, s_agent, setup, "T") as to_t:
                 return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
 
         async def main() -> bytes:
@@ -544,13 +537,9 @@ def test_a_call_a_sync_response_stream_handler_makes_waits_in_its_name() -> None
         yield b"first"
         yield to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
 
-    s_server = grpc.server(futures.ThreadPoolExecutor(2), interceptors=[s_agent.server_interceptor(workers=2)])
-    methods = {"Relay": grpc.unary_stream_rpc_method_handler(relay)}
-    s_server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, methods)])
-    port = s_server.add_insecure_port("127.0.0.1:0")
-    s_server.start()
+    s_service = Service({"Relay": grpc.unary_stream_rpc_method_handler(relay)}, s_agent, workers=2)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as to_s:
+        with grpc.insecure_channel(s_service.address) as to_s:
             responses = to_s.unary_stream(f"/{SERVICE}/Relay")(b"hold", timeout=10)
             assert next(responses) == b"first"
             assert held.wait(10)
@@ -560,7 +549,7 @@ def test_a_call_a_sync_response_stream_handler_makes_waits_in_its_name() -> None
             assert list(responses) == [b"hold"]
     finally:
         release.set()
-        s_server.stop(grace=None).wait(10)
+        s_service.stop()
         to_t.close()
         t_service.stop()
         s_agent.stop()
