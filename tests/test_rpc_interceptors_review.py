@@ -447,10 +447,11 @@ def test_a_sync_handlers_thread_hands_its_call_back_only_to_a_task_still_running
     assert call.own_task is (None if cancelled else handlers_task)
 
 
-def test_a_non_blocking_sync_handler_is_refused_with_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
-    """grpc's ``experimental_non_blocking`` handlers send their responses from other threads after they
-    return, where RPC mode cannot stamp them: the server interceptor says so for each call, rather
-    than failing inside the handler with an argument missing."""
+def test_a_non_blocking_sync_response_stream_is_refused_with_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
+    """grpc's ``experimental_non_blocking`` response streams send their responses from other threads
+    after the handler returns, where RPC mode cannot stamp them: the server interceptor says so for
+    each call, rather than failing inside the handler with an argument missing. grpc ignores the
+    flag on a unary response, and so does the agent."""
     agent = RpcAgent("S", expire_interval=0.05, hint_after=None).start()
     sent: list[bytes] = []
 
@@ -459,11 +460,18 @@ def test_a_non_blocking_sync_handler_is_refused_with_a_clear_error(caplog: pytes
         send_response_callback(request)
         send_response_callback(None)
 
+    def echo(request: bytes, context: Any) -> bytes:
+        return request
+
     answer.experimental_non_blocking = True  # type: ignore[attr-defined]
-    service = Service({"Stream": grpc.unary_stream_rpc_method_handler(answer)}, agent, workers=2)
+    echo.experimental_non_blocking = True  # type: ignore[attr-defined]
+    methods = {"Stream": grpc.unary_stream_rpc_method_handler(answer), "Echo": echo}
+    service = Service(methods, agent, workers=2)
     try:
-        with grpc.insecure_channel(service.address) as channel, pytest.raises(grpc.RpcError) as failed:
-            list(channel.unary_stream(f"/{SERVICE}/Stream")(b"x", timeout=10))
+        with grpc.insecure_channel(service.address) as channel:
+            with pytest.raises(grpc.RpcError) as failed:
+                list(channel.unary_stream(f"/{SERVICE}/Stream")(b"x", timeout=10))
+            assert channel.unary_unary(f"/{SERVICE}/Echo")(b"y", timeout=10) == b"y"
         assert failed.value.code() == grpc.StatusCode.UNKNOWN
         assert sent == []
         assert f"the handler of /{SERVICE}/Stream is experimental_non_blocking" in caplog.text

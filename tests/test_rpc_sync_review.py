@@ -12,6 +12,7 @@ wait; a wait that would hang fails at once instead (see ``interrupted``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import gc
 import threading
@@ -483,11 +484,10 @@ def test_a_blocking_call_in_a_loop_a_sync_handler_runs_waits_in_the_handlers_nam
 
 
 @pytest.mark.parametrize("setup", ["channel", "interceptors"])
-def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits_waits_in_the_handlers_name(
-    relaying: Any, setup: str
-) -> None:
+def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits(relaying: Any, setup: str) -> None:
     """``asyncio.run(...)`` in a sync handler blocks the handler until its main task ends: an asyncio
-    call that task awaits waits in the handler's name."""
+    call that task awaits through the instrumented channel waits in the handler's name. Through the
+    client interceptors it waits in the task's name (missed, never made up)."""
 
     def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
         async def main() -> bytes:
@@ -496,7 +496,56 @@ def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits_waits_in_t
 
         return asyncio.run(main())
 
-    assert relaying(relay).waiter_while_held() == _Relaying.handler_name
+    waiter = relaying(relay).waiter_while_held()
+    if setup == "channel":
+        assert waiter == _Relaying.handler_name
+    else:
+        assert waiter.startswith("Task-")
+
+
+def test_a_sync_handler_whose_loop_stopped_early_no_longer_waits_on_its_main_tasks_call(relaying: Any) -> None:
+    """A loop the handler runs until its main task ends may stop first (``loop.stop()``): the handler
+    goes on, and the main task's call, still outstanding, waits in the task's name from then on."""
+    moved_on, done = threading.Event(), threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        async def main() -> bytes:
+            async with aio_channel_to(address, s_agent, "channel", "T") as to_t:
+                return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+        loop = asyncio.new_event_loop()
+        loops.append(loop)
+        main_task = loop.create_task(main(), name="the-handlers-main-task")
+        try:
+            return loop.run_until_complete(main_task)
+        except RuntimeError:  # the loop stopped before the task ended: the handler goes on
+            moved_on.set()
+            assert done.wait(10)
+            return b"went on"
+        finally:
+            main_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                loop.run_until_complete(main_task)
+            loop.close()
+
+    relayed = relaying(relay)
+    answer = relayed.to_s.unary_unary(f"/{SERVICE}/Relay").future(b"hold", timeout=10)
+    try:
+        assert relayed.held.wait(10)
+        (held_by_handler,) = relayed.s_agent.open_waits()
+        assert held_by_handler.task == _Relaying.handler_name
+        loops[0].call_soon_threadsafe(loops[0].stop)
+        assert moved_on.wait(10)
+        (left_behind,) = relayed.s_agent.open_waits()
+        assert left_behind.task == "the-handlers-main-task"
+        state = recorded(relayed.s_agent)  # what a snapshot records, too
+        assert state is not None
+        assert [wait.task for wait in state.waits] == ["the-handlers-main-task"]
+    finally:
+        done.set()
+        relayed.release.set()
+    assert answer.result(10) == b"went on"
 
 
 @pytest.mark.parametrize("setup", ["channel", "interceptors"])

@@ -715,7 +715,7 @@ class RpcAgent:
         """The outgoing calls and queued requests now waiting (for the long-wait hints)."""
         with self._lock:
             waits = [
-                OpenWait(c.instance, c.caller_task, c.began_at_ns // 1000) for c in self._outgoing.values() if c.waits
+                OpenWait(c.instance, c.waiter(), c.began_at_ns // 1000) for c in self._outgoing.values() if c.waits
             ]
             for pool in self._pools:
                 waits.extend(OpenWait(c.instance, name, c.began_at_us) for name, c in pool.queued.items())
@@ -742,7 +742,7 @@ class RpcAgent:
         self.metrics.broke("call")
         return Broken(
             BREAK_OUTCOME_BROKEN,
-            f"outgoing call {call.method} to {call.peer} cancelled: {call.caller_task} gets ABORTED",
+            f"outgoing call {call.method} to {call.peer} cancelled: {call.waiter()} gets ABORTED",
         )
 
     def _refuse_queued(self, pool: WorkerPool, call: IncomingCall, work: QueuedWork, message: str) -> Broken | None:
@@ -776,7 +776,7 @@ class RpcAgent:
         for call in self._outgoing.values():
             if call.waits:
                 state.waits.add(
-                    task=call.caller_task,
+                    task=call.waiter(),
                     targets=[{"process": call.peer, "task": self.callee_task(call)}],
                     model=WAIT_MODEL_AND,
                     instance=call.instance if call.cancel is not None else 0,  # 0: cannot be broken

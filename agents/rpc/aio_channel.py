@@ -429,6 +429,8 @@ class _Method:
         proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
         if handler is not None:
             proxy._handler = handler
+            if handler is not named.own_task:  # a sync handler's loop's main task (runs_handlers_loop)
+                call.loop_task = handler
         return proxy
 
 

@@ -6,6 +6,7 @@ import the agent (which creates them)."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -116,6 +117,21 @@ class DeadlockBroken(RefusedResponse, grpc.Call):
         return False
 
 
+#: The done callback that ``loop.run_until_complete(future)`` (and so ``asyncio.run``) puts on the
+#: future its thread runs the loop until, and takes off as it returns (asyncio's private function;
+#: None if it has another name).
+_UNTIL_COMPLETE = getattr(asyncio.base_events, "_run_until_complete_cb", None)
+
+
+def runs_loop_until(task: Any) -> bool:
+    """Whether a thread runs ``task``'s event loop until ``task`` ends, now (``run_until_complete``,
+    as ``asyncio.run`` does). Read from any thread: asyncio's private callbacks of the task."""
+    try:
+        return any(callback is _UNTIL_COMPLETE for callback, _ in list(task._callbacks or ()))
+    except Exception:  # a task of another kind: what is not known says no
+        return False
+
+
 @dataclass(slots=True)
 class OutgoingCall:
     """A call this process makes: who waits on whom while it is outstanding, and how to break it.
@@ -146,6 +162,19 @@ class OutgoingCall:
     cancel: Callable[[Any], bool] | None = None
     handle: Any = None  # what ``cancel`` is given: grpc's call object
     broken: str | None = None
+    # The main task of an event loop a sync handler runs (``asyncio.run``), for a call that task made
+    # in the handler's name: the handler waits on that task only while its thread runs the loop
+    # until the task ends. A loop stopped early (``loop.stop()``, an exception out of it) leaves the
+    # task, and its call, behind while the handler goes on: the task waits then, not the handler.
+    loop_task: Any = None
+
+    def waiter(self) -> str:
+        """The name the call's caller waits in now: ``caller_task``, unless that was a sync handler's
+        name through ``loop_task`` and its thread no longer runs the loop until that task ends."""
+        task = self.loop_task
+        if task is None or runs_loop_until(task):
+            return self.caller_task
+        return task.get_name()
 
     def broken_error(self) -> DeadlockBroken | None:
         """The error the caller gets when this call was cancelled to break a deadlock, else None."""
@@ -155,7 +184,7 @@ class OutgoingCall:
     def response_message(self) -> RecordedMessage:
         """The call's response as a channel state holds it: it wakes only its caller's task. The
         core builds it only if a recording needs it (a bound method costs less than a partial)."""
-        return RecordedMessage(wakes_task=self.caller_task)
+        return RecordedMessage(wakes_task=self.waiter())
 
 
 def cancel_future(future: Any) -> bool:

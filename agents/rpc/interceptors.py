@@ -80,6 +80,7 @@ from stablewatch.agents.rpc.calls import (
     RefusedResponse,
     WorkerPool,
     cancel_future,
+    runs_loop_until,
 )
 from stablewatch.agents.rpc.core import STAMP_KEY
 
@@ -365,7 +366,7 @@ class ServerInterceptor(grpc.ServerInterceptor):
             return None
         kept = self._wrapped.get(id(handler))
         if kept is None or kept.handler is not handler:
-            if getattr(_behavior(handler), "experimental_non_blocking", False):
+            if handler.response_streaming and getattr(_behavior(handler), "experimental_non_blocking", False):
                 # Its responses are sent from other threads after the handler returns: neither the
                 # response's stamp nor the handler's end is where the wrapping looks for them.
                 raise TypeError(
@@ -502,7 +503,8 @@ def _awaitable(behavior: Callable[..., Any], requests: bool = False) -> Callable
 def _as_handler(call: IncomingCall | None, function: Callable[..., Any], *args: Any) -> Any:
     """``function(*args)`` in this thread as the sync handler of ``call`` on an asyncio server: the
     call's ``own_task`` is this thread meanwhile (the handler's task awaits it), so the calls made
-    here wait in the handler's name, and not those of a task it schedules on a loop."""
+    here wait in the handler's name (the blocking calls of a loop it runs here too), and not those
+    of a task it schedules on the server's loop."""
     if call is None:
         return function(*args)
     task, thread = call.own_task, _current_thread()
@@ -1021,26 +1023,22 @@ def _interceptors_caller(task: asyncio.Task[Any] | None) -> str:
 
 def task_waiter_name(task: asyncio.Task[Any]) -> str:
     """The name ``task`` waits in, read in this context: :data:`CURRENT_TASK` (a handler's call name,
-    or the application's) unless a handler set it and ``task`` is not that handler's own (see
-    :data:`NAMED_TASK` and :func:`runs_handlers_loop`); else the task's own name."""
+    or the application's) unless a handler set it and ``task`` is not that handler's own task (see
+    :data:`NAMED_TASK`); else the task's own name."""
     name = CURRENT_TASK.get()
-    if name and ((named := NAMED_TASK.get()) is None or named.own_task is task or runs_handlers_loop(named, task)):
+    if name and ((named := NAMED_TASK.get()) is None or named.own_task is task):
         return name
     return task.get_name()
 
 
-#: The done callback that ``loop.run_until_complete(future)`` (and so ``asyncio.run``) puts on the
-#: future its thread runs the loop until (asyncio's private function; None if it has another name).
-_until_complete_callback = getattr(asyncio.base_events, "_run_until_complete_cb", None)
-
-
 def runs_handlers_loop(named: IncomingCall, task: Any) -> bool:
-    """Whether ``task`` is the one a sync handler of ``named`` runs an event loop until, in its own
-    thread (the main task of ``asyncio.run``, or ``run_until_complete``'s): the handler is blocked
-    on that task as on itself. Not another task of that loop, which the handler may not wait for."""
-    if named.own_task is not _current_thread() or task is None:
+    """Whether ``task`` is the one a sync handler of ``named`` runs an event loop until, now, in this
+    thread, its own (the main task of ``asyncio.run``, or ``run_until_complete``'s): the handler is
+    blocked on that task as on itself while the loop runs (see ``OutgoingCall.loop_task``). Not
+    another task of that loop, which the handler may not wait for."""
+    if task is None or named.own_task is not _current_thread() or task.get_loop() is not _running_loop():
         return False
-    return any(callback is _until_complete_callback for callback, _ in getattr(task, "_callbacks", None) or ())
+    return runs_loop_until(task)
 
 
 class _AioClient:
