@@ -503,27 +503,59 @@ def test_an_asyncio_call_the_main_task_of_a_sync_handlers_loop_awaits(relaying: 
         assert waiter.startswith("Task-")
 
 
-def test_a_sync_handler_whose_loop_stopped_early_no_longer_waits_on_its_main_tasks_call(relaying: Any) -> None:
+def _run_until(loop: asyncio.AbstractEventLoop, task: asyncio.Task[Any]) -> None:
+    """Run ``loop`` until ``task`` ends, or until the loop is stopped."""
+    with contextlib.suppress(RuntimeError):
+        loop.run_until_complete(task)
+
+
+@pytest.mark.parametrize("then", ["the handler goes on", "another thread runs the loop until the task"])
+@pytest.mark.parametrize("handed_off", [False, True])
+def test_a_sync_handler_whose_loop_stopped_early_no_longer_waits_on_its_main_tasks_call(
+    relaying: Any, then: str, handed_off: bool
+) -> None:
     """A loop the handler runs until its main task ends may stop first (``loop.stop()``): the handler
-    goes on, and the main task's call, still outstanding, waits in the task's name from then on."""
+    goes on, and the main task's call, still outstanding, waits in the task's name from then on,
+    also while another thread runs the loop until that task. A call the main task hands to another
+    task, which it does not wait for, waits in that task's name throughout."""
     moved_on, done = threading.Event(), threading.Event()
     loops: list[asyncio.AbstractEventLoop] = []
 
     def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        async def await_it(call: Any) -> bytes:
+            return await call
+
         async def main() -> bytes:
             async with aio_channel_to(address, s_agent, "channel", "T") as to_t:
-                return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+                call = to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+                if not handed_off:
+                    return await call
+                awaiting = asyncio.create_task(await_it(call), name="awaits-the-call")
+                try:
+                    await asyncio.Event().wait()  # not for that task: until cancelled
+                finally:
+                    awaiting.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                        await awaiting
+                return b"never"
 
         loop = asyncio.new_event_loop()
         loops.append(loop)
         main_task = loop.create_task(main(), name="the-handlers-main-task")
+        helper = None
         try:
             return loop.run_until_complete(main_task)
         except RuntimeError:  # the loop stopped before the task ended: the handler goes on
+            if then != "the handler goes on":
+                helper = threading.Thread(target=_run_until, args=(loop, main_task), name="helper")
+                helper.start()
             moved_on.set()
             assert done.wait(10)
             return b"went on"
         finally:
+            if helper is not None:
+                loop.call_soon_threadsafe(loop.stop)
+                helper.join(10)
             main_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
                 loop.run_until_complete(main_task)
@@ -533,15 +565,17 @@ def test_a_sync_handler_whose_loop_stopped_early_no_longer_waits_on_its_main_tas
     answer = relayed.to_s.unary_unary(f"/{SERVICE}/Relay").future(b"hold", timeout=10)
     try:
         assert relayed.held.wait(10)
-        (held_by_handler,) = relayed.s_agent.open_waits()
-        assert held_by_handler.task == _Relaying.handler_name
+        waiter = "awaits-the-call" if handed_off else _Relaying.handler_name
+        poll(lambda: [wait.task for wait in relayed.s_agent.open_waits()] == [waiter], "the call's wait")
         loops[0].call_soon_threadsafe(loops[0].stop)
         assert moved_on.wait(10)
-        (left_behind,) = relayed.s_agent.open_waits()
-        assert left_behind.task == "the-handlers-main-task"
+        if then != "the handler goes on":
+            poll(loops[0].is_running, "the helper thread running the loop")
+        waiter = "awaits-the-call" if handed_off else "the-handlers-main-task"
+        assert [wait.task for wait in relayed.s_agent.open_waits()] == [waiter]
         state = recorded(relayed.s_agent)  # what a snapshot records, too
         assert state is not None
-        assert [wait.task for wait in state.waits] == ["the-handlers-main-task"]
+        assert [wait.task for wait in state.waits] == [waiter]
     finally:
         done.set()
         relayed.release.set()

@@ -51,6 +51,7 @@ from stablewatch.agents.rpc.interceptors import (
     _current_task,
     _current_tasks,
     _current_thread,
+    _get_ident,
     method_name,
     runs_handlers_loop,
     stamp_of,
@@ -73,8 +74,9 @@ async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
 
 
 def _awaiter(handler_name: str, handler: Any, awaiting: Any) -> str:
-    """The waiter of a call an asyncio handler's own task (``handler``, named ``handler_name``) made
-    and ``awaiting``, another task, begins to await: still the handler while it is blocked on
+    """The waiter of a call an asyncio handler's own task, or a sync handler's loop's main task
+    (``handler``, named ``handler_name``), made and ``awaiting``, another task, begins to await:
+    still the handler while it is blocked on
     ``awaiting`` until it ends (see :func:`_blocked_on`: the task of ``ensure_future``, ``gather``
     with ``return_exceptions=True`` or Python 3.11's ``wait_for`` around the call); else
     ``awaiting``, in its handler's name if it is a handler's own task. A call handed to another task
@@ -126,9 +128,9 @@ class _Ends:
     _agent: CallEvents
     _grpc_call: Any
     _loop: asyncio.AbstractEventLoop
-    # The asyncio handler's own task that made the call in the handler's name; None for any other
-    # maker, whose name nobody waits on (only a handler's task is waited on), so no deadlock is
-    # made up through it whoever awaits the call.
+    # The asyncio handler's own task (or the main task of a sync handler's loop) that made the call
+    # in the handler's name; None for any other maker, whose name nobody waits on (only a handler's
+    # task is waited on), so no deadlock is made up through it whoever awaits the call.
     _handler: Any = None
 
     def __del__(self) -> None:
@@ -255,7 +257,9 @@ class _UnaryResponse(_Ends):
                 loop = self._loop
                 awaiting = _current_task(loop) if _current_tasks is None else _current_tasks.get(loop)  # (the same)
                 if awaiting is not handler:
-                    call.caller_task = _awaiter(call.caller_task, handler, awaiting)  # type: ignore[union-attr]
+                    waiter = _awaiter(call.caller_task, handler, awaiting)  # type: ignore[union-attr]
+                    if waiter != call.caller_task:  # not the handler's name: the loop's task is not the waiter
+                        call.caller_task, call.loop_task = waiter, None  # type: ignore[union-attr]
             call.instance, call.began_at_ns = _new_instance(), _time_ns()  # type: ignore[union-attr]
             call.waits = True  # type: ignore[union-attr]  # last: captures and breaks read a wait once it is set
             doorbell = self._agent.doorbell
@@ -335,6 +339,8 @@ class _RequestStream(_Ends):
             waiter = None
             if self._handler is not None and (writer := asyncio.current_task(self._loop)) is not self._handler:
                 waiter = _awaiter(call.caller_task, self._handler, writer)  # type: ignore[union-attr]
+                if waiter != call.caller_task:  # type: ignore[union-attr]
+                    call.loop_task = None  # type: ignore[union-attr]
             self._agent.awaited(call, waiter)  # type: ignore[arg-type]
 
     async def write(self, request: Any) -> None:
@@ -430,7 +436,7 @@ class _Method:
         if handler is not None:
             proxy._handler = handler
             if handler is not named.own_task:  # a sync handler's loop's main task (runs_handlers_loop)
-                call.loop_task = handler
+                call.loop_task = (handler, _get_ident())
         return proxy
 
 

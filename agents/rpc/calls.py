@@ -123,12 +123,17 @@ class DeadlockBroken(RefusedResponse, grpc.Call):
 _UNTIL_COMPLETE = getattr(asyncio.base_events, "_run_until_complete_cb", None)
 
 
-def runs_loop_until(task: Any) -> bool:
-    """Whether a thread runs ``task``'s event loop until ``task`` ends, now (``run_until_complete``,
-    as ``asyncio.run`` does). Read from any thread: asyncio's private callbacks of the task."""
+def runs_loop_until(task: Any, thread: int) -> bool:
+    """Whether the thread ``thread`` (an ident) runs ``task``'s event loop until ``task`` ends, now
+    (``run_until_complete``, as ``asyncio.run`` does). Read from any thread, through asyncio's
+    private attributes: the task's callbacks first, then the loop's thread (a run adds its
+    callback before its loop takes the thread, and ends in the other order, so a callback seen
+    here is never paired with the thread of an earlier run)."""
     try:
-        return any(callback is _UNTIL_COMPLETE for callback, _ in list(task._callbacks or ()))
-    except Exception:  # a task of another kind: what is not known says no
+        if not any(callback is _UNTIL_COMPLETE for callback, _ in list(task._callbacks or ())):
+            return False
+        return task.get_loop()._thread_id == thread
+    except Exception:  # a task or loop of another kind: what is not known says no
         return False
 
 
@@ -162,19 +167,20 @@ class OutgoingCall:
     cancel: Callable[[Any], bool] | None = None
     handle: Any = None  # what ``cancel`` is given: grpc's call object
     broken: str | None = None
-    # The main task of an event loop a sync handler runs (``asyncio.run``), for a call that task made
-    # in the handler's name: the handler waits on that task only while its thread runs the loop
-    # until the task ends. A loop stopped early (``loop.stop()``, an exception out of it) leaves the
-    # task, and its call, behind while the handler goes on: the task waits then, not the handler.
-    loop_task: Any = None
+    # The main task of an event loop a sync handler runs (``asyncio.run``), with the handler's
+    # thread (an ident), for a call that task made in the handler's name: the handler waits on that
+    # task only while its thread runs the loop until the task ends. A loop stopped early
+    # (``loop.stop()``, an exception out of it) leaves the task, and its call, behind while the
+    # handler goes on (and another thread may run the loop until it later): the task waits then.
+    loop_task: tuple[Any, int] | None = None
 
     def waiter(self) -> str:
         """The name the call's caller waits in now: ``caller_task``, unless that was a sync handler's
         name through ``loop_task`` and its thread no longer runs the loop until that task ends."""
-        task = self.loop_task
-        if task is None or runs_loop_until(task):
+        held = self.loop_task
+        if held is None or runs_loop_until(*held):
             return self.caller_task
-        return task.get_name()
+        return held[0].get_name()
 
     def broken_error(self) -> DeadlockBroken | None:
         """The error the caller gets when this call was cancelled to break a deadlock, else None."""
@@ -184,7 +190,7 @@ class OutgoingCall:
     def response_message(self) -> RecordedMessage:
         """The call's response as a channel state holds it: it wakes only its caller's task. The
         core builds it only if a recording needs it (a bound method costs less than a partial)."""
-        return RecordedMessage(wakes_task=self.waiter())
+        return RecordedMessage(wakes_task=self.caller_task)
 
 
 def cancel_future(future: Any) -> bool:

@@ -1036,9 +1036,7 @@ def runs_handlers_loop(named: IncomingCall, task: Any) -> bool:
     thread, its own (the main task of ``asyncio.run``, or ``run_until_complete``'s): the handler is
     blocked on that task as on itself while the loop runs (see ``OutgoingCall.loop_task``). Not
     another task of that loop, which the handler may not wait for."""
-    if task is None or named.own_task is not _current_thread() or task.get_loop() is not _running_loop():
-        return False
-    return runs_loop_until(task)
+    return task is not None and named.own_task is _current_thread() and runs_loop_until(task, _get_ident())
 
 
 class _AioClient:
