@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from concurrent import futures
@@ -478,3 +479,43 @@ def test_a_non_blocking_sync_response_stream_is_refused_with_a_clear_error(caplo
     finally:
         service.stop()
         agent.stop()
+
+
+def test_an_asyncio_call_of_a_loop_a_sync_handler_runs_on_an_asyncio_server_waits_in_its_name(
+    rpc_agents: tuple[RpcAgent, RpcAgent],
+) -> None:
+    """A sync handler on an asyncio server runs in a thread of its own (the agent's), and may run an
+    event loop there (``asyncio.run``): an asyncio call the loop's main task awaits waits in the
+    handler's name, as on a sync server."""
+    s_agent, t_agent = rpc_agents  # T is the second agent here
+    release, held = threading.Event(), threading.Event()
+
+    def slow(request: bytes, context: Any) -> bytes:
+        held.set()
+        release.wait(TIMEOUT)
+        return b"done:" + request
+
+    t_service = Service({"Slow": slow}, t_agent)
+
+    def relay(request: bytes, context: Any) -> bytes:
+        async def main() -> bytes:
+            async with aio_channel_to(t_service.address, s_agent, "channel", "C") as to_t:
+                return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=TIMEOUT)
+
+        return asyncio.run(main())
+
+    async def body() -> None:
+        handlers = {"Relay": grpc.unary_unary_rpc_method_handler(relay)}
+        async with AioServer(s_agent, handlers) as server, grpc.aio.insecure_channel(server.address) as to_s:
+            answer = asyncio.ensure_future(to_s.unary_unary(f"/{SERVICE}/Relay")(b"hold", timeout=TIMEOUT))
+            await async_poll(held.is_set, "T holding the relayed call", TIMEOUT)
+            waits = await async_poll(s_agent.open_waits, "S's wait", TIMEOUT)
+            assert [wait.task for wait in waits] == [f"/{SERVICE}/Relay#grpc://127.0.0.1:1"]
+            release.set()
+            assert await answer == b"done:hold"
+
+    try:
+        run(body(), 2 * TIMEOUT)
+    finally:
+        release.set()
+        t_service.stop()

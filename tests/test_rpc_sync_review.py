@@ -31,6 +31,7 @@ from rpc_harness import SERVICE, Service, aio_channel_to, new_agent, outstanding
 from polling import poll
 from stablewatch.agents.rpc import pool as rpc_pool
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_GONE, BreakWait
 
 #: grpc's call object behind a sync future or stream (a private class of grpc, stable in 1.85).
@@ -635,5 +636,62 @@ def test_a_call_a_sync_response_stream_handler_makes_waits_in_its_name() -> None
         s_service.stop()
         to_t.close()
         t_service.stop()
+        s_agent.stop()
+        t_agent.stop()
+
+
+def test_a_call_of_a_loop_task_another_handler_of_the_same_thread_runs_is_not_the_first_handlers() -> None:
+    """Handler A (call 1) runs a shared loop until its main task, whose call waits in A's name; the
+    loop stops early and A returns. The pool's one worker then serves call 2, whose handler runs the
+    loop until that same task: the same thread blocks on it, but not as A, which has ended. The call
+    waits in the task's name (B's wait on it is missed, never put on A)."""
+    s_agent, t_agent = new_agent("S"), new_agent("T")
+    release, held = threading.Event(), threading.Event()
+
+    def slow(request: bytes, context: Any) -> bytes:
+        held.set()
+        release.wait(10)
+        return b"done"
+
+    t_service = Service({"Slow": slow}, t_agent)
+    loop = asyncio.new_event_loop()
+    shared: list[asyncio.Task[bytes]] = []
+    handlers: list[str | None] = []
+
+    async def main() -> bytes:
+        async with aio_channel_to(t_service.address, s_agent, "channel", "T") as to_t:
+            return await to_t.unary_unary(f"/{SERVICE}/Slow")(b"x", timeout=10)
+
+    def relay(request: bytes, context: Any) -> bytes:
+        handlers.append(CURRENT_TASK.get())
+        if not shared:
+            shared.append(loop.create_task(main(), name="the-shared-task"))
+        try:
+            return loop.run_until_complete(shared[0])
+        except RuntimeError:  # stopped early
+            return b"went on"
+
+    s_service = Service({"Relay": relay}, s_agent, workers=1)
+    to_s = grpc.insecure_channel(s_service.address)
+    try:
+        first = to_s.unary_unary(f"/{SERVICE}/Relay").future(b"first", timeout=10)
+        assert held.wait(10)
+        poll(lambda: [wait.task for wait in s_agent.open_waits()] == [handlers[0]], "the call in A's name")
+        loop.call_soon_threadsafe(loop.stop)
+        assert first.result(10) == b"went on"
+        second = to_s.unary_unary(f"/{SERVICE}/Relay").future(b"second", timeout=10)
+        poll(lambda: len(handlers) == 2 and loop.is_running(), "B running the loop until the task")
+        assert [wait.task for wait in s_agent.open_waits()] == ["the-shared-task"]
+        state = recorded(s_agent)
+        assert state is not None
+        assert [wait.task for wait in state.waits] == ["the-shared-task"]
+        release.set()
+        assert second.result(10) == b"done"
+    finally:
+        release.set()
+        to_s.close()
+        s_service.stop()
+        t_service.stop()
+        loop.close()
         s_agent.stop()
         t_agent.stop()

@@ -47,11 +47,11 @@ from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
     NAMED_TASK,
+    HandlersLoop,
     _cancel_soon,
     _current_task,
     _current_tasks,
     _current_thread,
-    _get_ident,
     method_name,
     runs_handlers_loop,
     stamp_of,
@@ -259,7 +259,7 @@ class _UnaryResponse(_Ends):
                 if awaiting is not handler:
                     waiter = _awaiter(call.caller_task, handler, awaiting)  # type: ignore[union-attr]
                     if waiter != call.caller_task:  # not the handler's name: the loop's task is not the waiter
-                        call.caller_task, call.loop_task = waiter, None  # type: ignore[union-attr]
+                        call.caller_task, call.handlers_loop = waiter, None  # type: ignore[union-attr]
             call.instance, call.began_at_ns = _new_instance(), _time_ns()  # type: ignore[union-attr]
             call.waits = True  # type: ignore[union-attr]  # last: captures and breaks read a wait once it is set
             doorbell = self._agent.doorbell
@@ -340,7 +340,7 @@ class _RequestStream(_Ends):
             if self._handler is not None and (writer := asyncio.current_task(self._loop)) is not self._handler:
                 waiter = _awaiter(call.caller_task, self._handler, writer)  # type: ignore[union-attr]
                 if waiter != call.caller_task:  # type: ignore[union-attr]
-                    call.loop_task = None  # type: ignore[union-attr]
+                    call.handlers_loop = None  # type: ignore[union-attr]
             self._agent.awaited(call, waiter)  # type: ignore[arg-type]
 
     async def write(self, request: Any) -> None:
@@ -436,7 +436,7 @@ class _Method:
         if handler is not None:
             proxy._handler = handler
             if handler is not named.own_task:  # a sync handler's loop's main task (runs_handlers_loop)
-                call.loop_task = (handler, _get_ident())
+                call.handlers_loop = HandlersLoop(handler, named)
         return proxy
 
 

@@ -6,7 +6,6 @@ import the agent (which creates them)."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -117,26 +116,6 @@ class DeadlockBroken(RefusedResponse, grpc.Call):
         return False
 
 
-#: The done callback that ``loop.run_until_complete(future)`` (and so ``asyncio.run``) puts on the
-#: future its thread runs the loop until, and takes off as it returns (asyncio's private function;
-#: None if it has another name).
-_UNTIL_COMPLETE = getattr(asyncio.base_events, "_run_until_complete_cb", None)
-
-
-def runs_loop_until(task: Any, thread: int) -> bool:
-    """Whether the thread ``thread`` (an ident) runs ``task``'s event loop until ``task`` ends, now
-    (``run_until_complete``, as ``asyncio.run`` does). Read from any thread, through asyncio's
-    private attributes: the task's callbacks first, then the loop's thread (a run adds its
-    callback before its loop takes the thread, and ends in the other order, so a callback seen
-    here is never paired with the thread of an earlier run)."""
-    try:
-        if not any(callback is _UNTIL_COMPLETE for callback, _ in list(task._callbacks or ())):
-            return False
-        return task.get_loop()._thread_id == thread
-    except Exception:  # a task or loop of another kind: what is not known says no
-        return False
-
-
 @dataclass(slots=True)
 class OutgoingCall:
     """A call this process makes: who waits on whom while it is outstanding, and how to break it.
@@ -167,20 +146,20 @@ class OutgoingCall:
     cancel: Callable[[Any], bool] | None = None
     handle: Any = None  # what ``cancel`` is given: grpc's call object
     broken: str | None = None
-    # The main task of an event loop a sync handler runs (``asyncio.run``), with the handler's
-    # thread (an ident), for a call that task made in the handler's name: the handler waits on that
-    # task only while its thread runs the loop until the task ends. A loop stopped early
+    # For a call that the main task of an event loop a sync handler runs (``asyncio.run``) made in
+    # the handler's name: that task and handler (an ``interceptors.HandlersLoop``). The handler waits
+    # on the task only while it runs the loop until the task ends; a loop stopped early
     # (``loop.stop()``, an exception out of it) leaves the task, and its call, behind while the
-    # handler goes on (and another thread may run the loop until it later): the task waits then.
-    loop_task: tuple[Any, int] | None = None
+    # handler goes on: the task waits then.
+    handlers_loop: Any = None
 
     def waiter(self) -> str:
         """The name the call's caller waits in now: ``caller_task``, unless that was a sync handler's
-        name through ``loop_task`` and its thread no longer runs the loop until that task ends."""
-        held = self.loop_task
-        if held is None or runs_loop_until(*held):
+        name through ``handlers_loop`` and the handler no longer runs the loop until the task ends."""
+        held = self.handlers_loop
+        if held is None or held.blocks_handler():
             return self.caller_task
-        return held[0].get_name()
+        return held.task.get_name()
 
     def broken_error(self) -> DeadlockBroken | None:
         """The error the caller gets when this call was cancelled to break a deadlock, else None."""

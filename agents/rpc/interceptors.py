@@ -65,6 +65,7 @@ import inspect
 import logging
 import sys
 import threading
+import types
 import weakref
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from concurrent import futures
@@ -80,7 +81,6 @@ from stablewatch.agents.rpc.calls import (
     RefusedResponse,
     WorkerPool,
     cancel_future,
-    runs_loop_until,
 )
 from stablewatch.agents.rpc.core import STAMP_KEY
 
@@ -514,6 +514,17 @@ def _as_handler(call: IncomingCall | None, function: Callable[..., Any], *args: 
     finally:
         if call.own_task is thread:  # not if the handler's task ended meanwhile (cancelled): it is over
             call.own_task = task
+
+
+def _nested_code(function: Callable[..., Any], name: str) -> types.CodeType:
+    """The code of the function ``name`` defined inside ``function``."""
+    return next(c for c in function.__code__.co_consts if isinstance(c, types.CodeType) and c.co_name == name)
+
+
+#: The code of the agent's frames that run a sync handler, each with the handler's ``call`` a local.
+_HANDLER_CODES = frozenset(
+    (_nested_code(_unary_sync, "run"), _nested_code(_streaming_sync, "run"), _as_handler.__code__)
+)
 
 
 def _iterator_of(behavior: Callable[..., Any], request: Any, context: Any) -> Iterator[Any]:
@@ -1034,9 +1045,50 @@ def task_waiter_name(task: asyncio.Task[Any]) -> str:
 def runs_handlers_loop(named: IncomingCall, task: Any) -> bool:
     """Whether ``task`` is the one a sync handler of ``named`` runs an event loop until, now, in this
     thread, its own (the main task of ``asyncio.run``, or ``run_until_complete``'s): the handler is
-    blocked on that task as on itself while the loop runs (see ``OutgoingCall.loop_task``). Not
-    another task of that loop, which the handler may not wait for."""
-    return task is not None and named.own_task is _current_thread() and runs_loop_until(task, _get_ident())
+    blocked on that task as on itself while the loop runs (see :class:`HandlersLoop`). Not another
+    task of that loop, which the handler may not wait for."""
+    return task is not None and named.own_task is _current_thread() and _runs_until(named, task, sys._getframe())
+
+
+#: The code of ``run_until_complete``, whose frame on a thread's stack means the thread runs the
+#: loop until its ``future`` ends (``asyncio.run`` calls it); None for an asyncio laid out otherwise.
+_RUN_UNTIL_COMPLETE = getattr(getattr(asyncio.BaseEventLoop, "run_until_complete", None), "__code__", None)
+
+
+def _runs_until(call: IncomingCall, task: Any, frame: Any) -> bool:
+    """Whether the stack whose top is ``frame`` runs an event loop until ``task`` ends, inside the
+    sync handler of ``call`` (a frame of ``run_until_complete`` with that ``future``, above one of
+    the agent's handler frames with that ``call``). Frames of a stack taken at one instant."""
+    until = False
+    while frame is not None:
+        code = frame.f_code
+        if code is _RUN_UNTIL_COMPLETE and frame.f_locals.get("future") is task:
+            until = True
+        elif until and code in _HANDLER_CODES and frame.f_locals.get("call") is call:
+            return True
+        frame = frame.f_back
+    return False
+
+
+class HandlersLoop:
+    """The main task of an event loop that a sync handler runs in its own thread, and the handler's
+    call: a call the task made waits in the handler's name while the handler runs the loop until
+    the task ends (``OutgoingCall.handlers_loop``). Asked from any thread (a capture, a hint)."""
+
+    __slots__ = ("call", "task")
+
+    def __init__(self, task: asyncio.Task[Any], call: IncomingCall) -> None:
+        self.task, self.call = task, call
+
+    def blocks_handler(self) -> bool:
+        """Whether the handler runs the loop until the task now: one look at its thread's stack,
+        taken at one instant (``sys._current_frames()``). A loop stopped early, a handler that went
+        on or ended, or another call of that thread (a pool's) running the loop until the task, is
+        not this handler blocked on it."""
+        ident = getattr(self.call.own_task, "ident", None)  # the handler's thread, while it runs
+        if ident is None:
+            return False
+        return _runs_until(self.call, self.task, sys._current_frames().get(ident))
 
 
 class _AioClient:
