@@ -583,6 +583,53 @@ def test_a_sync_handler_whose_loop_stopped_early_no_longer_waits_on_its_main_tas
     assert answer.result(10) == b"went on"
 
 
+def test_a_sync_handlers_loop_stopping_no_longer_waits_on_its_main_tasks_call(relaying: Any) -> None:
+    """``stop()`` ends a loop once the callbacks of its turn have run: from the moment it is asked,
+    the handler will go on without its main task's call, so the call waits in the task's name,
+    though the loop still runs (a long step after the stop)."""
+    in_step, step_done = threading.Event(), threading.Event()
+    loops: list[asyncio.AbstractEventLoop] = []
+
+    def relay(s_agent: RpcAgent, address: str, request: bytes) -> bytes:
+        async def main() -> bytes:
+            async with aio_channel_to(address, s_agent, "channel", "T") as to_t:
+                return await to_t.unary_unary(f"/{SERVICE}/Slow")(request, timeout=10)
+
+        loop = asyncio.new_event_loop()
+        loops.append(loop)
+        main_task = loop.create_task(main(), name="the-handlers-main-task")
+        try:
+            return loop.run_until_complete(main_task)
+        except RuntimeError:  # stopped before the task ended
+            return b"went on"
+        finally:
+            main_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                loop.run_until_complete(main_task)
+            loop.close()
+
+    def stop_then_step() -> None:  # a callback of the handler's loop
+        loops[0].stop()
+        in_step.set()
+        step_done.wait(10)
+
+    relayed = relaying(relay)
+    answer = relayed.to_s.unary_unary(f"/{SERVICE}/Relay").future(b"hold", timeout=10)
+    try:
+        assert relayed.held.wait(10)
+        poll(lambda: [wait.task for wait in relayed.s_agent.open_waits()] == [_Relaying.handler_name], "A's wait")
+        loops[0].call_soon_threadsafe(stop_then_step)
+        assert in_step.wait(10)
+        assert [wait.task for wait in relayed.s_agent.open_waits()] == ["the-handlers-main-task"]
+        state = recorded(relayed.s_agent)
+        assert state is not None
+        assert [wait.task for wait in state.waits] == ["the-handlers-main-task"]
+    finally:
+        step_done.set()
+        relayed.release.set()
+    assert answer.result(10) == b"went on"
+
+
 @pytest.mark.parametrize("setup", ["channel", "interceptors"])
 def test_an_asyncio_call_in_another_task_of_a_sync_handlers_loop_waits_in_its_tasks_name(
     relaying: Any, setup: str

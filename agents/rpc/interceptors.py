@@ -1047,7 +1047,9 @@ def runs_handlers_loop(named: IncomingCall, task: Any) -> bool:
     thread, its own (the main task of ``asyncio.run``, or ``run_until_complete``'s): the handler is
     blocked on that task as on itself while the loop runs (see :class:`HandlersLoop`). Not another
     task of that loop, which the handler may not wait for."""
-    return task is not None and named.own_task is _current_thread() and _runs_until(named, task, sys._getframe())
+    if task is None or named.own_task is not _current_thread():
+        return False
+    return _until_frame(named, task, sys._getframe()) is not None and _runs_here(task.get_loop(), _get_ident())
 
 
 #: The code of ``run_until_complete``, whose frame on a thread's stack means the thread runs the
@@ -1055,19 +1057,27 @@ def runs_handlers_loop(named: IncomingCall, task: Any) -> bool:
 _RUN_UNTIL_COMPLETE = getattr(getattr(asyncio.BaseEventLoop, "run_until_complete", None), "__code__", None)
 
 
-def _runs_until(call: IncomingCall, task: Any, frame: Any) -> bool:
-    """Whether the stack whose top is ``frame`` runs an event loop until ``task`` ends, inside the
-    sync handler of ``call`` (a frame of ``run_until_complete`` with that ``future``, above one of
-    the agent's handler frames with that ``call``). Frames of a stack taken at one instant."""
-    until = False
+def _until_frame(call: IncomingCall, task: Any, frame: Any) -> Any:
+    """The frame of ``run_until_complete`` with ``task`` its ``future`` in the stack whose top is
+    ``frame``, inside the sync handler of ``call`` (above one of the agent's handler frames with that
+    ``call``), else None. The frames of a stack taken at one instant tell of that instant: a
+    frame below a live one does not change, and one that returned keeps its locals and its caller."""
+    until = None
     while frame is not None:
         code = frame.f_code
         if code is _RUN_UNTIL_COMPLETE and frame.f_locals.get("future") is task:
-            until = True
-        elif until and code in _HANDLER_CODES and frame.f_locals.get("call") is call:
-            return True
+            until = frame
+        elif until is not None and code in _HANDLER_CODES and frame.f_locals.get("call") is call:
+            return until
         frame = frame.f_back
-    return False
+    return None
+
+
+def _runs_here(loop: Any, thread: int) -> bool:
+    """Whether ``loop`` runs in the thread ``thread`` (an ident) now, with no stop pending (a
+    ``stop()`` ends the loop once the callbacks of its turn have run). asyncio's private attributes
+    of a BaseEventLoop; another loop says no."""
+    return getattr(loop, "_thread_id", None) == thread and getattr(loop, "_stopping", True) is False
 
 
 class HandlersLoop:
@@ -1081,14 +1091,21 @@ class HandlersLoop:
         self.task, self.call = task, call
 
     def blocks_handler(self) -> bool:
-        """Whether the handler runs the loop until the task now: one look at its thread's stack,
-        taken at one instant (``sys._current_frames()``). A loop stopped early, a handler that went
-        on or ended, or another call of that thread (a pool's) running the loop until the task, is
-        not this handler blocked on it."""
+        """Whether the handler runs the loop until the task now: looks at its thread's stack, each
+        taken at one instant (``sys._current_frames()``), and at the loop between them. A loop
+        stopped or stopping early, a handler that went on or ended, or another call of that thread
+        (a pool's) running the loop until the task, is not this handler blocked on it."""
         ident = getattr(self.call.own_task, "ident", None)  # the handler's thread, while it runs
         if ident is None:
             return False
-        return _runs_until(self.call, self.task, sys._current_frames().get(ident))
+        call, task = self.call, self.task
+        until = _until_frame(call, task, sys._current_frames().get(ident))
+        if until is None or not _runs_here(task.get_loop(), ident):
+            return False
+        # The same run_until_complete call on a second look (its frame is kept alive by ``until``,
+        # so no later call gets its identity): the loop was read while that call ran it, not
+        # during another run of the loop the handler went on to.
+        return _until_frame(call, task, sys._current_frames().get(ident)) is until
 
 
 class _AioClient:
