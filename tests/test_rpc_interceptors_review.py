@@ -29,7 +29,7 @@ from polling import async_poll, run
 from stablewatch.agents.rpc import BadStamp, RpcAgent
 from stablewatch.agents.rpc.calls import IncomingCall
 from stablewatch.agents.rpc.core import STAMP_KEY
-from stablewatch.agents.rpc.interceptors import CURRENT_TASK, _as_handler, current_task_name
+from stablewatch.agents.rpc.interceptors import CURRENT_TASK, _as_handler, _runs_here, current_task_name
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -519,3 +519,24 @@ def test_an_asyncio_call_of_a_loop_a_sync_handler_runs_on_an_asyncio_server_wait
     finally:
         release.set()
         t_service.stop()
+
+
+def test_a_loop_read_as_running_with_no_stop_pending_was_so_at_one_moment() -> None:
+    """Whether a sync handler's loop runs with no stop pending is read from asyncio's attributes,
+    one at a time, from another thread: a run that ends between the reads (it clears the stop, then
+    the thread) must not read as a run with its stop cleared."""
+    thread = threading.get_ident()
+
+    class EndingWhileRead:
+        _thread_id: int | None = thread
+
+        @property
+        def _stopping(self) -> bool:
+            self._thread_id = None  # the run ends as the stop is read: stop cleared, then the thread
+            return False
+
+    class Running:
+        _thread_id, _stopping = thread, False
+
+    assert not _runs_here(EndingWhileRead(), thread)
+    assert _runs_here(Running(), thread)

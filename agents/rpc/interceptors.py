@@ -1076,8 +1076,14 @@ def _until_frame(call: IncomingCall, task: Any, frame: Any) -> Any:
 def _runs_here(loop: Any, thread: int) -> bool:
     """Whether ``loop`` runs in the thread ``thread`` (an ident) now, with no stop pending (a
     ``stop()`` ends the loop once the callbacks of its turn have run). asyncio's private attributes
-    of a BaseEventLoop; another loop says no."""
-    return getattr(loop, "_thread_id", None) == thread and getattr(loop, "_stopping", True) is False
+    of a BaseEventLoop; another loop says no. The thread is read on both sides of the stop: a run
+    that ends clears the stop before the thread, so a stop read as cleared between two reads of
+    the thread was read during one run (the caller makes sure it is one run: the same frame)."""
+    return (
+        getattr(loop, "_thread_id", None) == thread
+        and getattr(loop, "_stopping", True) is False
+        and getattr(loop, "_thread_id", None) == thread
+    )
 
 
 class HandlersLoop:
