@@ -333,8 +333,9 @@ class ControlClient:
                 _log.warning("%s does not attach to the detector at %s: %s", self.process_id, self._target, refusal)
                 self._event("refused", refusal)
                 return False
-            self.id_space = space
+            # The policy first: a status that shows the replica (registered) shows its policy too.
             self._stated(reply.registered.resolve_policy)
+            self.id_space = space
             registered = True
             epoch = reply.registered.detector_epoch
             if self._epoch is None:

@@ -132,6 +132,11 @@ class World:
         self.agent("B").start()
         for running in self.detectors:
             poll(lambda running=running: attached(running) == {"A", "B", "C"}, "all attached", timeout=30)
+        for pid in "AB":  # the detectors have them; they have read the detectors' registrations too
+            poll(
+                lambda pid=pid: all(s.id_space is not None for s in self.agents[pid].agent.detectors),
+                f"{pid} registered with every detector",
+            )
         self.waiters = {"A": Waiter(self.agents["A"], "B"), "B": Waiter(self.agents["B"], "A")}
         for pid in "AB":  # one after the other: B's wait is the youngest
             self.waiters[pid].thread.start()

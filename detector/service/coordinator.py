@@ -467,9 +467,11 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 yield message
         finally:
             reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
-                await reader
-            self._lose(member)
+            try:
+                with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                    await reader  # a refused request's error goes on to the handler, which sends it
+            finally:
+                self._lose(member)
 
     async def _read(self, member: Member, request_iterator: AsyncIterator[AgentMessage]) -> None:
         async for message in request_iterator:

@@ -78,6 +78,14 @@ class MalformedInterceptor(grpc.aio.ServerInterceptor):
         return refuse
 
 
+class _Refused(Exception):
+    """A malformed request met by a task of the handler: the handler refuses it (see ``generator``)."""
+
+    def __init__(self, request: Malformed) -> None:
+        super().__init__(f"a malformed request of {request.size} bytes")
+        self.request = request
+
+
 _HANDLER_OF = {  # (request_streaming, response_streaming) -> how grpc makes such a handler
     (False, False): grpc.unary_unary_rpc_method_handler,
     (False, True): grpc.unary_stream_rpc_method_handler,
@@ -93,9 +101,15 @@ def _checked(
 ) -> grpc.RpcMethodHandler:
     """``handler`` with a tolerant deserializer, and `behaviour` behind a check for its marker."""
 
-    async def requests(iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def requests(
+        iterator: AsyncIterator[Any], context: grpc.aio.ServicerContext, later: bool = False
+    ) -> AsyncIterator[Any]:
+        """The request stream up to a malformed request, refused here, or (``later``) raised as
+        :class:`_Refused` for the handler to refuse in its own flow."""
         async for request in iterator:
             if isinstance(request, Malformed):
+                if later:
+                    raise _Refused(request)
                 await refuse(request, context)
             yield request
 
@@ -113,10 +127,19 @@ def _checked(
     if inspect.isasyncgenfunction(behaviour):
 
         async def generator(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            # Closed when this one is, not when collected: a control stream's end detaches its member.
-            async with contextlib.aclosing(behaviour(await checked(request, context), context)) as responses:
-                async for response in responses:
-                    yield response
+            # A request stream may be read by a task of the behaviour's own while a response is
+            # being sent: aborted there, the status would meet that send (grpc fails both, and the
+            # caller hears nothing). The refusal is raised there, and sent here, between responses.
+            given = requests(request, context, later=True) if handler.request_streaming else None
+            try:
+                # Closed when this one is, not when collected: a control stream's end detaches its member.
+                async with contextlib.aclosing(
+                    behaviour(given if given is not None else await checked(request, context), context)
+                ) as responses:
+                    async for response in responses:
+                        yield response
+            except _Refused as refused:
+                await refuse(refused.request, context)
 
         wrapped = generator
     else:
