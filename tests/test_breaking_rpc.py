@@ -371,6 +371,24 @@ def test_a_blocking_stream_unary_call_of_an_instrumented_channel_is_broken() -> 
         s_agent.stop()
 
 
+def test_a_call_reported_broken_is_recorded_waiting_no_more_before_its_caller_wakes() -> None:
+    # The break's report goes to the detector at once, while the caller may not have woken to the
+    # cancel yet: a cut begun after the report must not show the wait, or the detector (its hold
+    # released by the report) would name another wait of the same deadlock.
+    agent = RpcAgent("B", hint_after=None).start()
+    try:
+        call = agent.call_out("A", "/test.Svc/Ping", "handler-1", True, waits=True)
+        call.handle, call.cancel = object(), (lambda handle: True)  # grpc's cancel succeeds; nobody woke
+        assert [wait.instance for wait in recorded(agent).waits] == [call.instance]
+        assert [wait.instance for wait in agent.open_waits()] == [call.instance] and not agent.idle()
+        report = agent.breaks.handle(BreakWait(break_id=1, snapshot_id=7, instance=call.instance, deadlock=CYCLE))
+        assert report.outcome == BREAK_OUTCOME_BROKEN
+        assert [wait.instance for wait in recorded(agent).waits] == []
+        assert agent.open_waits() == [] and agent.idle()
+    finally:
+        agent.stop()
+
+
 @pytest.mark.parametrize("setup", ["interceptors", "channel"])
 def test_an_asyncio_call_is_broken_with_deadlock_broken_not_cancelled(setup: str) -> None:
     release = threading.Event()
@@ -388,9 +406,19 @@ def test_an_asyncio_call_is_broken_with_deadlock_broken_not_cancelled(setup: str
             wait = await asyncio.to_thread(recorded_wait, c_agent, lambda w: True, "the asyncio call's wait")
             # The call waits in its caller's task, through the interceptors too (the task awaiting grpc.aio's).
             assert wait.task == "caller"
-            # As the control stream would: from the agent's own thread, not the caller's loop.
-            report = await asyncio.to_thread(c_agent.breaks.handle, order(wait))
+            # As the control stream would: from the agent's own thread, not the caller's loop. The
+            # loop is kept busy meanwhile (blocked here), as a service's may be, so the cancel that
+            # the break schedules on it has not run when a snapshot taken after the report records:
+            # the wait is left out all the same (the detector would name another wait of it).
+
+            def break_then_record() -> tuple[BreakReport, list[int]]:
+                report = c_agent.breaks.handle(order(wait))
+                return report, [w.instance for w in recorded(c_agent).waits]
+
+            with futures.ThreadPoolExecutor(1) as thread:
+                report, waits_after = thread.submit(break_then_record).result(timeout=20)
             assert report.outcome == BREAK_OUTCOME_BROKEN
+            assert waits_after == []
             with pytest.raises(DeadlockBroken) as raised:
                 await broken
             assert raised.value.code() == grpc.StatusCode.ABORTED and CYCLE in raised.value.details()

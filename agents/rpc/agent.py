@@ -629,6 +629,8 @@ class RpcAgent:
         """gRPC ended ``call`` (its :class:`WorkerExecutor` tells, in grpc's polling thread): if its
         handler never started (cancelled by its caller or its deadline before a worker ran it), it
         leaves the pool's picture now, so that it no longer seems to wait for a worker or hold one.
+        Its queued work is taken back, so that no worker runs it; a request-stream call whose work
+        a worker took already stays: grpc runs its handler all the same, which holds the worker.
 
         Nothing is counted: the request was taken in on arrival, and no response goes out; the
         caller sees the call end without this server's stamp and restarts the pair's counts.
@@ -639,9 +641,13 @@ class RpcAgent:
             call.work = None
             return
         with self._lock:
-            call.work = None
+            work, call.work = call.work, None
             if call.started or call.done:
                 return
+            # A break may have taken the work already (then its refusal runs aside: it ends the call).
+            taken = work is not None and work.take()
+            if call.streams_requests and not taken and work is not None:
+                return  # a worker has it: its handler runs, and ends the call's place
             call.done = True
             if call.pool is not None:
                 call.pool.end(call.name)
@@ -715,7 +721,9 @@ class RpcAgent:
         """The outgoing calls and queued requests now waiting (for the long-wait hints)."""
         with self._lock:
             waits = [
-                OpenWait(c.instance, c.waiter(), c.began_at_ns // 1000) for c in self._outgoing.values() if c.waits
+                OpenWait(c.instance, c.waiter(), c.began_at_ns // 1000)
+                for c in self._outgoing.values()
+                if c.waits and c.broken is None
             ]
             for pool in self._pools:
                 waits.extend(OpenWait(c.instance, name, c.began_at_us) for name, c in pool.queued.items())
@@ -724,7 +732,9 @@ class RpcAgent:
     def idle(self) -> bool:
         """True when no outgoing call waits and no request is queued."""
         with self._lock:
-            return not any(call.waits for call in self._outgoing.values()) and not any(p.queued for p in self._pools)
+            return not any(c.waits and c.broken is None for c in self._outgoing.values()) and not any(
+                p.queued for p in self._pools
+            )
 
     def _claim(self, instance: int) -> None:
         """Remember ``instance`` as broken (under the lock), so that it is never broken twice."""
@@ -774,7 +784,11 @@ class RpcAgent:
         """The local state with the calls' wait edges, one per call; called under the lock."""
         state = self.state.snapshot()
         for call in self._outgoing.values():
-            if call.waits:
+            # A call broken for a deadlock waits no longer, though its caller may not have woken to
+            # the cancel yet (an asyncio one's runs on its loop, later): the break's report has gone
+            # to the detector, and a cut begun after it must not show the deadlock whole (the
+            # detector would name another wait of it). Application waits are left out alike.
+            if call.waits and call.broken is None:
                 state.waits.add(
                     task=call.waiter(),
                     targets=[{"process": call.peer, "task": self.callee_task(call)}],

@@ -206,6 +206,9 @@ class IncomingCall:
     began_at_us: int = 0
     work: Any = None  # a pool.QueuedWork while it waits in a WorkerExecutor's queue
     own_task: Any = None  # its handler's asyncio task, or a sync one's thread, while it runs (interceptors.NAMED_TASK)
+    # Its request is a stream: grpc's sync server runs its handler even after the call ended (a
+    # unary request's is skipped), so it leaves the pool only when its queued work is taken back.
+    streams_requests: bool = False
 
     def request_message(self) -> RecordedMessage:
         """The call's request as a channel state holds it: it will start the call's handler, and wakes

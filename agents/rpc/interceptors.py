@@ -381,6 +381,8 @@ class ServerInterceptor(grpc.ServerInterceptor):
             )
             kept = _kept(self._wrapped, handler, wrapped, None if _own_pool(_behavior(handler)) else self._pool)
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, kept.pool)
+        if handler.request_streaming:
+            call.streams_requests = True
         self._served.set(call)
         CURRENT_TASK.set(call.name)  # the calls its handler makes wait in its name
         NAMED_TASK.set(call)  # in its own thread only: the context may be copied to others
@@ -411,8 +413,11 @@ class _StampingContext:
         await self.abort(status.code, status.details, status.trailing_metadata)
 
 
-def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext) -> None:
-    active = not context.done() and not context.cancelled()
+def _end_aio(agent: CallEvents, call: IncomingCall, context: grpc.aio.ServicerContext, cancelled: bool = False) -> None:
+    """The handler ended: count its response unless the call is over, or ``cancelled`` (its task is:
+    grpc.aio cancels the handler's task when the call is cancelled or its deadline passes, and its
+    context says neither done nor cancelled while the task unwinds)."""
+    active = not cancelled and not context.done() and not context.cancelled()
     entry = agent.respond(call, "" if call.peer is not None else context.peer(), active)
     if entry is not None:
         context.set_trailing_metadata(stamped(context.trailing_metadata(), (entry,)))
@@ -603,7 +608,7 @@ def _unary_aio(
         # Else nothing to tell as the handler starts: an asyncio server's call has no pool to leave.
         set_task(call.name)  # the handler's own task: nothing to restore
         # served.own_task(), written out: the interceptor set the loop before the handler ran.
-        call.own_task = tasks.get(served.loop) if tasks is not None else asyncio.current_task()
+        own = call.own_task = tasks.get(served.loop) if tasks is not None else asyncio.current_task()
         set_named(call)
         try:
             if call.error is not None:
@@ -611,10 +616,13 @@ def _unary_aio(
             return await behave(request, _StampingContext(agent, call, context))
         finally:
             call.own_task = None
+            # A cancelled call's task is cancelled (see _end_aio): no response goes out. The task is
+            # let go here: a traceback through this frame (an abort's) must not hold it, a cycle.
+            cancelled, own = own is not None and own.cancelling() > 0, None
             if call.peer is None:
-                _end_aio(agent, call, context)
+                _end_aio(agent, call, context, cancelled)
             else:
-                entry = respond(call, "", not context.done() and not context.cancelled())
+                entry = respond(call, "", not cancelled and not context.done() and not context.cancelled())
                 if entry is not None:
                     trailing = context.trailing_metadata()
                     context.set_trailing_metadata(stamped(trailing, (entry,)) if trailing else (entry,))
@@ -640,7 +648,7 @@ def _streaming_aio(
             return
         _start(agent, call, context)
         CURRENT_TASK.set(call.name)
-        call.own_task = served.own_task()
+        own = call.own_task = served.own_task()
         NAMED_TASK.set(call)
         closed = False
         try:
@@ -655,10 +663,11 @@ def _streaming_aio(
             raise
         finally:
             call.own_task = None
+            cancelled, own = own is not None and own.cancelling() > 0, None  # (as in _unary_aio)
             if closed:
                 agent.respond(call, "", False)
             else:
-                _end_aio(agent, call, context)
+                _end_aio(agent, call, context, cancelled)
 
     return generate
 
