@@ -164,6 +164,41 @@ def test_no_second_victim_until_a_snapshot_started_after_the_report_still_shows_
     assert len(again) == 1
 
 
+def growing_snapshot(snapshot_id: int, *, joined: bool) -> GlobalSnapshot:
+    """a/x waits (AND) on b/y and c/z, b/y waits on a/x: the deadlock {a/x, b/y}, c/z free. With
+    ``joined``, c/z (instance 3, the youngest) waits on a/x too: the component grows to {a, b, c}."""
+    c_waits = [wait("z", ("a", "x"), 3, 3_000)] if joined else []
+    both = Wait(
+        task="x",
+        targets=[WaitNode(process="b", task="y"), WaitNode(process="c", task="z")],
+        model=WAIT_MODEL_AND,
+        instance=2,
+        began_at_us=2_000,
+    )
+    processes = [
+        ProcessSnapshot(process_id="a", state=LocalState(active=True, waits=[both])),
+        ProcessSnapshot(process_id="b", state=LocalState(active=True, waits=[wait("y", ("a", "x"), 1, 1_000)])),
+        ProcessSnapshot(process_id="c", state=LocalState(active=True, waits=c_waits)),
+    ]
+    return GlobalSnapshot(snapshot_id=snapshot_id, processes=processes, expected_members=["a", "b", "c"])
+
+
+def test_a_deadlock_that_grows_while_its_break_is_under_way_gets_no_second_victim(store: Store, clock: Clock) -> None:
+    h = Harness(store, clock)
+    h.complete(growing_snapshot(10, joined=False), T0 - 1)
+    assert [(p, o.instance) for p, o in h.sent] == [("a", 2)]  # breaking a/x ends it whole
+    # c/z has blocked on a/x since: the same deadlock, grown (another component, sharing nodes).
+    assert h.complete(growing_snapshot(11, joined=True), T0 - 0.5) == []
+    _, order = h.sent[0]
+    clock.now = T0 + 1
+    h.resolutions.reported("a", report(order))
+    assert h.complete(growing_snapshot(12, joined=True), T0 + 0.5) == []  # began before the report
+    assert len(h.sent) == 1
+    # Begun after the report and still deadlocked: it outlived its victim, and the next wait goes.
+    h.complete(growing_snapshot(13, joined=True), T0 + 2)
+    assert [(p, o.instance) for p, o in h.sent[1:]] == [("c", 3)]
+
+
 def test_a_report_is_stored_counted_archived_and_published(store: Store, clock: Clock) -> None:
     h = Harness(store, clock)
     h.complete(cycle_snapshot(10), T0 - 1)
@@ -275,6 +310,50 @@ def test_an_operator_request_for_a_snapshot_without_a_deadlock_says_so(store: St
     with pytest.raises(KeyError):
         h.resolutions.resolve(999, "CN=alice")
     assert h.sent == []
+
+
+def other_deadlock(snapshot_id: int) -> GlobalSnapshot:
+    """c/u and d/v wait on each other; a and b are free."""
+    processes = [
+        ProcessSnapshot(process_id="c", state=LocalState(active=True, waits=[wait("u", ("d", "v"), 50, 5_000)])),
+        ProcessSnapshot(process_id="d", state=LocalState(active=True, waits=[wait("v", ("c", "u"), 51, 6_000)])),
+        ProcessSnapshot(process_id="a", state=LocalState(active=True)),
+        ProcessSnapshot(process_id="b", state=LocalState(active=True)),
+    ]
+    return GlobalSnapshot(snapshot_id=snapshot_id, processes=processes, expected_members=["a", "b", "c", "d"])
+
+
+def test_an_operator_request_for_a_snapshot_older_than_a_forgotten_break_is_refused(store: Store, clock: Clock) -> None:
+    h = Harness(store, clock)
+    h.complete(cycle_snapshot(10), T0 - 1)
+    _, order = h.sent[0]
+    clock.now = T0 + 1
+    h.resolutions.reported("b", report(order))  # broken: snapshot 10's deadlock is over
+    # Two hours on, another deadlock: the first break's hold is dropped (kept an hour).
+    clock.now = T0 + 7200
+    h.complete(other_deadlock(20), T0 + 7200)
+    sent = len(h.sent)
+    # Snapshot 10 began before that break: its next candidate would be a second victim.
+    with pytest.raises(NothingToResolve, match="take a new snapshot"):
+        h.resolutions.resolve(10, "CN=alice")
+    assert len(h.sent) == sent
+
+
+def test_an_operator_request_for_a_snapshot_from_before_the_detector_started_is_refused(
+    store: Store, clock: Clock
+) -> None:
+    h = Harness(store, clock, policy=None)
+    h.complete(cycle_snapshot(10), T0 - 1)
+    # The detector restarts: its holds (breaks it made, and their reports) are not kept.
+    clock.now = T0
+    restarted = Harness(store, clock, policy=None)
+    restarted.resolutions.recover()
+    with pytest.raises(NothingToResolve, match="restarted since"):
+        restarted.resolutions.resolve(10, "CN=alice")
+    assert restarted.sent == []
+    restarted.complete(cycle_snapshot(11), T0 + 1)  # a new snapshot of it can be broken
+    [resolution] = restarted.resolutions.resolve(11, "CN=alice")
+    assert resolution.instance == 7
 
 
 def test_the_resolver_refuses_a_bad_timeout() -> None:

@@ -10,9 +10,13 @@ once they are. So each sink component has a cycle, and breaking one of its waits
 A sink component's members are blocked and wait only on each other: while it is deadlocked none
 of them can start or change a wait, and the only waits that can end are those whose wake-up was
 already on its way (met by the rules of :mod:`.waitfor`, though another wait on the same target
-keeps the edge). So every consistent cut that shows the deadlock shows the same component, with
-the same unmet waits, whatever else in the system has moved on between the cuts. The choice below
-reads nothing but those waits:
+keeps the edge). So every consistent cut that shows the deadlock shows its members with the same
+unmet waits, whatever else in the system has moved on between the cuts. It may show more members:
+an AND waiter of the component may also wait on a node outside it, which can later block on the
+component and join it (with a wait younger than all of the component's). The resolver holds a
+grown component as the one it grew from (:mod:`stablewatch.detector.service.resolver`); two
+detectors whose cuts fall on either side of the join may choose differently. The choice below
+reads nothing but the component's waits:
 
 * the **candidates** are the waits (``Wait.instance`` set: 0 is an older agent's wait, which
   cannot be named) whose node (:func:`~.waitfor.wait_nodes`) is in the component and which wait
@@ -28,8 +32,8 @@ reads nothing but those waits:
 * waits already broken (`exclude`) are skipped, so a deadlock that outlives its victim moves on
   to the next candidate.
 
-Hence the same wait on every cut that shows the deadlock, and by every detector that sees it.
-Pure functions: no I/O, no clock.
+Hence the same wait on every cut that shows the deadlock with the same members, and by every
+detector that sees it so. Pure functions: no I/O, no clock.
 """
 
 from __future__ import annotations

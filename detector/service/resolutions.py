@@ -125,6 +125,12 @@ class Resolutions:
             raise KeyError(f"snapshot {snapshot_id} is not a completed snapshot this detector holds")
         policy = self.policy or "youngest"
         started_at = summary.started_at.ToMicroseconds() / 1e6
+        if self._resolver.forgotten(started_at):
+            raise NothingToResolve(
+                f"snapshot {snapshot_id} has nothing to break: it started before the breaks this detector "
+                "still knows of (it restarted since, or its record of a break after it has expired), so its "
+                "deadlocks may have been broken since: take a new snapshot"
+            )
         victims = self._resolver.victims(snapshot, evaluation, started_at, policy, operator=True)
         if not victims:
             why = self._resolver.why_none(evaluation)
@@ -184,6 +190,9 @@ class Resolutions:
         """
         store = self._store()
         now = self._clock()
+        # The holds of breaks made before this start are not kept: a snapshot begun before it may
+        # show a deadlock broken since, and gets no victim.
+        self._resolver.forget_until(now)
         stale: list[Resolution] = []
         before: int | None = None
         while page := store.resolutions(500, before):

@@ -5,7 +5,13 @@ DESIGN.md, "Breaking a proven deadlock". A completed snapshot whose deadlock pre
 one victim per deadlocked sink component, chosen by the pure policy of
 :func:`~stablewatch.detector.evaluation.victims.choose_victims`. After a break, the same deadlock
 (the same sink component) gets no second victim until a snapshot that *started after the agent's
-report* still shows it: a snapshot begun earlier may have recorded the victim still waiting. A wait
+report* still shows it: a snapshot begun earlier may have recorded the victim still waiting. A
+deadlock's component can grow after its break went out (a node that one of its AND waiters also
+waits on blocks on it, and joins), so a hold covers every component that shares a node with the
+one broken: the grown deadlock is the same one, and its first break may end it whole. A hold is
+kept for an hour after its report; a snapshot that started before a hold that was dropped (or
+before the detector started: holds are not stored) gets no victim, since its deadlock may have
+been broken since, and is refused for an operator with "take a new snapshot". A wait
 named in a break that went out is never named again (whatever the agent answered), so a deadlock
 that outlives its victim moves on to the next candidate; one whose break could not be sent (the
 process was not attached) is named again by a later cut, as every other detector names it. A
@@ -134,6 +140,9 @@ class Resolver:
         # Waits an agent said it acted on (broken, gone, already broken): never named again, even
         # when a break of the same wait sent again is given up (bounded as the named ones).
         self._settled: dict[tuple[str, int], None] = {}
+        # Holds are not known for snapshots that started at or before this time (a hold dropped
+        # after its hour, or the detector's start): None while every hold is known.
+        self._forgotten_until: float | None = None
 
     def victims(
         self,
@@ -155,14 +164,32 @@ class Resolver:
         if result is None or Verdict.of(result) is not Verdict.TRUE:
             return []
         for key in [k for k, hold in self._holds.items() if _expired(hold, started_at)]:
-            del self._holds[key]
+            self.forget_until(self._holds.pop(key).reported_at)  # type: ignore[arg-type]
+        if self.forgotten(started_at):
+            return []
         chosen = []
         for victim in choose_victims(snapshot, evaluation.wait_for, policy, exclude=self._named):
-            hold = self._holds.get(victim.key)
-            if hold is not None and self._holding(hold, started_at, operator):
+            nodes = set(victim.key)
+            if any(
+                self._holding(hold, started_at, operator)
+                for key, hold in self._holds.items()
+                if not nodes.isdisjoint(key)
+            ):
                 continue
             chosen.append(victim)
         return chosen
+
+    def forget_until(self, when: float) -> None:
+        """Holds are not known for snapshots that started at or before ``when`` (the detector
+        started then, or dropped a hold reported then): they get no victim (see :meth:`forgotten`)."""
+        if self._forgotten_until is None or when > self._forgotten_until:
+            self._forgotten_until = when
+
+    def forgotten(self, started_at: float) -> bool:
+        """Whether a snapshot that started at ``started_at`` is older than the holds this resolver
+        knows: a deadlock it shows may have been broken since, and a victim chosen for it could be a
+        second one."""
+        return self._forgotten_until is not None and started_at <= self._forgotten_until
 
     def why_none(self, evaluation: Evaluation) -> str:
         """Why :meth:`victims` chose no wait for a snapshot (for an operator's request)."""
