@@ -494,7 +494,8 @@ def _reduce_large_graphs(archive: Archive, large: dict[int, _Large], reduction: 
     processes, *tables = (
         _rows_of(archive, name, heads) for name in ("processes", "wait_edges", "messages", "channels")
     )
-    frames = wait_for_frames(processes, *tables)
+    open_snapshots = [sid for sid, item in large.items() if not item.facts.cut.closed]
+    frames = wait_for_frames(processes, *tables, open_snapshots=open_snapshots)
     frames = WaitForFrames(frames.waiters.localCheckpoint(), frames.edges.localCheckpoint())
     for row in graph_counts(frames, processes).collect():
         counts = WaitCounts(row["waiters"], row["edges"], row["discounted"], row["outside"])

@@ -31,6 +31,7 @@ R. C. Holt, "Some deadlock properties of computer systems", ACM Computing Survey
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import networkx as nx
@@ -80,16 +81,21 @@ def _pack(high: Column, low: Column | int) -> Column:
 
 
 def wait_for_frames(
-    processes: DataFrame, wait_edges: DataFrame, messages: DataFrame, channels: DataFrame
+    processes: DataFrame,
+    wait_edges: DataFrame,
+    messages: DataFrame,
+    channels: DataFrame,
+    open_snapshots: Collection[int],
 ) -> WaitForFrames:
     """Return the wait-for graphs of the snapshots in the four archive tables (same columns as the archive).
 
     The rules are those of ``build_wait_for``: every declared wait makes its ``(process, task)`` a
     waiter; one wait keeps its model and AND waits merge into one AND waiter, while several waits
     that are not all AND each become a node ``(process, "task[wait k]")`` of their own, the waiter
-    being an AND waiter over them; a passive process with waiting tasks and no wait of its own is
-    an OR waiter over those tasks, unless a channel into it holds a message that may wake (not
-    ``no_wake``, naming any task or none: it will be active, its node free); a recorded message on
+    being an AND waiter over them; a process with waiting tasks and no wait of its own is an OR
+    waiter over those tasks on a quiet cut (the quiet rule: closed, not in ``open_snapshots``, no
+    process active and no message that may wake, not ``no_wake``, on any channel), and free on any
+    other, where a message may still reach it and make it active; a recorded message on
     ``target -> waiter`` that may wake the waiter (not ``no_wake``; its ``wakes_task`` empty or
     the waiter's task) satisfies that edge unless it is a flow-control wait; a satisfied edge
     releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a
@@ -126,12 +132,14 @@ def wait_for_frames(
     has = waits.groupBy(_ID, "process").agg(
         F.bool_or(F.col("task") == "").alias("own_wait"), F.bool_or(F.col("task") != "").alias("task_waits")
     )
-    # A process that a recorded message may wake will be active (the woken-process rule).
-    woken = messages.filter(~F.coalesce("no_wake", F.lit(False))).select(_ID, F.col("dst").alias("process")).distinct()
+    # The quiet rule: a process node stands for its tasks only on a cut no message can reach any more.
+    waking = messages.filter(~F.coalesce("no_wake", F.lit(False))).select(_ID).distinct()
+    active = processes.filter(F.coalesce("active", F.lit(False))).select(_ID).distinct()
     implicit = (
-        has.filter(~F.col("own_wait") & F.col("task_waits"))
-        .join(procs.filter(~F.coalesce("active", F.lit(False))), [_ID, "process"])
-        .join(woken, [_ID, "process"], "left_anti")
+        has.filter(~F.col("own_wait") & F.col("task_waits") & ~F.col(_ID).isin(sorted(open_snapshots)))
+        .join(waking, [_ID], "left_anti")
+        .join(active, [_ID], "left_anti")
+        .join(procs, [_ID, "process"])
         .select(_ID, "process", "process_index")
     )
     ranked = declared.join(procs, [_ID, "process"])

@@ -3,9 +3,11 @@
 The oracle is a naive fixpoint over the declared waits, written from DESIGN.md's words and not
 from the graph code: a waiter is released when each of its waits is met; a wait is met when it
 has no targets, or (AND) every target is released or has a waking message in flight to the
-waiter, or (OR) any one is. A passive process with waiting tasks and no wait of its own is
-released when one of its tasks is, or when any channel into it holds a message that is not
-``no_wake`` (from anyone, naming any task or none): it will receive it and be active. Anything
+waiter, or (OR) any one is. A process with waiting tasks and no wait of its own stands for
+anything it may do: it is a waiter only on a quiet cut (every process named anywhere is a
+member, every expected member reported, none is active and no channel holds a message that is
+not ``no_wake``), where it is released when one of its tasks is; on any other cut a message may
+still reach it and make it active, and it is free. Anything
 that waits on nothing, and any process outside the cut, is free. A flow-control wait is never
 met by a message in flight; its target is met instead when an acknowledgement is on its way back
 to the waiter: on the channel from the waiter's process to the target's, the receiver had
@@ -40,12 +42,22 @@ Node = tuple[str, str]
 def oracle(snapshot: GlobalSnapshot) -> set[Node]:
     """The deadlocked waiters of `snapshot`, by plain fixpoint iteration (see the module docstring)."""
     waits: dict[Node, list[Wait]] = {}
+    members = {p.process_id for p in snapshot.processes}
+    named = set(snapshot.expected_members) | set(snapshot.outside_peers)
+    named |= {t.process for p in snapshot.processes for w in p.state.waits for t in w.targets if t.process}
+    named |= {c.src for c in snapshot.channels} | {c.dst for c in snapshot.channels}
+    closed = named <= members and snapshot.expected_member_count <= len(members)
+    quiet = (
+        closed
+        and not any(p.state.active for p in snapshot.processes)
+        and not any(not m.no_wake for c in snapshot.channels for m in c.messages)
+    )
     passive_with_tasks: set[str] = set()
     for p in snapshot.processes:
         for w in p.state.waits:
             waits.setdefault((p.process_id, w.task), []).append(w)
         has_tasks = any(w.task for w in p.state.waits)
-        if has_tasks and not p.state.active and (p.process_id, "") not in waits:
+        if quiet and has_tasks and (p.process_id, "") not in waits:
             passive_with_tasks.add(p.process_id)
 
     def wakes(src: str, dst: str, task: str) -> bool:
@@ -53,9 +65,6 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
             if c.src == src and c.dst == dst:
                 return any(not m.no_wake and m.wakes_task in ("", task) for m in c.messages)
         return False
-
-    def woken(pid: str) -> bool:
-        return any(not m.no_wake for c in snapshot.channels if c.dst == pid for m in c.messages)
 
     def acknowledged(src: str, dst: str) -> bool:
         for c in snapshot.channels:
@@ -86,9 +95,8 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                     ]
                     if met and not (any(met) if w.model == WAIT_MODEL_OR else all(met)):
                         ok = False
-            else:  # a passive process with waiting tasks: released when one of its tasks is,
-                # or when a message on its way to it will make it active
-                ok = any(free(t) for t in waits if t[0] == pid and t[1]) or woken(pid)
+            else:  # a process with waiting tasks on a quiet cut: released when one of its tasks is
+                ok = any(free(t) for t in waits if t[0] == pid and t[1])
             if ok:
                 released.add(waiter)
                 changed = True

@@ -1,15 +1,17 @@
-"""A passive process with a waking message in flight to it is not blocked as a process.
+"""A process node stands for its tasks only on a cut that no message can reach (the quiet rule).
 
-The wait-for graph makes a passive process P with waiting tasks, and no wait of its own, an OR
-waiter ``(P, "")`` over its tasks (it progresses only if one of them can). A passive process
-becomes active on receiving a message, though, and a recorded message that is not ``no_wake``
-(whichever task of P it names) will be delivered: P will be active, and ``(P, "")`` is then free.
-A review found the cut saying both "deadlock" (a break could be ordered) and "not terminated,
-this message will wake B" for A waiting on process B, B passive with a task waiting on A, and a
-message in flight to B. This file pins the rule (waitfor's module doc, "Woken-process rule"):
-the reviewer's case, each side of the rule, the same answers from the columnar evaluation, and a
-property over random cuts: no deadlocked implicit process node receives a channel that
-termination counts as busy.
+A wait on a whole process ``(P, "")`` (a process with waiting tasks and no wait of its own) is met
+as soon as P is active, and a passive process becomes active on receiving any message. A first
+review found deadlock true beside "not terminated, this message will wake B" for A waiting on
+process B, B passive with a task waiting on A, and a message in flight to B; the fix freed B's
+node for a message in flight to it. A second review found that was not enough: with another
+process active (or outside the cut, which may be running), B's node was held blocked on one cut
+and freed on the next, once that process had sent B a message (a deadlock true, then false: not
+stable, so never proven). The quiet rule (waitfor's module doc): the node is an OR over P's tasks
+only on a closed cut with no member active and no waking message anywhere; on any other it is
+free. This file pins the rule: the reviewers' cases, each side of it, the same answers from the
+columnar evaluation and through the detector's assembly, and a property over random cuts: a
+deadlocked implicit process node comes only with a quiet cut.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from hypothesis import strategies as st
 from snapshot_gen import START, random_snapshot, summary_of
 
 from stablewatch.detector.archive.schema import snapshot_rows, table_from_rows
+from stablewatch.detector.assembly import Assembler, Completed
 from stablewatch.detector.evaluation import choose_victims, evaluate, verdict
 from stablewatch.detector.evaluation.columnar import SnapshotRows, evaluate_rows
 from stablewatch.v1 import (
@@ -30,6 +33,8 @@ from stablewatch.v1 import (
     ChannelSnapshot,
     Evaluation,
     GlobalSnapshot,
+    InboundChannelState,
+    LocalSnapshotPart,
     LocalState,
     PredicateResult,
     ProcessSnapshot,
@@ -133,23 +138,39 @@ def test_a_message_that_wakes_no_one_keeps_the_deadlock(wakes_task: str) -> None
     assert verdict(evaluation.results[1]) == "true"  # a heartbeat wakes no one
 
 
-def test_a_message_to_an_active_process_changes_nothing() -> None:
-    # A and B deadlocked as above; D is active, its task waits on A, and a message to D is in
-    # flight. D is free either way: the deadlock is the same with the message and without it.
-    processes = (
-        _proc("A", _on("B")),
-        _proc("B", _on("A", task="t")),
-        _proc("C"),
-        _proc("D", _on("A", task="d"), active=True),
-    )
-    without = _evaluated(_cut(*processes)).results[0]
-    with_message = _evaluated(_cut(*processes, channels=(_message("C", "D"),))).results[0]
-    assert verdict(without) == verdict(with_message) == "true"
-    assert with_message.deadlock == without.deadlock
-    # B itself active: free with the message and without it.
+def test_an_active_process_anywhere_frees_every_process_node() -> None:
+    # A and B as above; C is active. C may send B a message at any time, waking B, so the cycle
+    # through B's node is not stable: neither this cut nor the next, after C sent, says true.
+    processes = (_proc("A", _on("B", instance=1)), _proc("B", _on("A", task="t", instance=2)))
+    before = _evaluated(_cut(*processes, _proc("C", active=True)))
+    after = _evaluated(_cut(*processes, _proc("C", active=True), channels=(_message("C", "B"),)))
+    for evaluation in (before, after):
+        assert verdict(evaluation.results[0]) == "false", evaluation.results[0].summary
+        assert choose_victims(_cut(*processes), evaluation.wait_for, "youngest") == []
+    # B itself active: free, with the message and without it.
     for channels in ((), (_message("C", "B"),)):
         snapshot = _cut(_proc("A", _on("B")), _proc("B", _on("A", task="t"), active=True), channels=channels)
         assert verdict(_evaluated(snapshot).results[0]) == "false"
+    # Tasks keep their own waits whatever is active: a cycle of tasks stands.
+    tasks = _cut(_proc("A", _on("B/t", task="a")), _proc("B", _on("A/a", task="t")), _proc("C", active=True))
+    assert _deadlocked(_evaluated(tasks).results[0]) == {("A", "a"), ("B", "t")}
+
+
+def test_a_waking_message_from_outside_the_cut_is_not_lost_through_the_assembly() -> None:
+    # B recorded a message from X, which is not a member: assembly keeps only the channels between
+    # members, but the cut is open (X may be running, and will wake B), so B's node is free.
+    assembler = Assembler()
+    assembler.begin(1, ["A", "B"])
+    a_state = LocalState(waits=[Wait(task="a1", targets=[WaitNode(process="B")], instance=1, began_at_us=10)])
+    b_state = LocalState(waits=[Wait(task="b1", targets=[WaitNode(process="A")], instance=2, began_at_us=20)])
+    assert assembler.add_part(LocalSnapshotPart(snapshot_id=1, process_id="A", state=a_state)) is None
+    part = LocalSnapshotPart(snapshot_id=1, process_id="B", state=b_state)
+    part.inbound.append(InboundChannelState(src="X", messages=[RecordedMessage(payload=b"go")]))
+    done = assembler.add_part(part)
+    assert isinstance(done, Completed) and list(done.snapshot.outside_peers) == ["X"]
+    evaluation = _evaluated(done.snapshot)
+    assert verdict(evaluation.results[0]) != "true", evaluation.results[0].summary
+    assert choose_victims(done.snapshot, evaluation.wait_for, "youngest") == []
 
 
 def test_a_wait_the_process_declares_is_met_only_by_its_targets() -> None:
@@ -164,7 +185,7 @@ def test_a_wait_the_process_declares_is_met_only_by_its_targets() -> None:
 
 
 @pytest.mark.parametrize("wakes_task", ["", "t", "u"])
-def test_the_woken_process_frees_its_node_not_its_tasks(wakes_task: str) -> None:
+def test_a_message_frees_the_process_node_not_its_tasks(wakes_task: str) -> None:
     """B will be active, so a wait on B itself is not blocked; but B's task t waits on A's task a,
     which waits on t: the message from C meets neither wait, and they stay deadlocked."""
     snapshot = _cut(
@@ -179,7 +200,7 @@ def test_the_woken_process_frees_its_node_not_its_tasks(wakes_task: str) -> None
     assert verdict(evaluation.results[1]) == "false"
 
 
-def test_an_or_wait_on_the_woken_process_is_released_too() -> None:
+def test_an_or_wait_on_a_process_a_message_will_wake_is_released_too() -> None:
     snapshot = _cut(
         _proc("A", _on("B", "C", model=WAIT_MODEL_OR)),
         _proc("B", _on("A", task="t")),
@@ -200,16 +221,17 @@ def _implicit(snapshot: GlobalSnapshot) -> set[str]:
 
 
 def _assert_the_rule_holds(snapshot: GlobalSnapshot) -> None:
-    """The rule as a property of one cut: a deadlocked implicit node ``(P, "")`` has P passive, and
-    P receives no channel that termination's evidence lists as busy (none holds a message that
-    will wake P). So deadlock true never comes with "not terminated: a message will wake P" for
-    a process P that the deadlock holds blocked as a process over its tasks."""
+    """The rule as a property of one cut: a deadlocked implicit node ``(P, "")`` comes only with a
+    quiet cut: closed, no member active, and no channel that termination's evidence lists as busy
+    (none holds a message that will wake its receiver). So a deadlock never holds a process blocked
+    as a process while anything could still send it a message."""
     evaluation = _evaluated(snapshot)
     deadlock, termination = evaluation.results[0], evaluation.results[1]
     blocked = {p for p, t in _deadlocked(deadlock) if not t} & _implicit(snapshot)
-    active = {p.process_id for p in snapshot.processes if p.state.active}
-    assert not blocked & active, deadlock.summary
-    assert not blocked & _busy_receivers(termination), (deadlock.summary, termination.summary)
+    if blocked:
+        assert evaluation.coverage.closed, deadlock.summary
+        assert not any(p.state.active for p in snapshot.processes), deadlock.summary
+        assert not _busy_receivers(termination), (deadlock.summary, termination.summary)
 
 
 @st.composite
@@ -240,11 +262,11 @@ def _around_passive_processes(draw: st.DrawFn) -> GlobalSnapshot:
 
 @settings(max_examples=400, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(_around_passive_processes())
-def test_no_deadlocked_process_node_has_a_waking_message_in_flight(snapshot: GlobalSnapshot) -> None:
+def test_a_deadlocked_process_node_comes_only_with_a_quiet_cut(snapshot: GlobalSnapshot) -> None:
     _assert_the_rule_holds(snapshot)
 
 
 @settings(max_examples=200, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(st.integers(0, 2**32 - 1))
-def test_no_deadlocked_process_node_has_a_waking_message_in_flight_in_generated_snapshots(seed: int) -> None:
+def test_a_deadlocked_process_node_comes_only_with_a_quiet_cut_in_generated_snapshots(seed: int) -> None:
     _assert_the_rule_holds(random_snapshot(random.Random(seed), 1, START))

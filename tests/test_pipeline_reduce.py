@@ -18,6 +18,7 @@ from pyspark.sql import DataFrame, SparkSession
 from snapshot_gen import START, Archived, random_archive, summary_of, write_archive
 
 from stablewatch.detector.evaluation import evaluate
+from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.deadlock import AND, OR, deadlocked_nodes
 from stablewatch.detector.evaluation.waitfor import build_wait_for
 from stablewatch.pipeline import cli
@@ -151,7 +152,8 @@ def test_wait_for_frames_build_the_graph_build_wait_for_builds(spark: SparkSessi
     items = random_archive(seed=9, count=150)
     archive = open_archive(spark, write_archive(tmp_path, items))
     tables = ("processes", "wait_edges", "messages", "channels")
-    frames = wait_for_frames(*(archive.table(name) for name in tables))
+    open_snapshots = [item.snapshot.snapshot_id for item in items if not coverage(item.snapshot).closed]
+    frames = wait_for_frames(*(archive.table(name) for name in tables), open_snapshots=open_snapshots)
     waiters = frames.waiters.toArrow().to_pylist()
     edges = frames.edges.toArrow().to_pylist()
     graphs = remaining_graphs(counted_rows(frames).toArrow())

@@ -10,8 +10,8 @@ rule of the one evaluation is applied to whole columns at once:
   members first in the snapshot's order; every task name in another), and the integer work is
   numpy's (sorts, prefix sums, scatters); strings are only compared and sorted by Arrow;
 * the wait-for graph (:func:`compact_wait_for`) follows :func:`~.waitfor.build_wait_for` rule for
-  rule (merged and split waits, a passive process's implicit OR over its tasks, the woken-process,
-  in-flight and acknowledgement rules). Its nodes are numbered in ``build_wait_for``'s node order
+  rule (merged and split waits, a process's implicit OR over its tasks on a quiet cut, the in-flight
+  and acknowledgement rules). Its nodes are numbered in ``build_wait_for``'s node order
   (the waiters first, as it inserts them, then the other targets) and each waiter's edges keep
   its order, in a :class:`~.deadlock.CompactGraph`: flat integer arrays that the algorithms read
   through memoryviews, without a Python object per node or edge;
@@ -89,7 +89,7 @@ COLUMNS: dict[str, tuple[str, ...]] = {
 }
 
 _I64 = np.int64
-_LAST = 2**62  # the rank of a passive process's implicit OR waiter among its own: after every wait
+_LAST = 2**62  # the rank of a process's implicit OR waiter among its own: after every wait
 
 
 class RowsError(ValueError):
@@ -446,13 +446,13 @@ class _Builder:
             tasks = pa.concat_arrays([tasks, pc.filter(new, pc.invert(pc.is_in(new, value_set=tasks)))])
             own = _ints(pc.index_in(own_names, value_set=tasks))
         task_count = len(tasks)
-        # A passive process with waiting tasks and no wait of its own: an OR waiter over its tasks,
-        # unless a waking message is on its way to it (the woken-process rule: it counts as active).
+        # A process with waiting tasks and no wait of its own: an OR waiter over its tasks on a
+        # quiet cut (closed, no member active, no waking message anywhere), else free (the quiet rule).
         own_wait = np.zeros(facts.members, dtype=bool)
         own_wait[g_wp[g_wt == 0]] = True
         task_waits = np.zeros(facts.members, dtype=bool)
         task_waits[g_wp[g_wt != 0]] = True
-        implicit = np.flatnonzero(task_waits & ~own_wait & ~facts.active & ~self._woken())
+        implicit = np.flatnonzero(task_waits & ~own_wait) if self._quiet() else np.zeros(0, dtype=_I64)
 
         # The waiters in build_wait_for's order: by process, then the waiter's first wait, a split
         # waiter's wait nodes right after it, the implicit OR last.
@@ -535,13 +535,13 @@ class _Builder:
             counts,
         )
 
-    def _woken(self) -> np.ndarray:
-        """Per member: whether a channel into it holds a message that may wake it (for any task)."""
+    def _quiet(self) -> bool:
+        """Whether no message can reach a member ever again: the cut is closed, no member is active,
+        and no channel holds a message that may wake (the quiet rule of :mod:`.waitfor`)."""
         facts = self.facts
-        woken = np.zeros(len(facts.names), dtype=bool)
-        channels = np.concatenate([facts.waking_any, facts.waking_task_channels])
-        woken[channels % max(len(facts.names), 1)] = True
-        return woken[: facts.members]
+        if facts.active.any() or len(facts.waking_any) or len(facts.waking_task_channels):
+            return False
+        return _coverage(self.rows, facts).closed
 
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""

@@ -14,19 +14,19 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   place that maps a wait to its node (the victim choice maps deadlocked nodes back through it).
   A task of that form is the wait's node, never a task of its own: the detector refuses a part
   that names one (``stablewatch.v1.bounds.names_a_wait``), as one wait would be taken for another.
-* A process node ``(P, "")`` without a wait of its own but with waiting tasks is, when P is
-  passive, an OR waiter over those tasks (P progresses only if one of its tasks can); when P is
-  active, or a message on its way will make it active (next rule), it is free.
-* **Woken-process rule.** A passive process becomes active on receiving a message, and P will
-  receive every message recorded on a channel ``q -> P`` (q in the cut or not). So when one of
-  them may wake (``no_wake`` false), whichever task its ``wakes_task`` names (that task will run:
-  P will be active), P counts as active: its node is free, not an OR over its tasks. It is the
-  very fact that makes termination false (a waking message in flight to P), so a deadlock never
-  holds P blocked as a process while termination says a message will wake it. The tasks keep
-  their own waits, which only the in-flight rule below meets (a message from a target's
-  process, naming the task or none): a task woken for something else still waits on its
-  targets. Likewise a wait that P declares itself (task ``""``) is what P said it needs, and
-  only the in-flight rule meets it.
+* A process node ``(P, "")`` without a wait of its own but with waiting tasks stands for
+  anything P may do: a wait on it is met as soon as P is active. A passive process becomes
+  active on receiving a message, from any process, so P stays passive for good only if no
+  message will ever reach it. **Quiet rule.** Only on a *quiet* cut, closed (:mod:`.cut`: no
+  process outside it, which may be running), with no member active and no message that may wake
+  (``no_wake`` false) recorded on any channel, can nothing reach P: there the node is an OR
+  waiter over P's tasks (P progresses only if one of its tasks can). On any other cut it is
+  free: an active process, or one that a message in flight will make active, may send P a
+  message at any time, so a deadlock through P's node would not be stable (true on one cut,
+  false on a later one). A wait that P declares itself (task ``""``) is what P said it needs,
+  and, like a task's own waits, only the in-flight rule below meets it (a message from a
+  target's process, naming the task or none): a task woken for something else still waits on
+  its targets.
 * Every other node is free: a task that waits on nothing, and any process outside the cut (it
   may well be running; see :mod:`.cut`), so a wait on it never counts as blocked.
 * **In-flight rule.** A recorded message on channel ``q -> p`` that may wake p (``no_wake``
@@ -56,6 +56,7 @@ from typing import Any, NamedTuple
 
 import networkx as nx
 
+from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.deadlock import (
     AND,
     OR,
@@ -256,7 +257,7 @@ def _targets(wait: Wait) -> list[tuple[Node, bool]]:
 
 
 def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
-    """Build the wait-for graph of `snapshot`, applying the woken-process, in-flight and
+    """Build the wait-for graph of `snapshot`, applying the quiet, in-flight and
     acknowledgement rules (see the module doc).
 
     O(processes + waits + targets + recorded messages + channels).
@@ -265,8 +266,8 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     waits: dict[Node, tuple[str, list[tuple[Node, bool]]]] = {}
     owner: dict[Node, Node] = {}
     waking = _waking(snapshot)
-    # The woken-process rule: P will receive a waking message recorded on its way to it.
-    woken = {dst for _, dst in waking}
+    # The quiet rule: a process node stands for its tasks only where no message can reach it.
+    quiet = not waking and not any(p.state.active for p in snapshot.processes) and coverage(snapshot).closed
     for process in snapshot.processes:
         pid = process.process_id
         declared: dict[Node, list[tuple[Wait, Node]]] = {}
@@ -283,7 +284,7 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
                 owner[node] = waiter
                 waits[waiter][1].append((node, False))
         tasks = [waiter for waiter in declared if waiter[1]]
-        if tasks and (pid, "") not in waits and not process.state.active and pid not in woken:
+        if quiet and tasks and (pid, "") not in waits:
             waits[(pid, "")] = (OR, [(task, False) for task in tasks])
 
     acking = acks_in_transit(snapshot)
