@@ -44,6 +44,8 @@ from typing import Any
 from google.protobuf.struct_pb2 import Struct
 
 from stablewatch.v1 import (
+    WAIT_MODEL_AND,
+    WAIT_MODEL_OR,
     AckPosition,
     ChannelSnapshot,
     EntryExtras,
@@ -65,6 +67,9 @@ from stablewatch.v1.bounds import (
     text_problem,
     too_long,
 )
+
+#: The wait models this detector knows: 0 (unspecified, an older agent's) counts as AND.
+_WAIT_MODELS = frozenset({0, WAIT_MODEL_AND, WAIT_MODEL_OR})
 
 __all__ = [
     "REJECTION_REASONS",
@@ -554,10 +559,11 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
     Every part with a state passes here: its ids and names are looked at all at once (two C
     calls), and one by one only when one of them may be long or is not printable.
 
-    Two more make a wait mean something else than it says: a target without a process (taken for
-    a free node outside the cut, it would release an OR wait), and a task named as the wait-for
+    Three more make a wait mean something else than it says: a target without a process (taken for
+    a free node outside the cut, it would release an OR wait), a task named as the wait-for
     graph names one wait of a task (``stablewatch.v1.bounds.names_a_wait``: the two would be
-    one node). Both are ``malformed``.
+    one node), and a model this detector does not know (a newer agent's, say: taken for AND, the
+    most blocking, it could make a deadlock up). All are ``malformed``.
     """
     ids: list[str] = []
     tasks: list[str] = []
@@ -586,6 +592,9 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
             return "attribute text", text, ("name_too_long", f"is longer than {MAX_TEXT_BYTES} bytes")
     if not all(ids):
         return "wait target", "", ("malformed", "names no process")
+    for wait in state.waits:
+        if wait.model not in _WAIT_MODELS:
+            return "wait model", str(wait.model), ("malformed", "is not one this detector knows (AND or OR)")
     if tasks and "[wait " in "".join(tasks):
         for task in tasks:
             if names_a_wait(task):

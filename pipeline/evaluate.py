@@ -496,9 +496,11 @@ def _reduce_large_graphs(archive: Archive, large: dict[int, _Large], reduction: 
     )
     open_snapshots = [sid for sid, item in large.items() if not item.facts.cut.closed]
     frames = wait_for_frames(processes, *tables, open_snapshots=open_snapshots)
-    frames = WaitForFrames(frames.waiters.localCheckpoint(), frames.edges.localCheckpoint())
+    frames = WaitForFrames(
+        frames.waiters.localCheckpoint(), frames.edges.localCheckpoint(), frames.undecided.localCheckpoint()
+    )
     for row in graph_counts(frames, processes).collect():
-        counts = WaitCounts(row["waiters"], row["edges"], row["discounted"], row["outside"])
+        counts = WaitCounts(row["waiters"], row["edges"], row["discounted"], row["outside"], row["undecided"])
         large[row["snapshot_id"]].counts = counts
     rounds = 0
     if reduction.max_rounds and sum(item.counts.edges for item in large.values()) > reduction.finish_edges:
@@ -525,7 +527,7 @@ def _large_results(
     head = item.head
     facts = item.facts
     expected = totals.before((head["finished_us"], head["snapshot_id"]))
-    results = [deadlock_result(item.deadlock, item.counts, facts.cut), facts.termination]
+    results = [deadlock_result(item.deadlock, item.counts, facts.cut, facts.termination), facts.termination]
     if expected == dict(configured):
         results += item.conservation
     else:  # an earlier snapshot set a baseline

@@ -74,6 +74,9 @@ class WaitForFrames:
 
     waiters: DataFrame
     edges: DataFrame
+    # One row per member process ``snapshot_id, target_process`` whose node the quiet rule leaves
+    # free (waiting tasks, no wait of its own, the cut not quiet): ``WaitCounts.undecided``.
+    undecided: DataFrame
 
 
 def _pack(high: Column, low: Column | int) -> Column:
@@ -132,16 +135,20 @@ def wait_for_frames(
     has = waits.groupBy(_ID, "process").agg(
         F.bool_or(F.col("task") == "").alias("own_wait"), F.bool_or(F.col("task") != "").alias("task_waits")
     )
-    # The quiet rule: a process node stands for its tasks only on a cut no message can reach any more.
-    waking = messages.filter(~F.coalesce("no_wake", F.lit(False))).select(_ID).distinct()
-    active = processes.filter(F.coalesce("active", F.lit(False))).select(_ID).distinct()
-    implicit = (
-        has.filter(~F.col("own_wait") & F.col("task_waits") & ~F.col(_ID).isin(sorted(open_snapshots)))
-        .join(waking, [_ID], "left_anti")
-        .join(active, [_ID], "left_anti")
-        .join(procs, [_ID, "process"])
-        .select(_ID, "process", "process_index")
+    # The quiet rule: a process node stands for its tasks only on a cut nothing can reach any more
+    # (no waking message, no acknowledgement in transit, no process active, closed).
+    acking = _acks_in_transit(channels)
+    loud = (
+        messages.filter(~F.coalesce("no_wake", F.lit(False)))
+        .select(_ID)
+        .union(acking.select(_ID))
+        .union(processes.filter(F.coalesce("active", F.lit(False))).select(_ID))
+        .distinct()
     )
+    nodes = has.filter(~F.col("own_wait") & F.col("task_waits")).select(_ID, "process")
+    quiet = nodes.filter(~F.col(_ID).isin(sorted(open_snapshots))).join(loud, [_ID], "left_anti")
+    implicit = quiet.join(procs, [_ID, "process"]).select(_ID, "process", "process_index")
+    undecided = nodes.join(quiet, [_ID, "process"], "left_anti").select(_ID, F.col("process").alias("target_process"))
     ranked = declared.join(procs, [_ID, "process"])
     waiters = ranked.select(
         _ID,
@@ -248,14 +255,9 @@ def wait_for_frames(
             F.collect_set("wakes_task").alias("wakes_tasks"),
         )
     )
-    acked, seen = F.col("receiver_acked"), F.col("sender_ack_seen")
-    acking = channels.filter(
-        acked.isNotNull()
-        & seen.isNotNull()
-        & (acked["sender_incarnation"] == seen["sender_incarnation"])
-        & (acked["receiver_incarnation"] == seen["receiver_incarnation"])
-        & (acked["next_seq"] > seen["next_seq"])
-    ).select(_ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking"))
+    acking = acking.select(
+        _ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking")
+    )
     satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull()).otherwise(
         F.col("wakes_all").isNotNull() & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))
     )
@@ -272,12 +274,26 @@ def wait_for_frames(
         F.bool_or(~F.col("satisfied") & F.col("flow_control")).alias("flow_control"),
         F.min("position").alias("position"),
     )
-    return WaitForFrames(waiters, edges)
+    return WaitForFrames(waiters, edges, undecided)
+
+
+def _acks_in_transit(channels: DataFrame) -> DataFrame:
+    """The channels (``snapshot_id, src, dst``) with an acknowledgement in transit: ``receiver_acked``
+    ahead of ``sender_ack_seen``, both of the same incarnations (``acks_in_transit``)."""
+    acked, seen = F.col("receiver_acked"), F.col("sender_ack_seen")
+    return channels.filter(
+        acked.isNotNull()
+        & seen.isNotNull()
+        & (acked["sender_incarnation"] == seen["sender_incarnation"])
+        & (acked["receiver_incarnation"] == seen["receiver_incarnation"])
+        & (acked["next_seq"] > seen["next_seq"])
+    ).select(_ID, "src", "dst")
 
 
 def graph_counts(frames: WaitForFrames, processes: DataFrame) -> DataFrame:
-    """Per snapshot: ``waiters``, counted ``edges``, ``discounted`` pairs and the counted edges to
-    processes outside the cut, ``outside`` (what ``wait_counts`` counts); `processes` is the archive's table."""
+    """Per snapshot: ``waiters``, counted ``edges``, ``discounted`` pairs, the counted edges to
+    processes outside the cut, ``outside``, and to process nodes the quiet rule left free,
+    ``undecided`` (what ``wait_counts`` counts); `processes` is the archive's table."""
     waiters = frames.waiters.groupBy(_ID).agg(F.count(F.lit(1)).alias("waiters"))
     edges = frames.edges.groupBy(_ID).agg(
         F.count(F.when(F.col("counted"), 1)).alias("edges"), F.count(F.when(~F.col("counted"), 1)).alias("discounted")
@@ -289,8 +305,14 @@ def graph_counts(frames: WaitForFrames, processes: DataFrame) -> DataFrame:
         .groupBy(_ID)
         .agg(F.count(F.lit(1)).alias("outside"))
     )
-    counts = waiters.join(edges, _ID, "left").join(outside, _ID, "left")
-    return counts.fillna(0, ["edges", "discounted", "outside"])
+    undecided = (
+        frames.edges.filter(F.col("counted") & (F.col("target_task") == ""))
+        .join(frames.undecided, [_ID, "target_process"])
+        .groupBy(_ID)
+        .agg(F.count(F.lit(1)).alias("undecided"))
+    )
+    counts = waiters.join(edges, _ID, "left").join(outside, _ID, "left").join(undecided, _ID, "left")
+    return counts.fillna(0, ["edges", "discounted", "outside", "undecided"])
 
 
 def numbered_edges(frames: WaitForFrames) -> tuple[DataFrame, DataFrame]:

@@ -114,7 +114,16 @@ def test_no_deadlock_among_members_that_wait_only_on_members_is_false_on_an_open
     result = evaluation.results[0]
     assert not result.unknown and not result.missing_processes
     assert result.summary.startswith("no deadlock among the processes in the cut, none waits outside it")
-    s.processes[2].state.active = False  # all passive: termination is what the open cut cannot decide
+    # All passive, nothing in flight: termination is what the open cut cannot decide, and so are
+    # the waits on whole processes (A's on B): closed, the cut may be quiet, where B's node is an
+    # OR over its tasks (the quiet rule), which the missing processes decide.
+    s.processes[2].state.active = False
+    result = evaluate(s).results[0]
+    assert verdicts(evaluate(s)) == {"deadlock": "unknown", "termination": "unknown"}
+    assert "1 wait edge to whole processes of it, all passive" in result.summary
+    # Waits on tasks are decided whatever the missing processes do.
+    for process, target in zip(s.processes[:2], ("B", "C"), strict=True):
+        process.state.waits[0].targets[0].task = "h1" if target == "B" else ""
     assert verdicts(evaluate(s)) == {"deadlock": "false", "termination": "unknown"}
 
 

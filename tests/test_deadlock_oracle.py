@@ -5,9 +5,9 @@ from the graph code: a waiter is released when each of its waits is met; a wait 
 has no targets, or (AND) every target is released or has a waking message in flight to the
 waiter, or (OR) any one is. A process with waiting tasks and no wait of its own stands for
 anything it may do: it is a waiter only on a quiet cut (every process named anywhere is a
-member, every expected member reported, none is active and no channel holds a message that is
-not ``no_wake``), where it is released when one of its tasks is; on any other cut a message may
-still reach it and make it active, and it is free. Anything
+member, every expected member reported, none is active, no channel holds a message that is not
+``no_wake`` nor an acknowledgement on its way back), where it is released when one of its tasks
+is; on any other cut a message may still reach it and make it active, and it is free. Anything
 that waits on nothing, and any process outside the cut, is free. A flow-control wait is never
 met by a message in flight; its target is met instead when an acknowledgement is on its way back
 to the waiter: on the channel from the waiter's process to the target's, the receiver had
@@ -47,18 +47,9 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
     named |= {t.process for p in snapshot.processes for w in p.state.waits for t in w.targets if t.process}
     named |= {c.src for c in snapshot.channels} | {c.dst for c in snapshot.channels}
     closed = named <= members and snapshot.expected_member_count <= len(members)
-    quiet = (
-        closed
-        and not any(p.state.active for p in snapshot.processes)
-        and not any(not m.no_wake for c in snapshot.channels for m in c.messages)
-    )
-    passive_with_tasks: set[str] = set()
     for p in snapshot.processes:
         for w in p.state.waits:
             waits.setdefault((p.process_id, w.task), []).append(w)
-        has_tasks = any(w.task for w in p.state.waits)
-        if quiet and has_tasks and (p.process_id, "") not in waits:
-            passive_with_tasks.add(p.process_id)
 
     def wakes(src: str, dst: str, task: str) -> bool:
         for c in snapshot.channels:
@@ -74,6 +65,17 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                 return same and r.next_seq > s.next_seq
         return False
 
+    quiet = (
+        closed
+        and not any(p.state.active for p in snapshot.processes)
+        and not any(not m.no_wake for c in snapshot.channels for m in c.messages)
+        and not any(acknowledged(c.src, c.dst) for c in snapshot.channels)
+    )
+    passive_with_tasks = {
+        p.process_id
+        for p in snapshot.processes
+        if quiet and any(w.task for w in p.state.waits) and (p.process_id, "") not in waits
+    }
     waiters = set(waits) | {(pid, "") for pid in passive_with_tasks}
     released: set[Node] = set()
 

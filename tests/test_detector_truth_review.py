@@ -346,3 +346,17 @@ def test_a_task_named_as_one_wait_of_a_task_is_malformed(where: str) -> None:
     assert isinstance(found, PartRejected), [(n.process, n.task) for n in deadlocked]
     assert found.reason == "malformed"
     assert "the task 'x[wait 1]' is named as the detector names one wait of a task" in found.detail
+
+
+def test_a_wait_of_a_model_the_detector_does_not_know_is_malformed() -> None:
+    # A newer agent's model, say 3: counted as AND (the most blocking), A and B would be reported
+    # deadlocked, though that model may need only one of the targets, and C is free.
+    states = [
+        ("A", LocalState(waits=[Wait(targets=[WaitNode(process="B"), WaitNode(process="C")], model=3)])),
+        ("B", LocalState(waits=[Wait(targets=[WaitNode(process="A")])])),
+        ("C", LocalState(active=True)),
+    ]
+    found = _first_rejection(_parts(*states))
+    assert isinstance(found, PartRejected), evaluate(found).results[0].summary
+    assert found.reason == "malformed"
+    assert "the wait model '3' is not one this detector knows (AND or OR)" in found.detail

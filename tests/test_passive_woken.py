@@ -30,6 +30,7 @@ from stablewatch.detector.evaluation.columnar import SnapshotRows, evaluate_rows
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,
+    AckPosition,
     ChannelSnapshot,
     Evaluation,
     GlobalSnapshot,
@@ -171,6 +172,36 @@ def test_a_waking_message_from_outside_the_cut_is_not_lost_through_the_assembly(
     evaluation = _evaluated(done.snapshot)
     assert verdict(evaluation.results[0]) != "true", evaluation.results[0].summary
     assert choose_victims(done.snapshot, evaluation.wait_for, "youngest") == []
+
+
+def test_an_open_cut_whose_members_are_all_quiet_leaves_waits_on_whole_processes_unknown() -> None:
+    # Closed, with X passive and nothing in flight, the cut is quiet and A and B are deadlocked.
+    # Without X's part (expected by name or by number), that is what X decides: neither true
+    # (X may be running) nor false.
+    a, b = _proc("A", _on("B", instance=1)), _proc("B", _on("A", task="t", instance=2))
+    assert verdict(_evaluated(_cut(a, b, _proc("X"))).results[0]) == "true"
+    for open_cut in (
+        GlobalSnapshot(snapshot_id=5, processes=[a, b], expected_members=["A", "B", "X"]),
+        GlobalSnapshot(snapshot_id=5, processes=[a, b], expected_member_count=3),
+    ):
+        result = _evaluated(open_cut).results[0]
+        assert verdict(result) == "unknown", result.summary
+        assert "whether those waits end depends on the processes outside it" in result.summary
+
+
+def test_an_acknowledgement_in_transit_keeps_the_cut_from_being_quiet() -> None:
+    # X's send to Y is released by an acknowledgement on its way back: X will run again, and may
+    # send B a message, so A's wait on process B is not blocked for good.
+    blocked = Wait(task="x", targets=[WaitNode(process="Y")], flow_control=True, instance=3, began_at_us=3)
+    channel = ChannelSnapshot(src="X", dst="Y", sent_before_marker=5, received_before_recording=5)
+    channel.receiver_acked.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=6))
+    channel.sender_ack_seen.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=3))
+    processes = (_proc("A", _on("B", instance=1)), _proc("B", _on("A", task="t", instance=2)), _proc("Y"))
+    evaluation = _evaluated(_cut(*processes, _proc("X", blocked), channels=(channel,)))
+    assert verdict(evaluation.results[0]) == "false", evaluation.results[0].summary
+    # Without the acknowledgement nothing is on its way: the cut is quiet, and A and B are deadlocked.
+    channel.ClearField("receiver_acked")
+    assert verdict(_evaluated(_cut(*processes, _proc("X", blocked), channels=(channel,))).results[0]) == "true"
 
 
 def test_a_wait_the_process_declares_is_met_only_by_its_targets() -> None:

@@ -452,7 +452,12 @@ class _Builder:
         own_wait[g_wp[g_wt == 0]] = True
         task_waits = np.zeros(facts.members, dtype=bool)
         task_waits[g_wp[g_wt != 0]] = True
-        implicit = np.flatnonzero(task_waits & ~own_wait) if self._quiet() else np.zeros(0, dtype=_I64)
+        quiet = self._quiet()
+        implicit = np.flatnonzero(task_waits & ~own_wait) if quiet else np.zeros(0, dtype=_I64)
+        # The members whose process node the quiet rule leaves free (WaitCounts.undecided).
+        undecided = np.zeros(len(facts.names), dtype=bool)
+        if not quiet:
+            undecided[: facts.members] = task_waits & ~own_wait
 
         # The waiters in build_wait_for's order: by process, then the waiter's first wait, a split
         # waiter's wait nodes right after it, the implicit OR last.
@@ -519,10 +524,18 @@ class _Builder:
         pairs = _pairs(src, dst, nodes, unmet, fc & unmet, tproc)
         counted = pairs.unmet & ~released[pairs.src]
         outside = int(np.count_nonzero(pairs.tproc[counted] >= facts.members))
-        counts = WaitCounts(
-            count, int(np.count_nonzero(counted)), len(pairs.src) - int(np.count_nonzero(counted)), outside
-        )
         other_p, other_t = np.divmod(others, task_count)
+        # Counted edges into a free process node (task 0 is "") that the quiet rule left free.
+        free_targets = pairs.dst[counted] - count
+        free_targets = free_targets[free_targets >= 0]
+        into = (other_t[free_targets] == 0) & undecided[other_p[free_targets]]
+        counts = WaitCounts(
+            count,
+            int(np.count_nonzero(counted)),
+            len(pairs.src) - int(np.count_nonzero(counted)),
+            outside,
+            int(np.count_nonzero(into)),
+        )
         return _compact(
             pairs.src[counted],
             pairs.dst[counted],
@@ -536,12 +549,13 @@ class _Builder:
         )
 
     def _quiet(self) -> bool:
-        """Whether no message can reach a member ever again: the cut is closed, no member is active,
-        and no channel holds a message that may wake (the quiet rule of :mod:`.waitfor`)."""
+        """Whether nothing can reach a member ever again: the cut is closed, no member is active, no
+        channel holds a message that may wake nor an acknowledgement in transit (the quiet rule of
+        :mod:`.waitfor`)."""
         facts = self.facts
         if facts.active.any() or len(facts.waking_any) or len(facts.waking_task_channels):
             return False
-        return _coverage(self.rows, facts).closed
+        return len(_acking(self.rows, facts)) == 0 and _coverage(self.rows, facts).closed
 
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""
@@ -934,7 +948,7 @@ class LightFacts:
     def results(self, found: Deadlock, counts: WaitCounts, expected_totals: Mapping[str, int]) -> list[PredicateResult]:
         """The built-in results, given the wait-for graph's deadlock evidence `found` and size `counts`:
         :func:`~.evaluate.built_in_results`' order and functions."""
-        results = [deadlock_result(found, counts, self.cut), self.termination]
+        results = [deadlock_result(found, counts, self.cut, self.termination), self.termination]
         return results + conservation_results(self.holdings, expected_totals, self.cut)
 
 

@@ -76,7 +76,8 @@ def built_in_results(
     without its waits gives the same results when `cut` is the whole snapshot's.
     """
     cut = coverage(snapshot) if cut is None else cut
-    results = [deadlock_result(found, counts, cut), termination(snapshot, cut)]
+    terminated = termination(snapshot, cut)
+    results = [deadlock_result(found, counts, cut, terminated), terminated]
     results += conservation(snapshot, expected_totals, cut)
     return results
 

@@ -64,9 +64,11 @@ def unknown(result: PredicateResult, cut: CutCoverage, finding: str) -> Predicat
     return result
 
 
-def deadlock_result(found: Deadlock, counts: WaitCounts, cut: CutCoverage) -> PredicateResult:
+def deadlock_result(
+    found: Deadlock, counts: WaitCounts, cut: CutCoverage, termination: PredicateResult
+) -> PredicateResult:
     """Wrap `found` (``find_deadlock`` of a wait-for graph of size `counts`) as the ``deadlock`` result
-    for a cut of coverage `cut`.
+    for a cut of coverage `cut`, whose ``termination`` result is `termination`.
 
     Only the evidence and the counts are read, not the graph: a caller that built and reduced the
     graph elsewhere (the pipeline, for a snapshot too large for one worker) gets the same result.
@@ -100,6 +102,19 @@ def deadlock_result(found: Deadlock, counts: WaitCounts, cut: CutCoverage) -> Pr
         if counts.outside:
             edges = plural(counts.outside, "wait edge")
             return unknown(result, cut, f"no deadlock among the processes in the cut ({size}; {edges} to outside it)")
+        # A wait on a whole member process left free by the quiet rule is another: with every member
+        # passive and nothing in flight among them, the cut closed may be quiet, and the process
+        # node then an OR over its tasks, which may close a cycle. (A member active, or a message
+        # in flight among them, keeps the closed cut from being quiet: the node stays free.)
+        evidence = termination.termination
+        if counts.undecided and not evidence.active_processes and not evidence.busy_channels:
+            edges = plural(counts.undecided, "wait edge")
+            return unknown(
+                result,
+                cut,
+                f"no deadlock among the processes in the cut ({size}; {edges} to whole processes of it, "
+                "all passive: whether those waits end depends on the processes outside it)",
+            )
         result.summary = f"no deadlock among the processes in the cut, none waits outside it: {size}"
         return result
     result.summary = f"no deadlock: {size}"
@@ -114,7 +129,8 @@ def deadlock(snapshot: GlobalSnapshot) -> PredicateResult:
     along the cycle. O(V + E) in the size of the wait-for graph (plus sorting the evidence).
     """
     wf = build_wait_for(snapshot)
-    return deadlock_result(find_deadlock(wf), wait_counts(wf), coverage(snapshot))
+    cut = coverage(snapshot)
+    return deadlock_result(find_deadlock(wf), wait_counts(wf), cut, termination(snapshot, cut))
 
 
 def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> PredicateResult:

@@ -18,14 +18,17 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   anything P may do: a wait on it is met as soon as P is active. A passive process becomes
   active on receiving a message, from any process, so P stays passive for good only if no
   message will ever reach it. **Quiet rule.** Only on a *quiet* cut, closed (:mod:`.cut`: no
-  process outside it, which may be running), with no member active and no message that may wake
-  (``no_wake`` false) recorded on any channel, can nothing reach P: there the node is an OR
-  waiter over P's tasks (P progresses only if one of its tasks can). On any other cut it is
+  process outside it, which may be running), with no member active, no message that may wake
+  (``no_wake`` false) recorded on any channel and no acknowledgement in transit (which releases
+  a blocked send, whose task may then send anything), can nothing reach P: there the node is an
+  OR waiter over P's tasks (P progresses only if one of its tasks can). On any other cut it is
   free: an active process, or one that a message in flight will make active, may send P a
   message at any time, so a deadlock through P's node would not be stable (true on one cut,
-  false on a later one). A wait that P declares itself (task ``""``) is what P said it needs,
-  and, like a task's own waits, only the in-flight rule below meets it (a message from a
-  target's process, naming the task or none): a task woken for something else still waits on
+  false on a later one). On an open cut whose members are all passive with nothing in flight,
+  closing it may make it quiet: the edges into such nodes are counted (``WaitCounts.undecided``),
+  and "no deadlock" is unknown there. A wait that P declares itself (task ``""``) is what P said
+  it needs, and, like a task's own waits, only the in-flight rule below meets it (a message from
+  a target's process, naming the task or none): a task woken for something else still waits on
   its targets.
 * Every other node is free: a task that waits on nothing, and any process outside the cut (it
   may well be running; see :mod:`.cut`), so a wait on it never counts as blocked.
@@ -118,6 +121,9 @@ class WaitFor:
     # The processes in the snapshot; a node of any other process is outside the cut. Empty (every
     # target outside) is the safe default: an open cut then never says "no deadlock".
     members: frozenset[str] = frozenset()
+    # The members whose process node the quiet rule leaves free on this cut (waiting tasks, no
+    # wait of their own, the cut not quiet): see WaitCounts.undecided.
+    undecided: frozenset[str] = frozenset()
 
 
 class WaitCounts(NamedTuple):
@@ -127,6 +133,10 @@ class WaitCounts(NamedTuple):
     edges: int  # counted edges
     discounted: int  # (waiter, target) pairs set aside by the in-flight and acknowledgement rules
     outside: int  # counted edges whose target is a process outside the cut
+    # Counted edges into the node of a member process with waiting tasks and no wait of its own,
+    # free because the cut is not quiet (the quiet rule): on an open cut whose members are all
+    # quiet, the processes missing from it decide whether it is free.
+    undecided: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,7 +145,8 @@ class Deadlock:
 
     `knot` is only computed when an OR waiter is deadlocked, otherwise it is empty.
     `empty_channels` has one ``(src, dst)`` per cycle edge between two processes (target's
-    process -> waiter's process), without repeats: the channels that held no waking message.
+    process -> waiter's process), without repeats: the channels that held no message waking the
+    waiter on the cycle (one may hold a message that wakes another task of its receiver).
     Flow-control edges are left out: their wait is on the opposite channel being full.
     `separate` counts the wait cycles that share no node.
     """
@@ -266,8 +277,13 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     waits: dict[Node, tuple[str, list[tuple[Node, bool]]]] = {}
     owner: dict[Node, Node] = {}
     waking = _waking(snapshot)
-    # The quiet rule: a process node stands for its tasks only where no message can reach it.
-    quiet = not waking and not any(p.state.active for p in snapshot.processes) and coverage(snapshot).closed
+    acking = acks_in_transit(snapshot)
+    # The quiet rule: a process node stands for its tasks only where nothing can reach it again (an
+    # acknowledgement in transit releases a blocked send, whose task may then send anything).
+    quiet = (
+        not waking and not acking and not any(p.state.active for p in snapshot.processes) and coverage(snapshot).closed
+    )
+    undecided: list[str] = []
     for process in snapshot.processes:
         pid = process.process_id
         declared: dict[Node, list[tuple[Wait, Node]]] = {}
@@ -284,10 +300,11 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
                 owner[node] = waiter
                 waits[waiter][1].append((node, False))
         tasks = [waiter for waiter in declared if waiter[1]]
-        if quiet and tasks and (pid, "") not in waits:
-            waits[(pid, "")] = (OR, [(task, False) for task in tasks])
-
-    acking = acks_in_transit(snapshot)
+        if tasks and (pid, "") not in waits:
+            if quiet:
+                waits[(pid, "")] = (OR, [(task, False) for task in tasks])
+            else:
+                undecided.append(pid)
 
     def satisfied(waiter: Node, target: Node, flow_control: bool) -> bool:
         # meeting()'s rules, inline: this runs once per edge of graphs of millions.
@@ -324,7 +341,7 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
                 discounted[(waiter, target)] = None
                 graph.add_node(target)
     members = frozenset(p.process_id for p in snapshot.processes)
-    return WaitFor(snapshot.snapshot_id, graph, tuple(discounted), members)
+    return WaitFor(snapshot.snapshot_id, graph, tuple(discounted), members, frozenset(undecided))
 
 
 def find_deadlock(wf: WaitFor) -> Deadlock:
@@ -361,7 +378,8 @@ def cycle_edges(cycle: list[Node]) -> Iterable[tuple[Node, Node]]:
 
 
 def empty_channels(cycle: list[Node], flow_control: Iterable[bool]) -> list[Channel]:
-    """The channels along `cycle` that held no waking message: one ``(src, dst)`` per edge between two
+    """The channels along `cycle` that held no message waking its waiter (a counted edge says so;
+    one may hold a message for another task of the receiver): one ``(src, dst)`` per edge between two
     processes (target's process -> waiter's process), without repeats, leaving out the flow-control
     edges (`flow_control`, one flag per edge of :func:`cycle_edges`): their wait is on the opposite
     channel being full."""
@@ -373,12 +391,14 @@ def empty_channels(cycle: list[Node], flow_control: Iterable[bool]) -> list[Chan
 
 
 def wait_counts(wf: WaitFor) -> WaitCounts:
-    """Count `wf`'s waiters, counted edges, discounted pairs and counted edges into processes
-    outside the cut (not in ``wf.members``). O(V + E)."""
+    """Count `wf`'s waiters, counted edges, discounted pairs, counted edges into processes outside
+    the cut (not in ``wf.members``) and into the process nodes the quiet rule left free
+    (``wf.undecided``). O(V + E)."""
     G = wf.graph
     waiters = sum(1 for _, model in G.nodes(data="model") if model is not None)
     outside = sum(1 for _, target in G.edges if target[0] not in wf.members)
-    return WaitCounts(waiters, G.number_of_edges(), len(wf.discounted), outside)
+    undecided = sum(1 for _, (process, task) in G.edges if not task and process in wf.undecided)
+    return WaitCounts(waiters, G.number_of_edges(), len(wf.discounted), outside, undecided)
 
 
 def label(node: Node | WaitNode) -> str:
