@@ -6,6 +6,9 @@
   could count it in the pair's next session, where it stayed in flight for good).
 * A sync server's queued call whose caller cancels it leaves the pool's picture only when no
   worker will run it: grpc runs the handler of a request-stream call even after its end.
+* An asyncio server interceptor that serves a second event loop (a server run again under a new
+  ``asyncio.run``, or a second server in another thread) still finds each handler's own task: it
+  looked them up in the loop of its first call, and the handlers' calls lost their names.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from typing import Any
 import grpc
 import pytest
 from pool_service import PoolService
-from rpc_harness import SERVICE, AioServer, aio_channel_to, new_agent, sample
+from rpc_harness import SERVICE, AioServer, aio_channel_to, new_agent, recorded, sample
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc import RpcAgent
@@ -144,3 +147,49 @@ def test_a_cancelled_queued_request_stream_call_is_taken_out_of_the_pool_and_nev
         service.stop()
         c_agent.stop()
         s_agent.stop()
+
+
+def test_an_asyncio_interceptor_serving_a_second_loop_still_names_its_handlers_calls(
+    rpc_agents: tuple[RpcAgent, RpcAgent],
+) -> None:
+    s_agent, c_agent = rpc_agents
+    interceptor = s_agent.aio_server_interceptor()  # one interceptor for the server's whole life
+
+    def relay_waits() -> list[str] | None:
+        state = recorded(s_agent)
+        tasks = [wait.task for wait in state.waits] if state is not None else []
+        return tasks or None
+
+    async def serve_once() -> list[str]:
+        blocked = asyncio.Event()
+
+        async def block(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            blocked.set()
+            await asyncio.sleep(30)
+            return b""
+
+        async def relay(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+            # S's handler calls B (no agent) and waits on it, in the handler's name.
+            async with s_agent.instrument_channel(grpc.aio.insecure_channel(back.address), target=back.address) as to_b:
+                return await to_b.unary_unary(f"/{SERVICE}/Block")(b"", timeout=30)
+
+        back = AioServer(None, {"Block": grpc.unary_unary_rpc_method_handler(block)})
+        server = grpc.aio.server(interceptors=[interceptor])
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(SERVICE, {"Relay": grpc.unary_unary_rpc_method_handler(relay)})]
+        )
+        address = f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}"
+        await server.start()
+        try:
+            async with back, aio_channel_to(address, c_agent, "channel") as to_s:
+                call = asyncio.ensure_future(to_s.unary_unary(f"/{SERVICE}/Relay")(b"", timeout=30))
+                await asyncio.wait_for(blocked.wait(), 10)
+                waiters = await asyncio.to_thread(poll, relay_waits, "the relay's wait on B")
+                call.cancel()
+                return waiters
+        finally:
+            await server.stop(0)
+
+    for loop in ("first", "second"):  # each run() is a new event loop
+        [waiter] = run(serve_once(), 30)
+        assert waiter.startswith(f"/{SERVICE}/Relay#C:"), (loop, waiter)

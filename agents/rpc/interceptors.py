@@ -568,14 +568,24 @@ class _AioServed:
 
     def __init__(self) -> None:
         self.var: contextvars.ContextVar[IncomingCall] = contextvars.ContextVar("stablewatch_aio_served_call")
-        self.loop: asyncio.AbstractEventLoop | None = None  # the server's, from its first call
+        # The thread and loop of the last call looked up the long way (one tuple, read at once:
+        # two servers' loops in two threads may set it by turns). A handler's task is looked up in
+        # that loop only from that thread (where it is the one running loop, if it runs), which
+        # spares asyncio's lookup of the running loop, a getpid() a call.
+        self.home: tuple[int | None, Any] = (None, None)
         self._warned = False
 
     def own_task(self) -> Any:
         """The asyncio task running now (the call's, where its handler runs)."""
-        if _current_tasks is not None and self.loop is not None:
-            return _current_tasks.get(self.loop)
-        return asyncio.current_task()
+        thread, loop = self.home
+        if _current_tasks is not None and thread == _get_ident():
+            task = _current_tasks.get(loop)
+            if task is not None:
+                return task
+        task = asyncio.current_task()  # another loop: the interceptor serves a second server, or a new asyncio.run
+        if task is not None:
+            self.home = (_get_ident(), task.get_loop())
+        return task
 
     def get(self) -> IncomingCall | None:
         call = self.var.get(None)
@@ -595,7 +605,7 @@ def _unary_aio(
     # This runs for every call (``bench/rpc_hot_path.py`` times it): the common case (a caller with
     # an agent) is written out here rather than through _start and _end_aio.
     behave, get, respond = _awaitable(behavior, requests), served.var.get, agent.respond
-    set_task, set_named, tasks = CURRENT_TASK.set, NAMED_TASK.set, _current_tasks
+    set_task, set_named, tasks, get_ident = CURRENT_TASK.set, NAMED_TASK.set, _current_tasks, _get_ident
 
     async def run(request: Any, context: grpc.aio.ServicerContext) -> Any:
         call = get(None)
@@ -607,8 +617,12 @@ def _unary_aio(
             _start(agent, call, context)
         # Else nothing to tell as the handler starts: an asyncio server's call has no pool to leave.
         set_task(call.name)  # the handler's own task: nothing to restore
-        # served.own_task(), written out: the interceptor set the loop before the handler ran.
-        own = call.own_task = tasks.get(served.loop) if tasks is not None else asyncio.current_task()
+        # served.own_task(), its common case written out.
+        home = served.home
+        own = tasks.get(home[1]) if tasks is not None and home[0] == get_ident() else None
+        if own is None:
+            own = served.own_task()
+        call.own_task = own
         set_named(call)
         try:
             if call.error is not None:
@@ -705,8 +719,6 @@ class AioServerInterceptor(grpc.aio.ServerInterceptor):
             kept = _kept(self._wrapped, handler, wrapped, None)
         call = self._agent.arrive(handler_call_details.method, handler_call_details.invocation_metadata, None)
         self._served_var.set(call)
-        if self._served.loop is None:
-            self._served.loop = asyncio.get_running_loop()
         return kept.wrapped
 
 
