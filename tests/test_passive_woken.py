@@ -186,7 +186,7 @@ def test_an_open_cut_whose_members_are_all_quiet_leaves_waits_on_whole_processes
     ):
         result = _evaluated(open_cut).results[0]
         assert verdict(result) == "unknown", result.summary
-        assert "whether those waits end depends on the processes outside it" in result.summary
+        assert "whether those processes are ever woken depends on the processes outside it" in result.summary
 
 
 def test_an_acknowledgement_in_transit_keeps_the_cut_from_being_quiet() -> None:

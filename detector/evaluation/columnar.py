@@ -446,8 +446,9 @@ class _Builder:
             tasks = pa.concat_arrays([tasks, pc.filter(new, pc.invert(pc.is_in(new, value_set=tasks)))])
             own = _ints(pc.index_in(own_names, value_set=tasks))
         task_count = len(tasks)
-        # A process with waiting tasks and no wait of its own: an OR waiter over its tasks on a
-        # quiet cut (closed, no member active, no waking message anywhere), else free (the quiet rule).
+        # A process with waiting tasks and no wait of its own: an OR waiter over its tasks on a quiet
+        # cut (closed, no member active, no waking message nor acknowledgement in transit anywhere),
+        # else free (the quiet rule).
         own_wait = np.zeros(facts.members, dtype=bool)
         own_wait[g_wp[g_wt == 0]] = True
         task_waits = np.zeros(facts.members, dtype=bool)

@@ -7,7 +7,9 @@ What a cut may claim depends on whether it is closed (:mod:`.cut`):
 * ``deadlock`` — true when some wait can never be released (see :mod:`.waitfor`); a deadlock
   among members is real whatever the others do. False on a closed cut without one, and on an
   open cut when, besides, no counted wait leads to a process outside it (a caller outside that
-  only calls in cannot be part of a cycle); otherwise unknown.
+  only calls in cannot be part of a cycle) and none to a whole member process that the quiet rule
+  left free while every member is passive with nothing in flight (closed, the cut could be
+  quiet); otherwise unknown.
 * ``termination`` — true when every process is passive and no waking message is in flight; an
   active member or a waking message makes it false on any cut; otherwise unknown on an open cut.
 * ``conservation(<counter>)`` — true when the units held by processes plus those in flight equal
@@ -113,7 +115,7 @@ def deadlock_result(
                 result,
                 cut,
                 f"no deadlock among the processes in the cut ({size}; {edges} to whole processes of it, "
-                "all passive: whether those waits end depends on the processes outside it)",
+                "all passive: whether those processes are ever woken depends on the processes outside it)",
             )
         result.summary = f"no deadlock among the processes in the cut, none waits outside it: {size}"
         return result
