@@ -98,8 +98,8 @@ def wait_for_frames(
     being an AND waiter over them; a process with waiting tasks and no wait of its own is an OR
     waiter over those tasks on a quiet cut (the quiet rule: closed, not in ``open_snapshots``, no
     process active, no message that may wake, not ``no_wake``, and no acknowledgement in transit
-    on any channel), and free on any
-    other, where a message may still reach it and make it active; a recorded message on
+    on any channel), and free on any other, where a message may still reach it and make it
+    active; a recorded message on
     ``target -> waiter`` that may wake the waiter (not ``no_wake``; its ``wakes_task`` empty or
     the waiter's task) satisfies that edge unless it is a flow-control wait; a satisfied edge
     releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a

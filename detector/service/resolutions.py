@@ -125,15 +125,9 @@ class Resolutions:
             raise KeyError(f"snapshot {snapshot_id} is not a completed snapshot this detector holds")
         policy = self.policy or "youngest"
         started_at = summary.started_at.ToMicroseconds() / 1e6
-        if self._resolver.forgotten(started_at):
-            raise NothingToResolve(
-                f"snapshot {snapshot_id} has nothing to break: it started before the breaks this detector "
-                "still knows of (it restarted since, or its record of a break after it has expired), so its "
-                "deadlocks may have been broken since: take a new snapshot"
-            )
         victims = self._resolver.victims(snapshot, evaluation, started_at, policy, operator=True)
         if not victims:
-            why = self._resolver.why_none(evaluation)
+            why = self._resolver.why_none(evaluation, started_at)
             raise NothingToResolve(f"snapshot {snapshot_id} has nothing to break: {why}")
         # A stored snapshot may be old: a process that attached again since it began may have
         # restarted, and its instance numbers then name other waits, in no proven deadlock.

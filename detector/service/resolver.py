@@ -191,14 +191,21 @@ class Resolver:
         second one."""
         return self._forgotten_until is not None and started_at <= self._forgotten_until
 
-    def why_none(self, evaluation: Evaluation) -> str:
-        """Why :meth:`victims` chose no wait for a snapshot (for an operator's request)."""
+    def why_none(self, evaluation: Evaluation, started_at: float) -> str:
+        """Why :meth:`victims` chose no wait for a snapshot that started at ``started_at`` (for an
+        operator's request)."""
         result = result_named(evaluation, "deadlock")
         if result is None:
             return "it has no deadlock result"
         verdict = Verdict.of(result)
         if verdict is not Verdict.TRUE:
             return f"it proves no deadlock (deadlock is {verdict})"
+        if self.forgotten(started_at):
+            return (
+                "it started before the breaks this detector still knows of (it restarted since, or its "
+                "record of a break after it has expired), so its deadlocks may have been broken since: "
+                "take a new snapshot"
+            )
         if any(hold.reported_at is None for hold in self._holds.values()):
             return "its deadlocks are being broken already (a break is waiting for its agent's report)"
         return (
