@@ -288,29 +288,27 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
 
         While the receive queue has room, every entry accepted is acknowledged with nothing more
         from the application (at once, within ``ack_delay``, or in the answer to the sender's next
-        hello), so that position is reported: it counts as in transit. A recording can fall between
-        the queue's freeing and the acknowledgement's writing (a marker waiting for the handler
-        records the moment the handler returns), and the acknowledgement last written would then
-        hide the one owed: a sender blocked on the full window would look held by a receiver that
-        has consumed, a deadlock that is none. While the queue is full, the last one sent stands
-        (a hold). Only streams still open count: an acknowledgement sent on a broken stream may be
-        lost, and the sender's next stream learns only what this process acknowledges then.
-        Recorded with the process's state (see :attr:`OutboundChannel.ack_seen
-        <stablewatch.agents.outbound.OutboundChannel.ack_seen>`).
+        hello), so that position is reported: it counts as in transit. That holds for a sender
+        whose stream is down too: its next stream's hello is answered with it. A recording can
+        fall between the queue's freeing and the acknowledgement's writing (a marker waiting for
+        the handler records the moment the handler returns, or the stream broke and the sender is
+        backing off), and the acknowledgement last written would then hide the one owed: a sender
+        blocked on the full window would look held by a receiver that has consumed, a deadlock that
+        is none. While the queue is full, the last one sent on an open stream stands (a hold); a
+        sender without one learns nothing more until there is room (its next hello is answered
+        with its own starting point), so nothing is owed to it. Recorded with the process's state
+        (see :attr:`OutboundChannel.ack_seen <stablewatch.agents.outbound.OutboundChannel.ack_seen>`).
         """
-        room = self._inbox.has_room()
         highest: dict[str, int] = {}
-        for stream in self._streams:
-            expected = stream.expected
-            if expected is None or self._expected.get(stream.src) is not expected:
-                continue  # no hello yet, or a stream of an earlier sender incarnation
-            if room:
-                position = expected.next_seq  # owed: sent without anything more from the handler
-            elif stream.hello_answered:
-                position = stream.acked
-            else:
-                continue
-            highest[stream.src] = max(highest.get(stream.src, 0), position)
+        if self._inbox.has_room():
+            for src, expected in self._expected.items():
+                highest[src] = expected.next_seq  # owed: sent without anything more from the handler
+        else:
+            for stream in self._streams:
+                expected = stream.expected
+                if expected is None or self._expected.get(stream.src) is not expected or not stream.hello_answered:
+                    continue  # no hello (answered) yet, or a stream of an earlier sender incarnation
+                highest[stream.src] = max(highest.get(stream.src, 0), stream.acked)
         return {
             src: AckPosition(
                 sender_incarnation=self._expected[src].sender_incarnation,

@@ -21,8 +21,16 @@ from pathlib import Path
 import pyarrow.parquet as pq
 
 from stablewatch.detector.archive.files import ensure_archive, parquet_files, write_batch
-from stablewatch.detector.archive.schema import MARKER_FILE, METADATA_KEY, TABLES, snapshot_rows, table_schema
+from stablewatch.detector.archive.schema import (
+    MARKER_FILE,
+    METADATA_KEY,
+    TABLES,
+    snapshot_rows,
+    table_from_rows,
+    table_schema,
+)
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
+from stablewatch.detector.evaluation.columnar import SnapshotRows
 from stablewatch.pipeline.evaluate import order_key
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
@@ -200,6 +208,13 @@ def summary_of(snapshot: GlobalSnapshot) -> SnapshotSummary:
     summary.started_at.CopyFrom(snapshot.started_at)
     summary.finished_at.CopyFrom(snapshot.completed_at)
     return summary
+
+
+def rows_of(snapshot: GlobalSnapshot) -> SnapshotRows:
+    """`snapshot` as the archive's writer writes it, as Arrow tables (the columnar evaluation's input)."""
+    rows = snapshot_rows(summary_of(snapshot), snapshot)
+    tables = ("processes", "counters", "wait_edges", "channels", "messages")
+    return SnapshotRows(rows["snapshots"][0], **{name: table_from_rows(name, rows[name]) for name in tables})
 
 
 def aborted(snapshot_id: int, started_at: datetime, kind: str = "deadline", seconds: float = 5.0) -> Archived:

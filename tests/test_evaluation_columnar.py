@@ -21,10 +21,10 @@ import pyarrow as pa
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot_gen import random_archive, summary_of, write_archive
+from snapshot_gen import random_archive, rows_of, write_archive
 
 from stablewatch.detector.archive.reader import read_snapshot_rows, read_snapshots
-from stablewatch.detector.archive.schema import ArchiveError, snapshot_rows, table_from_rows
+from stablewatch.detector.archive.schema import ArchiveError
 from stablewatch.detector.evaluation import columnar, evaluate
 from stablewatch.detector.evaluation.columnar import (
     RowsError,
@@ -56,8 +56,6 @@ from stablewatch.v1 import (
     Wait,
     WaitNode,
 )
-
-_TABLES = ("processes", "counters", "wait_edges", "channels", "messages")
 
 
 @st.composite
@@ -118,12 +116,6 @@ def snapshots(draw: st.DrawFn) -> GlobalSnapshot:
     snapshot.outside_peers.extend(draw(st.lists(st.sampled_from(["Y", "P0"]), max_size=1)))
     snapshot.expected_member_count = draw(st.integers(0, n + 2))
     return snapshot
-
-
-def rows_of(snapshot: GlobalSnapshot) -> SnapshotRows:
-    """`snapshot` as the archive's writer writes it, as Arrow tables."""
-    rows = snapshot_rows(summary_of(snapshot), snapshot)
-    return SnapshotRows(rows["snapshots"][0], **{name: table_from_rows(name, rows[name]) for name in _TABLES})
 
 
 def serialized(results: list) -> list[bytes]:

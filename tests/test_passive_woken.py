@@ -21,12 +21,11 @@ import random
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from snapshot_gen import START, random_snapshot, summary_of
+from snapshot_gen import START, random_snapshot, rows_of
 
-from stablewatch.detector.archive.schema import snapshot_rows, table_from_rows
 from stablewatch.detector.assembly import Assembler, Completed
 from stablewatch.detector.evaluation import choose_victims, evaluate, verdict
-from stablewatch.detector.evaluation.columnar import SnapshotRows, evaluate_rows
+from stablewatch.detector.evaluation.columnar import evaluate_rows
 from stablewatch.v1 import (
     WAIT_MODEL_AND,
     WAIT_MODEL_OR,
@@ -45,7 +44,6 @@ from stablewatch.v1 import (
 )
 
 Node = tuple[str, str]
-_TABLES = ("processes", "counters", "wait_edges", "channels", "messages")
 
 
 def _on(*targets: str, task: str = "", model: int = WAIT_MODEL_AND, instance: int = 0) -> Wait:
@@ -78,16 +76,10 @@ def _reviewers_cut(sender: str, wakes_task: str, *, no_wake: bool = False, b_act
     )
 
 
-def _rows(snapshot: GlobalSnapshot) -> SnapshotRows:
-    """`snapshot` as the archive's writer writes it, as Arrow tables (the columnar evaluation's input)."""
-    rows = snapshot_rows(summary_of(snapshot), snapshot)
-    return SnapshotRows(rows["snapshots"][0], **{name: table_from_rows(name, rows[name]) for name in _TABLES})
-
-
 def _evaluated(snapshot: GlobalSnapshot) -> Evaluation:
     """The detector's evaluation of `snapshot`, checked to be the columnar evaluation's too."""
     evaluation = evaluate(snapshot)
-    columnar = evaluate_rows(_rows(snapshot))
+    columnar = evaluate_rows(rows_of(snapshot))
     assert [r.SerializeToString(deterministic=True) for r in columnar] == [
         r.SerializeToString(deterministic=True) for r in evaluation.results
     ]
