@@ -13,6 +13,7 @@ import grpc
 
 from polling import poll
 from stablewatch.agents.rpc.agent import RpcAgent
+from stablewatch.agents.rpc.calls import caller_tag
 from stablewatch.testing.detector import Running
 from stablewatch.v1 import GlobalSnapshot, LocalSnapshotPart, LocalState
 from stablewatch.v1.query_pb2 import SnapshotResults
@@ -25,6 +26,22 @@ _snapshot_ids = itertools.count(1)
 def new_agent(process_id: str, **options: Any) -> RpcAgent:
     """A started agent without a detector; its recordings for tests expire quickly."""
     return RpcAgent(process_id, expire_interval=0.05, hint_after=None, **options).start()
+
+
+def _method_path(method: str) -> str:
+    return method if method.startswith("/") else f"/{SERVICE}/{method}"
+
+
+def handler_prefix(method: str, caller: RpcAgent) -> str:
+    """How the names of the handlers of ``caller``'s calls of ``method`` (``"Slow"`` for
+    ``/{SERVICE}/Slow``, or a full path) begin, up to their call number: ``"{method}#{caller}@{incarnation}:"``."""
+    return f"{_method_path(method)}#{caller_tag(caller.process_id, caller.incarnation)}:"
+
+
+def handler_task(method: str, caller: RpcAgent, seq: int) -> str:
+    """The name of the handler of ``caller``'s call number ``seq``, a call of ``method`` (as in
+    :func:`handler_prefix`): ``"{method}#{caller}@{incarnation}:{seq}"``."""
+    return f"{handler_prefix(method, caller)}{seq}"
 
 
 def recorded(agent: RpcAgent, lifetime: float = 0.2) -> LocalState | None:

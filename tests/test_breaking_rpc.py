@@ -25,7 +25,7 @@ import grpc
 import pytest
 from fake_detector import FakeDetector, serve
 from pool_service import PoolService
-from rpc_harness import SERVICE, Service, aio_channel_to, call, new_agent, recorded
+from rpc_harness import SERVICE, Service, aio_channel_to, call, handler_prefix, new_agent, recorded
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc import DeadlockBroken, RpcAgent, WorkerExecutor
@@ -111,7 +111,8 @@ class Ring:
     def deadlock(self) -> futures.Future[bytes]:
         """Drive the ring into its deadlock; returns the outer call, which completes only once it is broken."""
         outer = self.driver.submit(call, self.channels["T->A"], "Ping", b"outer", timeout=30)
-        poll(lambda: any(w.task.startswith(f"/{SERVICE}/Ping#B:") for w in self.a_agent.open_waits()), "A queued")
+        b_ping = handler_prefix("Ping", self.b_agent)  # B's call of Ping, queued at A
+        poll(lambda: any(w.task.startswith(b_ping) for w in self.a_agent.open_waits()), "A queued")
         return outer
 
     def queued_wait(self) -> Wait:
@@ -184,7 +185,7 @@ def test_breaking_the_outgoing_call_aborts_its_caller_and_the_ring_recovers(ring
 def test_breaking_the_queued_request_refuses_it_before_its_handler_runs(ring: Ring) -> None:
     outer = ring.deadlock()
     wait = ring.queued_wait()
-    assert wait.task.startswith(f"/{SERVICE}/Ping#B:")
+    assert wait.task.startswith(handler_prefix("Ping", ring.b_agent))
     report = ring.a_agent.breaks.handle(order(wait))
     assert report.outcome == BREAK_OUTCOME_BROKEN and "before its handler ran" in report.detail
     assert outer.result(20) == b"gave up: ABORTED"

@@ -120,7 +120,9 @@ def test_demo_reports_the_deadlocks_the_break_termination_and_conservation(tmp_p
     assert {c["service"] for c in calls} == {"orders", "payments", "inventory"}, calls
     methods = {c["method"] for c in calls}
     assert methods == {"/shop.Orders/Place", "/shop.Payments/Charge", "/shop.Inventory/Reserve", "/shop.Orders/Confirm"}
-    assert all(c["call"].split(":")[0] in ("client", "orders", "payments", "inventory") for c in calls), calls
+    # Each call: its caller's process and incarnation (in hex), and the caller's call number.
+    caller_call = re.compile(r"(client|orders|payments|inventory)@[0-9a-f]+:[0-9]+")
+    assert all(caller_call.fullmatch(c["call"]) for c in calls), calls
     assert report["shop_stopped"] is True  # at the end, on SIGTERM: none had to be killed
     shop = report["systems"]["shop"]["first_seen_seconds"]
     assert shop["deadlock"] < 20, shop

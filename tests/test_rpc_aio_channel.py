@@ -20,7 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, aio_channel_to, new_agent, outstanding, recorded, sample, stamped
+from rpc_harness import SERVICE, aio_channel_to, handler_task, new_agent, outstanding, recorded, sample, stamped
 
 from polling import async_poll, run
 from stablewatch.agents.rpc import AioInstrumentedChannel, BadStamp, DeadlockBroken, RpcAgent
@@ -284,7 +284,7 @@ def test_a_call_outside_a_handler_waits_in_its_callers_task_name(
             assert opened.task == "caller" and opened.instance > 0
             wait = await recorded_wait(c_agent)
             assert (wait.task, wait.instance, wait.model) == ("caller", opened.instance, WAIT_MODEL_AND)
-            assert [(t.process, t.task) for t in wait.targets] == [("S", f"/{SERVICE}/{HELD[kind]}#C:1")]
+            assert [(t.process, t.task) for t in wait.targets] == [("S", handler_task(HELD[kind], c_agent, 1))]
             service.release.set()
             assert await reply == (b"done:hold" if kind == "unary_unary" else b"hold")
             assert c_agent.open_waits() == [] and outstanding(c_agent) == 0
@@ -362,7 +362,7 @@ def test_a_call_from_a_handler_waits_in_the_handlers_name(
                 await async_poll(t_service.held.is_set, "T's Slow held", TIMEOUT)
                 (opened,) = s_agent.open_waits()
                 if made == "by-the-handler":
-                    assert opened.task == f"/{SERVICE}/{RELAY}#C:1"
+                    assert opened.task == handler_task(RELAY, c_agent, 1)
                 else:
                     assert await reply == b"started"  # the handler is done: nothing waits in its name
                     if made == "in-a-task-it-starts":
@@ -396,7 +396,7 @@ def test_a_handlers_call_awaited_by_another_task_waits_in_the_name_of_whoever_is
     the handler's, which could make a deadlock up."""
     s_agent, c_agent = rpc_agents
     handed: list[asyncio.Task[bytes]] = []
-    handler = f"/{SERVICE}/{RELAY}#C:1"
+    handler = handler_task(RELAY, c_agent, 1)
 
     async def body() -> None:
         async with AioService(t_agent) as t_service, instrumented(s_agent, t_service.address, "T") as to_t:
@@ -471,7 +471,8 @@ def test_a_sync_handler_on_an_asyncio_server_waits_in_its_name_and_its_tasks_in_
                     if made == "in-a-task-it-schedules":
                         assert await reply == b"started"
                     (opened,) = s_agent.open_waits()
-                    assert opened.task == (f"/{SERVICE}/{RELAY}#C:1" if made == "by-the-handler" else "background")
+                    relay_task = handler_task(RELAY, c_agent, 1)
+                    assert opened.task == (relay_task if made == "by-the-handler" else "background")
                     t_service.release.set()
                     if scheduled:
                         assert await asyncio.wrap_future(scheduled[0]) == b"done:hold"
@@ -517,7 +518,7 @@ def test_a_call_from_a_thread_an_asyncio_handler_runs_waits_in_the_threads_name(
                     assert await method(to_s, "unary_unary", RELAY)(b"hold", timeout=TIMEOUT) == b"started"
                     await async_poll(t_service.held.is_set, "T's Slow held", TIMEOUT)
                     (opened,) = s_agent.open_waits()
-                    assert opened.task == threads[0] != f"/{SERVICE}/{RELAY}#C:1"
+                    assert opened.task == threads[0] != handler_task(RELAY, c_agent, 1)
                     t_service.release.set()
                     assert await started[0] == b"done:hold"
                     assert s_agent.open_waits() == [] and outstanding(s_agent) == 0

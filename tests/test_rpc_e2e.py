@@ -22,6 +22,8 @@ from rpc_harness import (
     channel_to,
     deadlock,
     gate_starts,
+    handler_prefix,
+    handler_task,
     snapshot,
     stamped,
     stored,
@@ -68,7 +70,7 @@ def test_in_flight_response_and_request_are_in_the_channel_states(running: Runni
         waits = {p.process_id: p.state.waits for p in cut.processes}
         (wait,) = waits["C"]  # the caller still waited on the callee's task when C recorded
         assert wait.task == response.wakes_task
-        assert [(t.process, t.task) for t in wait.targets] == [("S", f"/{SERVICE}/Slow#C:1")]
+        assert [(t.process, t.task) for t in wait.targets] == [("S", handler_task("Slow", c_agent, 1))]
         assert not deadlock(results).holds
 
         # 2. The server records first; the caller's request leaves before the caller records.
@@ -82,7 +84,7 @@ def test_in_flight_response_and_request_are_in_the_channel_states(running: Runni
         channels = {(c.src, c.dst): c for c in stored(running, results).channels}
         (request,) = channels[("C", "S")].messages
         # It wakes only the handler it starts: no wait of S's, but the cut is not terminated.
-        assert not request.no_wake and request.wakes_task == f"/{SERVICE}/Slow#C:2"
+        assert not request.no_wake and request.wakes_task == handler_task("Slow", c_agent, 2)
         assert waking_channels(stored(running, results)) == {("C", "S")}
         assert not channels[("S", "C")].messages
     finally:
@@ -121,10 +123,10 @@ def test_a_call_cycle_through_full_pools_is_reported_as_a_deadlock_with_its_call
         found = deadlock(results)
         assert found.holds, found.summary
         cycle = {(node.process, node.task) for node in found.deadlock.cycle}
-        ping_outer = f"/{SERVICE}/Ping#T:1"
+        ping_outer = handler_task("Ping", t_agent, 1)
         assert (("A", ping_outer)) in cycle
-        assert any(p == "B" and t.startswith(f"/{SERVICE}/Pong#A:") for p, t in cycle)
-        assert any(p == "A" and t.startswith(f"/{SERVICE}/Ping#B:") for p, t in cycle)
+        assert any(p == "B" and t.startswith(handler_prefix("Pong", a_agent)) for p, t in cycle)
+        assert any(p == "A" and t.startswith(handler_prefix("Ping", b_agent)) for p, t in cycle)
         assert ("T", "driver_0") in {(n.process, n.task) for n in found.deadlock.deadlocked}
     finally:
         for channel in (*channels.values(), t_channel):
@@ -287,7 +289,7 @@ def test_asyncio_services_snapshot_with_a_call_in_flight(running: Running, setup
             # The caller's task, through the interceptors too (grpc.aio runs them in a task of its own,
             # which the caller awaits)
             assert wait.task == "caller"
-            assert [(t.process, t.task) for t in wait.targets] == [("S", f"/{SERVICE}/Slow#C:1")]
+            assert [(t.process, t.task) for t in wait.targets] == [("S", handler_task("Slow", c_agent, 1))]
             release.set()
             assert await reply == b"done:a"
             assert stamped(s_agent, "response") == 1

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, aio_channel_to, call, recorded
+from rpc_harness import SERVICE, aio_channel_to, call, handler_prefix, recorded
 
 from polling import poll, run
 from stablewatch.agents.rpc import RpcAgent
@@ -141,9 +141,9 @@ def test_an_asyncio_server_wraps_each_method_once_and_serves_each_call_as_its_ow
             )
             assert wraps == ["echo"]  # one method, many calls: wrapped once
             assert len(set(names)) == calls
-            assert all(name.startswith(f"/{SERVICE}/Echo#C:".encode()) for name in names)
+            assert all(name.startswith(handler_prefix("Echo", c_agent).encode()) for name in names)
             other_name = await channel.unary_unary(f"/{SERVICE}/Other")(b"", timeout=20)
-            assert other_name.startswith(f"/{SERVICE}/Other#C:".encode())
+            assert other_name.startswith(handler_prefix("Other", c_agent).encode())
             assert await channel.unary_unary(f"/{SERVICE}/Echo")(b"", timeout=20) not in names
             assert wraps == ["echo", "other"]  # two methods: twice
         finally:
@@ -207,7 +207,7 @@ def test_a_queued_call_ended_by_grpc_leaves_the_picture_and_a_later_call_runs(
         timeout = 30 if ending == "cancelled by its caller" else 3
         waiting = channel.unary_unary(f"/{SERVICE}/Echo").future(b"", timeout=timeout)
         (wait,) = poll_queued(s_agent, 1, "Echo queued behind Hold")
-        assert wait.task.startswith(f"/{SERVICE}/Echo#C:") and wait.instance
+        assert wait.task.startswith(handler_prefix("Echo", c_agent)) and wait.instance
         if ending == "cancelled by its caller":
             assert waiting.cancel()
         else:
@@ -221,9 +221,9 @@ def test_a_queued_call_ended_by_grpc_leaves_the_picture_and_a_later_call_runs(
         assert not s_agent.open_waits()
         assert not server.release.is_set()
         server.release.set()
-        assert hold.result(10).startswith(f"/{SERVICE}/Hold#C:".encode())
+        assert hold.result(10).startswith(handler_prefix("Hold", c_agent).encode())
         # The worker skips the ended call's item; a later call runs, and the picture is empty after.
-        assert call(channel, "Echo", timeout=10).startswith(f"/{SERVICE}/Echo#C:".encode())
+        assert call(channel, "Echo", timeout=10).startswith(handler_prefix("Echo", c_agent).encode())
         poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
     finally:
         channel.close()
@@ -247,7 +247,7 @@ def test_without_grpcs_call_state_a_cancelled_call_leaves_once_a_worker_reaches_
         assert waiting.cancel()
         server.release.set()
         hold.result(10)
-        assert call(channel, "Echo", timeout=10).startswith(f"/{SERVICE}/Echo#C:".encode())
+        assert call(channel, "Echo", timeout=10).startswith(handler_prefix("Echo", c_agent).encode())
         poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
         assert queued(s_agent) == []
     finally:

@@ -23,6 +23,7 @@ from stablewatch.agents.rpc.core import STAMP_KEY, Stamp
 from stablewatch.agents.rpc.interceptors import CURRENT_TASK
 
 METHOD = "/test.Svc/Echo"
+INCARNATION = 0x1F  # the callers' incarnation, in their requests' stamps (in hex in handlers' names)
 
 
 class _Details(NamedTuple):
@@ -54,8 +55,9 @@ class Context:
 
 
 def request_from(caller: str, seq: int) -> tuple[tuple[str, str], ...]:
-    """The metadata of a request that ``caller`` sent as its call ``seq`` (color 0, session 0)."""
-    return (request_entry(Stamp(0, 1, 0, caller), seq),)
+    """The metadata of a request that ``caller`` (incarnation INCARNATION) sent as its call ``seq``
+    (color 0, session 0)."""
+    return (request_entry(Stamp(0, INCARNATION, 0, caller), seq),)
 
 
 def arrive(pipeline: Any, handler: grpc.RpcMethodHandler, metadata: Any) -> tuple[contextvars.Context, Any]:
@@ -83,7 +85,7 @@ def test_each_call_is_served_as_its_own_by_a_handler_wrapped_once() -> None:
     # Handlers run in either order, each in its own call's context.
     assert second.run(second_handler.unary_unary, b"2", contexts[1]) == b"2"
     assert first.run(first_handler.unary_unary, b"1", contexts[0]) == b"1"
-    assert served == [f"{METHOD}#b:7", f"{METHOD}#a:1"]
+    assert served == [f"{METHOD}#b@1f:7", f"{METHOD}#a@1f:1"]  # named after caller and incarnation
     responses = [dict(context.trailing)[STAMP_KEY] for context in contexts]
     assert [Stamp.decode(text).process_id for text in responses] == ["server", "server"]
     assert server._core.sent_count("a") == 1 and server._core.sent_count("b") == 1  # each answered once

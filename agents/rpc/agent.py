@@ -20,7 +20,7 @@ mode, on a background event-loop thread), and drops recordings past their deadli
 Wait edges (what the recorded state holds about calls; users add their own through ``agent.state``):
 
 * **Outgoing call.** While its caller is blocked on a call, the caller waits (AND) on the callee's
-  task for that call, ``(callee, "{method}#{caller}:{seq}")``: one ``Wait`` per call, with its own
+  task for that call, ``(callee, "{method}#{caller}@{incarnation}:{seq}")``: one ``Wait`` per call, with its own
   instance and the time the wait began. The caller is the task of the handler the call is made
   from (the same name, set by the server interceptor), else the thread's name (sync) or the asyncio
   task's name (aio). A task a handler starts, or a thread its context is copied into, inherits its
@@ -41,11 +41,13 @@ Wait edges (what the recorded state holds about calls; users add their own throu
   frees up (the pool is first in, first out). With a pool from :meth:`RpcAgent.thread_pool`, a call
   gRPC ends before its handler runs (its caller cancelled it, or its deadline passed) leaves the
   picture then; a plain pool gives no sign of it (see :meth:`RpcAgent.server_interceptor`).
-* **Names.** A handler's task is ``{method}#{caller}:{seq}``: the caller's process id and its
-  sequence number for the call. A caller without an agent is named by its address,
-  ``{method}#grpc://{host}:{seq}`` (our own sequence number), from the moment the handler starts;
-  until then (a call that waits for a worker, or is about to get one) it is ``{method}#?:{seq}``,
-  as neither grpc server tells its interceptors the caller's address.
+* **Names.** A handler's task is ``{method}#{caller}@{incarnation}:{seq}``: the caller's process
+  id, its incarnation in hex (a restarted caller numbers its calls from 1 again, while a sync
+  handler of its old incarnation may still run) and its sequence number for the call. A caller
+  without an agent is named by its address, ``{method}#grpc://{host}:{seq}`` (our own sequence
+  number), from the moment the handler starts; until then (a call that waits for a worker, or is
+  about to get one) it is ``{method}#?:{seq}``, as neither grpc server tells its interceptors the
+  caller's address.
 * **Received.** A request is received when the server's interceptor takes it (its arrival in the
   process): a request waiting for a worker is part of the process's state (the queued wait above),
   not of the channel, so that a snapshot completes even when the request never runs (a deadlock). A
@@ -116,6 +118,7 @@ from stablewatch.agents.rpc.calls import (
     RefusedResponse,
     StaleResponse,
     WorkerPool,
+    caller_tag,
     split_request,
 )
 from stablewatch.agents.rpc.channel import InstrumentedChannel
@@ -148,6 +151,8 @@ _log = logging.getLogger(__name__)
 #: (The stamps sent are encoded once each by the core: ``ColorCore.send_entry``.)
 _stamps: dict[str | bytes, Stamp] = {}
 _MAX_STAMPS = 256
+#: The same for a request's stamp, with how its handler's name names the caller (``caller_tag``).
+_request_stamps: dict[str | bytes, tuple[Stamp, str]] = {}
 
 
 def _decode(text: str | bytes) -> Stamp:
@@ -157,6 +162,16 @@ def _decode(text: str | bytes) -> Stamp:
         _stamps.clear()
     _stamps[text] = stamp
     return stamp
+
+
+def _decode_request(text: str | bytes) -> tuple[Stamp, str]:
+    """A request's stamp and its caller's tag, kept in ``_request_stamps`` (look there first)."""
+    stamp = Stamp.decode(text)
+    known = stamp, caller_tag(stamp.process_id, stamp.incarnation)
+    if len(_request_stamps) >= _MAX_STAMPS:
+        _request_stamps.clear()
+    _request_stamps[text] = known
+    return known
 
 
 # Looked up once: each runs for every call.
@@ -238,6 +253,7 @@ class RpcAgent:
         self._metrics_bind = metrics_address
         self._metrics_server: Any = None
         self._seqs = itertools.count(1)
+        self._caller_tag = caller_tag(process_id, self.incarnation)  # in our calls' handlers' names
         self._outgoing: dict[int, OutgoingCall] = {}
         self._pools: list[WorkerPool] = []
         self._broken: collections.OrderedDict[int, None] = collections.OrderedDict()  # instances broken here
@@ -536,11 +552,10 @@ class RpcAgent:
             seq_text, colon, stamp_text = entry.partition(":") if type(entry) is str else ("", "", "")
             if not (colon and seq_text.isdigit() and seq_text.isascii() and len(seq_text) <= 20):
                 seq_text, stamp_text = split_request(entry)  # bytes, or a bad entry (ValueError)
-            stamp = _stamps.get(stamp_text) or _decode(stamp_text)
+            stamp, caller = _request_stamps.get(stamp_text) or _decode_request(stamp_text)
         except (ValueError, RemoteProtocolError) as exc:
             return self._refuse(method, str(exc), pool)
-        process_id = stamp.process_id
-        call = IncomingCall(f"{method}#{process_id}:{seq_text}", process_id, True, pool)
+        call = IncomingCall(f"{method}#{caller}:{seq_text}", stamp.process_id, True, pool)
         queued = False
         lock, core = self._lock, self._core
         lock.acquire()
@@ -682,8 +697,8 @@ class RpcAgent:
         return entry
 
     def callee_task(self, call: OutgoingCall) -> str:
-        """The name the callee gives the handler of ``call``: ``"{method}#{caller}:{seq}"``."""
-        return f"{call.method}#{self.process_id}:{call.seq}"
+        """The name the callee gives the handler of ``call``: ``"{method}#{caller}@{incarnation}:{seq}"``."""
+        return f"{call.method}#{self._caller_tag}:{call.seq}"
 
     # -- breaking waits (a breaking.WaitSource: the calls' waits; agent.state is another) ------------
 

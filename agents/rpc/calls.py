@@ -26,6 +26,7 @@ __all__ = [
     "RefusedResponse",
     "StaleResponse",
     "WorkerPool",
+    "caller_tag",
     "cancel_future",
     "request_entry",
     "split_request",
@@ -39,10 +40,19 @@ def stamp_entry(stamp: Stamp) -> tuple[str, str]:
     return (STAMP_KEY, stamp.encode())
 
 
+def caller_tag(process_id: str, incarnation: int) -> str:
+    """How a handler's name names its caller: ``{process_id}@{incarnation in hex}``.
+
+    A restarted caller numbers its calls from 1 again, while a server may still run a call of its
+    old incarnation (a sync handler runs on after its caller is gone): the incarnation keeps the
+    two calls' handlers apart."""
+    return f"{process_id}@{incarnation:x}"
+
+
 def request_entry(stamp: Stamp, seq: int) -> tuple[str, str]:
     """The metadata entry of a request: ``{seq}:{stamp}``, the call's sequence number (its handler
-    task is ``"{method}#{caller}:{seq}"``) and the caller's stamp in one entry, since each entry
-    costs gRPC work on both sides."""
+    task is ``"{method}#{caller}@{incarnation}:{seq}"``, :func:`caller_tag`) and the caller's stamp
+    in one entry, since each entry costs gRPC work on both sides."""
     return (STAMP_KEY, f"{seq}:{stamp_entry(stamp)[1]}")
 
 
@@ -194,7 +204,7 @@ class IncomingCall:
     one keeps its name.
     """
 
-    name: str  # the handler's task: "{method}#{caller}:{seq}"
+    name: str  # the handler's task: "{method}#{caller}@{incarnation}:{seq}" (caller_tag)
     peer: str | None  # the caller's process id, or grpc://<host> once the handler of an uninstrumented call starts
     instrumented: bool
     pool: WorkerPool | None = None  # before the defaults set less often: one is made per call, positionally

@@ -88,7 +88,7 @@ __all__ = ["CURRENT_TASK", "AioServerInterceptor", "ClientInterceptor", "ServerI
 
 _log = logging.getLogger(__name__)
 
-#: The name of the handler task running in this context (``"{method}#{caller}:{seq}"``), else None.
+#: The name of the handler task running in this context (``"{method}#{caller}@{incarnation}:{seq}"``), else None.
 CURRENT_TASK: contextvars.ContextVar[str | None] = contextvars.ContextVar("stablewatch_current_task", default=None)
 #: The call whose handler's context this is, which set :data:`CURRENT_TASK` to its name (None
 #: outside a handler's context); the call's ``own_task`` is the handler's asyncio task, or a sync
