@@ -22,7 +22,10 @@ as JSON field by field (:func:`evidence_json`), as ``MessageToJson`` would write
 Conservation needs the expected totals the detector would have had: the configured ones, and
 for every other counter the baseline set by the first closed snapshot that saw it, in the order
 the snapshots finished (``finished_at``, then id). A first pass finds those baselines; each
-snapshot is then evaluated with the configured totals plus the baselines set before it.
+snapshot is then evaluated with the configured totals plus the baselines set before it. A range
+that leaves earlier snapshots out takes the baselines the detector took on them from its archived
+results (:func:`detector_baselines`). A snapshot archived twice is refused (ArchiveError), as the
+archive's own reader refuses it, rather than evaluated and counted twice.
 
 Aborted snapshots have no global state and are not evaluated.
 """
@@ -82,6 +85,7 @@ __all__ = [
     "PLAIN_COLUMNS",
     "Evaluated",
     "Totals",
+    "detector_baselines",
     "evaluate_archive",
     "evaluate_blobs",
     "evidence_json",
@@ -594,6 +598,7 @@ def evaluate_snapshots(
     predicates: Sequence[str] = (),
     *,
     reduction: Reduction = DEFAULT_REDUCTION,
+    earlier: Sequence[tuple[str, tuple[int, int], int]] = (),
 ) -> Evaluated:
     """Evaluate the completed snapshots among `snapshots` (rows of `archive`'s ``snapshots`` table).
 
@@ -604,10 +609,14 @@ def evaluate_snapshots(
     ``finish_edges`` edges or fewer remain, the last one a round that removed less than
     ``min_release`` of its edges). The others are evaluated by the shared function in parallel.
     `expected` are the conservation totals known before these snapshots (configured, or earlier
-    baselines). Runs the Spark jobs that count the snapshots, find the baselines and evaluate the
-    large snapshots; returns the result rows lazily.
+    baselines); `earlier` are baselines the detector took on snapshots that may lie outside
+    `snapshots` (:func:`detector_baselines`), candidates beside those found here. Runs the Spark
+    jobs that check that no snapshot is archived twice, count the snapshots, find the baselines
+    and evaluate the large snapshots; returns the result rows lazily. ArchiveError names a
+    snapshot archived twice and its files.
     """
     configured = dict(expected or {})
+    _refuse_duplicates(archive, snapshots)
     completed = _with_order(snapshots.filter(F.col("outcome") == "completed"))
     routed = F.col("snapshot").isNull()
     if reduction.reduce_above is not None:
@@ -636,6 +645,7 @@ def evaluate_snapshots(
             key = (item.head["finished_us"], sid)
             taken = new_baselines(Evaluation(results=item.conservation))
             candidates += [(counter, key, total) for counter, total in taken.items()]
+        candidates += [(counter, key, total) for counter, key, total in earlier if counter not in configured]
         totals = find_totals(candidates, configured)
         rounds, left = 0, 0
         if reduced:
@@ -700,14 +710,70 @@ def evaluate_archive(
     reduction: Reduction = DEFAULT_REDUCTION,
 ) -> Evaluated:
     """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive);
-    see :func:`evaluate_snapshots` for the rest."""
+    see :func:`evaluate_snapshots` for the rest.
+
+    A range that leaves earlier snapshots out (`first_id`, or the archive's first day) also takes
+    the baselines the detector took on those (:func:`detector_baselines`): the first snapshot in
+    the range is not the first to see a counter, and the detector compared it with the earlier one.
+    """
+    earlier: list[tuple[str, tuple[int, int], int]] = []
+    if first_id is not None or archive.first_day is not None:
+        earlier = detector_baselines(Archive(archive.spark, archive.root, None, archive.last_day))
     return evaluate_snapshots(
         archive,
         _heads(archive, first_id, last_id),
         expected,
         predicates,
         reduction=reduction,
+        earlier=earlier,
     )
+
+
+def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int]]:
+    """The baselines the detector took, as its archived conservation results say: per counter, the
+    first ``(counter, order key, total)`` of a result flagged ``baseline`` (one Spark job over a few
+    columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded)."""
+    evidence = F.col("evidence")
+    taken = (
+        archive.table("results")
+        .filter(F.col("name").startswith("conservation("))
+        .filter(F.get_json_object(evidence, "$.baseline") == "true")
+        .select(
+            "snapshot_id",
+            F.get_json_object(evidence, "$.counter").alias("counter"),
+            F.coalesce(F.get_json_object(evidence, "$.expected").cast("long"), F.lit(0)).alias("total"),
+        )
+    )
+    heads = _with_order(archive.table("snapshots").select("snapshot_id", "finished_at"))
+    firsts = (
+        taken.join(heads, "snapshot_id")
+        .groupBy("counter")
+        .agg(F.min(F.struct("finished_us", "snapshot_id", "total")).alias("first"))
+        .select("counter", "first.*")
+    )
+    with archive.reading():
+        rows = firsts.collect()
+    return [(row["counter"], (row["finished_us"], row["snapshot_id"]), row["total"]) for row in rows]
+
+
+def _refuse_duplicates(archive: Archive, snapshots: DataFrame) -> None:
+    """ArchiveError if a snapshot of `snapshots` is archived twice (its results would count twice),
+    naming it and its files, as the archive's own check does (one Spark job over the ids)."""
+    twice = (
+        snapshots.select("snapshot_id", F.input_file_name().alias("file"))
+        .groupBy("snapshot_id")
+        .agg(F.count("*").alias("copies"), F.sort_array(F.collect_set("file")).alias("files"))
+        .filter(F.col("copies") > 1)
+        .orderBy("snapshot_id")
+        .limit(1)
+    )
+    with archive.reading():
+        found = twice.collect()
+    for row in found:
+        raise ArchiveError(
+            f"snapshot {row['snapshot_id']} is archived twice ({row['copies']} copies, in {', '.join(row['files'])}): "
+            "remove the extra copy before evaluating"
+        )
 
 
 #: Columns written without Parquet's dictionary encoding: their values are nearly all distinct
