@@ -13,7 +13,8 @@ from stablewatch.v1 import ConservationEvidence, Evaluation, GlobalSnapshot, Pre
 
 def publish(metrics: DetectorMetrics, *results: PredicateResult) -> None:
     """Publish one completed snapshot whose evaluation holds `results`."""
-    metrics.completed(GlobalSnapshot(snapshot_id=1), Evaluation(snapshot_id=1, results=results), 0.01, 1.0)
+    metrics.completed(0.01)
+    metrics.latest(GlobalSnapshot(snapshot_id=1), Evaluation(snapshot_id=1, results=results), 1.0)
 
 
 def sample(metrics: DetectorMetrics, name: str, **labels: str) -> float | None:

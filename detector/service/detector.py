@@ -183,6 +183,7 @@ class Detector:
         self._triggered: set[asyncio.Task[SnapshotResults]] = set()
         self._watch = WatchHub()
         self._latest: SnapshotResults | None = None
+        self._finished_since_retention = 0
         self._health = HealthService(self.refused)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -209,6 +210,8 @@ class Detector:
         self._store.apply_retention(time.time())
         self.coordinator.epoch = self._store.epoch
         self._latest = self._store.latest_results()
+        if self._latest is not None:  # the gauges say what the query API says, from the start
+            self._publish_stored(self._latest.snapshot)
         self._expected_totals = {**self._store.expected_totals(), **config.expected_totals}
         self._watch = WatchHub(self._latest)
         self.resolutions.recover()  # breaks left pending when it stopped: no report can come now
@@ -377,6 +380,7 @@ class Detector:
             self.metrics.aborted(aborted.kind)
             results = SnapshotResults(snapshot=summary)
             self._watch.publish(results, changes=[])
+            self._retain(time.time())
             return results
         seconds = time.perf_counter() - clock
         finished = time.time()
@@ -390,17 +394,34 @@ class Detector:
             store.add_expected_totals(baselines)
         results = store.complete(snapshot, evaluation, finished)
         self._finished(results.snapshot, snapshot, evaluation)
-        self.metrics.completed(snapshot, evaluation, seconds, finished)
-        if self._latest is None or snapshot_id > self._latest.snapshot.snapshot_id:
-            self._latest = results  # a slow older snapshot must not replace a newer one
-        self._watch.publish(results, self._watch.changes(evaluation.results))
+        self.metrics.completed(seconds)
+        # Concurrent snapshots finish in any order: a slow older one is stored, counted, archived
+        # and streamed, but the latest results, the gauges and the changes stay the newest's.
+        newest = self._latest is None or snapshot_id > self._latest.snapshot.snapshot_id
+        if newest:
+            self._latest = results
+            self.metrics.latest(snapshot, evaluation, finished)
+        self._watch.publish(results, self._watch.changes(evaluation.results) if newest else [])
         try:
             self.resolutions.after_snapshot(snapshot, evaluation, started)
         except Exception:  # breaking is on top of detection: it must never cost a result
             _log.exception("could not break the deadlock of snapshot %d", snapshot_id)
-        if snapshot_id % _RETENTION_EVERY == 0:
-            store.apply_retention(finished)
+        self._retain(finished)
         return results
+
+    def _publish_stored(self, summary: SnapshotSummary) -> None:
+        """Publish a stored complete snapshot to the gauges as the latest (at start: a restart keeps
+        reporting what it had proven, as the query API and the web view do, until a newer one)."""
+        snapshot, evaluation = self._store.snapshot(summary.snapshot_id), self._store.evaluation(summary.snapshot_id)
+        if snapshot is not None and evaluation is not None:
+            self.metrics.latest(snapshot, evaluation, summary.finished_at.ToMicroseconds() / 1e6)
+
+    def _retain(self, now: float) -> None:
+        """Apply the store's retention after every :data:`_RETENTION_EVERY` finished snapshots."""
+        self._finished_since_retention += 1
+        if self._finished_since_retention >= _RETENTION_EVERY:
+            self._finished_since_retention = 0
+            self._store.apply_retention(now)
 
     def _finished(
         self, summary: SnapshotSummary, snapshot: GlobalSnapshot | None = None, evaluation: Evaluation | None = None

@@ -13,6 +13,7 @@ on ``value == 1`` never fires on unknown, and one on a false value must also ask
 from __future__ import annotations
 
 import contextlib
+import math
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -52,11 +53,13 @@ class DetectorMetrics:
             ["predicate"], registry=r,
         )  # fmt: skip
         self.deadlocked_nodes = Gauge(
-            "stablewatch_deadlocked_nodes", "Wait-for nodes deadlocked in the latest complete snapshot", registry=r
+            "stablewatch_deadlocked_nodes",
+            "Wait-for nodes deadlocked in the latest complete snapshot (NaN when its deadlock is unknown)",
+            registry=r,
         )
         self.deadlock_cycles = Gauge(
             "stablewatch_deadlock_cycles",
-            "Separate deadlocks (wait cycles or knots) in the latest complete snapshot",
+            "Separate deadlocks (wait cycles or knots) in the latest complete snapshot (NaN when unknown)",
             registry=r,
         )
         self.snapshots = Counter("stablewatch_snapshots", "Snapshots by outcome", ["outcome"], registry=r)
@@ -150,10 +153,14 @@ class DetectorMetrics:
         for outcome in ("completed", "aborted"):
             self.snapshots.labels(outcome)
 
-    def completed(self, snapshot: GlobalSnapshot, evaluation: Evaluation, seconds: float, finished_at: float) -> None:
-        """Publish one complete snapshot's evaluation."""
+    def completed(self, seconds: float) -> None:
+        """Count one complete snapshot, `seconds` from its start (every one, in whatever order they finish)."""
         self.snapshots.labels("completed").inc()
         self.duration.observe(seconds)
+
+    def latest(self, snapshot: GlobalSnapshot, evaluation: Evaluation, finished_at: float) -> None:
+        """Publish the latest complete snapshot's evaluation: the newest (by id) there is. An older
+        one that finishes after it is only counted (:meth:`completed`), never published over it."""
         self.last_completed.set(finished_at)
         self.last_snapshot_id.set(snapshot.snapshot_id)
         messages = [m for channel in snapshot.channels for m in channel.messages]
@@ -163,7 +170,11 @@ class DetectorMetrics:
             verdict = Verdict.of(result)
             self.predicate_value.labels(result.name).set(1 if verdict is Verdict.TRUE else 0)
             self.predicate_unknown.labels(result.name).set(1 if verdict is Verdict.UNKNOWN else 0)
-            if result.name == "deadlock":
+            if result.name == "deadlock" and verdict is Verdict.UNKNOWN:
+                # Not 0: that would say "nothing deadlocked" where the cut lacks the facts.
+                self.deadlocked_nodes.set(math.nan)
+                self.deadlock_cycles.set(math.nan)
+            elif result.name == "deadlock":
                 self.deadlocked_nodes.set(len(result.deadlock.deadlocked))
                 self.deadlock_cycles.set(result.deadlock.separate_deadlocks)
             kind = result.WhichOneof("evidence")
