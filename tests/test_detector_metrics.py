@@ -8,13 +8,13 @@ import pytest
 
 from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.service.metrics import DetectorMetrics
-from stablewatch.v1 import ConservationEvidence, Evaluation, GlobalSnapshot, PredicateResult
+from stablewatch.v1 import ConservationEvidence, PredicateResult
 
 
 def publish(metrics: DetectorMetrics, *results: PredicateResult) -> None:
     """Publish one completed snapshot whose evaluation holds `results`."""
     metrics.completed(0.01)
-    metrics.latest(GlobalSnapshot(snapshot_id=1), Evaluation(snapshot_id=1, results=results), 1.0)
+    metrics.latest(1, results, 1.0, 0, 0)
 
 
 def sample(metrics: DetectorMetrics, name: str, **labels: str) -> float | None:

@@ -161,6 +161,8 @@ def test_a_restarted_detector_publishes_its_stored_latest_snapshot(tmp_path: Pat
         assert system.metric("stablewatch_deadlocked_nodes") == 2
         finished = proved.snapshot.finished_at.ToMicroseconds() / 1e6
         assert system.metric("stablewatch_last_completed_snapshot_timestamp_seconds") == pytest.approx(finished)
+        assert system.metric("stablewatch_in_flight_messages") == 0
+        assert math.isnan(system.metric("stablewatch_recorded_bytes"))  # type: ignore[arg-type]  # not stored
     finally:
         system.stop()
 

@@ -25,6 +25,7 @@ import asyncio
 import gc
 import ipaddress
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -211,7 +212,12 @@ class Detector:
         self.coordinator.epoch = self._store.epoch
         self._latest = self._store.latest_results()
         if self._latest is not None:  # the gauges say what the query API says, from the start
-            self._publish_stored(self._latest.snapshot)
+            latest = self._latest.snapshot
+            finished_at = latest.finished_at.ToMicroseconds() / 1e6
+            # Its recorded bytes are not stored apart from the snapshot: not known until a new one.
+            self.metrics.latest(
+                latest.snapshot_id, self._latest.results, finished_at, latest.messages_in_flight, math.nan
+            )
         self._expected_totals = {**self._store.expected_totals(), **config.expected_totals}
         self._watch = WatchHub(self._latest)
         self.resolutions.recover()  # breaks left pending when it stopped: no report can come now
@@ -400,7 +406,9 @@ class Detector:
         newest = self._latest is None or snapshot_id > self._latest.snapshot.snapshot_id
         if newest:
             self._latest = results
-            self.metrics.latest(snapshot, evaluation, finished)
+            messages = [m for channel in snapshot.channels for m in channel.messages]
+            recorded = sum(len(m.payload) for m in messages)
+            self.metrics.latest(snapshot_id, evaluation.results, finished, len(messages), recorded)
         self._watch.publish(results, self._watch.changes(evaluation.results) if newest else [])
         try:
             self.resolutions.after_snapshot(snapshot, evaluation, started)
@@ -408,13 +416,6 @@ class Detector:
             _log.exception("could not break the deadlock of snapshot %d", snapshot_id)
         self._retain(finished)
         return results
-
-    def _publish_stored(self, summary: SnapshotSummary) -> None:
-        """Publish a stored complete snapshot to the gauges as the latest (at start: a restart keeps
-        reporting what it had proven, as the query API and the web view do, until a newer one)."""
-        snapshot, evaluation = self._store.snapshot(summary.snapshot_id), self._store.evaluation(summary.snapshot_id)
-        if snapshot is not None and evaluation is not None:
-            self.metrics.latest(snapshot, evaluation, summary.finished_at.ToMicroseconds() / 1e6)
 
     def _retain(self, now: float) -> None:
         """Apply the store's retention after every :data:`_RETENTION_EVERY` finished snapshots."""

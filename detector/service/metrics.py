@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -21,7 +22,7 @@ from stablewatch.detector.assembly import REJECTION_REASONS
 from stablewatch.detector.evaluation import Verdict
 from stablewatch.detector.service.coordinator import ABORT_KINDS
 from stablewatch.detector.service.limits import REFUSAL_REASONS
-from stablewatch.v1 import Evaluation, GlobalSnapshot
+from stablewatch.v1 import PredicateResult
 
 __all__ = ["HINT_OUTCOMES", "LATE_REPORT_OUTCOMES", "RESOLUTION_OUTCOMES", "DetectorMetrics"]
 
@@ -82,7 +83,8 @@ class DetectorMetrics:
             "stablewatch_in_flight_messages", "Messages recorded in flight in the latest complete snapshot", registry=r
         )
         self.recorded_bytes = Gauge(
-            "stablewatch_recorded_bytes", "Payload bytes recorded in flight in the latest complete snapshot",
+            "stablewatch_recorded_bytes",
+            "Payload bytes recorded in flight in the latest complete snapshot (NaN after a restart, until a new one)",
             registry=r,
         )  # fmt: skip
         self.counter_total = Gauge(
@@ -158,15 +160,23 @@ class DetectorMetrics:
         self.snapshots.labels("completed").inc()
         self.duration.observe(seconds)
 
-    def latest(self, snapshot: GlobalSnapshot, evaluation: Evaluation, finished_at: float) -> None:
-        """Publish the latest complete snapshot's evaluation: the newest (by id) there is. An older
-        one that finishes after it is only counted (:meth:`completed`), never published over it."""
+    def latest(
+        self,
+        snapshot_id: int,
+        results: Sequence[PredicateResult],
+        finished_at: float,
+        in_flight: int,
+        recorded_bytes: float,
+    ) -> None:
+        """Publish the latest complete snapshot's results: the newest (by id) there is. An older one
+        that finishes after it is only counted (:meth:`completed`), never published over it.
+        `in_flight` and `recorded_bytes` are its messages recorded in flight and their payload
+        bytes (NaN: not known, as for a snapshot read back from the store at a restart)."""
         self.last_completed.set(finished_at)
-        self.last_snapshot_id.set(snapshot.snapshot_id)
-        messages = [m for channel in snapshot.channels for m in channel.messages]
-        self.in_flight_messages.set(len(messages))
-        self.recorded_bytes.set(sum(len(m.payload) for m in messages))
-        for result in evaluation.results:
+        self.last_snapshot_id.set(snapshot_id)
+        self.in_flight_messages.set(in_flight)
+        self.recorded_bytes.set(recorded_bytes)
+        for result in results:
             verdict = Verdict.of(result)
             self.predicate_value.labels(result.name).set(1 if verdict is Verdict.TRUE else 0)
             self.predicate_unknown.labels(result.name).set(1 if verdict is Verdict.UNKNOWN else 0)
