@@ -149,28 +149,19 @@ _log = logging.getLogger(__name__)
 #: decoded once, and the stamp looked up by its text (a plain dict: a lookup costs less than an
 #: ``lru_cache`` call). Bounded: it starts again when full. A bad stamp raises and is never kept.
 #: (The stamps sent are encoded once each by the core: ``ColorCore.send_entry``.)
-_stamps: dict[str | bytes, Stamp] = {}
+_stamps: dict[str | bytes, tuple[Stamp, str]] = {}
 _MAX_STAMPS = 256
-#: The same for a request's stamp, with how its handler's name names the caller (``caller_tag``).
-_request_stamps: dict[str | bytes, tuple[Stamp, str]] = {}
 
 
-def _decode(text: str | bytes) -> Stamp:
-    """``Stamp.decode(text)``, kept in ``_stamps`` (look there first: ``_stamps.get(text) or _decode(text)``)."""
+def _decode(text: str | bytes) -> tuple[Stamp, str]:
+    """``Stamp.decode(text)``, kept in ``_stamps`` (look there first: ``_stamps.get(text) or
+    _decode(text)``), with what the name of a handler of a request so stamped puts between the
+    method and the call's number: ``#{caller_tag}:``."""
     stamp = Stamp.decode(text)
+    known = stamp, f"#{caller_tag(stamp.process_id, stamp.incarnation)}:"
     if len(_stamps) >= _MAX_STAMPS:
         _stamps.clear()
-    _stamps[text] = stamp
-    return stamp
-
-
-def _decode_request(text: str | bytes) -> tuple[Stamp, str]:
-    """A request's stamp and its caller's tag, kept in ``_request_stamps`` (look there first)."""
-    stamp = Stamp.decode(text)
-    known = stamp, caller_tag(stamp.process_id, stamp.incarnation)
-    if len(_request_stamps) >= _MAX_STAMPS:
-        _request_stamps.clear()
-    _request_stamps[text] = known
+    _stamps[text] = known
     return known
 
 
@@ -483,7 +474,7 @@ class RpcAgent:
         stamp = error = stale = None
         if stamp_text is not None and call.instrumented:
             try:
-                stamp = _stamps.get(stamp_text) or _decode(stamp_text)
+                stamp = (_stamps.get(stamp_text) or _decode(stamp_text))[0]
                 if stamp.process_id != call.peer:
                     raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
             except RemoteProtocolError as exc:
@@ -552,10 +543,10 @@ class RpcAgent:
             seq_text, colon, stamp_text = entry.partition(":") if type(entry) is str else ("", "", "")
             if not (colon and seq_text.isdigit() and seq_text.isascii() and len(seq_text) <= 20):
                 seq_text, stamp_text = split_request(entry)  # bytes, or a bad entry (ValueError)
-            stamp, caller = _request_stamps.get(stamp_text) or _decode_request(stamp_text)
+            stamp, caller = _stamps.get(stamp_text) or _decode(stamp_text)
         except (ValueError, RemoteProtocolError) as exc:
             return self._refuse(method, str(exc), pool)
-        call = IncomingCall(f"{method}#{caller}:{seq_text}", stamp.process_id, True, pool)
+        call = IncomingCall(f"{method}{caller}{seq_text}", stamp.process_id, True, pool)  # caller: "#{tag}:"
         queued = False
         lock, core = self._lock, self._core
         lock.acquire()
