@@ -642,10 +642,12 @@ class Agent:
             elif isinstance(action, RecordState):
                 state = self._state_provider() if self._state_provider else self.state.snapshot()
                 waits = self._blocked.waits() if self._blocked else None
-                if waits:  # on a copy: the provider may hand out a state it keeps
+                going_on = bool(self._blocked) and not state.active and self._blocked.going_on()
+                if waits or going_on:  # on a copy: the provider may hand out a state it keeps
                     provided, state = state, LocalState()
                     state.CopyFrom(provided)
-                    state.waits.extend(waits)
+                    state.waits.extend(waits or ())
+                    state.active = state.active or going_on
                 self.metrics.snapshot_recorded()
                 undelivered = self._inbox.undelivered() if self._inbox else None
                 # Where acknowledgements stand, for the detector to tell one in transit.

@@ -139,6 +139,16 @@ class BlockedSends:
             "DeadlockVictim raised, the message not sent",
         )
 
+    def going_on(self) -> bool:
+        """Whether a send is blocked that no recording carries: the receiver does not hold its
+        window (acknowledgements are on their way, or its stream is being reconnected), so it is
+        about to go on without anything more from another process. Its process is then recorded
+        as active: passive, its other tasks' waits would stand for the whole process (the quiet
+        rule) though this task is about to send."""
+        with self._lock:
+            blocked = list(self._waiting.values())
+        return any(not b.recorded() for b in blocked)
+
     def open_waits(self) -> list[OpenWait]:
         """The blocked sends a recording would now carry as flow-control waits (for the hints):
         a send blocked while acknowledgements are on their way cannot be part of a deadlock."""

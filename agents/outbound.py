@@ -293,7 +293,9 @@ class OutboundChannel:
     async def _stream(self) -> None:
         call = channel_pb2_grpc.PeerStub(await self._channel()).Channel()
         self._acks_on_stream = 0
-        self.held = False
+        # ``held`` stays until this stream's first acknowledgement (the hello's answer) says
+        # otherwise: a reconnect that fails changes nothing at the receiver, whose full queue
+        # still holds the window; cleared here, a deadlock through it went unreported meanwhile.
         reader = asyncio.get_running_loop().create_task(self._read_acks(call))
         try:
             # The hello goes out at once, so the receiver's incarnation is known before any data.

@@ -24,7 +24,7 @@ from stablewatch.v1 import query_pb2
 
 pytestmark = pytest.mark.timeout(180)
 
-CALL_NAME = re.compile(r"^(?P<method>/shop\.\w+/\w+)#(?P<caller>\w+):(?P<seq>\d+)$")
+CALL_NAME = re.compile(r"^(?P<method>/shop\.\w+/\w+)#(?P<caller>\w+)@(?P<incarnation>[0-9a-f]+):(?P<seq>\d+)$")
 
 
 @pytest.fixture

@@ -1,0 +1,163 @@
+"""From a review (read only) of the agents' channels around reconnects and flow control.
+
+* A failed reconnect cleared ``held`` although the receiver's full queue still held the window:
+  while the sender's reconnects kept failing, its blocked send was recorded as nothing, and a real
+  flow-control deadlock was reported false. ``held`` now stays until the next stream's first
+  acknowledgement says otherwise.
+* A send blocked on a full window that the receiver does not hold (its stream is being
+  reconnected, or acknowledgements are on their way) was recorded as nothing at all, and a passive
+  process with such a send looked as if its other tasks' waits were all it had: the quiet rule
+  made a deadlock up. Such a process is now recorded as active: one of its tasks is about to send.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from stablewatch.agents import Agent, AppMessage, ChannelSettings
+from stablewatch.agents.blocked import BlockedSends
+from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.outbound import OutboundChannel
+from stablewatch.detector.evaluation import evaluate, verdict
+from stablewatch.v1 import (
+    AckPosition,
+    ChannelAck,
+    ChannelSnapshot,
+    GlobalSnapshot,
+    LocalSnapshotPart,
+    LocalState,
+    ProcessSnapshot,
+    Wait,
+    WaitNode,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+UNREACHABLE = "127.0.0.1:1"  # nothing listens there: every connection attempt fails
+
+
+async def waits_before_and_after_a_failed_reconnect() -> tuple[list[Wait], list[Wait]]:
+    """P's handler blocked sending to Q, whose full queue holds P's window; then P's stream breaks
+    and its next connection attempt fails. The flow-control waits recorded before and after."""
+    settings = ChannelSettings(window_entries=2, backoff_initial=0.01, backoff_max=0.02)
+    channel = OutboundChannel(
+        "P", "Q", UNREACHABLE, incarnation=1, settings=settings,
+        metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+    )  # fmt: skip
+    channel.push(b"m1", 10)
+    channel.push(b"m2", 10)
+    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hello's answer: queue full
+    channel._next_frame()  # both written
+    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hold
+    assert channel.held and not channel.has_space()
+    blocked = BlockedSends()
+    release = asyncio.Event()
+
+    async def handler_sending() -> None:
+        with blocked.waiting("", channel):
+            await release.wait()
+
+    sending = asyncio.get_running_loop().create_task(handler_sending())
+    await asyncio.sleep(0)  # the send blocks
+    before = blocked.waits()
+    channel._acks_on_stream, channel._next_to_write = 0, channel._head  # the stream broke
+    with contextlib.suppress(Exception):  # the attempt to reconnect fails
+        await asyncio.wait_for(channel._stream(), 10)
+    after = blocked.waits()
+    release.set()
+    await sending
+    if channel._grpc_channel is not None:
+        await channel._grpc_channel.close()
+    return before, after
+
+
+def two_handlers_sending_to_each_other(p_waits: list[Wait]) -> GlobalSnapshot:
+    """P's and Q's handlers blocked sending to each other, both receive queues full and holding;
+    Q reports no position for P (its queue full, P's stream down)."""
+    q_wait = Wait(task="", targets=[WaitNode(process="P")], flow_control=True, instance=5, began_at_us=5)
+    pq = ChannelSnapshot(src="P", dst="Q", sent_before_marker=2, received_before_recording=2)
+    pq.sender_ack_seen.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=0))
+    qp = ChannelSnapshot(src="Q", dst="P", sent_before_marker=2, received_before_recording=2)
+    held = AckPosition(sender_incarnation=2, receiver_incarnation=1, next_seq=0)
+    qp.receiver_acked.CopyFrom(held)
+    qp.sender_ack_seen.CopyFrom(held)
+    return GlobalSnapshot(
+        snapshot_id=3,
+        processes=[
+            ProcessSnapshot(process_id="P", state=LocalState(active=True, waits=p_waits)),
+            ProcessSnapshot(process_id="Q", state=LocalState(active=True, waits=[q_wait])),
+        ],
+        channels=[pq, qp],
+    )
+
+
+def test_a_failed_reconnect_keeps_the_hold_and_the_deadlock_through_it() -> None:
+    before, after = asyncio.run(waits_before_and_after_a_failed_reconnect())
+    assert [w.flow_control for w in before] == [True]
+    assert verdict(evaluate(two_handlers_sending_to_each_other(before)).results[0]) == "true"
+    # Nothing changed at Q: its queue still holds P's window, and the deadlock stands.
+    assert after == before
+    assert verdict(evaluate(two_handlers_sending_to_each_other(after)).results[0]) == "true"
+
+
+def test_a_passive_process_with_a_send_about_to_go_on_is_recorded_active() -> None:
+    async def recorded() -> LocalState:
+        # P's stream to Q never comes up (nothing listens): two heartbeats fill the window of two,
+        # unacknowledged and never held, and P's task "pump" blocks on its next send.
+        settings = ChannelSettings(window_entries=2, backoff_initial=0.01, backoff_max=0.02)
+        agent = Agent("P", peers={"Q": UNREACHABLE}, channel_settings=settings, hint_after=None)
+        await agent.start()
+        try:
+            assert agent.try_send("Q", b"hb", wakes=False) and agent.try_send("Q", b"hb", wakes=False)
+            pump = asyncio.get_running_loop().create_task(agent.send("Q", b"work"), name="pump")
+            await asyncio.sleep(0.05)
+            assert not pump.done()
+            agent.state.set_active(False)  # P's own work is done once pump's message is out
+            parts: list[LocalSnapshotPart] = []
+            agent.on_part(parts.append)
+            await agent.start_snapshot(lifetime=5)
+            pump.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await pump
+            [state] = [part.state for part in parts if part.HasField("state")]
+            return state
+        finally:
+            await agent.stop()
+
+    state = asyncio.run(recorded())
+    assert state.active  # one of its tasks is about to send: not a process whose tasks all wait
+    assert not any(wait.flow_control for wait in state.waits)  # the window is not held
+
+
+def test_a_send_held_by_the_receiver_is_a_wait_and_leaves_the_process_passive() -> None:
+    async def going_on() -> tuple[bool, list[Wait]]:
+        channel = OutboundChannel(
+            "P", "Q", UNREACHABLE, incarnation=1, settings=ChannelSettings(window_entries=1),
+            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+        )  # fmt: skip
+        channel.push(AppMessage(b"hb", None, True), 10)
+        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))
+        channel._next_frame()
+        blocked = BlockedSends()
+        release = asyncio.Event()
+
+        async def pump() -> None:
+            with blocked.waiting("pump", channel):
+                await release.wait()
+
+        sending = asyncio.get_running_loop().create_task(pump())
+        await asyncio.sleep(0)
+        unheld = blocked.going_on(), blocked.waits()
+        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hold
+        held = blocked.going_on(), blocked.waits()
+        release.set()
+        await sending
+        assert unheld == (True, [])
+        return held
+
+    about_to_go, waits = asyncio.run(going_on())
+    assert not about_to_go and [w.task for w in waits] == ["pump"]
