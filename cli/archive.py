@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from stablewatch.cli import arguments
 from stablewatch.cli.exits import EXIT_BAD_INPUT
@@ -70,16 +71,20 @@ def _export(args: argparse.Namespace, console: Console) -> int:
     elif result.exported or result.resolutions:
         breaks = f"; {plural(result.resolutions, 'break')} of deadlocks" if result.resolutions else ""
         console.print(
-            f"exported {plural(result.exported, 'snapshot')}{breaks} to {args.archive} in "
-            f"{plural(result.batches, 'batch', 'batches')} ({plural(result.files, 'file')}); "
-            f"{result.already} were there already",
+            Text(
+                f"exported {plural(result.exported, 'snapshot')}{breaks} to {args.archive} in "
+                f"{plural(result.batches, 'batch', 'batches')} ({plural(result.files, 'file')}); "
+                f"{result.already} were there already"
+            ),
             highlight=False,
             soft_wrap=True,
         )
     else:
         console.print(
-            f"nothing new to export: {args.archive} holds all {plural(result.already, 'finished snapshot')} "
-            f"of {args.data_dir}",
+            Text(
+                f"nothing new to export: {args.archive} holds all {plural(result.already, 'finished snapshot')} "
+                f"of {args.data_dir}"
+            ),
             highlight=False,
             soft_wrap=True,
         )
@@ -95,7 +100,7 @@ def _check(args: argparse.Namespace, console: Console) -> int:
         return 0
     snapshots = ", ".join(f"{count} {outcome}" for outcome, count in found.outcomes.items()) or "none"
     console.print(
-        f"{args.archive}: schema version {found.schema_version}, snapshots: {snapshots}",
+        Text(f"{args.archive}: schema version {found.schema_version}, snapshots: {snapshots}"),
         highlight=False,
         soft_wrap=True,
     )
@@ -103,5 +108,5 @@ def _check(args: argparse.Namespace, console: Console) -> int:
         console.print(f"  {table:<11} {found.rows[table]:>10} rows in {files} files", highlight=False, soft_wrap=True)
     if found.resolutions:
         breaks = ", ".join(f"{count} {outcome}" for outcome, count in found.resolutions.items())
-        console.print(f"breaks of deadlocks: {breaks}", highlight=False, soft_wrap=True)
+        console.print(Text(f"breaks of deadlocks: {breaks}"), highlight=False, soft_wrap=True)
     return 0

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from rich.console import Console
+from rich.text import Text
 
 from stablewatch.cli import arguments
 from stablewatch.cli.client import DetectorClient
@@ -60,7 +61,7 @@ def _graph(client: DetectorClient, args: argparse.Namespace, console: Console) -
         sys.stdout.buffer.write(data)
         sys.stdout.flush()
     else:
-        console.print(f"wrote the wait-for graph of snapshot {snapshot_id} to {args.out}", highlight=False)
+        console.print(Text(f"wrote the wait-for graph of snapshot {snapshot_id} to {args.out}"), highlight=False)
     return 0
 
 

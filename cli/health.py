@@ -6,6 +6,7 @@ import argparse
 import json
 
 from rich.console import Console
+from rich.text import Text
 
 from stablewatch.cli.client import DetectorClient
 from stablewatch.cli.exits import EXIT_ERROR
@@ -32,5 +33,5 @@ def _health(client: DetectorClient, args: argparse.Namespace, console: Console) 
     if args.json:
         print(json.dumps({"detector": client.address, "status": status}), flush=True)
     else:
-        console.print(f"{client.address}: {status}", highlight=False)
+        console.print(Text(f"{client.address}: {status}"), highlight=False)
     return 0 if status == "SERVING" else EXIT_ERROR

@@ -562,7 +562,7 @@ def _view(systems: list[_System], started: float, duration: float) -> Group:
             cells.append_text(verdict_text(result, named=True))
             cells.append("  ")
         where = system.detector.address
-        table.add_row(system.name, members, str(system.completed), str(system.aborted), cells, where)
+        table.add_row(Text(system.name), members, str(system.completed), str(system.aborted), cells, Text(where))
     lines = [table, Text(f"metrics: {', '.join(s.detector.metrics_url or '-' for s in systems)}", style="dim")]
     for system in systems:
         for name, at in sorted(system.first_seen.items(), key=lambda item: item[1]):

@@ -87,7 +87,7 @@ def _holdings(snapshot: GlobalSnapshot) -> str:
     )
 
 
-def snapshot_report(entries: Sequence[tuple[GlobalSnapshot, Sequence[PredicateResult]]], title: str) -> Group:
+def snapshot_report(entries: Sequence[tuple[GlobalSnapshot, Sequence[PredicateResult]]], title: str | Text) -> Group:
     """A table with one row per snapshot and a verdict per predicate, then the notable summaries."""
     names: list[str] = []
     for _, results in entries:
@@ -103,7 +103,7 @@ def snapshot_report(entries: Sequence[tuple[GlobalSnapshot, Sequence[PredicateRe
         by_name = {result.name: result for result in results}
         in_flight = sum(len(channel.messages) for channel in snapshot.channels)
         cells = [verdict_text(by_name[name]) if name in by_name else Text("") for name in names]
-        table.add_row(str(snapshot.snapshot_id), _holdings(snapshot), str(in_flight), *cells)
+        table.add_row(str(snapshot.snapshot_id), Text(_holdings(snapshot)), str(in_flight), *cells)
         for result in results:
             style = "red" if is_alarming(result) else "dim"
             summary = result.error or result.summary
@@ -170,7 +170,8 @@ def predicate_table(results: Sequence[PredicateResult], title: str | None = None
     table.add_column("value")
     table.add_column("summary", overflow="fold")
     for result in results:
-        table.add_row(result.name, verdict_text(result), result.error or result.summary)
+        # The detector's strings are text, never Rich markup: "A/t[wait 1]" stays whole, "[/]" is no tag.
+        table.add_row(Text(result.name), verdict_text(result), Text(result.error or result.summary))
     return table
 
 
@@ -192,7 +193,9 @@ def members_table(members: Sequence[Member], now: float | None = None) -> Table:
     table.add_column("last heartbeat", justify="right")
     for member in members:
         age = now - member.last_heartbeat.ToNanoseconds() / 1e9
-        table.add_row(member.process_id, member.address, format_time(member.attached_at), f"{max(age, 0):.1f} s ago")
+        table.add_row(
+            Text(member.process_id), Text(member.address), format_time(member.attached_at), f"{max(age, 0):.1f} s ago"
+        )
     return table
 
 
@@ -280,7 +283,7 @@ def resolutions_table(resolutions: Sequence[Resolution], title: str | None = Non
             f"#{resolution.resolution_id}",
             format_time(resolution.sent_at),
             f"#{resolution.snapshot_id}",
-            f"wait {resolution.instance} of {_victim(resolution)}",
+            Text(f"wait {resolution.instance} of {_victim(resolution)}"),
             Text(resolution.policy).append(f"\n{resolution.requested_by}", style="dim"),
             outcome,
             evidence,
@@ -298,10 +301,10 @@ def resolve_report(snapshot_id: int, resolutions: Sequence[Resolution]) -> Group
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold")
         grid.add_column(overflow="fold")
-        grid.add_row("victim", f"wait {resolution.instance} of {_victim(resolution)}")
+        grid.add_row("victim", Text(f"wait {resolution.instance} of {_victim(resolution)}"))
         grid.add_row("wait began", format_time(resolution.wait_began_at))
-        grid.add_row("deadlock", resolution.deadlock)
-        grid.add_row("policy", f"{resolution.policy} (requested by {resolution.requested_by})")
+        grid.add_row("deadlock", Text(resolution.deadlock))
+        grid.add_row("policy", Text(f"{resolution.policy} (requested by {resolution.requested_by})"))
         grid.add_row("outcome", _outcome_text(resolution) + Text(f": {resolution.detail}" if resolution.detail else ""))
         parts += [Text(f"break #{resolution.resolution_id}", style="bold"), grid]
     if sent:
@@ -334,6 +337,12 @@ class WatchView:
     last: Text = field(default_factory=lambda: Text("waiting for the next snapshot…", style="dim"))
     #: The latest breaks of deadlocks by id, oldest first (a break's report replaces its sending).
     breaks: dict[int, Resolution] = field(default_factory=dict)
+    #: The newest completed snapshot whose results the table shows (0: none yet). Concurrent
+    #: snapshots finish in any order: an older one that finishes later is streamed too, but the
+    #: latest results (and the changes) stay the newest's, and so does the table.
+    newest: int = 0
+    #: A dim line under the header about the last older snapshot that finished late (None: none).
+    late: Text | None = None
 
     def update(self, event: WatchEvent) -> None:
         """Apply one watch event (full or changes only, or a break sent or answered)."""
@@ -346,18 +355,31 @@ class WatchView:
                 del self.breaks[next(iter(self.breaks))]
             return
         if event.HasField("results"):
-            self.last = summary_line(event.results.snapshot)
-            for result in event.results.results:
-                row = self.rows.setdefault(result.name, WatchRow(result.holds))
-                row.holds, row.unknown = result.holds, result.unknown
-                row.summary, row.error = result.summary, result.error
+            summary = event.results.snapshot
+            if summary.snapshot_id < self.newest:
+                # Older than the results shown: not the latest (the detector's changes, gauges and
+                # GetLatestResults stay the newest's), so neither the header nor the rows take it.
+                self.late = Text(
+                    f"snapshot #{summary.snapshot_id} {outcome_name(summary.outcome)} after a newer one "
+                    f"(#{self.newest}); not the latest",
+                    style="dim",
+                )
+            else:
+                self.last, self.late = summary_line(summary), None
+                if summary.outcome == SNAPSHOT_OUTCOME_COMPLETED:
+                    self.newest = summary.snapshot_id
+                for result in event.results.results:
+                    row = self.rows.setdefault(result.name, WatchRow(result.holds))
+                    row.holds, row.unknown = result.holds, result.unknown
+                    row.summary, row.error = result.summary, result.error
         else:
             changed = ", ".join(f"{c.name} became {Verdict.of_fields(c.holds, c.unknown, None)}" for c in event.changes)
-            self.last = Text(f"snapshot #{event.snapshot_id}: {changed or 'no change'}")
-        for change in event.changes:
+            self.last, self.late = Text(f"snapshot #{event.snapshot_id}: {changed or 'no change'}"), None
+        for change in event.changes:  # always the newest snapshot's
             row = self.rows.setdefault(change.name, WatchRow(change.holds))
             row.holds, row.unknown = change.holds, change.unknown
-            row.since = event.snapshot_id
+            # The stream's first event states the values as they are, not when they came to be.
+            row.since = 0 if change.first and self.events == 1 else event.snapshot_id
             row.changed_at = self.events
 
     def render(self) -> Group:
@@ -376,10 +398,11 @@ class WatchView:
                 Text(name, style="bold" if fresh else ""),
                 verdict,
                 f"#{row.since}" if row.since else "",
-                row.error or row.summary,
+                Text(row.error or row.summary),
                 style="on grey15" if fresh else None,
             )
+        head = [self.last] if self.late is None else [self.last, self.late]
         if not self.breaks:
-            return Group(self.last, table)
+            return Group(*head, table)
         breaks = [resolution_line(resolution) for resolution in self.breaks.values()]
-        return Group(self.last, table, Text("breaks of deadlocks", style="bold"), *breaks)
+        return Group(*head, table, Text("breaks of deadlocks", style="bold"), *breaks)

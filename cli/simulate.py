@@ -11,6 +11,7 @@ from pathlib import Path
 from google.protobuf.json_format import MessageToDict
 from rich.console import Console
 from rich.markup import escape
+from rich.text import Text
 
 from stablewatch.agents.core import DEFAULT_MAX_RECORDINGS
 from stablewatch.cli import arguments
@@ -115,16 +116,17 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
         }
         print(json.dumps(report))
     else:
-        console.print(snapshot_report(entries, title=f"{plural(len(snapshots), 'snapshot')} of {events_path.name}"))
+        title = Text(f"{plural(len(snapshots), 'snapshot')} of {events_path.name}")
+        console.print(snapshot_report(entries, title=title))
         if out is not None:
-            console.print(f"wrote {plural(len(snaps), '.snap file')} to {out}")
+            console.print(f"wrote {plural(len(snaps), '.snap file')} to {escape(str(out))}")
         for aborted in simulation.failed:
             console.print(f"[red]failed[/]: snapshot {aborted.snapshot_id}: {escape(aborted.reason)}", soft_wrap=True)
         if simulation.failed:
             console.print(f"[red]{len(simulation.failed)} of {plural(simulation.started, 'snapshot')} failed[/]")
         if expected_snaps is not None:
             for difference in differences:
-                console.print(f"[red]differs[/]: {difference}")
+                console.print(f"[red]differs[/]: {escape(difference)}")
             if not differences:
                 matched = plural(len(expected_snaps), "expected snapshot")
                 console.print(f"[green]{'the' if len(expected_snaps) == 1 else 'all'} {matched} match[/]")

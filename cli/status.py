@@ -7,6 +7,7 @@ import json
 
 import grpc
 from rich.console import Console
+from rich.markup import escape
 from rich.text import Text
 
 from stablewatch.cli.client import DetectorClient, DetectorError
@@ -48,7 +49,9 @@ def _status(client: DetectorClient, args: argparse.Namespace, console: Console) 
         console.print(members_table(members) if members else "[dim]no agent is attached[/]")
         if membership.expected_missing:
             missing = ", ".join(membership.expected_missing)
-            console.print(f"[yellow]expected but not attached: {missing}[/] (whole-system predicates are unknown)")
+            console.print(
+                f"[yellow]expected but not attached: {escape(missing)}[/] (whole-system predicates are unknown)"
+            )
         if membership.expected_count and len(members) < membership.expected_count:
             console.print(f"[yellow]{len(members)} of {membership.expected_count} expected processes are attached[/]")
         console.print(results_report(latest) if latest else "[dim]no snapshot has completed yet[/]")

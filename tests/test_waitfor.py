@@ -246,14 +246,15 @@ def test_to_dot() -> None:
     )
     dot = wait_for_dot(to_proto(build_wait_for(s)))
     assert dot.startswith('digraph "waitfor 7" {')
-    assert '"P1" [color=red, fontcolor=red];' not in dot  # P2 is an OR waiter with a free target
-    assert '"P2" [shape=diamond];' in dot
-    assert '"q\\"x";' in dot
-    assert '"P3" -> "P2" [style=dashed, color=grey, label="in flight"];' in dot
+    # Nodes are n0, n1, ... in (process, task) order: P1, P2, P2/t, P3, q"x; the name is the label.
+    assert 'n0 [label="P1"];' in dot  # not deadlocked: P2 is an OR waiter with a free target
+    assert 'n1 [label="P2", shape=diamond];' in dot
+    assert 'n4 [label="q\\"x"];' in dot
+    assert 'n3 -> n1 [style=dashed, color=grey, label="in flight"];' in dot
 
     dot = wait_for_dot(to_proto(build_wait_for(three_cycle())))
-    assert '"P1" [color=red, fontcolor=red];' in dot
-    assert '"P3" -> "P1" [color=red, penwidth=2];' in dot
+    assert 'n0 [label="P1", color=red, fontcolor=red];' in dot
+    assert "n2 -> n0 [color=red, penwidth=2];" in dot
 
 
 def test_label() -> None:

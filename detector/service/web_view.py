@@ -450,8 +450,14 @@ def _graph(latest: Latest | None) -> dict[str, Any]:
         ],
         "edges": [
             {
+                # The labels, and the keys they name: a label alone is ambiguous (task "b" of
+                # process "a" and a process named "a/b" are both "a/b").
                 "waiter": ids[e.waiter],
                 "target": ids[e.target],
+                "waiter_process": e.waiter[0],
+                "waiter_task": e.waiter[1],
+                "target_process": e.target[0],
+                "target_task": e.target[1],
                 "model": e.model,
                 "discounted": e.discounted,
                 "flow_control": e.flow_control,

@@ -21,7 +21,15 @@
     return element;
   }
 
-  const clock = (iso) => (iso ? new Date(iso).toLocaleTimeString() : "–");
+  /** A time as text: the time of day when it is today, with the date before it otherwise (the
+   * latest snapshot the page shows after a restart may be days old). "–" when there is none. */
+  function clock(iso) {
+    if (!iso) return "–";
+    const time = new Date(iso);
+    if (time.toDateString() === new Date().toDateString()) return time.toLocaleTimeString();
+    return `${time.toLocaleDateString()} ${time.toLocaleTimeString()}`;
+  }
+
   const millis = (ms) => (ms === null || ms === undefined ? "–" : `${ms < 10 ? ms.toFixed(1) : Math.round(ms)} ms`);
   const plural = (n, word, words = `${word}s`) => `${n} ${n === 1 ? word : words}`;
 
