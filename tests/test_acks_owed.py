@@ -55,7 +55,7 @@ class _Plaintext:
         return {}
 
 
-class _PeerStream:
+class PeerStream:
     """One ``Channel`` call from P: the frames P writes in, the acknowledgements Q yields out."""
 
     def __init__(self, inbound: InboundChannels) -> None:
@@ -101,7 +101,7 @@ async def q_positions() -> tuple[dict[str, AckPosition], dict[str, AckPosition],
     inbox = Inbox(max_entries=2, max_bytes=1 << 20)
     inbound = q_inbound(inbox)
     hello = ChannelHello(src="P", dst="Q", sender_incarnation=P_INC)
-    first = _PeerStream(inbound)
+    first = PeerStream(inbound)
     await first.frames.put(encode(0, (), hello))
     await first.frames.put(encode(0, [b"m1", b"m2"]))
     assert (await first.ack()).next_seq == 0  # the hello's answer: the queue is full
@@ -110,7 +110,7 @@ async def q_positions() -> tuple[dict[str, AckPosition], dict[str, AckPosition],
     assert all(ack.next_seq == 0 for ack in await first.broken())
     inbox.done(await inbox.next())  # Q's handler consumes both messages: room again
     at_recording = inbound.acked()
-    second = _PeerStream(inbound)  # P reconnects, from what it knows acknowledged (0)
+    second = PeerStream(inbound)  # P reconnects, from what it knows acknowledged (0)
     await second.frames.put(encode(0, (), hello))
     await second.frames.put(encode(0, [b"m1", b"m2"]))  # P resends its window
     after_reconnect = (await second.ack()).next_seq
@@ -168,7 +168,7 @@ def test_with_the_queue_full_and_no_stream_open_nothing_is_owed_and_the_deadlock
     async def full_and_down() -> dict[str, AckPosition]:
         inbox = Inbox(max_entries=2, max_bytes=1 << 20)
         inbound = q_inbound(inbox)
-        stream = _PeerStream(inbound)
+        stream = PeerStream(inbound)
         await stream.frames.put(encode(0, (), ChannelHello(src="P", dst="Q", sender_incarnation=P_INC)))
         await stream.frames.put(encode(0, [b"m1", b"m2"]))
         await stream.ack()

@@ -8,6 +8,11 @@
   reconnected, or acknowledgements are on their way) was recorded as nothing at all, and a passive
   process with such a send looked as if its other tasks' waits were all it had: the quiet rule
   made a deadlock up. Such a process is now recorded as active: one of its tasks is about to send.
+* A receiver whose full queue held heartbeats only, its handler idle, held its sender's window;
+  on a quiet cut its process node stood for its tasks, and a deadlock was made up through the
+  blocked send (and that send chosen as victim), though the idle handler takes the heartbeats and
+  the receiver acknowledges at once. A flow-control edge is now met when a channel into its target
+  holds a recorded message and the target's handler is not blocked on a send (waitfor.consuming).
 """
 
 from __future__ import annotations
@@ -17,15 +22,23 @@ import contextlib
 
 import pytest
 from prometheus_client import CollectorRegistry
+from snapshot_gen import rows_of
+from test_acks_owed import P_INC, Q_INC, PeerStream, q_inbound
 
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
 from stablewatch.agents.blocked import BlockedSends
+from stablewatch.agents.core import RecordState, ReportPart, SnapshotCore
+from stablewatch.agents.frames import encode
+from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import OutboundChannel
-from stablewatch.detector.evaluation import evaluate, verdict
+from stablewatch.detector.assembly import Assembler, Completed
+from stablewatch.detector.evaluation import choose_victims, evaluate, verdict
+from stablewatch.detector.evaluation.columnar import evaluate_rows
 from stablewatch.v1 import (
     AckPosition,
     ChannelAck,
+    ChannelHello,
     ChannelSnapshot,
     GlobalSnapshot,
     LocalSnapshotPart,
@@ -161,3 +174,54 @@ def test_a_send_held_by_the_receiver_is_a_wait_and_leaves_the_process_passive() 
 
     about_to_go, waits = asyncio.run(going_on())
     assert not about_to_go and [w.task for w in waits] == ["pump"]
+
+
+HEARTBEAT = AppMessage(b"hb", None, True)  # wakes no one
+
+
+def test_a_queue_full_of_heartbeats_holds_no_deadlock_when_its_handler_is_idle() -> None:
+    async def q_side() -> tuple[dict[str, AckPosition], object, int]:
+        inbox = Inbox(max_entries=2, max_bytes=1 << 20)
+        inbound = q_inbound(inbox)
+        stream = PeerStream(inbound)
+        await stream.frames.put(encode(0, (), ChannelHello(src="P", dst="Q", sender_incarnation=P_INC)))
+        await stream.frames.put(encode(0, [HEARTBEAT, HEARTBEAT]))
+        assert (await stream.ack()).next_seq == 0  # the hello's answer: the queue is full
+        assert (await stream.ack()).next_seq == 0  # the hold: P's next send is a flow-control wait
+        acked, undelivered = inbound.acked(), inbox.undelivered()
+        inbox.done(await inbox.next())  # Q's idle handler takes the heartbeats, nothing more
+        released = (await stream.ack()).next_seq
+        await stream.broken()
+        return acked, undelivered, released
+
+    acked, undelivered, released = asyncio.run(q_side())
+    assert released == 2  # P's window frees as soon as Q's handler has the heartbeats
+    p, q = SnapshotCore("P", ["Q"]), SnapshotCore("Q", ["P"])
+    p.send("Q", 2)
+    q.receive_messages("P", [HEARTBEAT, HEARTBEAT])
+    seen = AckPosition(sender_incarnation=P_INC, receiver_incarnation=Q_INC, next_seq=0)
+    pump = Wait(task="pump", targets=[WaitNode(process="Q")], flow_control=True, instance=9, began_at_us=9)
+    t = Wait(task="t", targets=[WaitNode(process="P")], instance=1, began_at_us=1)
+    assembler = Assembler()
+    assembler.begin(7, ["P", "Q"])
+    results = []
+    for core, state, positions in (
+        (p, LocalState(active=False, waits=[pump]), {"acks_seen": {"Q": seen}}),
+        (q, LocalState(active=False, waits=[t]), {"acked": acked, "undelivered": undelivered}),
+    ):
+        assert isinstance(core.start_snapshot(7, now=0.0)[0], RecordState)
+        results += [
+            assembler.add_part(a.part) for a in core.record_state(7, state, **positions) if isinstance(a, ReportPart)
+        ]
+    [done] = [result for result in results if isinstance(result, Completed)]  # closed, every channel proven
+    evaluation = evaluate(done.snapshot)
+    assert verdict(evaluation.results[0]) == "false"  # P/pump is released by Q consuming
+    assert choose_victims(done.snapshot, evaluation.wait_for, "youngest") == []
+    assert verdict(evaluate_rows(rows_of(done.snapshot))[0]) == "false"
+    # Q's handler blocked on a send of its own would consume nothing: then the cycle stands.
+    q_sends = Wait(task="", targets=[WaitNode(process="P")], flow_control=True, instance=3, began_at_us=3)
+    blocked = GlobalSnapshot()
+    blocked.CopyFrom(done.snapshot)
+    next(proc for proc in blocked.processes if proc.process_id == "Q").state.waits.append(q_sends)
+    assert verdict(evaluate(blocked).results[0]) == "true"
+    assert verdict(evaluate_rows(rows_of(blocked))[0]) == "true"
