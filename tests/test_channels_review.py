@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -59,38 +58,6 @@ from stablewatch.v1 import (
 pytestmark = pytest.mark.timeout(30)
 
 UNREACHABLE = "127.0.0.1:1"  # nothing listens there: every connection attempt fails
-
-
-def full_window(
-    src: str, dst: str, src_incarnation: int, dst_incarnation: int, entry: object = b"m"
-) -> OutboundChannel:
-    """A channel whose window of one holds `entry`, written, its hello answered (not held yet)."""
-    channel = OutboundChannel(
-        src, dst, UNREACHABLE, incarnation=src_incarnation, settings=ChannelSettings(window_entries=1),
-        metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
-    )  # fmt: skip
-    channel.push(entry, 10)
-    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=dst_incarnation))
-    channel._next_frame()
-    return channel
-
-
-@contextlib.asynccontextmanager
-async def sending(blocked: BlockedSends, waiter: str, channel: OutboundChannel) -> AsyncIterator[None]:
-    """A send of `waiter` ("" for the message handler) blocked on `channel` until the block ends."""
-    release = asyncio.Event()
-
-    async def send() -> None:
-        with blocked.waiting(waiter, channel):
-            await release.wait()
-
-    task = asyncio.get_running_loop().create_task(send())
-    await asyncio.sleep(0)
-    try:
-        yield
-    finally:
-        release.set()
-        await task
 
 
 async def waits_before_and_after_a_failed_reconnect() -> tuple[list[Wait], list[Wait]]:
@@ -188,12 +155,27 @@ def test_a_passive_process_with_a_send_about_to_go_on_is_recorded_active() -> No
 
 def test_a_send_held_by_the_receiver_is_a_wait_and_leaves_the_process_passive() -> None:
     async def going_on() -> tuple[bool, list[Wait]]:
-        channel = full_window("P", "Q", 1, 2, AppMessage(b"hb", None, True))
+        channel = OutboundChannel(
+            "P", "Q", UNREACHABLE, incarnation=1, settings=ChannelSettings(window_entries=1),
+            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+        )  # fmt: skip
+        channel.push(AppMessage(b"hb", None, True), 10)
+        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))
+        channel._next_frame()
         blocked = BlockedSends()
-        async with sending(blocked, "pump", channel):
-            unheld = blocked.going_on(), blocked.waits()
-            channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hold
-            held = blocked.going_on(), blocked.waits()
+        release = asyncio.Event()
+
+        async def pump() -> None:
+            with blocked.waiting("pump", channel):
+                await release.wait()
+
+        sending = asyncio.get_running_loop().create_task(pump())
+        await asyncio.sleep(0)
+        unheld = blocked.going_on(), blocked.waits()
+        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hold
+        held = blocked.going_on(), blocked.waits()
+        release.set()
+        await sending
         assert unheld == (True, [])
         return held
 
@@ -257,11 +239,26 @@ def p_handler_sending_to_q() -> Wait:
     """P's handler blocked on Q's full window, which Q holds, as P's agent records it."""
 
     async def recorded() -> list[Wait]:
-        to_q = full_window("P", "Q", P_INC, Q_INC)
+        to_q = OutboundChannel(
+            "P", "Q", UNREACHABLE, incarnation=P_INC, settings=ChannelSettings(window_entries=1),
+            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+        )  # fmt: skip
+        to_q.push(b"m", 10)
+        to_q._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hello's answer
+        to_q._next_frame()
         to_q._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hold
-        blocked = BlockedSends()
-        async with sending(blocked, "", to_q):
-            return blocked.waits()
+        blocked, release = BlockedSends(), asyncio.Event()
+
+        async def handler_sending() -> None:
+            with blocked.waiting("", to_q):  # "": the message handler
+                await release.wait()
+
+        sending = asyncio.get_running_loop().create_task(handler_sending())
+        await asyncio.sleep(0)
+        waits = blocked.waits()
+        release.set()
+        await sending
+        return waits
 
     [wait] = asyncio.run(recorded())
     return wait
@@ -283,11 +280,25 @@ def test_a_receiver_whose_handler_is_in_a_send_about_to_go_on_holds_no_deadlock(
         assert (await stream.ack()).next_seq == 0  # the hold: P's handler blocks on Q's window
         run = await inbox.next()  # Q's handler takes the whole run ...
         run.taken = 2  # ... and on its last message sends to R, whose window R does not hold
-        to_r = full_window("Q", "R", Q_INC, 9)
+        to_r = OutboundChannel(
+            "Q", "R", UNREACHABLE, incarnation=Q_INC, settings=ChannelSettings(window_entries=1),
+            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+        )  # fmt: skip
+        to_r.push(b"x", 10)
+        to_r._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=9))
+        to_r._next_frame()
         blocked = BlockedSends()
-        async with sending(blocked, "", to_r):
-            recorded = blocked.going_on(), blocked.waits(), inbound.acked(), inbox.undelivered()
-        # R's acknowledgement came: the send went on, and the handler returns.
+        release = asyncio.Event()
+
+        async def handler_sending() -> None:
+            with blocked.waiting("", to_r):
+                await release.wait()
+
+        sending = asyncio.get_running_loop().create_task(handler_sending())
+        await asyncio.sleep(0)
+        recorded = blocked.going_on(), blocked.waits(), inbound.acked(), inbox.undelivered()
+        release.set()  # R's acknowledgement comes: the send goes on, the handler returns
+        await sending
         inbox.done(run)
         released = (await stream.ack()).next_seq
         await stream.broken()
