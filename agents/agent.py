@@ -44,12 +44,10 @@ The contract with the service
   A handler that raises is logged, and delivery goes on with the next message.
 * **Flow-control waits.** While a send waits for window space and the receiver has said its queue
   is full (it holds the window), the recorded state carries a ``Wait`` with ``flow_control=True``
-  (one per blocked send) on the destination's message handler (task ``[handler]``, see
-  :mod:`stablewatch.agents.blocked`), removed the moment the window has space. Its waiter is the
-  message handler, ``[handler]``, when the send is inside it (the process then takes no message
-  until the handler returns), else the asyncio task that sends (named by its task name, or
-  ``asyncio task 0x...`` when the detector would refuse that name as a task). A send blocked
-  while the receiver does not hold the window is about to go on: the process is recorded active.
+  (one per blocked send) on the destination process, removed the moment the window has space.
+  Its waiter is the process itself when the send is inside a message handler (the process then
+  takes no message until the handler returns), else the asyncio task that sends (named by its
+  task name, or ``asyncio task 0x...`` when the detector would refuse that name as a task).
   Handlers blocked sending to each other with full windows and full receive queues are a
   deadlock: the detector reports it, with its cycle. With the state go the channels'
   acknowledgement positions (the highest acknowledgement each inbound channel sent, or owes
@@ -475,7 +473,7 @@ class Agent:
         release = in_handler and lock is not None and lock.locked()
         if release:
             lock.release()
-        waiter = "" if in_handler or task is None else _task_waiter(task)  # "": the message handler
+        waiter = "" if in_handler or task is None else _task_waiter(task)  # "": the process itself
         try:
             with self._blocked.waiting(waiter, channel):
                 while not channel.has_space():

@@ -5,19 +5,12 @@ A send waits for window space until the receiver acknowledges. Receivers acknowl
 queue, so a full window usually means acknowledgements on their way; only when the receiver has
 said it holds the window (its receive queue is full, :attr:`OutboundChannel.held`) is the sender
 waiting for the receiver to consume. Exactly then the recorded state carries a ``Wait`` with
-``flow_control=True`` on the destination's message handler, the task :data:`HANDLER` of the
-destination process (the detector never discounts such an edge by a message in flight: only the
-receiver consuming releases it, or an acknowledgement it sent before its recording that had not
-arrived at ours, which the two ends' acknowledgement positions in the cut reveal). The waiter is
-the task that sends, by its name, or :data:`HANDLER` when the send is inside the message handler
-(the process then takes no message until it returns).
-
-Why the handler is a node of its own: a process records only between its handler's runs or while
-the handler is blocked on a send, so a receiver whose handler records no wait will take what is
-queued, and its queue gets room (a free node in the wait-for graph: the send is not blocked by
-it). A handler blocked on a send the receiver holds is a waiter like any other. The process
-itself (task ``""``) may also wait, for what the application declared (``agent.state``): that
-says nothing about the handler, and merging the two made a send wait on the application's waits.
+``flow_control=True`` on the destination process (the detector never discounts such an edge by a
+message in flight: only the receiver consuming releases it, or an acknowledgement it sent before
+its recording that had not arrived at ours, which the two ends' acknowledgement positions in the
+cut reveal). The waiter is the process itself
+when the send is inside a message handler (the process then takes no message until it returns),
+else the asyncio task that sends, by its name.
 
 Each blocked send is one wait instance (:mod:`stablewatch.agents.breaking`), reported as a
 ``Wait`` of its own with its instance and the time it began blocking. :class:`BlockedSends` is a
@@ -36,11 +29,11 @@ from contextlib import contextmanager
 from stablewatch.agents import breaking
 from stablewatch.agents.breaking import Broken, DeadlockVictim, OpenWait
 from stablewatch.agents.outbound import OutboundChannel
-from stablewatch.agents.state import HANDLER, TaskInterrupt
+from stablewatch.agents.state import TaskInterrupt
 from stablewatch.v1 import WAIT_MODEL_AND, Wait, WaitNode
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_ALREADY_BROKEN, BREAK_OUTCOME_BROKEN, BreakWait
 
-__all__ = ["HANDLER", "BlockedSends"]
+__all__ = ["BlockedSends"]
 
 
 class _Blocked:
@@ -114,8 +107,8 @@ class BlockedSends:
             blocked = list(self._waiting.values())
         return [
             Wait(
-                task=b.waiter or HANDLER,
-                targets=[WaitNode(process=b.channel.dst, task=HANDLER)],
+                task=b.waiter,
+                targets=[WaitNode(process=b.channel.dst)],
                 model=WAIT_MODEL_AND,
                 flow_control=True,
                 instance=b.instance,
@@ -161,7 +154,7 @@ class BlockedSends:
         a send blocked while acknowledgements are on their way cannot be part of a deadlock."""
         with self._lock:
             blocked = list(self._waiting.values())
-        return [OpenWait(b.instance, b.waiter or HANDLER, b.began_at_us) for b in blocked if b.recorded()]
+        return [OpenWait(b.instance, b.waiter, b.began_at_us) for b in blocked if b.recorded()]
 
     def idle(self) -> bool:
         """True when no send is blocked (recorded or not)."""

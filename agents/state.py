@@ -57,7 +57,7 @@ from stablewatch.v1.bounds import (
 )
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_ALREADY_BROKEN, BREAK_OUTCOME_BROKEN, BreakWait
 
-__all__ = ["HANDLER", "LocalStateKeeper", "Target", "Targets", "TaskInterrupt", "WaitHandle"]
+__all__ = ["LocalStateKeeper", "Target", "Targets", "TaskInterrupt", "WaitHandle"]
 
 _log = logging.getLogger(__name__)
 
@@ -498,23 +498,15 @@ def _check_text(text: str, what: str, limit: int) -> None:
         raise ValueError(f"{what} {quoted_prefix(text)} {problem}, which the detector refuses")
 
 
-#: The task name of a process's message handler in the wait-for graph: what a send blocked on a
-#: full window waits on at its receiver, and the waiter of a send made inside the handler
-#: (:mod:`stablewatch.agents.blocked`). Reserved: no wait the application declares names it.
-HANDLER = "[handler]"
-
-
 def task_problem(task: str) -> str | None:
     """What makes ``task`` a task name the detector refuses, or None: over its length, a control
     character, or ending in ``[wait N]`` (the detector's name for one wait of a task with
-    several: the two would be one node); or :data:`HANDLER`, the message handler's."""
+    several: the two would be one node)."""
     problem = text_problem(task, MAX_TASK_BYTES)
     if problem is not None:
         return f"{problem}, which the detector refuses"
     if names_a_wait(task):
         return "ends in '[wait N]', the form the detector gives one wait of a task, which it refuses as a task name"
-    if task == HANDLER:
-        return f"{HANDLER!r} names the message handler, whose waits are the agent's own (blocked sends)"
     return None
 
 

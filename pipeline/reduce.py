@@ -105,7 +105,9 @@ def wait_for_frames(
     releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a
     pair is counted while any wait on it is unmet). A flow-control edge is satisfied instead when
     an acknowledgement is in transit on ``waiter -> target``: the channel's ``receiver_acked`` is
-    ahead of its ``sender_ack_seen``, both of the same incarnations. Every node that is not a
+    ahead of its ``sender_ack_seen``, both of the same incarnations; or when a channel into the
+    target holds a recorded message and the target records no flow-control wait of its own (task
+    ""): it will consume (``consuming``). Every node that is not a
     waiter is free.
 
     Lazy: a few joins and aggregations, O(processes + wait edges + messages + channels) rows shuffled.
@@ -259,13 +261,25 @@ def wait_for_frames(
     acking = acking.select(
         _ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking")
     )
-    satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull()).otherwise(
+    # Targets that will consume (``waitfor.consuming``): a recorded message in a channel into them,
+    # and no flow-control wait of their handler's own (task "").
+    sending = waits.filter(F.col("flow_control") & (F.col("task") == "")).select(
+        _ID, F.col("process").alias("target_process")
+    )
+    consuming = (
+        messages.select(_ID, F.col("dst").alias("target_process"))
+        .distinct()
+        .join(sending, [_ID, "target_process"], "left_anti")
+        .withColumn("consuming", F.lit(True))
+    )
+    satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull() | F.col("consuming").isNotNull()).otherwise(
         F.col("wakes_all").isNotNull() & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))
     )
     waiter = Window.partitionBy(_ID, "process", "task")
     instances = (
         instances.join(waking, [_ID, "target_process", "process"], "left")
         .join(acking, [_ID, "process", "target_process"], "left")
+        .join(consuming, [_ID, "target_process"], "left")
         .withColumn("satisfied", satisfied)
         .withColumn("or_released", F.col("is_or") & F.bool_or("satisfied").over(waiter))
     )

@@ -20,7 +20,6 @@ from polling import async_poll, run
 from stablewatch.agents import DeadlockVictim, LocalStateKeeper, WaitHandle, breaking
 from stablewatch.agents.blocked import BlockedSends
 from stablewatch.agents.breaking import BreakDispatcher, Broken, HintWatch, OpenWait
-from stablewatch.agents.state import HANDLER
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_ALREADY_BROKEN,
     BREAK_OUTCOME_BROKEN,
@@ -608,15 +607,14 @@ def test_a_broken_send_raises_and_sends_nothing() -> None:
         second = asyncio.create_task(blocked_send(blocked, "serve", to_c, sent))
         await async_poll(lambda: len(blocked) == 2, "two blocked sends")
         waits = blocked.waits()
-        # The handler's send and a task's, each on its receiver's message handler.
-        assert [(w.task, [(t.process, t.task) for t in w.targets], w.flow_control) for w in waits] == [
-            (HANDLER, [("B", HANDLER)], True),
-            ("serve", [("C", HANDLER)], True),
+        assert [(w.task, [t.process for t in w.targets], w.flow_control) for w in waits] == [
+            ("", ["B"], True),
+            ("serve", ["C"], True),
         ]
         assert len({w.instance for w in waits}) == 2 and all(w.began_at_us > 0 for w in waits)
         assert [(w.instance, w.task) for w in blocked.open_waits()] == [(w.instance, w.task) for w in waits]
         to_c.held = False  # its receiver acknowledged: not a wait to record, nor to hint
-        assert [w.task for w in blocked.waits()] == [HANDLER] and [w.task for w in blocked.open_waits()] == [HANDLER]
+        assert [w.task for w in blocked.waits()] == [""] and [w.task for w in blocked.open_waits()] == [""]
 
         broken = blocked.break_wait(order(waits[0].instance))
         assert broken is not None and broken.outcome == BREAK_OUTCOME_BROKEN and "to B" in broken.detail

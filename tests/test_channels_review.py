@@ -9,15 +9,10 @@
   process with such a send looked as if its other tasks' waits were all it had: the quiet rule
   made a deadlock up. Such a process is now recorded as active: one of its tasks is about to send.
 * A receiver whose full queue held heartbeats only, its handler idle, held its sender's window;
-  a blocked send waited on the receiving process's node, which on a quiet cut stood for its tasks
-  (and otherwise merged the process's own declared waits): a deadlock was made up through the
-  send, and that send chosen as victim, though the idle handler takes the heartbeats and the
-  receiver acknowledges at once. A blocked send now waits on the receiver's message handler, a
-  node of its own (agents.state.HANDLER), free unless the handler is itself blocked on a send.
-  From a review of that first fix (which met such a send when messages were queued at its
-  receiver): a receiver whose handler had taken its whole run and was in a send about to go on,
-  or whose handler's own send its receiver would consume, with a wait of the process's own on
-  the sender, still closed a made-up cycle. With the handler's node both are free.
+  on a quiet cut its process node stood for its tasks, and a deadlock was made up through the
+  blocked send (and that send chosen as victim), though the idle handler takes the heartbeats and
+  the receiver acknowledges at once. A flow-control edge is now met when a channel into its target
+  holds a recorded message and the target's handler is not blocked on a send (waitfor.consuming).
 """
 
 from __future__ import annotations
@@ -37,7 +32,6 @@ from stablewatch.agents.frames import encode
 from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import OutboundChannel
-from stablewatch.agents.state import HANDLER
 from stablewatch.detector.assembly import Assembler, Completed
 from stablewatch.detector.evaluation import choose_victims, evaluate, verdict
 from stablewatch.detector.evaluation.columnar import evaluate_rows
@@ -50,7 +44,6 @@ from stablewatch.v1 import (
     LocalSnapshotPart,
     LocalState,
     ProcessSnapshot,
-    RecordedMessage,
     Wait,
     WaitNode,
 )
@@ -98,7 +91,7 @@ async def waits_before_and_after_a_failed_reconnect() -> tuple[list[Wait], list[
 def two_handlers_sending_to_each_other(p_waits: list[Wait]) -> GlobalSnapshot:
     """P's and Q's handlers blocked sending to each other, both receive queues full and holding;
     Q reports no position for P (its queue full, P's stream down)."""
-    q_wait = Wait(task=HANDLER, targets=[WaitNode(process="P", task=HANDLER)], flow_control=True, instance=5)
+    q_wait = Wait(task="", targets=[WaitNode(process="P")], flow_control=True, instance=5, began_at_us=5)
     pq = ChannelSnapshot(src="P", dst="Q", sent_before_marker=2, received_before_recording=2)
     pq.sender_ack_seen.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=0))
     qp = ChannelSnapshot(src="Q", dst="P", sent_before_marker=2, received_before_recording=2)
@@ -207,7 +200,7 @@ def test_a_queue_full_of_heartbeats_holds_no_deadlock_when_its_handler_is_idle()
     p.send("Q", 2)
     q.receive_messages("P", [HEARTBEAT, HEARTBEAT])
     seen = AckPosition(sender_incarnation=P_INC, receiver_incarnation=Q_INC, next_seq=0)
-    pump = Wait(task="pump", targets=[WaitNode(process="Q", task=HANDLER)], flow_control=True, instance=9)
+    pump = Wait(task="pump", targets=[WaitNode(process="Q")], flow_control=True, instance=9, began_at_us=9)
     t = Wait(task="t", targets=[WaitNode(process="P")], instance=1, began_at_us=1)
     assembler = Assembler()
     assembler.begin(7, ["P", "Q"])
@@ -225,126 +218,10 @@ def test_a_queue_full_of_heartbeats_holds_no_deadlock_when_its_handler_is_idle()
     assert verdict(evaluation.results[0]) == "false"  # P/pump is released by Q consuming
     assert choose_victims(done.snapshot, evaluation.wait_for, "youngest") == []
     assert verdict(evaluate_rows(rows_of(done.snapshot))[0]) == "false"
-    # Handlers blocked on each other's full windows consume nothing: that cycle stands.
+    # Q's handler blocked on a send of its own would consume nothing: then the cycle stands.
+    q_sends = Wait(task="", targets=[WaitNode(process="P")], flow_control=True, instance=3, began_at_us=3)
     blocked = GlobalSnapshot()
     blocked.CopyFrom(done.snapshot)
-    for process, other in (("P", "Q"), ("Q", "P")):
-        sends = Wait(task=HANDLER, targets=[WaitNode(process=other, task=HANDLER)], flow_control=True, instance=3)
-        next(proc for proc in blocked.processes if proc.process_id == process).state.waits.append(sends)
+    next(proc for proc in blocked.processes if proc.process_id == "Q").state.waits.append(q_sends)
     assert verdict(evaluate(blocked).results[0]) == "true"
     assert verdict(evaluate_rows(rows_of(blocked))[0]) == "true"
-
-
-def p_handler_sending_to_q() -> Wait:
-    """P's handler blocked on Q's full window, which Q holds, as P's agent records it."""
-
-    async def recorded() -> list[Wait]:
-        to_q = OutboundChannel(
-            "P", "Q", UNREACHABLE, incarnation=P_INC, settings=ChannelSettings(window_entries=1),
-            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
-        )  # fmt: skip
-        to_q.push(b"m", 10)
-        to_q._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hello's answer
-        to_q._next_frame()
-        to_q._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hold
-        blocked, release = BlockedSends(), asyncio.Event()
-
-        async def handler_sending() -> None:
-            with blocked.waiting("", to_q):  # "": the message handler
-                await release.wait()
-
-        sending = asyncio.get_running_loop().create_task(handler_sending())
-        await asyncio.sleep(0)
-        waits = blocked.waits()
-        release.set()
-        await sending
-        return waits
-
-    [wait] = asyncio.run(recorded())
-    return wait
-
-
-def q_waiting_on_p() -> Wait:
-    """A wait of process Q itself on P, declared by the application (``state.waiting("P")``)."""
-    return Wait(task="", targets=[WaitNode(process="P")], instance=1, began_at_us=1)
-
-
-def test_a_receiver_whose_handler_is_in_a_send_about_to_go_on_holds_no_deadlock() -> None:
-    async def q_side() -> tuple[bool, list[Wait], dict[str, AckPosition], object, int]:
-        inbox = Inbox(max_entries=2, max_bytes=1 << 20)
-        inbound = q_inbound(inbox)
-        stream = PeerStream(inbound)
-        await stream.frames.put(encode(0, (), ChannelHello(src="P", dst="Q", sender_incarnation=P_INC)))
-        await stream.frames.put(encode(0, [b"m1", b"m2"]))
-        assert (await stream.ack()).next_seq == 0  # the hello's answer: the queue is full
-        assert (await stream.ack()).next_seq == 0  # the hold: P's handler blocks on Q's window
-        run = await inbox.next()  # Q's handler takes the whole run ...
-        run.taken = 2  # ... and on its last message sends to R, whose window R does not hold
-        to_r = OutboundChannel(
-            "Q", "R", UNREACHABLE, incarnation=Q_INC, settings=ChannelSettings(window_entries=1),
-            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
-        )  # fmt: skip
-        to_r.push(b"x", 10)
-        to_r._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=9))
-        to_r._next_frame()
-        blocked = BlockedSends()
-        release = asyncio.Event()
-
-        async def handler_sending() -> None:
-            with blocked.waiting("", to_r):
-                await release.wait()
-
-        sending = asyncio.get_running_loop().create_task(handler_sending())
-        await asyncio.sleep(0)
-        recorded = blocked.going_on(), blocked.waits(), inbound.acked(), inbox.undelivered()
-        release.set()  # R's acknowledgement comes: the send goes on, the handler returns
-        await sending
-        inbox.done(run)
-        released = (await stream.ack()).next_seq
-        await stream.broken()
-        return (*recorded, released)
-
-    going_on, waits, acked, undelivered, released = asyncio.run(q_side())
-    assert going_on and waits == [] and not undelivered
-    assert released == 2  # P's window frees with nothing more from P or from Q's own wait
-    p, q = SnapshotCore("P", ["Q"]), SnapshotCore("Q", ["P"])
-    p.send("Q", 2)
-    q.receive_messages("P", [AppMessage(b"m1"), AppMessage(b"m2")])
-    seen = AckPosition(sender_incarnation=P_INC, receiver_incarnation=Q_INC, next_seq=0)
-    assembler = Assembler()
-    assembler.begin(7, ["P", "Q"])
-    results = []
-    for core, state, positions in (
-        (p, LocalState(active=False, waits=[p_handler_sending_to_q()]), {"acks_seen": {"Q": seen}}),
-        (q, LocalState(active=going_on, waits=[q_waiting_on_p()]), {"acked": acked, "undelivered": undelivered}),
-    ):
-        assert isinstance(core.start_snapshot(7, now=0.0)[0], RecordState)
-        for action in core.record_state(7, state, **positions):
-            if isinstance(action, ReportPart):
-                results.append(assembler.add_part(action.part))
-    [done] = [result for result in results if isinstance(result, Completed)]
-    evaluation = evaluate(done.snapshot)
-    assert verdict(evaluation.results[0]) == "false"
-    assert verdict(evaluate_rows(rows_of(done.snapshot))[0]) == "false"
-    assert choose_victims(done.snapshot, evaluation.wait_for, "youngest") == []
-
-
-def test_a_handler_whose_send_its_receiver_will_take_blocks_no_one() -> None:
-    # Q's handler is blocked on R's full window, R's handler idle: R takes what is queued, Q's send
-    # goes on, Q's run ends and its queue gets room. Q's own wait on P is Q's, not its handler's.
-    q_handler = Wait(task=HANDLER, targets=[WaitNode(process="R", task=HANDLER)], flow_control=True, instance=3)
-    to_r = ChannelSnapshot(src="Q", dst="R", sent_before_marker=2)
-    to_r.messages.extend(RecordedMessage(payload=b"x") for _ in range(2))
-    snapshot = GlobalSnapshot(
-        snapshot_id=5,
-        processes=[
-            ProcessSnapshot(process_id="P", state=LocalState(active=False, waits=[p_handler_sending_to_q()])),
-            ProcessSnapshot(process_id="Q", state=LocalState(active=False, waits=[q_waiting_on_p(), q_handler])),
-            ProcessSnapshot(process_id="R", state=LocalState(active=False)),
-        ],
-        channels=[ChannelSnapshot(src="P", dst="Q", sent_before_marker=2, received_before_recording=2), to_r],
-    )
-    evaluation = evaluate(snapshot)
-    assert verdict(evaluation.results[0]) == "false"
-    assert verdict(evaluate_rows(rows_of(snapshot))[0]) == "false"
-    assert choose_victims(snapshot, evaluation.wait_for, "youngest") == []

@@ -12,7 +12,9 @@ that waits on nothing, and any process outside the cut, is free. A flow-control 
 met by a message in flight; its target is met instead when an acknowledgement is on its way back
 to the waiter: on the channel from the waiter's process to the target's, the receiver had
 acknowledged further at its recording than the sender had seen at its own, both positions known
-and of the same incarnations. Whatever is never released is deadlocked.
+and of the same incarnations; or when the target will consume: some channel into it holds a
+message (any) and it has no flow-control wait of its own (task ""). Whatever is never released
+is deadlocked.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                 return same and r.next_seq > s.next_seq
         return False
 
+    def consumes(process: str) -> bool:
+        handler_sends = any(
+            w.flow_control and not w.task for p in snapshot.processes if p.process_id == process for w in p.state.waits
+        )
+        return not handler_sends and any(c.dst == process and c.messages for c in snapshot.channels)
+
     quiet = (
         closed
         and not any(p.state.active for p in snapshot.processes)
@@ -92,7 +100,11 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
                 for w in waits[waiter]:
                     met = [
                         free((t.process, t.task))
-                        or (acknowledged(pid, t.process) if w.flow_control else wakes(t.process, pid, task))
+                        or (
+                            (acknowledged(pid, t.process) or consumes(t.process))
+                            if w.flow_control
+                            else wakes(t.process, pid, task)
+                        )
                         for t in w.targets
                     ]
                     if met and not (any(met) if w.model == WAIT_MODEL_OR else all(met)):

@@ -23,7 +23,6 @@ from detector_stub import StubDetector
 
 from polling import async_poll, run
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
-from stablewatch.agents.state import HANDLER
 from stablewatch.detector.evaluation import evaluate, result_named, verdict
 from stablewatch.detector.evaluation.waitfor import label
 from stablewatch.v1 import AckPosition, Evaluation, GlobalSnapshot
@@ -129,10 +128,7 @@ def test_handlers_blocked_sending_to_each_other_are_reported_as_a_deadlock_with_
 
         def stuck(agent: Agent, peer: str) -> bool:
             """The agent's handler is blocked sending to ``peer``, whose queue holds the window."""
-            return any(
-                w.task == HANDLER and [(t.process, t.task) for t in w.targets] == [(peer, HANDLER)]
-                for w in agent._blocked.waits()
-            )
+            return any(w.task == "" and [t.process for t in w.targets] == [peer] for w in agent._blocked.waits())
 
         try:
             await court.start()
@@ -144,9 +140,8 @@ def test_handlers_blocked_sending_to_each_other_are_reported_as_a_deadlock_with_
             deadlock = result_named(evaluation, "deadlock")
             assert deadlock is not None and verdict(deadlock) == "true", deadlock
             cycle = [label(node) for node in deadlock.deadlock.cycle]
-            # The two message handlers, each waiting on the other to consume.
-            assert " -> ".join([*cycle, cycle[0]]) == "A/[handler] -> B/[handler] -> A/[handler]"
-            assert {label(node) for node in deadlock.deadlock.deadlocked} >= {"A/[handler]", "B/[handler]"}
+            assert " -> ".join([*cycle, cycle[0]]) == "A -> B -> A"
+            assert {label(node) for node in deadlock.deadlock.deadlocked} >= {"A", "B"}
             # The balls stuck in the full windows and queues are in flight: they wake no one,
             # since only the receiver consuming releases a flow-control wait.
             assert any(channel.messages for channel in snapshot.channels)

@@ -558,6 +558,15 @@ class _Builder:
             return False
         return len(_acking(self.rows, facts)) == 0 and _coverage(self.rows, facts).closed
 
+    def _consuming(self) -> np.ndarray:
+        """The processes a channel into which holds a recorded message and whose handler records no
+        flow-control wait of its own (task 0, ""): :func:`~.waitfor.consuming`, sorted."""
+        dst = self.facts.code("messages", "dst")
+        if not len(dst):
+            return np.zeros(0, dtype=_I64)
+        w = self.w
+        return np.setdiff1d(np.unique(dst), w.wp[(w.wt == 0) & w.fc])
+
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""
         facts = self.facts
@@ -566,6 +575,9 @@ class _Builder:
         acking = _acking(self.rows, facts)
         if len(acking) and fc.any():  # window space: an acknowledgement on its way back to the waiter
             satisfied[fc] = np.isin(wproc[fc] * base + tproc[fc], acking)
+        consumers = self._consuming()
+        if len(consumers) and fc.any():  # or a target that will consume (waitfor.consuming)
+            satisfied[fc] |= np.isin(tproc[fc], consumers)
         if len(facts.waking_any) or facts.waking_task:  # a message on target -> waiter that may wake it
             back = tproc * base + wproc
             woken = np.isin(back, facts.waking_any) & ~fc

@@ -47,6 +47,11 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   space: without the rule, a receiver that consumed, acknowledged, and then waited on p would
   close a cycle that is no deadlock. It is set aside like an edge the in-flight rule satisfies.
   When a position is missing or the incarnations differ, nothing is known and the edge counts.
+  It is satisfied too when a channel into q holds a recorded message (any, a heartbeat too) and
+  q's message handler is not blocked on a send (q records no flow-control wait of its own, task
+  ``""``): a process records only between its handler's runs or while the handler is blocked on
+  a send, so an idle handler will take that message, the queue gets room, and q acknowledges
+  (:func:`consuming`).
 
 Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`).
 """
@@ -91,6 +96,7 @@ __all__ = [
     "WaitFor",
     "acks_in_transit",
     "build_wait_for",
+    "consuming",
     "cycle_edges",
     "empty_channels",
     "evidence_proto",
@@ -202,6 +208,15 @@ def acks_in_transit(snapshot: GlobalSnapshot) -> set[Channel]:
     return channels
 
 
+def consuming(snapshot: GlobalSnapshot) -> set[str]:
+    """Return the processes that will consume: a channel into them holds a recorded message, and
+    their message handler is not blocked on a send (no flow-control wait of task ``""``). Their
+    queues get room without anything more from another process (the acknowledgement rule in the
+    module doc). O(channels + waits)."""
+    sending = {p.process_id for p in snapshot.processes for w in p.state.waits if w.flow_control and not w.task}
+    return {c.dst for c in snapshot.channels if len(c.messages) and c.dst not in sending}
+
+
 def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:
     """Return ``met(process, task, target, flow_control)``: whether the in-flight or the
     acknowledgement rule (see the module doc) meets a wait of `process`'s task `task` on a target
@@ -213,10 +228,11 @@ def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:
     """
     waking = _waking(snapshot)
     acking = acks_in_transit(snapshot)
+    consumers = consuming(snapshot)
 
     def met(process: str, task: str, target: str, flow_control: bool) -> bool:
         if flow_control:  # window space comes from an acknowledgement, never from a message
-            return (process, target) in acking
+            return (process, target) in acking or target in consumers
         channel = (target, process)
         if channel not in waking:
             return False
@@ -278,6 +294,7 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     owner: dict[Node, Node] = {}
     waking = _waking(snapshot)
     acking = acks_in_transit(snapshot)
+    consumers = consuming(snapshot)
     # The quiet rule: a process node stands for its tasks only where nothing can reach it again (an
     # acknowledgement in transit releases a blocked send, whose task may then send anything).
     quiet = (
@@ -309,7 +326,7 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     def satisfied(waiter: Node, target: Node, flow_control: bool) -> bool:
         # meeting()'s rules, inline: this runs once per edge of graphs of millions.
         if flow_control:  # window space comes from an acknowledgement, never from a message
-            return (waiter[0], target[0]) in acking
+            return (waiter[0], target[0]) in acking or target[0] in consumers
         if (target[0], waiter[0]) not in waking:
             return False
         tasks = waking[(target[0], waiter[0])]
