@@ -149,7 +149,8 @@ def _task_waiter(task: asyncio.Task[Any]) -> str:
     be refused, and a deadlock behind the window never found): then one made from the task's
     identity, unique among the tasks alive."""
     name = task.get_name()
-    return name if task_problem(name) is None else f"asyncio task {id(task):#x}"
+    # "" names the message handler (the process): a task asyncio let go unnamed is not it.
+    return name if name and task_problem(name) is None else f"asyncio task {id(task):#x}"
 
 
 class _Counted:
@@ -480,7 +481,10 @@ class Agent:
                     await channel.wait_for_space()
         finally:
             if release:
-                await lock.acquire()
+                # Until the handler holds the lock again, a recording queued ahead of it may run:
+                # the send is about to go on, and the process is recorded active meanwhile.
+                with self._blocked.resuming():
+                    await lock.acquire()
 
     def _send_now(
         self,
@@ -642,7 +646,7 @@ class Agent:
             elif isinstance(action, RecordState):
                 state = self._state_provider() if self._state_provider else self.state.snapshot()
                 waits = self._blocked.waits() if self._blocked else None
-                going_on = bool(self._blocked) and not state.active and self._blocked.going_on()
+                going_on = not state.active and self._blocked.going_on()
                 if waits or going_on:  # on a copy: the provider may hand out a state it keeps
                     provided, state = state, LocalState()
                     state.CopyFrom(provided)

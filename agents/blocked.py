@@ -61,6 +61,7 @@ class BlockedSends:
 
     def __init__(self) -> None:
         self._waiting: dict[int, _Blocked] = {}  # by instance
+        self._resuming = 0  # handlers' sends with space, waiting for the recording lock
         # Sends block and resume on the agent's loop; a break may come from any thread.
         self._lock = threading.Lock()
         #: Rung after a send blocks (its BreakDispatcher sets it, for the hint loop).
@@ -139,13 +140,27 @@ class BlockedSends:
             "DeadlockVictim raised, the message not sent",
         )
 
+    @contextmanager
+    def resuming(self) -> Iterator[None]:
+        """A handler's send that got window space, waiting to take the recording lock back to send."""
+        with self._lock:
+            self._resuming += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._resuming -= 1
+
     def going_on(self) -> bool:
         """Whether a send is blocked that no recording carries: the receiver does not hold its
-        window (acknowledgements are on their way, or its stream is being reconnected), so it is
-        about to go on without anything more from another process. Its process is then recorded
-        as active: passive, its other tasks' waits would stand for the whole process (the quiet
-        rule) though this task is about to send."""
+        window (acknowledgements are on their way, or its stream is being reconnected), or it has
+        space and its handler waits for the recording lock (:meth:`resuming`), so it is about to go
+        on without anything more from another process. Its process is then recorded as active:
+        passive, its other tasks' waits would stand for the whole process (the quiet rule) though
+        this task is about to send."""
         with self._lock:
+            if self._resuming:
+                return True
             blocked = list(self._waiting.values())
         return any(not b.recorded() for b in blocked)
 

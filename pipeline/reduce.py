@@ -105,9 +105,8 @@ def wait_for_frames(
     releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a
     pair is counted while any wait on it is unmet). A flow-control edge is satisfied instead when
     an acknowledgement is in transit on ``waiter -> target``: the channel's ``receiver_acked`` is
-    ahead of its ``sender_ack_seen``, both of the same incarnations; or when a channel into the
-    target holds a recorded message and the target records no flow-control wait of its own (task
-    ""): it will consume (``consuming``). Every node that is not a
+    ahead of its ``sender_ack_seen``, both of the same incarnations; or when the target records
+    no wait of its own (task ""): its handler will consume (``consuming``). Every node that is not a
     waiter is free.
 
     Lazy: a few joins and aggregations, O(processes + wait edges + messages + channels) rows shuffled.
@@ -261,15 +260,13 @@ def wait_for_frames(
     acking = acking.select(
         _ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking")
     )
-    # Targets that will consume (``waitfor.consuming``): a recorded message in a channel into them,
-    # and no flow-control wait of their handler's own (task "").
-    sending = waits.filter(F.col("flow_control") & (F.col("task") == "")).select(
+    # Targets that will consume (``waitfor.consuming``): members that record no wait of their own.
+    own = waits.filter((F.col("task") == "") & F.col("target_process").isNotNull()).select(
         _ID, F.col("process").alias("target_process")
     )
     consuming = (
-        messages.select(_ID, F.col("dst").alias("target_process"))
-        .distinct()
-        .join(sending, [_ID, "target_process"], "left_anti")
+        procs.select(_ID, F.col("process").alias("target_process"))
+        .join(own, [_ID, "target_process"], "left_anti")
         .withColumn("consuming", F.lit(True))
     )
     satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull() | F.col("consuming").isNotNull()).otherwise(

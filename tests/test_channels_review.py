@@ -11,8 +11,8 @@
 * A receiver whose full queue held heartbeats only, its handler idle, held its sender's window;
   on a quiet cut its process node stood for its tasks, and a deadlock was made up through the
   blocked send (and that send chosen as victim), though the idle handler takes the heartbeats and
-  the receiver acknowledges at once. A flow-control edge is now met when a channel into its target
-  holds a recorded message and the target's handler is not blocked on a send (waitfor.consuming).
+  the receiver acknowledges at once. A flow-control edge is now met when its target records no wait
+  of its own (task ""): its handler is idle or in a send about to go on (waitfor.consuming).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from stablewatch.v1 import (
     LocalSnapshotPart,
     LocalState,
     ProcessSnapshot,
+    RecordedMessage,
     Wait,
     WaitNode,
 )
@@ -218,10 +219,103 @@ def test_a_queue_full_of_heartbeats_holds_no_deadlock_when_its_handler_is_idle()
     assert verdict(evaluation.results[0]) == "false"  # P/pump is released by Q consuming
     assert choose_victims(done.snapshot, evaluation.wait_for, "youngest") == []
     assert verdict(evaluate_rows(rows_of(done.snapshot))[0]) == "false"
-    # Q's handler blocked on a send of its own would consume nothing: then the cycle stands.
-    q_sends = Wait(task="", targets=[WaitNode(process="P")], flow_control=True, instance=3, began_at_us=3)
+    # Handlers blocked on each other's held windows consume nothing: that cycle stands.
     blocked = GlobalSnapshot()
     blocked.CopyFrom(done.snapshot)
-    next(proc for proc in blocked.processes if proc.process_id == "Q").state.waits.append(q_sends)
+    for process, other in (("P", "Q"), ("Q", "P")):
+        sends = Wait(task="", targets=[WaitNode(process=other)], flow_control=True, instance=3, began_at_us=3)
+        next(proc for proc in blocked.processes if proc.process_id == process).state.waits.append(sends)
     assert verdict(evaluate(blocked).results[0]) == "true"
     assert verdict(evaluate_rows(rows_of(blocked))[0]) == "true"
+
+
+def held_full_window(src: str, dst: str) -> OutboundChannel:
+    """A channel whose window of one holds a message its receiver has not acknowledged."""
+    channel = OutboundChannel(
+        src, dst, UNREACHABLE, incarnation=P_INC, settings=ChannelSettings(window_entries=1),
+        metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+    )  # fmt: skip
+    channel.push(b"m", 10)
+    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hello's answer
+    channel._next_frame()
+    return channel
+
+
+def test_a_handler_whose_send_has_space_but_not_the_lock_yet_is_recorded_active() -> None:
+    # From a review (read only) of 4e6ce89: P's handler blocks on a full window and gives the
+    # recording lock up; two recordings wait for it (two detectors, or a hint and the schedule).
+    # Space comes, the handler leaves the blocked send and waits for the lock behind the second
+    # recording, which recorded P passive with nothing about the send that is about to go out.
+    async def recorded() -> LocalState:
+        agent = Agent("P", peers={"Q": UNREACHABLE}, hint_after=None)
+        agent._lock = asyncio.Lock()  # what start() makes, without any network
+        channel = held_full_window("P", "Q")
+        agent._outbound["Q"] = channel
+        agent._carry_out(agent._core.open_outbound("Q"))
+        agent.state.set_active(False)
+        parts: list[LocalSnapshotPart] = []
+        agent.on_part(parts.append)
+        loop = asyncio.get_running_loop()
+        go = asyncio.Event()
+
+        async def handler() -> None:  # the delivery task, running an asyncio handler's run
+            async with agent._lock:
+                await go.wait()
+                # The acknowledgement is ready to run just as the handler blocks on the window.
+                loop.call_soon(channel._acknowledge, ChannelAck(next_seq=1, receiver_incarnation=Q_INC))
+                await agent.send("Q", b"x")
+
+        agent._delivery = loop.create_task(handler())
+        await asyncio.sleep(0)
+        first, second = loop.create_task(agent.start_snapshot(1)), loop.create_task(agent.start_snapshot(2))
+        await asyncio.sleep(0)
+        go.set()
+        await asyncio.gather(agent._delivery, first, second)
+        [state] = [part.state for part in parts if part.snapshot_id == 2 and part.HasField("state")]
+        return state
+
+    assert asyncio.run(recorded()).active  # its handler is about to send
+
+
+def test_a_task_asyncio_let_go_unnamed_is_not_the_message_handler() -> None:
+    async def recorded() -> list[Wait]:
+        agent = Agent("P", peers={"Q": UNREACHABLE}, hint_after=None)
+        agent._lock = asyncio.Lock()
+        channel = held_full_window("P", "Q")
+        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # Q holds the window
+        agent._outbound["Q"] = channel
+        agent._carry_out(agent._core.open_outbound("Q"))
+        loop = asyncio.get_running_loop()
+        agent._delivery = loop.create_task(asyncio.sleep(3600), name="delivery-P")  # an idle handler
+        pump = loop.create_task(agent.send("Q", b"x"), name="")  # a task of P's, not its handler
+        await asyncio.sleep(0)
+        waits = agent._blocked.waits()
+        for task in (pump, agent._delivery):
+            task.cancel()
+        await asyncio.gather(pump, agent._delivery, return_exceptions=True)
+        return waits
+
+    [wait] = asyncio.run(recorded())
+    assert wait.flow_control and wait.task.startswith("asyncio task 0x")  # not "": the process's own
+
+
+def test_a_wait_the_handler_declares_holds_up_the_sends_to_it() -> None:
+    # From a review (read only): P's handler declares a wait on R (state.waiting, task "") and
+    # sends to Q, a send about to go on (not recorded; P active); the handler will then await R's
+    # answer, holding the recording lock. R's handler is blocked on P's full window, R's heartbeats
+    # queued at P. A real deadlock, P -> R -> P: P's handler never takes them.
+    waits_on_r = Wait(task="", targets=[WaitNode(process="R")], instance=1, began_at_us=1)
+    r_sends = Wait(task="", targets=[WaitNode(process="P")], flow_control=True, instance=2, began_at_us=2)
+    into_p = ChannelSnapshot(src="R", dst="P", sent_before_marker=2)
+    into_p.messages.extend(RecordedMessage(payload=b"hb", no_wake=True) for _ in range(2))  # R's heartbeats
+    snapshot = GlobalSnapshot(
+        snapshot_id=5,
+        processes=[
+            ProcessSnapshot(process_id="P", state=LocalState(active=True, waits=[waits_on_r])),
+            ProcessSnapshot(process_id="Q", state=LocalState(active=False)),
+            ProcessSnapshot(process_id="R", state=LocalState(active=True, waits=[r_sends])),
+        ],
+        channels=[into_p],
+    )
+    assert verdict(evaluate(snapshot).results[0]) == "true"
+    assert verdict(evaluate_rows(rows_of(snapshot))[0]) == "true"

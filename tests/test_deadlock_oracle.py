@@ -12,9 +12,8 @@ that waits on nothing, and any process outside the cut, is free. A flow-control 
 met by a message in flight; its target is met instead when an acknowledgement is on its way back
 to the waiter: on the channel from the waiter's process to the target's, the receiver had
 acknowledged further at its recording than the sender had seen at its own, both positions known
-and of the same incarnations; or when the target will consume: some channel into it holds a
-message (any) and it has no flow-control wait of its own (task ""). Whatever is never released
-is deadlocked.
+and of the same incarnations; or when the target will consume: it is a member with no wait of
+its own (task "", with a target). Whatever is never released is deadlocked.
 """
 
 from __future__ import annotations
@@ -68,10 +67,11 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
         return False
 
     def consumes(process: str) -> bool:
-        handler_sends = any(
-            w.flow_control and not w.task for p in snapshot.processes if p.process_id == process for w in p.state.waits
+        """A member that records no wait of its own (task "", with a target): its handler is free."""
+        return any(
+            p.process_id == process and not any(not w.task and w.targets for w in p.state.waits)
+            for p in snapshot.processes
         )
-        return not handler_sends and any(c.dst == process and c.messages for c in snapshot.channels)
 
     quiet = (
         closed

@@ -559,13 +559,9 @@ class _Builder:
         return len(_acking(self.rows, facts)) == 0 and _coverage(self.rows, facts).closed
 
     def _consuming(self) -> np.ndarray:
-        """The processes a channel into which holds a recorded message and whose handler records no
-        flow-control wait of its own (task 0, ""): :func:`~.waitfor.consuming`, sorted."""
-        dst = self.facts.code("messages", "dst")
-        if not len(dst):
-            return np.zeros(0, dtype=_I64)
+        """The members that record no wait of their own (task 0, ""): :func:`~.waitfor.consuming`, sorted."""
         w = self.w
-        return np.setdiff1d(np.unique(dst), w.wp[(w.wt == 0) & w.fc])
+        return np.setdiff1d(np.arange(self.facts.members, dtype=_I64), w.wp[(w.wt == 0) & (w.tp >= 0)])
 
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""

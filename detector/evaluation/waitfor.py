@@ -47,11 +47,11 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   space: without the rule, a receiver that consumed, acknowledged, and then waited on p would
   close a cycle that is no deadlock. It is set aside like an edge the in-flight rule satisfies.
   When a position is missing or the incarnations differ, nothing is known and the edge counts.
-  It is satisfied too when a channel into q holds a recorded message (any, a heartbeat too) and
-  q's message handler is not blocked on a send (q records no flow-control wait of its own, task
-  ``""``): a process records only between its handler's runs or while the handler is blocked on
-  a send, so an idle handler will take that message, the queue gets room, and q acknowledges
-  (:func:`consuming`).
+  It is satisfied too when q records no wait of its own (task ``""``): a process records only
+  between its handler's runs or while the handler is blocked on a send (a wait of task ``""``,
+  as is any wait the handler declares), so q's handler will take what is queued, and q
+  acknowledges (:func:`consuming`). A wait of task ``""`` may also be a background task's (the
+  process's own): then the edge counts, though the handler may be free.
 
 Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`).
 """
@@ -209,12 +209,14 @@ def acks_in_transit(snapshot: GlobalSnapshot) -> set[Channel]:
 
 
 def consuming(snapshot: GlobalSnapshot) -> set[str]:
-    """Return the processes that will consume: a channel into them holds a recorded message, and
-    their message handler is not blocked on a send (no flow-control wait of task ``""``). Their
-    queues get room without anything more from another process (the acknowledgement rule in the
-    module doc). O(channels + waits)."""
-    sending = {p.process_id for p in snapshot.processes for w in p.state.waits if w.flow_control and not w.task}
-    return {c.dst for c in snapshot.channels if len(c.messages) and c.dst not in sending}
+    """Return the members that record no wait of their own (task ``""``, with a target): their
+    message handler is idle or in a send about to go on (a process records only between its
+    handler's runs or while the handler is blocked on a send, and a send it records is a wait of
+    task ``""``; a wait the handler declares is one too), so it will take what is queued and the
+    queue gets room without anything more from another process (the acknowledgement rule in the
+    module doc). O(processes + waits)."""
+    own = {p.process_id for p in snapshot.processes for w in p.state.waits if not w.task and len(w.targets)}
+    return {p.process_id for p in snapshot.processes} - own
 
 
 def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:
