@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -54,36 +55,56 @@ pytestmark = pytest.mark.timeout(30)
 UNREACHABLE = "127.0.0.1:1"  # nothing listens there: every connection attempt fails
 
 
+def full_window(*entries: object, **settings: float) -> OutboundChannel:
+    """P's channel to Q (unreachable) with a window of `entries`, all written and none acknowledged,
+    the hello answered (Q holds nothing yet)."""
+    channel = OutboundChannel(
+        "P", "Q", UNREACHABLE, incarnation=P_INC, settings=ChannelSettings(window_entries=len(entries), **settings),
+        metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
+    )  # fmt: skip
+    for entry in entries:
+        channel.push(entry, 10)
+    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hello's answer
+    channel._next_frame()
+    return channel
+
+
+def hold(channel: OutboundChannel) -> None:
+    """Q repeats its acknowledgement: its queue is full, and it holds the window."""
+    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))
+
+
+@contextlib.asynccontextmanager
+async def blocked_send(blocked: BlockedSends, waiter: str, channel: OutboundChannel) -> AsyncIterator[None]:
+    """A send of `waiter` ("" for the message handler) blocked on `channel` while the block lasts."""
+    release = asyncio.Event()
+
+    async def send() -> None:
+        with blocked.waiting(waiter, channel):
+            await release.wait()
+
+    sending = asyncio.get_running_loop().create_task(send())
+    await asyncio.sleep(0)  # the send blocks
+    try:
+        yield
+    finally:
+        release.set()
+        await sending
+
+
 async def waits_before_and_after_a_failed_reconnect() -> tuple[list[Wait], list[Wait]]:
     """P's handler blocked sending to Q, whose full queue holds P's window; then P's stream breaks
     and its next connection attempt fails. The flow-control waits recorded before and after."""
-    settings = ChannelSettings(window_entries=2, backoff_initial=0.01, backoff_max=0.02)
-    channel = OutboundChannel(
-        "P", "Q", UNREACHABLE, incarnation=1, settings=settings,
-        metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
-    )  # fmt: skip
-    channel.push(b"m1", 10)
-    channel.push(b"m2", 10)
-    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hello's answer: queue full
-    channel._next_frame()  # both written
-    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hold
+    channel = full_window(b"m1", b"m2", backoff_initial=0.01, backoff_max=0.02)
+    hold(channel)
     assert channel.held and not channel.has_space()
     blocked = BlockedSends()
-    release = asyncio.Event()
-
-    async def handler_sending() -> None:
-        with blocked.waiting("", channel):
-            await release.wait()
-
-    sending = asyncio.get_running_loop().create_task(handler_sending())
-    await asyncio.sleep(0)  # the send blocks
-    before = blocked.waits()
-    channel._acks_on_stream, channel._next_to_write = 0, channel._head  # the stream broke
-    with contextlib.suppress(Exception):  # the attempt to reconnect fails
-        await asyncio.wait_for(channel._stream(), 10)
-    after = blocked.waits()
-    release.set()
-    await sending
+    async with blocked_send(blocked, "", channel):
+        before = blocked.waits()
+        channel._acks_on_stream, channel._next_to_write = 0, channel._head  # the stream broke
+        with contextlib.suppress(Exception):  # the attempt to reconnect fails
+            await asyncio.wait_for(channel._stream(), 10)
+        after = blocked.waits()
     if channel._grpc_channel is not None:
         await channel._grpc_channel.close()
     return before, after
@@ -149,27 +170,12 @@ def test_a_passive_process_with_a_send_about_to_go_on_is_recorded_active() -> No
 
 def test_a_send_held_by_the_receiver_is_a_wait_and_leaves_the_process_passive() -> None:
     async def going_on() -> tuple[bool, list[Wait]]:
-        channel = OutboundChannel(
-            "P", "Q", UNREACHABLE, incarnation=1, settings=ChannelSettings(window_entries=1),
-            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
-        )  # fmt: skip
-        channel.push(AppMessage(b"hb", None, True), 10)
-        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))
-        channel._next_frame()
+        channel = full_window(AppMessage(b"hb", None, True))
         blocked = BlockedSends()
-        release = asyncio.Event()
-
-        async def pump() -> None:
-            with blocked.waiting("pump", channel):
-                await release.wait()
-
-        sending = asyncio.get_running_loop().create_task(pump())
-        await asyncio.sleep(0)
-        unheld = blocked.going_on(), blocked.waits()
-        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=2))  # the hold
-        held = blocked.going_on(), blocked.waits()
-        release.set()
-        await sending
+        async with blocked_send(blocked, "pump", channel):
+            unheld = blocked.going_on(), blocked.waits()
+            hold(channel)
+            held = blocked.going_on(), blocked.waits()
         assert unheld == (True, [])
         return held
 
@@ -229,18 +235,6 @@ def test_a_queue_full_of_heartbeats_holds_no_deadlock_when_its_handler_is_idle()
     assert verdict(evaluate_rows(rows_of(blocked))[0]) == "true"
 
 
-def held_full_window(src: str, dst: str) -> OutboundChannel:
-    """A channel whose window of one holds a message its receiver has not acknowledged."""
-    channel = OutboundChannel(
-        src, dst, UNREACHABLE, incarnation=P_INC, settings=ChannelSettings(window_entries=1),
-        metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda in_transit: None,
-    )  # fmt: skip
-    channel.push(b"m", 10)
-    channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # the hello's answer
-    channel._next_frame()
-    return channel
-
-
 def test_a_handler_whose_send_has_space_but_not_the_lock_yet_is_recorded_active() -> None:
     # From a review (read only) of 4e6ce89: P's handler blocks on a full window and gives the
     # recording lock up; two recordings wait for it (two detectors, or a hint and the schedule).
@@ -249,7 +243,7 @@ def test_a_handler_whose_send_has_space_but_not_the_lock_yet_is_recorded_active(
     async def recorded() -> LocalState:
         agent = Agent("P", peers={"Q": UNREACHABLE}, hint_after=None)
         agent._lock = asyncio.Lock()  # what start() makes, without any network
-        channel = held_full_window("P", "Q")
+        channel = full_window(b"m")
         agent._outbound["Q"] = channel
         agent._carry_out(agent._core.open_outbound("Q"))
         agent.state.set_active(False)
@@ -281,8 +275,8 @@ def test_a_task_asyncio_let_go_unnamed_is_not_the_message_handler() -> None:
     async def recorded() -> list[Wait]:
         agent = Agent("P", peers={"Q": UNREACHABLE}, hint_after=None)
         agent._lock = asyncio.Lock()
-        channel = held_full_window("P", "Q")
-        channel._acknowledge(ChannelAck(next_seq=0, receiver_incarnation=Q_INC))  # Q holds the window
+        channel = full_window(b"m")
+        hold(channel)
         agent._outbound["Q"] = channel
         agent._carry_out(agent._core.open_outbound("Q"))
         loop = asyncio.get_running_loop()
