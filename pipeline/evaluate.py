@@ -730,9 +730,10 @@ def evaluate_archive(
 
 
 def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int]]:
-    """The baselines the detector took, as its archived conservation results say: per counter, the
-    first ``(counter, order key, total)`` of a result flagged ``baseline`` (one Spark job over a few
-    columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded)."""
+    """The baselines the detector took, as its archived conservation results say: a ``(counter,
+    order key, total)`` per result flagged ``baseline`` (one Spark job over a few columns of the
+    ``results`` and ``snapshots`` tables; no snapshot is decoded). A counter has one, or one per
+    store the detector started afresh: :func:`find_totals` keeps the first, as for the others."""
     evidence = F.col("evidence")
     taken = (
         archive.table("results")
@@ -745,14 +746,8 @@ def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int
         )
     )
     heads = _with_order(archive.table("snapshots").select("snapshot_id", "finished_at"))
-    firsts = (
-        taken.join(heads, "snapshot_id")
-        .groupBy("counter")
-        .agg(F.min(F.struct("finished_us", "snapshot_id", "total")).alias("first"))
-        .select("counter", "first.*")
-    )
     with archive.reading():
-        rows = firsts.collect()
+        rows = taken.join(heads, "snapshot_id").collect()
     return [(row["counter"], (row["finished_us"], row["snapshot_id"]), row["total"]) for row in rows]
 
 
