@@ -124,7 +124,7 @@ from stablewatch.agents.inbox import Inbox, QueuedRun
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import ChannelSettings, OutboundChannel
 from stablewatch.agents.state import LocalStateKeeper, task_problem
-from stablewatch.v1 import LocalSnapshotPart, LocalState, channel_pb2_grpc
+from stablewatch.v1 import LocalSnapshotPart, LocalState, Wait, channel_pb2_grpc
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN, BreakWait, WaitHint
 
 __all__ = ["Agent", "MessageHandler", "MessageTooLarge"]
@@ -260,6 +260,7 @@ class Agent:
         self._lock: asyncio.Lock | None = None
         self._inbox = Inbox(self._settings.inbox_entries, self._settings.inbox_bytes)
         self._delivery: asyncio.Task[None] | None = None
+        self._in_run = False  # the delivery task is inside a run of the (async) message handler
         self._server: grpc.aio.Server | None = None
         self._inbound: InboundChannels | None = None
         self._links: DetectorLinks | None = None
@@ -594,7 +595,11 @@ class Agent:
             if self._handler_is_async:
                 assert self._lock is not None
                 async with self._lock:
-                    await self._hand_over(run)
+                    self._in_run = True
+                    try:
+                        await self._hand_over(run)
+                    finally:
+                        self._in_run = False
             else:
                 self._hand_over_now(run.src, run.messages)
                 run.taken = len(run.messages)
@@ -644,14 +649,21 @@ class Agent:
                 else:
                     channel.push(entry, entry_size(entry))
             elif isinstance(action, RecordState):
-                state = self._state_provider() if self._state_provider else self.state.snapshot()
+                provider = self._state_provider
+                state = provider() if provider else self.state.snapshot()
                 waits = self._blocked.waits() if self._blocked else None
                 going_on = not state.active and self._blocked.going_on()
-                if waits or going_on:  # on a copy: the provider may hand out a state it keeps
+                handler_waits = self._handler_waits(state, waits)
+                if provider is not None:  # on a copy: the provider may hand out a state it keeps
                     provided, state = state, LocalState()
                     state.CopyFrom(provided)
-                    state.waits.extend(waits or ())
-                    state.active = state.active or going_on
+                    state.ClearField("handler_waits")  # the agent's to say, not the application's
+                if waits:
+                    state.waits.extend(waits)
+                if going_on:
+                    state.active = True
+                if handler_waits is not None:
+                    state.handler_waits = handler_waits
                 self.metrics.snapshot_recorded()
                 undelivered = self._inbox.undelivered() if self._inbox else None
                 # Where acknowledgements stand, for the detector to tell one in transit.
@@ -673,6 +685,24 @@ class Agent:
                 self.metrics.snapshot_failed()
                 if self._links is not None:
                     self._links.report_failure(action.snapshot_id, action.reason)
+
+    def _handler_waits(self, state: LocalState, blocked: Sequence[Wait] | None) -> bool | None:
+        """``LocalState.handler_waits`` for a recording now: whether the message handler is inside a
+        run that waits. None when that is not known (waits a state provider reports carry no task
+        to tell the handler's from others').
+
+        A recording holds the lock the handler holds across a run, except while the handler is
+        blocked on a send: so the handler is between runs, or in that send (recorded as a wait of
+        task "" while the receiver holds the window, else about to go on), with what it declared
+        before it still open.
+        """
+        if not self._in_run:
+            return False
+        if any(not w.task for w in blocked or ()):
+            return True
+        if self._state_provider is not None:
+            return None
+        return self.state.declared_in(self._delivery)
 
     def _report(self, part: LocalSnapshotPart) -> None:
         for listener in self._part_listeners:

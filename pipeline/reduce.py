@@ -105,9 +105,9 @@ def wait_for_frames(
     releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a
     pair is counted while any wait on it is unmet). A flow-control edge is satisfied instead when
     an acknowledgement is in transit on ``waiter -> target``: the channel's ``receiver_acked`` is
-    ahead of its ``sender_ack_seen``, both of the same incarnations; or when the target records
-    no wait of its own (task ""): its handler will consume (``consuming``). Every node that is not a
-    waiter is free.
+    ahead of its ``sender_ack_seen``, both of the same incarnations; or when the target's handler
+    will consume (``consuming``): its ``handler_waits`` is false, or not recorded and the target
+    records no wait of its own (task ""). Every node that is not a waiter is free.
 
     Lazy: a few joins and aggregations, O(processes + wait edges + messages + channels) rows shuffled.
     """
@@ -260,14 +260,19 @@ def wait_for_frames(
     acking = acking.select(
         _ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking")
     )
-    # Targets that will consume (``waitfor.consuming``): members that record no wait of their own.
-    own = waits.filter((F.col("task") == "") & F.col("target_process").isNotNull()).select(
-        _ID, F.col("process").alias("target_process")
+    # Targets that will consume (``waitfor.consuming``): members whose handler_waits is false, or
+    # not recorded (an older agent) and that record no wait of their own.
+    own = (
+        waits.filter((F.col("task") == "") & F.col("target_process").isNotNull())
+        .select(_ID, F.col("process").alias("target_process"))
+        .distinct()
+        .withColumn("own_wait", F.lit(True))
     )
     consuming = (
-        procs.select(_ID, F.col("process").alias("target_process"))
-        .join(own, [_ID, "target_process"], "left_anti")
-        .withColumn("consuming", F.lit(True))
+        processes.select(_ID, F.col("process_id").alias("target_process"), "handler_waits")
+        .join(own, [_ID, "target_process"], "left")
+        .filter(~F.coalesce(F.col("handler_waits"), F.col("own_wait").isNotNull()))
+        .select(_ID, "target_process", F.lit(True).alias("consuming"))
     )
     satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull() | F.col("consuming").isNotNull()).otherwise(
         F.col("wakes_all").isNotNull() & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))

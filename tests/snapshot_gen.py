@@ -5,7 +5,7 @@ tasks and of processes, flow-control waits, targets outside the cut, active and 
 processes, recorded messages that wake their receiver, only one of its tasks, or nobody
 (heartbeats), acknowledgement positions on channels (one in transit, none, of other
 incarnations, unknown), mostly on the channels of flow-control waits, and counters on processes
-and on messages; cuts are open or closed.
+and on messages; whether each handler waits (recorded either way, or not); cuts are open or closed.
 """
 
 from __future__ import annotations
@@ -111,12 +111,22 @@ def random_snapshot(
             )
         )
     _add_ack_positions(random.Random(snapshot_id * 1_000_003 + n), snapshot)
+    _add_handler_waits(random.Random(snapshot_id * 999_983 + n), snapshot)
     snapshot.expected_members.extend(pids + (["P_gone"] if rng.random() < 0.08 else []))
     if rng.random() < 0.05:
         snapshot.expected_member_count = n + 1
     if outsiders and rng.random() < 0.3:
         snapshot.outside_peers.append(outsiders[0])
     return snapshot
+
+
+def _add_handler_waits(rng: random.Random, snapshot: GlobalSnapshot) -> None:
+    """Whether each process's handler waits, as agents record it now, or unset as an older agent
+    leaves it (a generator of its own, so the rest of each seed's snapshot stays as it was)."""
+    for process in snapshot.processes:
+        choice = rng.choice([None, True, False])
+        if choice is not None:
+            process.state.handler_waits = choice
 
 
 def _add_ack_positions(rng: random.Random, snapshot: GlobalSnapshot) -> None:

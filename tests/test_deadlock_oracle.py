@@ -67,11 +67,14 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
         return False
 
     def consumes(process: str) -> bool:
-        """A member that records no wait of its own (task "", with a target): its handler is free."""
-        return any(
-            p.process_id == process and not any(not w.task and w.targets for w in p.state.waits)
-            for p in snapshot.processes
-        )
+        """A member whose handler is free: it says so (``handler_waits`` false), or says nothing
+        (an older agent) and records no wait of its own (task "", with a target)."""
+        for p in snapshot.processes:
+            if p.process_id == process:
+                if p.state.HasField("handler_waits"):
+                    return not p.state.handler_waits
+                return not any(not w.task and w.targets for w in p.state.waits)
+        return False
 
     quiet = (
         closed
@@ -138,6 +141,9 @@ def snapshots(draw: st.DrawFn, shape: Shape = Shape()) -> GlobalSnapshot:
     processes = []
     for pid in pids:
         state = LocalState(active=draw(st.booleans()))
+        handler_waits = draw(st.sampled_from([None, True, False]))  # None: an older agent's
+        if handler_waits is not None:
+            state.handler_waits = handler_waits
         for task in ["", *tasks[pid]]:
             for _ in range(draw(st.integers(0, 2))):
                 targets = draw(st.lists(st.sampled_from(targets_pool), max_size=3, unique=True))

@@ -68,6 +68,9 @@ def snapshots(draw: st.DrawFn) -> GlobalSnapshot:
     snapshot = GlobalSnapshot(snapshot_id=draw(st.integers(1, 2**40)))
     for pid in pids:
         state = LocalState(active=draw(st.booleans()))
+        handler_waits = draw(st.sampled_from([None, True, False]))  # None: an older agent's
+        if handler_waits is not None:
+            state.handler_waits = handler_waits
         for _ in range(draw(st.integers(0, 4))):
             wait = Wait(
                 task=draw(st.sampled_from(tasks[:4])),

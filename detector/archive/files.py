@@ -2,7 +2,7 @@
 
 Layout (see :mod:`.schema` for the tables)::
 
-    ARCHIVE/_stablewatch_archive.json                 {"format": "stablewatch-archive", "schema_version": 3}
+    ARCHIVE/_stablewatch_archive.json                 {"format": "stablewatch-archive", "schema_version": 4}
     ARCHIVE/<table>/day=YYYY-MM-DD/<batch>.parquet    one file per table, day and batch
     ARCHIVE/resolutions/day=YYYY-MM-DD/<name>.parquet  breaks, written on their own
 

@@ -6,7 +6,8 @@ Every row carries its ``snapshot_id``. One row per:
 
 * ``snapshots`` — a finished snapshot: ids, times, outcome, abort kind and reason, sizes, what
   the cut was measured against, and (when small enough) the serialized ``GlobalSnapshot``;
-* ``processes`` — a process state: active, attributes (JSON);
+* ``processes`` — a process state: active, attributes (JSON), and whether its message handler
+  was in a run that waits (``handler_waits``; null when not recorded; since version 4);
 * ``counters`` — a counter holding: in a process (its state's value, zeros included) or on a
   channel (the sum over the channel's recorded messages);
 * ``wait_edges`` — a declared wait edge: waiter process/task -> target process/task, model,
@@ -91,7 +92,7 @@ __all__ = [
 ]
 
 #: The archive format this code writes and reads (and every older one).
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 #: The file at the archive's root that says it is one, and of which version.
 MARKER_FILE = "_stablewatch_archive.json"
 #: The Parquet key-value metadata key holding the schema version of every file.
@@ -144,6 +145,7 @@ TABLES: dict[str, pa.Schema] = {
             ("process_index", pa.int32()),  # position in the snapshot
             ("active", pa.bool_()),
             ("attributes", pa.string()),  # JSON object; "" when the process reported none
+            ("handler_waits", pa.bool_()),  # LocalState.handler_waits; null: not recorded; since version 4
             ("day", pa.string()),
         ]
     ),
@@ -243,6 +245,7 @@ TABLES: dict[str, pa.Schema] = {
 SNAPSHOT_TABLES: tuple[str, ...] = tuple(name for name in TABLES if name != "resolutions")
 #: Columns added after version 1: table -> column -> the version that added it.
 _ADDED: dict[str, dict[str, int]] = {
+    "processes": {"handler_waits": 4},
     "channels": {"receiver_acked": 2, "sender_ack_seen": 2},
     "wait_edges": {"instance": 3, "began_at": 3},
 }
@@ -350,6 +353,7 @@ def snapshot_rows(
                 "process_index": process_index,
                 "active": state.active,
                 "attributes": attributes,
+                "handler_waits": state.handler_waits if state.HasField("handler_waits") else None,
                 "day": day,
             }
         )
@@ -485,6 +489,8 @@ def snapshot_from_rows(
     states: dict[str, LocalState] = {}
     for row in sorted(processes, key=lambda r: r["process_index"]):
         state = LocalState(active=bool(row["active"]))
+        if row.get("handler_waits") is not None:
+            state.handler_waits = row["handler_waits"]
         if row["attributes"]:
             json_format.Parse(row["attributes"], state.attributes)
         states[row["process_id"]] = state

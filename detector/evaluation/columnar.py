@@ -72,7 +72,7 @@ __all__ = [
 
 #: The columns of each archive table that the evaluation reads (a reader need read no others).
 COLUMNS: dict[str, tuple[str, ...]] = {
-    "processes": ("process_id", "process_index", "active"),
+    "processes": ("process_id", "process_index", "active", "handler_waits"),
     "counters": ("counter", "process_id", "amount"),
     "wait_edges": (
         "waiter_process",
@@ -240,6 +240,7 @@ class _Facts:
     codes: dict[tuple[str, str], np.ndarray]  # (table, column) -> name numbers, -1 for null
     expected: np.ndarray  # the head's expected members and outside peers, as name numbers
     active: np.ndarray  # per member
+    handler_waits: np.ndarray  # per member: 1 its handler waits, 0 it does not, -1 not recorded
     tasks: pa.Array  # every task name, "" first
     task_codes: dict[tuple[str, str], np.ndarray]
     waking_any: np.ndarray  # sorted channels (src * names + dst) with a message that may wake any wait of dst
@@ -273,6 +274,11 @@ def _facts(rows: SnapshotRows) -> _Facts:
         raise RowsError(f"snapshot {sid}: a process has more than one row")
     codes = dict(zip(_NAMED, pieces[1 : 1 + len(_NAMED)], strict=True))
     active = _bools(_array(processes["active"]).take(pa.array(order))) if members else np.zeros(0, bool)
+    handler_waits = (
+        _ints(_array(processes["handler_waits"]).take(pa.array(order)).cast(pa.int8()), -1)
+        if members
+        else np.zeros(0, _I64)
+    )
 
     task_parts = [
         pa.chunked_array([pa.array([""])]),
@@ -310,6 +316,7 @@ def _facts(rows: SnapshotRows) -> _Facts:
         codes=codes,
         expected=np.concatenate(pieces[1 + len(_NAMED) :]),
         active=active,
+        handler_waits=handler_waits,
         tasks=tasks,
         task_codes=task_codes,
         waking_any=np.unique(channel[for_any]),
@@ -559,9 +566,13 @@ class _Builder:
         return len(_acking(self.rows, facts)) == 0 and _coverage(self.rows, facts).closed
 
     def _consuming(self) -> np.ndarray:
-        """The members that record no wait of their own (task 0, ""): :func:`~.waitfor.consuming`, sorted."""
-        w = self.w
-        return np.setdiff1d(np.arange(self.facts.members, dtype=_I64), w.wp[(w.wt == 0) & (w.tp >= 0)])
+        """The members whose handler will take what is queued (:func:`~.waitfor.consuming`), sorted:
+        ``handler_waits`` false, or not recorded and no wait of their own (task 0, "", with a target)."""
+        w, recorded = self.w, self.facts.handler_waits
+        waits = np.zeros(self.facts.members, dtype=bool)
+        waits[w.wp[(w.wt == 0) & (w.tp >= 0)]] = True
+        waits = np.where(recorded < 0, waits, recorded == 1)
+        return np.flatnonzero(~waits).astype(_I64)
 
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""

@@ -47,11 +47,12 @@ How a :class:`~stablewatch.v1.GlobalSnapshot` becomes a graph:
   space: without the rule, a receiver that consumed, acknowledged, and then waited on p would
   close a cycle that is no deadlock. It is set aside like an edge the in-flight rule satisfies.
   When a position is missing or the incarnations differ, nothing is known and the edge counts.
-  It is satisfied too when q records no wait of its own (task ``""``): a process records only
-  between its handler's runs or while the handler is blocked on a send (a wait of task ``""``,
-  as is any wait the handler declares), so q's handler will take what is queued, and q
-  acknowledges (:func:`consuming`). A wait of task ``""`` may also be a background task's (the
-  process's own): then the edge counts, though the handler may be free.
+  It is satisfied too when q's message handler will take what is queued, and q acknowledges
+  (:func:`consuming`). A process records only between its handler's runs or while the handler
+  is blocked on a send, and its agent records whether the handler was inside a run that waits
+  (``handler_waits``: on that send, or on a wait it declared). An older agent does not: there
+  q's handler counts as waiting when q records a wait of task ``""`` (what the handler waits on
+  is one), though such a wait may be a background task's and the handler free.
 
 Deadlock is then graph reduction with each waiter's own model (:mod:`.deadlock`).
 """
@@ -78,6 +79,7 @@ from stablewatch.v1 import (
     ChannelRef,
     DeadlockEvidence,
     GlobalSnapshot,
+    LocalState,
     ProcessSnapshot,
     Wait,
     WaitEdge,
@@ -209,14 +211,20 @@ def acks_in_transit(snapshot: GlobalSnapshot) -> set[Channel]:
 
 
 def consuming(snapshot: GlobalSnapshot) -> set[str]:
-    """Return the members that record no wait of their own (task ``""``, with a target): their
-    message handler is idle or in a send about to go on (a process records only between its
-    handler's runs or while the handler is blocked on a send, and a send it records is a wait of
-    task ``""``; a wait the handler declares is one too), so it will take what is queued and the
-    queue gets room without anything more from another process (the acknowledgement rule in the
-    module doc). O(processes + waits)."""
-    own = {p.process_id for p in snapshot.processes for w in p.state.waits if not w.task and len(w.targets)}
-    return {p.process_id for p in snapshot.processes} - own
+    """Return the members whose message handler will take what is queued, so that their queue
+    gets room without anything more from another process (the acknowledgement rule in the module
+    doc): those whose agent recorded ``handler_waits`` false (the handler between runs, or in a
+    send about to go on with nothing it declared open). Where that is not recorded (an older
+    agent), those that record no wait of their own (task ``""``, with a target), the handler's
+    being of that task. O(processes + waits)."""
+    return {p.process_id for p in snapshot.processes if not _handler_waits(p.state)}
+
+
+def _handler_waits(state: LocalState) -> bool:
+    """Whether a process's message handler may be in a run that waits (see :func:`consuming`)."""
+    if state.HasField("handler_waits"):
+        return state.handler_waits
+    return any(not w.task and len(w.targets) for w in state.waits)
 
 
 def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:

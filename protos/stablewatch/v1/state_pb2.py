@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astablewatch/v1/state.proto\x12\x0establewatch.v1\x1a\x1cgoogle/protobuf/struct.proto\")\n\x08WaitNode\x12\x0f\n\x07process\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\"\xa6\x01\n\x04Wait\x12\x0c\n\x04task\x18\x01 \x01(\t\x12)\n\x07targets\x18\x02 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12(\n\x05model\x18\x03 \x01(\x0e\x32\x19.stablewatch.v1.WaitModel\x12\x14\n\x0c\x66low_control\x18\x04 \x01(\x08\x12\x10\n\x08instance\x18\x05 \x01(\x04\x12\x13\n\x0b\x62\x65gan_at_us\x18\x06 \x01(\x03\"\xdb\x01\n\nLocalState\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12#\n\x05waits\x18\x02 \x03(\x0b\x32\x14.stablewatch.v1.Wait\x12:\n\x08\x63ounters\x18\x03 \x03(\x0b\x32(.stablewatch.v1.LocalState.CountersEntry\x12+\n\nattributes\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01*N\n\tWaitModel\x12\x1a\n\x16WAIT_MODEL_UNSPECIFIED\x10\x00\x12\x12\n\x0eWAIT_MODEL_AND\x10\x01\x12\x11\n\rWAIT_MODEL_OR\x10\x02\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1astablewatch/v1/state.proto\x12\x0establewatch.v1\x1a\x1cgoogle/protobuf/struct.proto\")\n\x08WaitNode\x12\x0f\n\x07process\x18\x01 \x01(\t\x12\x0c\n\x04task\x18\x02 \x01(\t\"\xa6\x01\n\x04Wait\x12\x0c\n\x04task\x18\x01 \x01(\t\x12)\n\x07targets\x18\x02 \x03(\x0b\x32\x18.stablewatch.v1.WaitNode\x12(\n\x05model\x18\x03 \x01(\x0e\x32\x19.stablewatch.v1.WaitModel\x12\x14\n\x0c\x66low_control\x18\x04 \x01(\x08\x12\x10\n\x08instance\x18\x05 \x01(\x04\x12\x13\n\x0b\x62\x65gan_at_us\x18\x06 \x01(\x03\"\x89\x02\n\nLocalState\x12\x0e\n\x06\x61\x63tive\x18\x01 \x01(\x08\x12#\n\x05waits\x18\x02 \x03(\x0b\x32\x14.stablewatch.v1.Wait\x12:\n\x08\x63ounters\x18\x03 \x03(\x0b\x32(.stablewatch.v1.LocalState.CountersEntry\x12+\n\nattributes\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x1a\n\rhandler_waits\x18\x05 \x01(\x08H\x00\x88\x01\x01\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x42\x10\n\x0e_handler_waits*N\n\tWaitModel\x12\x1a\n\x16WAIT_MODEL_UNSPECIFIED\x10\x00\x12\x12\n\x0eWAIT_MODEL_AND\x10\x01\x12\x11\n\rWAIT_MODEL_OR\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,14 +34,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LOCALSTATE_COUNTERSENTRY']._loaded_options = None
   _globals['_LOCALSTATE_COUNTERSENTRY']._serialized_options = b'8\001'
-  _globals['_WAITMODEL']._serialized_start=510
-  _globals['_WAITMODEL']._serialized_end=588
+  _globals['_WAITMODEL']._serialized_start=556
+  _globals['_WAITMODEL']._serialized_end=634
   _globals['_WAITNODE']._serialized_start=76
   _globals['_WAITNODE']._serialized_end=117
   _globals['_WAIT']._serialized_start=120
   _globals['_WAIT']._serialized_end=286
   _globals['_LOCALSTATE']._serialized_start=289
-  _globals['_LOCALSTATE']._serialized_end=508
-  _globals['_LOCALSTATE_COUNTERSENTRY']._serialized_start=461
-  _globals['_LOCALSTATE_COUNTERSENTRY']._serialized_end=508
+  _globals['_LOCALSTATE']._serialized_end=554
+  _globals['_LOCALSTATE_COUNTERSENTRY']._serialized_start=489
+  _globals['_LOCALSTATE_COUNTERSENTRY']._serialized_end=536
 # @@protoc_insertion_point(module_scope)

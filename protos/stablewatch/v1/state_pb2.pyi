@@ -42,7 +42,7 @@ class Wait(_message.Message):
     def __init__(self, task: _Optional[str] = ..., targets: _Optional[_Iterable[_Union[WaitNode, _Mapping]]] = ..., model: _Optional[_Union[WaitModel, str]] = ..., flow_control: _Optional[bool] = ..., instance: _Optional[int] = ..., began_at_us: _Optional[int] = ...) -> None: ...
 
 class LocalState(_message.Message):
-    __slots__ = ("active", "waits", "counters", "attributes")
+    __slots__ = ("active", "waits", "counters", "attributes", "handler_waits")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -54,8 +54,10 @@ class LocalState(_message.Message):
     WAITS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     ATTRIBUTES_FIELD_NUMBER: _ClassVar[int]
+    HANDLER_WAITS_FIELD_NUMBER: _ClassVar[int]
     active: bool
     waits: _containers.RepeatedCompositeFieldContainer[Wait]
     counters: _containers.ScalarMap[str, int]
     attributes: _struct_pb2.Struct
-    def __init__(self, active: _Optional[bool] = ..., waits: _Optional[_Iterable[_Union[Wait, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., attributes: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    handler_waits: bool
+    def __init__(self, active: _Optional[bool] = ..., waits: _Optional[_Iterable[_Union[Wait, _Mapping]]] = ..., counters: _Optional[_Mapping[str, int]] = ..., attributes: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., handler_waits: _Optional[bool] = ...) -> None: ...
