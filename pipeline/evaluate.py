@@ -201,6 +201,7 @@ def evidence_json(result: PredicateResult) -> str:
             _fields(
                 ("active_processes", list(evidence.active_processes)),
                 ("busy_channels", [_channel(c.src, c.dst) for c in evidence.busy_channels]),
+                ("released_sends", [_channel(c.src, c.dst) for c in evidence.released_sends]),
             )
         )
     return json_format.MessageToJson(evidence, indent=None, preserving_proto_field_name=True, sort_keys=True)

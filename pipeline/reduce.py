@@ -97,9 +97,9 @@ def wait_for_frames(
     that are not all AND each become a node ``(process, "task[wait k]")`` of their own, the waiter
     being an AND waiter over them; a process with waiting tasks and no wait of its own is an OR
     waiter over those tasks on a quiet cut (the quiet rule: closed, not in ``open_snapshots``, no
-    process active, no message that may wake, not ``no_wake``, and no acknowledgement in transit
-    on any channel), and free on any other, where a message may still reach it and make it
-    active; a recorded message on
+    process active, no message that may wake, not ``no_wake``, no acknowledgement in transit on
+    any channel, and no flow-control wait on a target that will consume), and free on any other,
+    where a message may still reach it and make it active; a recorded message on
     ``target -> waiter`` that may wake the waiter (not ``no_wake``; its ``wakes_task`` empty or
     the waiter's task) satisfies that edge unless it is a flow-control wait; a satisfied edge
     releases an OR waiter (all its edges are set aside) and is set aside from an AND waiter (a
@@ -137,14 +137,30 @@ def wait_for_frames(
     has = waits.groupBy(_ID, "process").agg(
         F.bool_or(F.col("task") == "").alias("own_wait"), F.bool_or(F.col("task") != "").alias("task_waits")
     )
+    # Targets that will consume (``waitfor.consuming``): members whose handler_waits is false, or
+    # not recorded (an older agent) and that record no wait of their own.
+    own = (
+        waits.filter((F.col("task") == "") & F.col("target_process").isNotNull())
+        .select(_ID, F.col("process").alias("target_process"))
+        .distinct()
+        .withColumn("own_wait", F.lit(True))
+    )
+    consuming = (
+        processes.select(_ID, F.col("process_id").alias("target_process"), "handler_waits")
+        .join(own, [_ID, "target_process"], "left")
+        .filter(~F.coalesce(F.col("handler_waits"), F.col("own_wait").isNotNull()))
+        .select(_ID, "target_process", F.lit(True).alias("consuming"))
+    )
     # The quiet rule: a process node stands for its tasks only on a cut nothing can reach any more
-    # (no waking message, no acknowledgement in transit, no process active, closed).
+    # (no waking message, no acknowledgement in transit, no process active, no blocked send about
+    # to go on because its target will consume, closed).
     acking = _acks_in_transit(channels)
     loud = (
         messages.filter(~F.coalesce("no_wake", F.lit(False)))
         .select(_ID)
         .union(acking.select(_ID))
         .union(processes.filter(F.coalesce("active", F.lit(False))).select(_ID))
+        .union(waits.filter("flow_control").join(consuming, [_ID, "target_process"]).select(_ID))
         .distinct()
     )
     nodes = has.filter(~F.col("own_wait") & F.col("task_waits")).select(_ID, "process")
@@ -259,20 +275,6 @@ def wait_for_frames(
     )
     acking = acking.select(
         _ID, F.col("src").alias("process"), F.col("dst").alias("target_process"), F.lit(True).alias("acking")
-    )
-    # Targets that will consume (``waitfor.consuming``): members whose handler_waits is false, or
-    # not recorded (an older agent) and that record no wait of their own.
-    own = (
-        waits.filter((F.col("task") == "") & F.col("target_process").isNotNull())
-        .select(_ID, F.col("process").alias("target_process"))
-        .distinct()
-        .withColumn("own_wait", F.lit(True))
-    )
-    consuming = (
-        processes.select(_ID, F.col("process_id").alias("target_process"), "handler_waits")
-        .join(own, [_ID, "target_process"], "left")
-        .filter(~F.coalesce(F.col("handler_waits"), F.col("own_wait").isNotNull()))
-        .select(_ID, "target_process", F.lit(True).alias("consuming"))
     )
     satisfied = F.when(F.col("flow_control"), F.col("acking").isNotNull() | F.col("consuming").isNotNull()).otherwise(
         F.col("wakes_all").isNotNull() & (F.col("wakes_all") | F.array_contains("wakes_tasks", F.col("owner_task")))

@@ -81,6 +81,12 @@ def oracle(snapshot: GlobalSnapshot) -> set[Node]:
         and not any(p.state.active for p in snapshot.processes)
         and not any(not m.no_wake for c in snapshot.channels for m in c.messages)
         and not any(acknowledged(c.src, c.dst) for c in snapshot.channels)
+        # a blocked send whose receiver will consume goes on, and its task may then send anything
+        and not any(
+            w.flow_control and any(consumes(t.process) for t in w.targets)
+            for p in snapshot.processes
+            for w in p.state.waits
+        )
     )
     passive_with_tasks = {
         p.process_id

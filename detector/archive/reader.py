@@ -100,8 +100,9 @@ def read_snapshot_rows(root: Path, snapshot_id: int, waits: bool = True) -> Snap
     """The rows of completed snapshot `snapshot_id` in the archive at `root`, as Arrow columns: the
     columns the columnar evaluation reads (:data:`~stablewatch.detector.evaluation.columnar.COLUMNS`)
     and no others, only this snapshot's rows (the row groups of other snapshots are skipped).
-    Without `waits`, of the wait edges only the target processes are read (the others null): what
-    the results besides the wait-for graph need.
+    Without `waits`, of the wait edges only the columns the results besides the wait-for graph
+    need are read (:data:`~stablewatch.detector.evaluation.columnar.LIGHT_WAIT_COLUMNS`; the
+    others null).
 
     What :func:`stablewatch.detector.evaluation.columnar.evaluate_rows` evaluates without rebuilding
     the ``GlobalSnapshot``: a snapshot of a million processes reads in a second. ArchiveError
@@ -109,7 +110,7 @@ def read_snapshot_rows(root: Path, snapshot_id: int, waits: bool = True) -> Snap
     archive or was aborted.
     """
     # numpy, which the columnar evaluation needs, only for a caller of this function.
-    from stablewatch.detector.evaluation.columnar import COLUMNS, SnapshotRows
+    from stablewatch.detector.evaluation.columnar import COLUMNS, LIGHT_WAIT_COLUMNS, SnapshotRows
 
     root = Path(root)
     check_marker(root)
@@ -132,7 +133,7 @@ def read_snapshot_rows(root: Path, snapshot_id: int, waits: bool = True) -> Snap
         tables = {}
         for table, columns in COLUMNS.items():
             sibling = root / table / path.parent.name / path.name
-            wanted = ["target_process"] if table == "wait_edges" and not waits else list(columns)
+            wanted = list(LIGHT_WAIT_COLUMNS) if table == "wait_edges" and not waits else list(columns)
             read = _columns(sibling, table, wanted, snapshot_id) if sibling.exists() else None
             if read is None:
                 read = TABLES[table].empty_table().select(wanted)

@@ -58,6 +58,7 @@ from stablewatch.v1 import CutCoverage, PredicateResult
 
 __all__ = [
     "COLUMNS",
+    "LIGHT_WAIT_COLUMNS",
     "CompactWaitFor",
     "LightFacts",
     "RowsError",
@@ -70,6 +71,8 @@ __all__ = [
     "light_results",
 ]
 
+#: The columns of the wait edges that :func:`light_facts` reads.
+LIGHT_WAIT_COLUMNS = ("waiter_process", "waiter_task", "target_process", "flow_control")
 #: The columns of each archive table that the evaluation reads (a reader need read no others).
 COLUMNS: dict[str, tuple[str, ...]] = {
     "processes": ("process_id", "process_index", "active", "handler_waits"),
@@ -357,6 +360,31 @@ def _acking(rows: SnapshotRows, facts: _Facts) -> np.ndarray:
     return np.unique(src * len(facts.names) + dst)
 
 
+def _consumers(rows: SnapshotRows, facts: _Facts) -> np.ndarray:
+    """The members whose handler will take what is queued (:func:`~.waitfor.consuming`), sorted:
+    ``handler_waits`` false, or not recorded and no wait of their own (task 0, "", with a target)."""
+    wp, tp = facts.code("wait_edges", "waiter_process"), facts.code("wait_edges", "target_process")
+    own = wp[(facts.task_codes[("wait_edges", "waiter_task")] == 0) & (tp >= 0) & (wp >= 0)]
+    waits = np.zeros(facts.members, dtype=bool)
+    waits[own[own < facts.members]] = True
+    recorded = facts.handler_waits
+    waits = np.where(recorded < 0, waits, recorded == 1)
+    return np.flatnonzero(~waits).astype(_I64)
+
+
+def _going_on(rows: SnapshotRows, facts: _Facts) -> np.ndarray:
+    """The channels (src * names + dst) on which a send blocked on the full window is about to go
+    on (:func:`~.waitfor.sends_going_on`), sorted."""
+    fc = _bools(rows.wait_edges["flow_control"])
+    if not fc.any():
+        return np.zeros(0, dtype=_I64)
+    wp, tp = facts.code("wait_edges", "waiter_process"), facts.code("wait_edges", "target_process")
+    keep = fc & (wp >= 0) & (tp >= 0)
+    channels = wp[keep] * len(facts.names) + tp[keep]
+    released = np.isin(channels, _acking(rows, facts)) | np.isin(tp[keep], _consumers(rows, facts))
+    return np.unique(channels[released])
+
+
 # -- the wait-for graph -------------------------------------------------------------------------------------
 
 
@@ -558,21 +586,18 @@ class _Builder:
 
     def _quiet(self) -> bool:
         """Whether nothing can reach a member ever again: the cut is closed, no member is active, no
-        channel holds a message that may wake nor an acknowledgement in transit (the quiet rule of
-        :mod:`.waitfor`)."""
+        channel holds a message that may wake nor an acknowledgement in transit, and no blocked send
+        is about to go on (the quiet rule of :mod:`.waitfor`)."""
         facts = self.facts
         if facts.active.any() or len(facts.waking_any) or len(facts.waking_task_channels):
             return False
-        return len(_acking(self.rows, facts)) == 0 and _coverage(self.rows, facts).closed
+        if len(_acking(self.rows, facts)) or len(_going_on(self.rows, facts)):
+            return False
+        return _coverage(self.rows, facts).closed
 
     def _consuming(self) -> np.ndarray:
-        """The members whose handler will take what is queued (:func:`~.waitfor.consuming`), sorted:
-        ``handler_waits`` false, or not recorded and no wait of their own (task 0, "", with a target)."""
-        w, recorded = self.w, self.facts.handler_waits
-        waits = np.zeros(self.facts.members, dtype=bool)
-        waits[w.wp[(w.wt == 0) & (w.tp >= 0)]] = True
-        waits = np.where(recorded < 0, waits, recorded == 1)
-        return np.flatnonzero(~waits).astype(_I64)
+        """The members whose handler will take what is queued (:func:`~.waitfor.consuming`), sorted."""
+        return _consumers(self.rows, self.facts)
 
     def _satisfied(self, fc: np.ndarray, owner: np.ndarray, wproc: np.ndarray, tproc: np.ndarray) -> np.ndarray:
         """Which edge instances the in-flight and acknowledgement rules satisfy."""
@@ -975,8 +1000,10 @@ class LightFacts:
 def light_facts(rows: SnapshotRows) -> LightFacts:
     """The :class:`LightFacts` of the snapshot in `rows`.
 
-    Of ``rows.wait_edges`` only the target processes are read (for the cut's coverage): a caller
-    that reduced the graph elsewhere may pass those alone, the other columns null. RowsError when
+    Of ``rows.wait_edges`` only the waiter and target processes, the waiter task and
+    ``flow_control`` are read (the cut's coverage, and the blocked sends about to go on): a caller
+    that reduced the graph elsewhere may pass those alone (:data:`LIGHT_WAIT_COLUMNS`), the other
+    columns null. RowsError when
     messages lie on a channel without a row, or a counter on a process without one. O(n log n)
     for the n rows.
     """
@@ -984,7 +1011,10 @@ def light_facts(rows: SnapshotRows) -> LightFacts:
     _check_channels(rows, facts)
     cut = _coverage(rows, facts)
     active = _sorted_strings(facts.names.slice(0, facts.members).filter(pa.array(facts.active)))
-    return LightFacts(cut, termination_result(active, facts.busy, facts.members, cut), _held(rows, facts))
+    going, base = _going_on(rows, facts), len(facts.names)
+    released = _sorted_pairs(facts.names.take(pa.array(going // base)), facts.names.take(pa.array(going % base)))
+    termination = termination_result(active, facts.busy, facts.members, cut, released)
+    return LightFacts(cut, termination, _held(rows, facts))
 
 
 def light_results(

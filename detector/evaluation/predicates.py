@@ -32,6 +32,7 @@ from stablewatch.detector.evaluation.waitfor import (
     evidence_proto,
     find_deadlock,
     label,
+    sends_going_on,
     wait_counts,
     waking_channels,
 )
@@ -109,7 +110,7 @@ def deadlock_result(
         # node then an OR over its tasks, which may close a cycle. (A member active, or a message
         # in flight among them, keeps the closed cut from being quiet: the node stays free.)
         evidence = termination.termination
-        if counts.undecided and not evidence.active_processes and not evidence.busy_channels:
+        if counts.undecided and not (evidence.active_processes or evidence.busy_channels or evidence.released_sends):
             edges = plural(counts.undecided, "wait edge")
             return unknown(
                 result,
@@ -136,39 +137,51 @@ def deadlock(snapshot: GlobalSnapshot) -> PredicateResult:
 
 
 def termination(snapshot: GlobalSnapshot, cut: CutCoverage | None = None) -> PredicateResult:
-    """Return the ``termination`` result: true when every process is passive and no channel holds a
-    waking message (heartbeats, ``no_wake``, cannot reactivate anyone), on a closed cut.
+    """Return the ``termination`` result: true when every process is passive, no channel holds a
+    waking message (heartbeats, ``no_wake``, cannot reactivate anyone) and no blocked send is about
+    to go on (:func:`~.waitfor.sends_going_on`), on a closed cut.
 
-    An active member or a waking message is a fact on any cut: the result is then false. With
-    neither, an open cut is unknown. O(processes + messages).
+    An active member, a waking message or a send about to go on is a fact on any cut: the result is
+    then false. With none, an open cut is unknown. O(processes + waits + messages + channels).
     """
     cut = coverage(snapshot) if cut is None else cut
     active = sorted(p.process_id for p in snapshot.processes if p.state.active)
-    return termination_result(active, sorted(waking_channels(snapshot)), len(snapshot.processes), cut)
+    busy = sorted(waking_channels(snapshot))
+    return termination_result(active, busy, len(snapshot.processes), cut, sends_going_on(snapshot))
 
 
 def termination_result(
-    active: Sequence[str], busy: Sequence[Channel], processes: int, cut: CutCoverage
+    active: Sequence[str],
+    busy: Sequence[Channel],
+    processes: int,
+    cut: CutCoverage,
+    released: Sequence[Channel] = (),
 ) -> PredicateResult:
-    """The ``termination`` result from its facts: the `active` processes and the `busy` channels (those
-    with a waking message), both sorted, among `processes` processes, on a cut of coverage `cut`.
+    """The ``termination`` result from its facts: the `active` processes, the `busy` channels (those
+    with a waking message) and the channels of `released` sends (blocked, about to go on), all
+    sorted, among `processes` processes, on a cut of coverage `cut`.
 
     :func:`termination` is this over a ``GlobalSnapshot``; :mod:`.columnar` finds the same facts in
-    the archive's rows. O(active + busy).
+    the archive's rows. O(active + busy + released).
     """
-    result = PredicateResult(name="termination", holds=not active and not busy)
+    result = PredicateResult(name="termination", holds=not active and not busy and not released)
     evidence = result.termination
     evidence.SetInParent()  # the evidence is there, empty as it may be
     evidence.active_processes.extend(active)
     for src, dst in busy:
         evidence.busy_channels.add(src=src, dst=dst)
-    if active or busy:
+    for src, dst in released:
+        evidence.released_sends.add(src=src, dst=dst)
+    if active or busy or released:
         parts = []
         if active:
             parts.append(f"{len(active)} active ({names(active)})")
         if busy:
             channels = names([f"{s} -> {d}" for s, d in busy])
             parts.append(f"{plural(len(busy), 'channel')} with waking messages ({channels})")
+        if released:
+            channels = names([f"{s} -> {d}" for s, d in released])
+            parts.append(f"{plural(len(released), 'blocked send')} about to go on ({channels})")
         result.summary = "not terminated: " + "; ".join(parts)
         return result
     count = plural(processes, "process", "processes")

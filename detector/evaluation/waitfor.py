@@ -106,6 +106,7 @@ __all__ = [
     "label",
     "meeting",
     "rotated",
+    "sends_going_on",
     "to_proto",
     "wait_counts",
     "wait_nodes",
@@ -227,6 +228,28 @@ def _handler_waits(state: LocalState) -> bool:
     return any(not w.task and len(w.targets) for w in state.waits)
 
 
+def sends_going_on(
+    snapshot: GlobalSnapshot, acking: set[Channel] | None = None, consumers: set[str] | None = None
+) -> list[Channel]:
+    """Return the channels ``p -> q`` on which a send of p blocked on the full window is about to
+    go on, sorted: the acknowledgement rule meets its flow-control wait (an acknowledgement in
+    transit on ``p -> q``, or q's handler will take what is queued and acknowledge). Its task then
+    resumes and may send anything, so p has not terminated and the cut is not quiet, though p
+    recorded itself passive. `acking` and `consumers`: :func:`acks_in_transit` and
+    :func:`consuming`, when already at hand. O(processes + waits + channels)."""
+    acking = acks_in_transit(snapshot) if acking is None else acking
+    consumers = consuming(snapshot) if consumers is None else consumers
+    going = {
+        (p.process_id, t.process)
+        for p in snapshot.processes
+        for w in p.state.waits
+        if w.flow_control
+        for t in w.targets
+        if (p.process_id, t.process) in acking or t.process in consumers
+    }
+    return sorted(going)
+
+
 def meeting(snapshot: GlobalSnapshot) -> Callable[[str, str, str, bool], bool]:
     """Return ``met(process, task, target, flow_control)``: whether the in-flight or the
     acknowledgement rule (see the module doc) meets a wait of `process`'s task `task` on a target
@@ -306,9 +329,14 @@ def build_wait_for(snapshot: GlobalSnapshot) -> WaitFor:
     acking = acks_in_transit(snapshot)
     consumers = consuming(snapshot)
     # The quiet rule: a process node stands for its tasks only where nothing can reach it again (an
-    # acknowledgement in transit releases a blocked send, whose task may then send anything).
+    # acknowledgement in transit, or a receiver that will consume, releases a blocked send, whose
+    # task may then send anything).
     quiet = (
-        not waking and not acking and not any(p.state.active for p in snapshot.processes) and coverage(snapshot).closed
+        not waking
+        and not acking
+        and not any(p.state.active for p in snapshot.processes)
+        and not sends_going_on(snapshot, acking, consumers)
+        and coverage(snapshot).closed
     )
     undecided: list[str] = []
     for process in snapshot.processes:

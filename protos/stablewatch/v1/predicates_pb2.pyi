@@ -71,12 +71,14 @@ class ConservationEvidence(_message.Message):
     def __init__(self, counter: _Optional[str] = ..., expected: _Optional[int] = ..., observed: _Optional[int] = ..., drift: _Optional[int] = ..., holdings: _Optional[_Iterable[_Union[CounterHolding, _Mapping]]] = ..., baseline: _Optional[bool] = ...) -> None: ...
 
 class TerminationEvidence(_message.Message):
-    __slots__ = ("active_processes", "busy_channels")
+    __slots__ = ("active_processes", "busy_channels", "released_sends")
     ACTIVE_PROCESSES_FIELD_NUMBER: _ClassVar[int]
     BUSY_CHANNELS_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_SENDS_FIELD_NUMBER: _ClassVar[int]
     active_processes: _containers.RepeatedScalarFieldContainer[str]
     busy_channels: _containers.RepeatedCompositeFieldContainer[ChannelRef]
-    def __init__(self, active_processes: _Optional[_Iterable[str]] = ..., busy_channels: _Optional[_Iterable[_Union[ChannelRef, _Mapping]]] = ...) -> None: ...
+    released_sends: _containers.RepeatedCompositeFieldContainer[ChannelRef]
+    def __init__(self, active_processes: _Optional[_Iterable[str]] = ..., busy_channels: _Optional[_Iterable[_Union[ChannelRef, _Mapping]]] = ..., released_sends: _Optional[_Iterable[_Union[ChannelRef, _Mapping]]] = ...) -> None: ...
 
 class PredicateResult(_message.Message):
     __slots__ = ("name", "holds", "summary", "error", "unknown", "missing_processes", "deadlock", "conservation", "termination", "details")
