@@ -16,7 +16,7 @@ from rich.console import Console
 
 from stablewatch.cli import arguments
 from stablewatch.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED
-from stablewatch.detector.evaluation.plugins import entry_point_predicates
+from stablewatch.detector.evaluation.plugins import PluginError, entry_point_predicates
 from stablewatch.detector.evaluation.victims import POLICIES
 from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.limits import Limits
@@ -156,7 +156,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
         hints=args.hints,
         replica=args.replica,
     )
-    detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
+    try:
+        detector = Detector(config, plugins=[*entry_point_predicates(), *args.predicate])
+    except PluginError as error:  # a predicate named like a built-in, or two of one name
+        print(f"stablewatch: the detector cannot start: {error}", file=sys.stderr)
+        return EXIT_ERROR
     try:
         asyncio.run(_serve(detector, args.json))
     except _CannotStart as error:

@@ -250,15 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pyspark.errors import PySparkException
 
     from stablewatch.detector.archive.schema import ArchiveError
-    from stablewatch.detector.evaluation.plugins import PluginError, load_predicate
+    from stablewatch.detector.evaluation.plugins import PluginError
+    from stablewatch.pipeline.evaluate import user_predicates
     from stablewatch.pipeline.tables import check_archive
 
     console = Console()
     try:
         for archive in archives.values():
             check_archive(archive)  # before Spark starts: bad input fails fast
-        for spec in args.predicate:
-            load_predicate(spec)
+        user_predicates(tuple(args.predicate))  # loaded here too, so that a bad one fails before Spark starts
         return _JOBS[args.job](args, console)
     except (ArchiveError, PluginError) as error:
         _fail(args, str(error))

@@ -64,7 +64,7 @@ from stablewatch.detector.evaluation.columnar import (
     find_compact_deadlock,
     light_facts,
 )
-from stablewatch.detector.evaluation.plugins import entry_point_predicates
+from stablewatch.detector.evaluation.plugins import check_names, entry_point_predicates
 from stablewatch.detector.evaluation.predicates import Holding, conservation, conservation_results, deadlock_result
 from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts
 from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
@@ -350,15 +350,16 @@ def result_table(
 
 
 @functools.cache
-def _plugins(specs: tuple[str, ...]) -> tuple[UserPredicate, ...]:
-    """The user predicates, as the detector loads them: installed entry points, then `specs`. Once per process."""
-    return (*entry_point_predicates(), *(load_predicate(spec) for spec in specs))
+def user_predicates(specs: tuple[str, ...]) -> tuple[UserPredicate, ...]:
+    """The user predicates, as the detector loads them: installed entry points, then `specs`, no
+    two of one name (PluginError, as for a spec that does not load). Once per process."""
+    return check_names([*entry_point_predicates(), *(load_predicate(spec) for spec in specs)])
 
 
 def _evaluate_batches(
     batches: Iterator[pa.RecordBatch], totals: Totals, specs: tuple[str, ...]
 ) -> Iterator[pa.RecordBatch]:
-    plugins = _plugins(specs)
+    plugins = user_predicates(specs)
     for batch in batches:
         per_snapshot = []
         for sid, order, blob in zip(
@@ -655,7 +656,7 @@ def evaluate_snapshots(
 
     evaluations = evaluate_blobs(small, totals, predicates) if any_small or not large else None
     if large:
-        names = [plugin.name for plugin in _plugins(tuple(predicates))]
+        names = [plugin.name for plugin in user_predicates(tuple(predicates))]
         ids = heads.column("snapshot_id").to_pylist()
         results = [_large_results(large[sid], configured, totals, names) for sid in ids]
         evidence = [_large_evidence(large[sid], sid_results) for sid, sid_results in zip(ids, results, strict=True)]

@@ -55,6 +55,20 @@ def test_an_archive_of_a_newer_version(archive: Path, tmp_path: Path, capsys: py
     assert f"{archive / MARKER_FILE}: archive schema version 9 is newer than {reads}" in err
 
 
+def always(snapshot: object) -> bool:
+    """A user predicate for the pipeline to load."""
+    return True
+
+
+def test_two_user_predicates_of_one_name_are_refused_before_spark_starts(
+    archive: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    spec = f"{__name__}:always"
+    status, err = run(capsys, "evaluate", archive, tmp_path / "out", "--predicate", spec, "--predicate", spec)
+    assert status == 2 and "two user predicates are named 'always'" in err
+    assert not (tmp_path / "out").exists()
+
+
 def _write_with(path: Path, table: pa.Table, version: bytes | None) -> None:
     metadata = None if version is None else {METADATA_KEY: version}
     pq.write_table(table.replace_schema_metadata(metadata), path)

@@ -19,15 +19,21 @@ point's name becoming the predicate's name::
     [project.entry-points."stablewatch.predicates"]
     queue_bounded = "myservice.checks:queue_bounded"
 
-Evaluation never crashes because of a plugin: an exception raised inside it, or a result of the
-wrong shape, becomes an unknown ``PredicateResult`` with ``error`` set (the traceback
-is logged). ``KeyboardInterrupt`` and ``SystemExit`` still propagate. Predicates run in the
-evaluating thread, without a time limit.
+Evaluation never crashes because of a plugin: an exception raised inside it (any
+``BaseException``, ``asyncio.CancelledError`` included), or a result of the wrong shape, becomes an
+unknown ``PredicateResult`` with ``error`` set (the traceback is logged). Only ``KeyboardInterrupt``
+and ``SystemExit`` propagate. Predicates run in the evaluating thread, without a time limit.
+
+A user predicate's name is its result's name, which the metrics, the store and the pipeline key
+on: it must not be a built-in's (``deadlock``, ``termination``, ``conservation(<counter>)``) nor
+another user predicate's. Such a name is refused with :class:`PluginError` when the predicate is
+made (:func:`load_predicate`, :func:`entry_point_predicates`, :class:`UserPredicate`), and
+:func:`check_names` refuses two of the same name (the detector calls it on its plugins).
 """
 
 import importlib
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
@@ -35,15 +41,50 @@ from stablewatch.v1 import GlobalSnapshot, PredicateResult
 
 GROUP = "stablewatch.predicates"
 
-__all__ = ["GROUP", "PluginError", "UserPredicate", "entry_point_predicates", "load_predicate", "to_result"]
+__all__ = [
+    "GROUP",
+    "PluginError",
+    "UserPredicate",
+    "built_in_name",
+    "check_names",
+    "entry_point_predicates",
+    "load_predicate",
+    "to_result",
+]
 
 log = logging.getLogger(__name__)
 
 _SHAPES = "expected bool or None, (bool | None, str) or a mapping with 'holds' (and optional 'summary', 'details')"
 
 
+# The built-in predicates' result names. .predicates writes them inline, with no constant to import;
+# tests/test_plugins_review.py checks these against what evaluate() gives.
+_BUILT_IN_NAMES = frozenset({"deadlock", "termination"})
+_BUILT_IN_PREFIX = "conservation("  # one result per counter: "conservation(<counter>)"
+
+
 class PluginError(Exception):
-    """A user predicate could not be loaded (bad import path, missing module or attribute)."""
+    """A user predicate could not be loaded (bad import path, missing module or attribute, an
+    attribute that is not callable) or is misnamed (a built-in's name, or two of the same name)."""
+
+
+def built_in_name(name: str) -> str | None:
+    """The built-in predicate whose results `name` could be mistaken for, or None when it is free."""
+    if name in _BUILT_IN_NAMES:
+        return name
+    if name.startswith(_BUILT_IN_PREFIX):
+        return f"{_BUILT_IN_PREFIX}<counter>)"
+    return None
+
+
+def _refuse_built_in(name: str, origin: str) -> None:
+    """Raise PluginError if `name` (of the user predicate from `origin`) is a built-in's."""
+    built_in = built_in_name(name)
+    if built_in is not None:
+        raise PluginError(
+            f"user predicate {name!r} (from {origin}) is named like the built-in predicate {built_in}, "
+            "whose results it would be mistaken for: give it another name"
+        )
 
 
 def to_result(name: str, value: object) -> PredicateResult:
@@ -80,19 +121,58 @@ def _failure(name: str, error: str) -> PredicateResult:
 
 @dataclass(frozen=True, slots=True)
 class UserPredicate:
-    """A named user predicate. Calling it returns a ``PredicateResult`` and never raises."""
+    """A named user predicate. Calling it returns a ``PredicateResult`` and never raises (but for
+    ``KeyboardInterrupt`` and ``SystemExit``).
+
+    `source` says where it came from, for error messages (an import path or an entry point; by
+    default the callable's ``module:qualname``). A built-in's name raises PluginError.
+    """
 
     name: str
     func: Callable[[GlobalSnapshot], object]
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        _refuse_built_in(self.name, self.origin)
+
+    @property
+    def origin(self) -> str:
+        """Where this predicate came from: `source`, or else the callable's ``module:qualname``."""
+        if self.source:
+            return self.source
+        return f"{getattr(self.func, '__module__', '?')}:{getattr(self.func, '__qualname__', repr(self.func))}"
 
     def __call__(self, snapshot: GlobalSnapshot) -> PredicateResult:
         private = GlobalSnapshot()
         private.CopyFrom(snapshot)
         try:
             return to_result(self.name, self.func(private))
-        except Exception as exc:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            # Any other, asyncio.CancelledError included: the predicate runs synchronously, so it
+            # cannot be the evaluating task's own cancellation, and letting it out would cancel the
+            # detector's snapshot task and lose the completed snapshot without a word.
             log.warning("user predicate %r failed", self.name, exc_info=True)
             return _failure(self.name, f"{type(exc).__name__}: {exc}")
+
+
+def check_names(predicates: Iterable[UserPredicate]) -> tuple[UserPredicate, ...]:
+    """Return `predicates` as a tuple; raise PluginError if two of them share a name (each result
+    must be told apart by name) or one is named like a built-in (possible only by bypassing
+    ``UserPredicate``'s own check, e.g. ``object.__setattr__``)."""
+    listed = tuple(predicates)
+    seen: dict[str, UserPredicate] = {}
+    for predicate in listed:
+        _refuse_built_in(predicate.name, predicate.origin)
+        first = seen.get(predicate.name)
+        if first is not None:
+            raise PluginError(
+                f"two user predicates are named {predicate.name!r} (from {first.origin} and from "
+                f"{predicate.origin}): give one another name"
+            )
+        seen[predicate.name] = predicate
+    return listed
 
 
 def _resolve(spec: str) -> Callable[[GlobalSnapshot], object]:
@@ -114,10 +194,12 @@ def load_predicate(spec: str, name: str | None = None) -> UserPredicate:
     """Load the callable at import path `spec` (``"module:function"``) as a user predicate.
 
     Its name is `name`, or else the attribute path after the colon. Raises PluginError if the
-    module or attribute cannot be loaded or is not callable: a configuration mistake, reported
-    at start-up rather than at every evaluation.
+    module or attribute cannot be loaded or is not callable, or if the name is a built-in's: a
+    configuration mistake, reported at start-up rather than at every evaluation.
     """
-    return UserPredicate(name or spec.partition(":")[2], _resolve(spec))
+    name = name or spec.partition(":")[2]
+    _refuse_built_in(name, spec)  # before importing anything: the name alone is the mistake
+    return UserPredicate(name, _resolve(spec), spec)
 
 
 def _broken(error: str) -> Callable[[GlobalSnapshot], object]:
@@ -131,10 +213,14 @@ def entry_point_predicates(group: str = GROUP) -> list[UserPredicate]:
     """Return the user predicates installed under entry point `group`, sorted by name.
 
     An entry point that fails to load does not stop the others: it becomes a predicate whose
-    every result carries the load error.
+    every result carries the load error. A misnamed one (a built-in's name, or two installed
+    under the same name) raises PluginError: its results could not be told apart.
     """
     predicates = []
     for ep in sorted(entry_points(group=group), key=lambda ep: ep.name):
+        dist = getattr(ep, "dist", None)
+        source = f"entry point {ep.name} = {ep.value} in group {group}" + (f" of {dist.name}" if dist else "")
+        _refuse_built_in(ep.name, source)  # before loading it: the name alone is the mistake
         try:
             func = ep.load()
             if not callable(func):
@@ -142,5 +228,5 @@ def entry_point_predicates(group: str = GROUP) -> list[UserPredicate]:
         except Exception as exc:
             log.warning("cannot load user predicate %r (%s)", ep.name, ep.value, exc_info=True)
             func = _broken(f"cannot load {ep.value!r}: {type(exc).__name__}: {exc}")
-        predicates.append(UserPredicate(ep.name, func))
-    return predicates
+        predicates.append(UserPredicate(ep.name, func, source))
+    return list(check_names(predicates))

@@ -40,6 +40,7 @@ from stablewatch.agents.breaking import OFF
 from stablewatch.agents.certificates import server_credentials
 from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
+from stablewatch.detector.evaluation.plugins import check_names
 from stablewatch.detector.evaluation.victims import POLICIES
 from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
@@ -140,7 +141,7 @@ class Detector:
     ) -> None:
         self.config = config
         self.metrics = metrics or DetectorMetrics()
-        self._plugins = tuple(plugins)
+        self._plugins = check_names(plugins)  # PluginError: two of one name, whose results would be confused
         self._store: Store | None = None
         self._archive: ArchiveWriter | None = None
         self._expected_totals: dict[str, int] = {}
