@@ -240,7 +240,9 @@ class Agent:
         self._max_message_bytes = max_message_bytes
         self._settings = channel_settings or ChannelSettings()
         self._heartbeat_interval = heartbeat_interval
-        # A new incarnation per start of the process tells peers that its counts start again.
+        # A new incarnation per start of the process tells peers that its counts start again. It
+        # must be greater than every earlier one of the process (the start time in nanoseconds
+        # is): peers refuse a smaller one, an older process still running, as a zombie's.
         self.incarnation = incarnation if incarnation is not None else time.time_ns()
         options: dict[str, Any] = {
             "max_recorded_bytes": max_recorded_bytes,
@@ -650,7 +652,17 @@ class Agent:
                     channel.push(entry, entry_size(entry))
             elif isinstance(action, RecordState):
                 provider = self._state_provider
-                state = provider() if provider else self.state.snapshot()
+                try:
+                    state = provider() if provider else self.state.snapshot()
+                except Exception as error:
+                    # The core awaits this state before any other event: without one the agent
+                    # would be wedged. No state, no true part: the snapshot fails, with the reason.
+                    _log.exception(
+                        "capturing the state of %s for snapshot %d failed", self.process_id, action.snapshot_id
+                    )
+                    reason = f"capturing the local state failed: {type(error).__name__}: {error}"
+                    self._carry_out(self._core.record_state(action.snapshot_id, LocalState(), unprovable=reason))
+                    continue
                 waits = self._blocked.waits() if self._blocked else None
                 going_on = not state.active and self._blocked.going_on()
                 handler_waits = self._handler_waits(state, waits)

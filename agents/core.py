@@ -223,6 +223,8 @@ class _Recording:
     deadline: float
     started: bool  # a start with a lifetime set the deadline (a marker's default can still be replaced)
     closed: set[str] = field(default_factory=set)  # inbound channels whose marker arrived
+    # Channels closed by a sender incarnation that restarted since: the new one's marker is its first.
+    closed_before_reset: set[str] = field(default_factory=set)
     recorded_bytes: int = 0
     failed: bool = False
 
@@ -483,6 +485,12 @@ class SnapshotCore:
                 return _NOTHING
             return self._begin_recording(snapshot_id, src, self._clock(now) + self.default_lifetime, False)
         if src in recording.closed:
+            if src in recording.closed_before_reset:
+                # The sender restarted after its old incarnation's marker closed the channel; the
+                # new incarnation is a new sender, which records on that snapshot's marker (resent
+                # to it) and sends its own. The channel's state was complete before the restart.
+                recording.closed_before_reset.discard(src)
+                return _NOTHING
             channel = f"{src} -> {self.process_id}"
             raise RemoteProtocolError(f"second marker of snapshot {snapshot_id} on channel {channel}")
         recording.closed.add(src)  # everything recorded on it was reported as it came
@@ -549,10 +557,15 @@ class SnapshotCore:
 
         Running snapshots still recording that channel can no longer prove it and fail. Messages
         of the old sender that are still undelivered must not be passed to :meth:`record_state`.
+        A snapshot whose marker on that channel came from the old sender takes one more marker of
+        it, the new sender's, as no error: the new sender never sent the first.
         """
         self._check_ready()
         self._check_peer(src)
         self._received[src] = 0
+        for recording in self._recordings.values():
+            if src in recording.closed:
+                recording.closed_before_reset.add(src)
         reason = f"channel {src} -> {self.process_id} restarted (its sender restarted)"
         return self._fail_running(reason, unless_closed=src)
 

@@ -30,8 +30,11 @@ while the receive queue is full:
   the sender back. Memory stays bounded by the queue's bounds plus the read-ahead of each stream.
 
 The per-channel sequence state lives here, not in the gRPC server, so it survives a restart of the
-server (for example to reload certificates). A hello with a new sender incarnation means the
-sender restarted: its sequence numbers and counts start again.
+server (for example to reload certificates). A hello with a greater sender incarnation means the
+sender restarted: its sequence numbers and counts start again. A hello with a smaller one comes
+from an older process still running after its restart (a zombie): it is refused, and nothing is
+reset. So a process's incarnations must increase across its restarts (the agent's default, its
+start time in nanoseconds, does).
 """
 
 from __future__ import annotations
@@ -39,12 +42,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import grpc
 
-from stablewatch.agents.core import Entry
+from stablewatch.agents.core import Entry, Marker
 from stablewatch.agents.frames import FrameError, decode
 from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
@@ -141,11 +144,26 @@ class _Stream:
         return next_seq
 
 
+def _pieces(entries: list[Entry], start: int) -> Iterator[tuple[int, int]]:
+    """``entries[start:]`` cut into runs of messages and single markers, as (start, end) pairs."""
+    run = start
+    for position in range(start, len(entries)):
+        if type(entries[position]) is Marker:
+            if run < position:
+                yield run, position
+            yield position, position + 1
+            run = position + 1
+    if run < len(entries):
+        yield run, len(entries)
+
+
 class InboundChannels(channel_pb2_grpc.PeerServicer):
     """Accepts channel streams for ``process_id`` and hands their new entries to ``accept``.
 
     ``accept(src, entries, only_messages)`` runs synchronously, in arrival order per channel; it
-    is told when a run holds no marker, for its fast path.
+    is told when a run holds no marker, for its fast path. ``incarnation`` is this process's, sent
+    with every acknowledgement: it must be greater than every earlier incarnation's of the process
+    (a sender takes an acknowledgement of a smaller one for a zombie's).
     """
 
     def __init__(
@@ -253,9 +271,18 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         skip = expected.next_seq - frame.first_seq
         if skip < 0:
             raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
-        if skip < len(entries):
-            self._accept(stream.src, entries[skip:] if skip else entries, not frame.markers)
+        if skip >= len(entries):
+            return
+        if not frame.markers:
+            self._accept(stream.src, entries[skip:] if skip else entries, True)
             expected.next_seq = frame.first_seq + len(entries)
+            return
+        # A marker may raise (a peer's protocol error) after the messages before it were handed
+        # over: take the frame piece by piece, each marker alone, and move next_seq past every
+        # piece taken, so that the frame resent after the error skips what was accepted.
+        for start, end in _pieces(entries, skip):
+            self._accept(stream.src, entries[start:end], type(entries[start]) is not Marker)
+            expected.next_seq = frame.first_seq + end
 
     def _open(self, frame: ChannelFrame, stream: _Stream) -> None:
         """Check the first frame's hello and set up (or reset) the channel it names."""
@@ -267,7 +294,16 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         if not hello.src or hello.src == self._process_id:
             raise FrameError("unknown_channel", f"a channel cannot come from {hello.src!r}")
         known = self._expected.get(hello.src)
-        if known is None or known.sender_incarnation != hello.sender_incarnation:
+        if known is not None and hello.sender_incarnation < known.sender_incarnation:
+            # An older incarnation still running (a zombie after its restart): taking it for a
+            # restart would start the channel again under the current sender, whose messages
+            # would then be delivered twice and counted with the zombie's. Refused, nothing reset.
+            raise FrameError(
+                "unknown_channel",
+                f"stale sender incarnation {hello.sender_incarnation} of {hello.src}: "
+                f"incarnation {known.sender_incarnation} has superseded it",
+            )
+        if known is None or hello.sender_incarnation > known.sender_incarnation:
             if known is not None:
                 self._on_sender_restart(hello.src)
             known = self._expected[hello.src] = _Expected(hello.sender_incarnation, frame.first_seq)

@@ -90,7 +90,12 @@ class ChannelSettings:
 
 
 class OutboundChannel:
-    """One directed channel to a peer agent; runs its own connection task."""
+    """One directed channel to a peer agent; runs its own connection task.
+
+    ``incarnation`` is the sending process's, sent in every hello: it must be greater than every
+    earlier incarnation's of the process, for the receiver takes a greater one for a restart and
+    refuses a smaller one as a zombie's. A receiver's greater incarnation is likewise its restart.
+    """
 
     def __init__(
         self,
@@ -353,14 +358,23 @@ class OutboundChannel:
             self._acknowledge(ack)
 
     def _acknowledge(self, ack: ChannelAck) -> None:
-        if self._receiver_incarnation != ack.receiver_incarnation:
-            if self._receiver_incarnation is not None:
+        known = self._receiver_incarnation
+        if known is None or ack.receiver_incarnation > known:
+            if known is not None:
                 # A new receiver gets exactly what is still in the window, from the next entry on,
                 # and no held marker: it never recorded those snapshots.
                 self._held_markers.clear()
                 in_window = self._entries[self._head :]
                 self._on_receiver_restart(sum(1 for entry in in_window if type(entry) is not Marker))
             self._receiver_incarnation = ack.receiver_incarnation
+        elif ack.receiver_incarnation < known:
+            # An older receiver still running (a zombie, at an address the resolver still gave):
+            # not a restart. Its acknowledgements must not drop entries the current receiver never
+            # got: the stream is dropped, and the window resent on the next one.
+            raise ConnectionError(
+                f"channel {self.src} -> {self.dst}: acknowledgement from stale receiver incarnation "
+                f"{ack.receiver_incarnation} (incarnation {known} has superseded it)"
+            )
         covered = ack.next_seq - self._acked
         if covered < 0 or covered > self._next_to_write - self._head:
             raise ConnectionError(
