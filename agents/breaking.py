@@ -2,10 +2,10 @@
 the once-per-wait dispatch of a ``BreakWait`` and the long-wait hints.
 
 DESIGN.md, "Breaking a proven deadlock": every wait an agent reports carries an instance id that is
-never reused in the process and the time it began. A detector that proves a deadlock names one
-wait by its instance; the agent breaks it at most once, only while it still waits, and answers with
-a ``BreakReport``. Each kind of wait (an application wait, a blocked send, an RPC call) lives in its
-own module and offers itself here as a :class:`WaitSource`.
+never reused in the process (nor after it restarts) and the time it began. A detector that proves
+a deadlock names one wait by its instance; the agent breaks it at most once, only while it still
+waits, and answers with a ``BreakReport``. Each kind of wait (an application wait, a blocked send,
+an RPC call) lives in its own module and offers itself here as a :class:`WaitSource`.
 
 With several detectors side by side, exactly once rests on all of them choosing the same victim of
 a deadlock, which only the same policy does: :class:`PolicyAgreement` is the rule by which an
@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple, NoReturn, Protocol
 
 from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_BROKEN,
     BREAK_OUTCOME_GONE,
     BREAK_OUTCOME_POLICIES_DISAGREE,
     BreakReport,
@@ -43,6 +44,7 @@ __all__ = [
     "PolicyAgreement",
     "WaitSource",
     "hint_forever",
+    "instance_counter",
     "new_instance",
     "now_us",
     "victim_message",
@@ -54,11 +56,26 @@ _log = logging.getLogger(__name__)
 DEFAULT_HINT_AFTER = 0.020
 _LEAST_DELAY = 0.0005  # the hint loop's shortest sleep (s): a wait due in less is looked at then
 
+
+def instance_counter(clock_ns: Callable[[], int] = time.time_ns) -> Callable[[], int]:
+    """A source of wait instance ids for one run of a process, counting up from the run's start time in µs.
+
+    A detector remembers the waits it broke or named by (process, instance), across the process's
+    restarts: a run that counted from 1 again would hand a new wait the id of one broken before,
+    and the detector would skip the wait its policy names (or two detectors break two waits). Each
+    run starts above every id of the runs before it unless one of them began more than one wait
+    per µs on average (a wait costs microseconds of CPU) or the wall clock went back between them.
+    Microseconds, not nanoseconds: the ids stay below 2**53 (until 2255), as snapshot ids do, so
+    that JSON readers (the web view) show them exactly; 0, "unknown", is never handed out.
+    """
+    return functools.partial(next, itertools.count(max(1, clock_ns() // 1000)))
+
+
 # One counter for the whole process, shared by every agent and kind of wait: an instance is never
-# reused in the process. ``next`` on an itertools.count is atomic under the GIL.
-new_instance: Callable[[], int] = functools.partial(next, itertools.count(1))
-"""A wait instance id never handed out before in this process (``next`` on a counter: one C call,
-atomic under the GIL, with no Python frame: every RPC-mode call takes one)."""
+# reused in the process, nor by its earlier runs. ``next`` on an itertools.count is atomic under the GIL.
+new_instance: Callable[[], int] = instance_counter()
+"""A wait instance id never handed out before in this process or its earlier runs (``next`` on a
+counter: one C call, atomic under the GIL, with no Python frame: every RPC-mode call takes one)."""
 
 
 def now_us() -> int:
@@ -164,11 +181,14 @@ class BreakDispatcher:
     """Routes a ``BreakWait`` to the source that holds the wait and builds the ``BreakReport``.
 
     Its :attr:`doorbell` is given to every source, which rings it when it registers a wait.
+    ``on_broken`` is called with each order that broke a wait, before its report is returned (so
+    before the detector can hear of the break): the RPC-mode agent stops serving older recordings.
     """
 
-    def __init__(self, sources: Sequence[WaitSource]) -> None:
+    def __init__(self, sources: Sequence[WaitSource], on_broken: Callable[[BreakWait], None] | None = None) -> None:
         self.doorbell = Doorbell()
         self._sources: tuple[WaitSource, ...] = ()
+        self._on_broken = on_broken
         for source in sources:
             self.add(source)
 
@@ -182,6 +202,8 @@ class BreakDispatcher:
         for source in self._sources:
             done = source.break_wait(order)
             if done is not None:
+                if done.outcome == BREAK_OUTCOME_BROKEN and self._on_broken is not None:
+                    self._on_broken(order)
                 return BreakReport(
                     break_id=order.break_id, instance=order.instance, outcome=done.outcome, detail=done.detail
                 )

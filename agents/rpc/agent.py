@@ -82,6 +82,10 @@ only while the wait lasts:
   the pool, where it aborts. With a plain pool (``workers=N``) a queued request could only be
   refused when a worker took it, which in a deadlock never happens: it is reported with instance 0.
 
+Whatever wait was broken (a call's or ``agent.state``'s), the core hears of it before the report
+goes out, and recordings kept from before serve no later start (see "Breaks" in
+:mod:`stablewatch.agents.rpc.core`): a cut begun after the report never shows the broken wait.
+
 Waits that last past ``hint_after`` are hinted to the detector (once each), which then takes a
 snapshot at once instead of at its next scheduled one.
 """
@@ -218,7 +222,7 @@ class RpcAgent:
         self.doorbell = Doorbell()
         #: Breaks a detector's ``BreakWait`` (the control stream's ``on_break``): ``agent.state``'s
         #: waits and this agent's calls.
-        self.breaks = BreakDispatcher([self.state, self])
+        self.breaks = BreakDispatcher([self.state, self], on_broken=self._wait_broken)
         self._hint_watch = HintWatch(hint_after) if hint_after is not None else None
         self.metrics = RpcAgentMetrics(metrics_registry)
         # The stamped-messages counts, added to under the lock on every call (what metrics.stamped()
@@ -741,6 +745,12 @@ class RpcAgent:
             return not any(c.waits and c.broken is None for c in self._outgoing.values()) and not any(
                 p.queued for p in self._pools
             )
+
+    def _wait_broken(self, order: BreakWait) -> None:
+        """A wait (a call's, or ``agent.state``'s) was broken, its report not sent yet: recordings
+        kept from before must serve no later start (see "Breaks" in the core's docstring)."""
+        with self._lock:
+            self._core.wait_broken()
 
     def _claim(self, instance: int) -> None:
         """Remember ``instance`` as broken (under the lock), so that it is never broken twice."""

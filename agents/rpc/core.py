@@ -27,6 +27,12 @@ request when its handler starts, a response when the caller gets it.
 * **Claims.** A snapshot runs here once the detector's start *claims* it. A start for
   ``k <= color`` is served from the kept jump whose range holds ``k``, or fails if none does
   (a state is never recorded late).
+* **Breaks.** Once a wait of this process is broken (:meth:`ColorCore.wait_broken`, before the
+  detector hears of it), no jump kept from before serves a later start: the start fails. Such a
+  jump holds the broken wait, and a cut begun after the break that still showed the deadlock
+  whole would make a detector break a second wait of it. Another detector's larger ids (its
+  clock ahead) make such starts common: its jump covers this detector's later ids. Claims made
+  before the break keep their jump (their snapshots began before the break's report).
 * **Counts.** Per peer the process counts what it sent and received. A jump notes both: ``n``
   (everything sent so far has color <= c0 < k, so n holds for every k of the range) and ``m``.
   After the jump every message from the peer with color < c is recorded with its color; the state
@@ -278,6 +284,7 @@ class ColorCore:
         self._finished = FinishedIds()
         self._arrivals = 0  # messages delivered from all peers
         self._awaiting: _Jump | None = None  # the jump whose state record_state must bring
+        self._color_at_break = 0  # kept jumps up to this color hold a wait broken since: they serve no start
 
     # -- what the driver can ask ---------------------------------------------------------------
 
@@ -469,6 +476,9 @@ class ColorCore:
             return (self._refuse(snapshot_id, passed),)
         if jump.failure is not None:
             return (self._refuse(snapshot_id, jump.failure),)
+        if jump.hi <= self._color_at_break:
+            before = f"its recording (color {jump.hi}) was made before a wait of this process was broken"
+            return (self._refuse(snapshot_id, f"{before}: a cut begun since must not show that wait"),)
         return (ReportPart(self._state_part(self._claim(jump, snapshot_id, deadline))),)
 
     def channel_target(
@@ -524,6 +534,15 @@ class ColorCore:
         else:
             claim.pending[src] = sent - count
         return tuple(actions)
+
+    def wait_broken(self) -> None:
+        """A wait of this process was broken (call it before the break's report goes out).
+
+        Jumps kept from before serve no later start (see "Breaks" in the module docstring); their
+        running claims go on. Costs nothing per message: the starts compare one number.
+        """
+        self._check_ready()
+        self._color_at_break = self._color  # every kept jump's range ends at or below the color
 
     def reset_peer(self, peer: str, reason: str) -> tuple[Action, ...]:
         """A call with ``peer`` ended without telling what arrived (``reason`` says how).
