@@ -128,6 +128,11 @@ class Aborted:
     reason: str
 
 
+def _differ(incarnation: int, other: int) -> bool:
+    """Whether two incarnations of one process, both known (0: not known), are different ones."""
+    return incarnation != other and incarnation != 0 and other != 0
+
+
 class _Link:
     """One channel between members, as far as its two ends have reported it."""
 
@@ -190,6 +195,21 @@ class _Pending:
             return (
                 f"snapshot {self.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: "
                 f"n counts session {link.session} of {channel[0]}, m session {pieces[0].session}"
+            )
+        acked = pieces[0].acked if pieces is not None and pieces[0].HasField("acked") else None
+        seen = link.ack_seen
+        if acked is not None and seen is not None and (
+            _differ(acked.sender_incarnation, seen.sender_incarnation)
+            or _differ(acked.receiver_incarnation, seen.receiver_incarnation)
+        ):
+            # The two ends recorded talking to different incarnations of each other: one of them
+            # restarted between the recordings (its counts started again), so m and n count other
+            # messages, and m + recorded may still reach n by chance.
+            return (
+                f"snapshot {self.snapshot_id} channel {channel[0]}->{channel[1]} is inconsistent: {channel[0]} "
+                f"recorded as incarnation {seen.sender_incarnation} talking to {channel[1]} incarnation "
+                f"{seen.receiver_incarnation}, {channel[1]} as incarnation {acked.receiver_incarnation} "
+                f"hearing from {channel[0]} incarnation {acked.sender_incarnation}"
             )
         total = link.m + link.recorded
         if total > n or (not link.open and total != n):

@@ -28,11 +28,19 @@ from prometheus_client import CollectorRegistry
 
 from polling import async_poll
 from stablewatch.agents import Agent, ChannelSettings
-from stablewatch.agents.core import Marker, RecordState, RemoteProtocolError, ReportPart, SnapshotCore, SnapshotFailed
+from stablewatch.agents.core import (
+    AppMessage,
+    Marker,
+    RecordState,
+    RemoteProtocolError,
+    ReportPart,
+    SnapshotCore,
+    SnapshotFailed,
+)
 from stablewatch.agents.frames import encode
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.outbound import OutboundChannel
-from stablewatch.detector.assembly import Assembler, Completed
+from stablewatch.detector.assembly import Assembler, Completed, PartRejected
 from stablewatch.detector.evaluation import evaluate, verdict
 from stablewatch.v1 import (
     AckPosition,
@@ -297,3 +305,38 @@ def test_a_failing_state_capture_fails_its_snapshot_and_wedges_nothing(caplog: p
     # Snapshot 6 reports (its state, then the channel to A opened during it); 5 reports nothing.
     assert set(reported) == {6}, "no part for the snapshot whose state could not be captured"
     assert any("snapshot 5" in record.getMessage() for record in caplog.records)
+
+
+def test_a_channel_is_not_proven_with_counts_of_two_sender_incarnations() -> None:
+    # From the same review: S1 records snapshot k (n(S->R) = 3, all received by R) and restarts
+    # before the detector notices; R sees S2's hello (its counts start again), receives two of
+    # S2's messages and records k (m = 2, the channel open), then records S2's third: 2 + 1 = n.
+    # The counts are of two incarnations of S, and the "proven" cut counted S2's tokens as S1's
+    # (conservation said violated: 13 of 10). The ends' acknowledgement positions name the
+    # incarnations each recorded with: they differ, and the channel is inconsistent.
+    k, token = 128 * 1000, AppMessage(b"t", {"tokens": 1})
+    s1, r = SnapshotCore("S", ["R"]), SnapshotCore("R")
+    s1.send("R", 3)
+    r.receive_messages("S", [token] * 3)
+    assembler = Assembler()
+    assembler.begin(k, ["R", "S"])
+
+    def record(core: SnapshotCore, tokens: int, **positions: dict[str, AckPosition]) -> list[LocalSnapshotPart]:
+        assert isinstance(core.start_snapshot(k, now=0.0)[0], RecordState)
+        state = LocalState(active=True, counters={"tokens": tokens})
+        return [a.part for a in core.record_state(k, state, **positions) if isinstance(a, ReportPart)]
+
+    seen = AckPosition(sender_incarnation=1, receiver_incarnation=7, next_seq=3)  # S1's, from R
+    outcomes = [assembler.add_part(p) for p in record(s1, 7, acks_seen={"R": seen})]
+    r.reset_inbound("S")
+    r.receive_messages("S", [token] * 2)
+    acked = AckPosition(sender_incarnation=2, receiver_incarnation=7, next_seq=2)  # R's, to S2
+    [r_part] = record(r, 5, acked={"S": acked})
+    with pytest.raises(PartRejected) as rejected:
+        assembler.add_part(r_part)
+    assert str(rejected.value) == (
+        "inconsistent_counts: snapshot 128000 channel S->R is inconsistent: S recorded as incarnation 1 "
+        "talking to R incarnation 7, R as incarnation 7 hearing from S incarnation 2"
+    )
+    assert rejected.value.aborted is not None  # the snapshot is given up, with that reason
+    assert not [o for o in outcomes if isinstance(o, Completed)]
