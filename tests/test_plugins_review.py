@@ -259,3 +259,16 @@ def test_the_detector_command_says_why_it_cannot_start_with_two_predicates_of_on
     argv = ["detector", "--data-dir", str(tmp_path / "data"), "--predicate", spec, "--predicate", spec]
     assert main(argv) == EXIT_ERROR  # a message, not a traceback
     assert "stablewatch: the detector cannot start: two user predicates are named 'fine'" in capsys.readouterr().err
+
+
+def test_a_whole_system_answer_is_unknown_on_an_open_cut_and_kept_on_a_closed_one() -> None:
+    def everyone_idle(snapshot: GlobalSnapshot) -> dict[str, object]:
+        return {"holds": True, "summary": "all idle", "whole_system": True}
+
+    predicate = UserPredicate("everyone_idle", everyone_idle)
+    open_cut = predicate(_workers({"W1": (0, 0)}, ["W1", "W2"]))
+    assert verdict(open_cut) == "unknown" and list(open_cut.missing_processes) == ["W2"]
+    assert open_cut.summary == "unknown: all idle, but 1 process missing from the cut (W2)"
+    assert verdict(predicate(_workers({"W1": (0, 0)}, ["W1"]))) == "true"
+    wrong = UserPredicate("wrong", lambda snapshot: {"holds": True, "whole_system": "yes"})(_workers({}, []))
+    assert verdict(wrong) == "unknown" and wrong.error.startswith("TypeError: 'whole_system' must be a bool")

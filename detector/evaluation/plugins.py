@@ -5,11 +5,14 @@ private copy: changing it affects nobody else) and returning one of:
 
 * a ``bool`` — whether the predicate holds — or ``None``: the cut cannot decide it (unknown);
 * a pair ``(holds: bool | None, summary: str)``;
-* a mapping ``{"holds": bool | None, "summary": str, "details": dict}``; only ``holds`` is
-  required, and ``details`` must be JSON-like (it becomes the result's ``google.protobuf.Struct``).
+* a mapping ``{"holds": bool | None, "summary": str, "details": dict, "whole_system": bool}``;
+  only ``holds`` is required, and ``details`` must be JSON-like (it becomes the result's
+  ``google.protobuf.Struct``).
 
-A predicate about the whole system should answer ``None`` on an open cut: the snapshot says what
-the detector expected (``expected_members``, ``expected_member_count``) and
+A predicate about the whole system must answer ``None`` on an open cut (DESIGN.md: nothing holds on
+a cut that lacks the facts). Saying ``"whole_system": True`` does that for it: on an open cut its
+answer becomes unknown, with the missing processes, whatever it said. Or it can look itself: the
+snapshot says what the detector expected (``expected_members``, ``expected_member_count``) and
 :func:`stablewatch.detector.evaluation.cut.coverage` tells whether it is closed.
 
 It is loaded by import path (``"package.module:function"``, the attribute may be dotted) or
@@ -37,6 +40,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib.metadata import entry_points
 
+from stablewatch.detector.evaluation.cut import coverage
+from stablewatch.detector.evaluation.predicates import unknown as unknown_on_open_cut
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
 
 GROUP = "stablewatch.predicates"
@@ -54,7 +59,10 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_SHAPES = "expected bool or None, (bool | None, str) or a mapping with 'holds' (and optional 'summary', 'details')"
+_SHAPES = (
+    "expected bool or None, (bool | None, str) or a mapping with 'holds' "
+    "(and optional 'summary', 'details', 'whole_system')"
+)
 
 
 # The built-in predicates' result names. .predicates writes them inline, with no constant to import;
@@ -87,23 +95,28 @@ def _refuse_built_in(name: str, origin: str) -> None:
         )
 
 
-def to_result(name: str, value: object) -> PredicateResult:
-    """Convert a user predicate's return `value` to a ``PredicateResult`` named `name`.
+def to_result(name: str, value: object, snapshot: GlobalSnapshot | None = None) -> PredicateResult:
+    """Convert a user predicate's return `value` on `snapshot` to a ``PredicateResult`` named `name`.
 
     Raises TypeError (or ValueError, for details a Struct cannot hold) when `value` breaks the
-    contract in the module docstring.
+    contract in the module docstring. A ``whole_system`` answer on an open cut of `snapshot` is
+    unknown.
     """
     summary = ""
     details: Mapping[str, object] | None = None
+    whole_system = False
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], str):
         holds, summary = value
     elif isinstance(value, Mapping):
-        unknown = value.keys() - {"holds", "summary", "details"}
+        unknown = value.keys() - {"holds", "summary", "details", "whole_system"}
         if "holds" not in value or unknown:
             raise TypeError(f"returned a mapping with keys {sorted(value, key=str)}; {_SHAPES}")
         holds, summary, details = value["holds"], value.get("summary", ""), value.get("details")
+        whole_system = value.get("whole_system", False)
         if not isinstance(summary, str) or not (details is None or isinstance(details, Mapping)):
             raise TypeError(f"'summary' must be a str and 'details' a mapping; {_SHAPES}")
+        if not isinstance(whole_system, bool):
+            raise TypeError(f"'whole_system' must be a bool; {_SHAPES}")
     else:
         holds = value
     if holds is not None and not isinstance(holds, bool):
@@ -112,6 +125,10 @@ def to_result(name: str, value: object) -> PredicateResult:
     result = PredicateResult(name=name, holds=bool(holds), unknown=holds is None, summary=summary or default)
     if details is not None:
         result.details.update(details)
+    if whole_system and holds is not None and snapshot is not None:
+        cut = coverage(snapshot)
+        if not cut.closed:
+            return unknown_on_open_cut(result, cut, summary or default)
     return result
 
 
@@ -146,7 +163,7 @@ class UserPredicate:
         private = GlobalSnapshot()
         private.CopyFrom(snapshot)
         try:
-            return to_result(self.name, self.func(private))
+            return to_result(self.name, self.func(private), snapshot)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as exc:
