@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from stablewatch.agents.certificates import read_pem
+from stablewatch.detector.evaluation import predicates
 from stablewatch.detector.evaluation.plugins import PluginError, UserPredicate, load_predicate
 from stablewatch.detector.service.limits import parse_rate
 from stablewatch.v1.ids import space_problem
@@ -136,10 +137,10 @@ def members(text: str) -> tuple[tuple[str, ...], int]:
 
 def expected_total(text: str) -> tuple[str, int]:
     """``COUNTER=TOTAL``: the expected total of a conserved counter."""
-    counter, sep, total = text.partition("=")
-    if not sep or not counter.strip():
-        raise argparse.ArgumentTypeError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
-    return counter.strip(), int(_number(total.strip(), integer=True))
+    try:
+        return predicates.expected_total(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def pem(what: str) -> Callable[[str], Path]:

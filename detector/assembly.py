@@ -37,7 +37,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,7 @@ from stablewatch.v1 import (
     RecordedMessage,
 )
 from stablewatch.v1.bounds import (
+    MAX_COUNTER_UNITS,
     MAX_ID_BYTES,
     MAX_NAME_BYTES,
     MAX_TASK_BYTES,
@@ -95,6 +96,7 @@ REJECTION_REASONS = (
     "too_large",  # the part is larger than max_part_bytes
     "too_many_messages",  # the part records more than max_part_messages messages
     "name_too_long",  # an id, task or name over its maximum (stablewatch.v1.bounds), or an attribute's text
+    "too_many_units",  # a counter's units in the cut add up past MAX_COUNTER_UNITS (stablewatch.v1.bounds)
 )
 
 # How many finished snapshot ids are remembered to tell "late" from "unknown".
@@ -168,6 +170,31 @@ class _Pending:
     links: dict[Channel, _Link] = field(default_factory=dict)  # channels between members either end named
     of: dict[str, list[Channel]] = field(default_factory=dict)  # the links, per member at either end
     built: int = 0  # links proven (and built)
+    units: dict[str, int] = field(default_factory=dict)  # per counter: the magnitude of its units so far
+
+    def count_units(self, state: LocalState | None, pieces: Iterable[InboundChannelState]) -> tuple[str, int] | None:
+        """Add the units of `state` and of the messages recorded in `pieces` to :attr:`units`; the
+        first counter whose units then add up past ``MAX_COUNTER_UNITS``, with its units."""
+        units = self.units
+        over: tuple[str, int] | None = None
+
+        def add(counters: Mapping[str, int]) -> None:
+            nonlocal over
+            for name, amount in counters.items():
+                total = units[name] = units.get(name, 0) + abs(amount)
+                if total > MAX_COUNTER_UNITS and over is None:
+                    over = (name, total)
+
+        if state is not None and state.counters:
+            add(state.counters)
+        for piece in pieces:
+            for message in piece.messages:
+                if message.counters:
+                    add(message.counters)
+            for extra in piece.extras:
+                if extra.counters:
+                    add(extra.counters)
+        return over
 
     def is_complete(self) -> bool:
         return len(self.states) == len(self.members) and self.built == len(self.links)
@@ -198,9 +225,13 @@ class _Pending:
             )
         acked = pieces[0].acked if pieces is not None and pieces[0].HasField("acked") else None
         seen = link.ack_seen
-        if acked is not None and seen is not None and (
-            _differ(acked.sender_incarnation, seen.sender_incarnation)
-            or _differ(acked.receiver_incarnation, seen.receiver_incarnation)
+        if (
+            acked is not None
+            and seen is not None
+            and (
+                _differ(acked.sender_incarnation, seen.sender_incarnation)
+                or _differ(acked.receiver_incarnation, seen.receiver_incarnation)
+            )
         ):
             # The two ends recorded talking to different incarnations of each other: one of them
             # restarted between the recordings (its counts started again), so m and n count other
@@ -321,10 +352,18 @@ class Assembler:
         process = part.process_id
         touched: list[Channel] = []
         with_state = part.HasField("state")
+        members = pending.members
+        member_pieces = (piece for src, piece, *_ in pieces if src in members)
+        over = pending.count_units(part.state if with_state else None, member_pieces)
+        if over is not None:
+            detail = (
+                f"{_Where(part)}: the units of counter {quoted_prefix(over[0])} in snapshot {pending.snapshot_id} "
+                f"add up to {over[1]} (amounts by magnitude), past the {MAX_COUNTER_UNITS} a total is counted in"
+            )
+            raise PartRejected("too_many_units", detail, aborted=self.abort(pending.snapshot_id, detail))
         if with_state:
             pending.states[process] = part.state
             pending.snapshot.processes.add(process_id=process, state=part.state)
-        members = pending.members
         for dst, n, ack_seen, session in counts:
             if dst not in members:
                 # Channels to or from non-members are outside the cut: the other end never reports.

@@ -46,13 +46,13 @@ INSTALL_HINT = (
 
 
 def _expected_total(text: str) -> tuple[str, int]:
-    counter, sep, total = text.partition("=")
+    """``COUNTER=TOTAL``: the expected total of a conserved counter, as the detector takes it."""
+    from stablewatch.detector.evaluation.predicates import expected_total
+
     try:
-        if sep and counter.strip():
-            return counter.strip(), int(total.strip())
-    except ValueError:
-        pass
-    raise argparse.ArgumentTypeError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
+        return expected_total(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 _NAME = re.compile(r"[A-Za-z0-9_.-]+")

@@ -43,6 +43,7 @@ from stablewatch.v1 import (
     GlobalSnapshot,
     PredicateResult,
 )
+from stablewatch.v1.bounds import MAX_COUNTER_UNITS
 
 __all__ = [
     "Holding",
@@ -51,11 +52,28 @@ __all__ = [
     "counter_holdings",
     "deadlock",
     "deadlock_result",
+    "expected_total",
     "held",
     "termination",
     "termination_result",
     "unknown",
 ]
+
+
+def expected_total(text: str) -> tuple[str, int]:
+    """Parse ``COUNTER=TOTAL``, the expected total of a conserved counter (``--expect``): ValueError
+    saying what is wrong. The total is at most ``MAX_COUNTER_UNITS`` either way, as the units of a
+    counter in a cut are, so that a drift from it is a 64-bit integer too."""
+    counter, sep, total = text.partition("=")
+    if not sep or not counter.strip():
+        raise ValueError(f"expected COUNTER=TOTAL, e.g. tokens=300, not {text!r}")
+    try:
+        amount = int(total.strip())
+    except ValueError:
+        raise ValueError(f"expected an integer total, not {total.strip()!r} (in {text!r})") from None
+    if abs(amount) > MAX_COUNTER_UNITS:
+        raise ValueError(f"the total of {counter.strip()} must be within ±{MAX_COUNTER_UNITS}, not {amount}")
+    return counter.strip(), amount
 
 
 def unknown(result: PredicateResult, cut: CutCoverage, finding: str) -> PredicateResult:

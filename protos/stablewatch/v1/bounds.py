@@ -13,6 +13,7 @@ import re
 
 __all__ = [
     "MAX_ADDRESS_BYTES",
+    "MAX_COUNTER_UNITS",
     "MAX_ID_BYTES",
     "MAX_NAME_BYTES",
     "MAX_TASK_BYTES",
@@ -32,6 +33,10 @@ MAX_NAME_BYTES = 256  # a counter's or an attribute's name; a Register's agent v
 MAX_TASK_BYTES = 1024
 MAX_ADDRESS_BYTES = 512  # a Register's address (host:port; a DNS name takes 253 at most)
 MAX_TEXT_BYTES = 64 * 1024  # each string inside an attribute's value, and each key below its name
+#: The units of one counter in a cut, every amount counted by its magnitude (in states and on
+#: recorded messages), and an expected total: so that every total, channel sum and drift the
+#: evaluation, the archive and the pipeline count stays a 64-bit integer.
+MAX_COUNTER_UNITS = 2**62 - 1
 
 _CONTROL_CHARACTER = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
