@@ -585,7 +585,10 @@ def test_a_call_its_caller_drops_has_its_end_taken_in_when_grpc_ends_it(
                 service.release.set()
                 await async_poll(call.done, "the call ended", TIMEOUT)
                 await round_trip(channel)
-                assert outstanding(c_agent) == 1  # in flight to its caller, who may still meet it
+                if kind == "unary_stream":  # a response stream's end is taken in when grpc ends it
+                    await async_poll(lambda: outstanding(c_agent) == 0, "the held stream's end taken in", TIMEOUT)
+                else:
+                    assert outstanding(c_agent) == 1  # in flight to its caller, who may still meet it
             del call
             service.release.set()
             await async_poll(lambda: outstanding(c_agent) == 0, "the dropped call's end taken in", TIMEOUT)
@@ -884,9 +887,10 @@ NO_WINDOW_GROWTH = (("grpc.http2.bdp_probe", 0),)
 def test_a_broken_stream_unary_call_fails_its_writer_with_deadlock_broken(
     rpc_agents: tuple[RpcAgent, RpcAgent], when: str
 ) -> None:
-    """A stream-unary call waits for the whole call, its request stream too: a break while its caller
-    writes the stream (or before it writes again) fails the write with DeadlockBroken, and the
-    caller's task is not left cancelled by a cancellation nobody asked for."""
+    """A stream-unary call waits while its caller writes the request stream, and while it awaits
+    the call: a break while its caller writes (or while another task awaits the call, before the
+    caller writes again) fails the write with DeadlockBroken, and the caller's task is not left
+    cancelled by a cancellation nobody asked for."""
     s_agent, c_agent = rpc_agents
     held, release = asyncio.Event(), asyncio.Event()
 
@@ -914,8 +918,11 @@ def test_a_broken_stream_unary_call_fails_its_writer_with_deadlock_broken(
                 written.append(True)
 
             task = asyncio.create_task(writer(), name="caller")
+            awaiting = None
             if when == "while-writing":
                 await async_poll(writing.is_set, "the writer in its write", TIMEOUT)
+            else:  # between writes the writer waits on nobody: an await of the call holds the wait
+                awaiting = asyncio.create_task(asyncio.wait_for(call, TIMEOUT), name="awaiter")
             wait = await recorded_wait(c_agent)
             assert (await asyncio.to_thread(c_agent.breaks.handle, order(wait))).outcome == BREAK_OUTCOME_BROKEN
             await async_poll(call.done, "the broken call ended", TIMEOUT)
@@ -925,6 +932,9 @@ def test_a_broken_stream_unary_call_fails_its_writer_with_deadlock_broken(
             assert not task.cancelled() and written == []
             with pytest.raises(DeadlockBroken):
                 await call
+            if awaiting is not None:
+                with pytest.raises(DeadlockBroken):
+                    await awaiting
             assert outstanding(c_agent) == 0
             # grpc reports a call cancelled during a write as INTERNAL; the break is what happened.
             assert (await call.code(), call.cancelled()) == (grpc.StatusCode.ABORTED, False)

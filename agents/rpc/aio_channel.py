@@ -7,8 +7,8 @@ metadata, the response's stamp taken in before the caller sees the response or t
 response stream, the caller waiting on the callee's task while a unary-response call is out), with
 the same agent calls (a unary call's wait begun at its await as ``RpcAgent.awaited`` begins it,
 written out), so the protocol is the same. One difference: the caller waits only once it awaits the
-call (or writes its request stream), in the name of the task that made it; a call made and not yet
-awaited holds nobody up.
+call (or while it writes its request stream), in the name of the task that made it; a call made and
+not yet awaited holds nobody up.
 
 Why a channel: grpc.aio runs every intercepted call through an extra task of its own (its
 ``InterceptedCall``) that runs the interceptors and then awaits the real call, and takes
@@ -16,10 +16,11 @@ interceptors only when a channel is made. Here each call goes straight to the ch
 multi-callable, with the stamp added to its metadata, and the caller gets grpc's call object
 behind a thin proxy that takes the call's end in where the caller meets it: when it awaits the
 response or reads the end of the stream (until then the response is in flight to the caller, as
-the protocol counts it), or, for a call its caller dropped, when grpc ends it. Beyond cost, this
-keeps what the interceptors cannot: an asyncio call made outside a handler waits in
-the caller's own task's name, a unary call's metadata accessors see the server's metadata, and a
-request stream may be written with ``call.write``.
+the protocol counts it), or when grpc ends the call: for a response stream or a written request
+stream (a done callback), whether or not its caller still holds it, and for any other call once its
+caller dropped it. Beyond cost, this keeps what the interceptors cannot: an asyncio call made
+outside a handler waits in the caller's own task's name, a unary call's metadata accessors see the
+server's metadata, and a request stream may be written with ``call.write``.
 
 Stamps are per hop (:func:`~stablewatch.agents.rpc.interceptors.stamped`): a stamp in metadata the
 caller passes along is another hop's, and is dropped; the request carries the call's own only.
@@ -35,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
@@ -65,6 +67,7 @@ __all__ = ["AioInstrumentedChannel"]
 _AioRpcError, _CancelledError, _EOF = grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.EOF
 _CANCELLED = grpc.StatusCode.CANCELLED
 _new, _new_instance, _time_ns = object.__new__, breaking.new_instance, time.time_ns
+_get_ident = threading.get_ident
 
 
 async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
@@ -119,8 +122,9 @@ class _Ends:
     The caller meets the end when its ``await`` returns (or raises), or when it reads the end of the
     response stream; the proxy takes the end in there, before handing it over, so a refused response
     replaces it. Until then the response is in flight to the caller, as the protocol counts it. A
-    call its caller drops before meeting its end has the end taken in when grpc ends the call (see
-    :func:`_abandoned`), so its wait ends with it.
+    call its caller may hold without meeting its end (a response stream it does not read to its end,
+    a request stream it wrote: :meth:`_watch`), or drops before meeting it (:func:`_abandoned`), has
+    the end taken in when grpc ends the call, so no wait or response in flight outlives the call.
     """
 
     _call: OutgoingCall | None = None
@@ -132,11 +136,47 @@ class _Ends:
     # in the handler's name; None for any other maker, whose name nobody waits on (only a handler's
     # task is waited on), so no deadlock is made up through it whoever awaits the call.
     _handler: Any = None
+    _watched = False  # a done callback takes the end in (_watch)
 
     def __del__(self) -> None:
         call = self._call
-        if call is not None and not call.settled:
+        if call is not None and not call.settled and not self._watched:
             _abandoned(self._agent, call, self._grpc_call, self._loop)
+
+    def _watch(self) -> None:
+        """Take the end in when grpc ends the call, whoever meets it then (the sync channel's and the
+        asyncio interceptors' calls do so for every call). Only for a call its caller may hold
+        without meeting its end while something stands on it: a response stream (its response
+        stays in flight, and no snapshot of the pair completes) or a written request stream (a
+        wait): a unary call's done callback would cost every call, and its end comes at its await."""
+        self._watched = True
+        self._grpc_call.add_done_callback(self._ended)
+
+    def _ended(self, _grpc_call: Any) -> None:
+        """grpc's done callback: unless its caller took the end in already, it is taken in now, on the
+        call's loop (a call dropped by its caller may end in a garbage collection, in any thread)."""
+        if self._call.settled:  # type: ignore[union-attr]
+            return
+        loop = self._loop
+        if getattr(loop, "_thread_id", None) == _get_ident():  # a BaseEventLoop's thread: the common case
+            self._take_in_soon()
+            return
+        try:
+            loop.call_soon_threadsafe(self._take_in_soon)
+        except RuntimeError:  # the loop is closed, and its calls with it
+            with contextlib.suppress(RefusedResponse):
+                self._take_in(None, _CANCELLED)
+
+    def _take_in_soon(self) -> None:
+        """Take the ended call's end in, in a task of its loop (reading it is a coroutine)."""
+        task = self._loop.create_task(self._take_in_ended())
+        _taking_in.add(task)  # the loop keeps only weak references to its tasks
+        task.add_done_callback(_taking_in.discard)
+
+    async def _take_in_ended(self) -> None:
+        """The ended call's end, taken in; a refused response is kept for the caller (see _take_in)."""
+        with contextlib.suppress(RefusedResponse):
+            await self._take_in_status()
 
     def _take_in(self, stamp: str | None, code: grpc.StatusCode | None) -> None:
         """Take the end in (once: the agent ignores a second end); a refusal is kept and raised."""
@@ -316,8 +356,8 @@ class _StreamResponse(_Ends):
                 # grpc cancels a call when its reader is cancelled, except while its request is still
                 # being sent (it then keeps running, unread): cancel it here as well.
                 grpc_call.cancel()
-            # Ended: take that in. Else its end comes later, and is taken in then (see _abandoned)
-            # if nobody reads it.
+            # Ended: take that in. Else its end comes later, and is taken in then (see _watch) if
+            # nobody reads it.
             if grpc_call.done():
                 self._take_in(None, _CANCELLED)
             raise
@@ -328,36 +368,74 @@ class _StreamResponse(_Ends):
 
 class _RequestStream(_Ends):
     """Writing a request stream (``call.write``, ``call.done_writing``): a write the agent's break
-    ended raises DeadlockBroken, as the call's await does. A call with a unary response waits from
-    its caller's first write (a write can block on the server), as from an await."""
+    ended raises DeadlockBroken, as the call's await does. A call with a unary response waits while
+    its caller writes (a write can block on the server), as while it awaits the call: from a write's
+    start to its return, when its caller is free again (it may do other things, cancel or drop the
+    call); an await of the call holds the wait from then on, to the call's end. A written call's end
+    is taken in when grpc ends it (:meth:`_watch`), so a call that ends while its caller holds it
+    unawaited holds no wait either."""
 
     _waits_when_written = False
+    _writing = 0  # writes under way that hold the call's wait (counted: a call may be written from two tasks)
+    _awaited = False  # an await of the call began: it holds the wait until the end (_StreamUnaryCall)
+    # The call's waiter before a write took the wait in another task's name (see _awaiter): its
+    # caller_task and handlers_loop, put back when that wait ends.
+    _maker: tuple[str, Any] | None = None
 
-    def _writes(self) -> None:
+    def _writes(self) -> bool:
+        """A write begins: a call with a unary response waits on the callee while it is written (begun
+        as :meth:`RpcAgent.awaited` begins an await's wait). Returns whether the write holds the wait,
+        and so must end with :meth:`_written`."""
         call = self._call
-        if self._waits_when_written and not call.waits and not call.settled:  # type: ignore[union-attr]
+        if not self._waits_when_written or call.settled:  # type: ignore[union-attr]
+            return False
+        if not self._watched:
+            self._watch()
+        self._writing += 1
+        if not call.waits:  # type: ignore[union-attr]
             waiter = None
             if self._handler is not None and (writer := asyncio.current_task(self._loop)) is not self._handler:
                 waiter = _awaiter(call.caller_task, self._handler, writer)  # type: ignore[union-attr]
                 if waiter != call.caller_task:  # type: ignore[union-attr]
+                    self._maker = (call.caller_task, call.handlers_loop)  # type: ignore[union-attr]
                     call.handlers_loop = None  # type: ignore[union-attr]
             self._agent.awaited(call, waiter)  # type: ignore[arg-type]
+        return True
+
+    def _written(self) -> None:
+        """A write that held the wait returned (or raised): the caller is free unless another write
+        or an await holds it, or the end was taken in (which ended the wait)."""
+        self._writing -= 1
+        call = self._call
+        if self._writing or self._awaited or call.settled or not call.waits:  # type: ignore[union-attr]
+            return
+        self._agent.not_awaited(call)  # type: ignore[arg-type]
+        maker = self._maker
+        if maker is not None:  # waits no longer: its next waiter is named afresh (no capture reads it now)
+            call.caller_task, call.handlers_loop = maker  # type: ignore[union-attr]
+            self._maker = None
 
     async def write(self, request: Any) -> None:
-        self._writes()
+        holds = self._writes()
         try:
             await self._grpc_call.write(request)
         except (_CancelledError, asyncio.InvalidStateError):  # ended, perhaps by a break
             self._raise_if_broken()
             raise
+        finally:
+            if holds:
+                self._written()
 
     async def done_writing(self) -> None:
-        self._writes()
+        holds = self._writes()
         try:
             await self._grpc_call.done_writing()
         except _CancelledError:
             self._raise_if_broken()
             raise
+        finally:
+            if holds:
+                self._written()
 
 
 class _UnaryUnaryCall(_UnaryResponse, grpc.aio.UnaryUnaryCall):
@@ -366,6 +444,10 @@ class _UnaryUnaryCall(_UnaryResponse, grpc.aio.UnaryUnaryCall):
 
 class _StreamUnaryCall(_RequestStream, _UnaryResponse, grpc.aio.StreamUnaryCall):
     _waits_when_written = True
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        self._awaited = True  # from now on its writes' returns leave the wait to the await
+        return _UnaryResponse.__await__(self)
 
 
 class _UnaryStreamCall(_StreamResponse, grpc.aio.UnaryStreamCall):
@@ -429,10 +511,12 @@ class _Method:
         except BaseException:  # not sent
             agent.call_returned(call, None, _CANCELLED)
             raise
-        if self._waits:
-            call.handle, call.cancel = grpc_call, channel._cancel  # breakable from now on (cancel last)
         proxy = _new(self._kind)  # its fields set here: one frame less per call than an __init__
         proxy._agent, proxy._call, proxy._grpc_call, proxy._loop = agent, call, grpc_call, loop
+        if self._waits:
+            call.handle, call.cancel = grpc_call, channel._cancel  # breakable from now on (cancel last)
+        else:  # a response stream, which its caller may hold without reading its end
+            proxy._watch()
         if handler is not None:
             proxy._handler = handler
             if handler is not named.own_task:  # a sync handler's loop's main task (runs_handlers_loop)
