@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import textwrap
 from collections.abc import Sequence
 from datetime import datetime
@@ -49,7 +50,8 @@ def draw_history(timeline: pa.Table, deadlock_episodes: pa.Table, path: Path, br
     times = timeline.column("started_at").to_pylist()
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(11, 6), sharex=True, constrained_layout=True)
     try:
-        top.step(times, timeline.column("deadlocked_processes").to_pylist(), where="post", color="tab:red")
+        deadlocked = [math.nan if v is None else v for v in timeline.column("deadlocked_processes").to_pylist()]
+        top.step(times, deadlocked, where="post", color="tab:red")  # a gap where the deadlock is undecided
         for began, last, ended in zip(
             deadlock_episodes.column("began_at").to_pylist(),
             deadlock_episodes.column("last_seen_at").to_pylist(),

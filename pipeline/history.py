@@ -288,7 +288,8 @@ def timeline(evaluations: DataFrame, snapshots: DataFrame, channels: DataFrame) 
     deadlocked_nodes, messages_in_flight, recorded_bytes, busiest_channel_messages``. ``deadlock``
     and ``termination`` are those predicates' verdicts; ``conservation`` is every conserved
     counter's at once (false when one was off, else unknown when one was undecided, else true;
-    null without any counter); ``deadlocked_nodes`` counts processes and tasks.
+    null without any counter); ``deadlocked_nodes`` counts processes and tasks; both deadlocked
+    counts are null where the deadlock verdict is unknown (or missing).
     """
 
     def predicate(name: str) -> DataFrame:
@@ -316,6 +317,7 @@ def timeline(evaluations: DataFrame, snapshots: DataFrame, channels: DataFrame) 
         )
     )
     busiest = channels.groupBy("snapshot_id").agg(F.max("recorded").alias("busiest_channel_messages"))
+    decided = F.col("deadlock").isin(Verdict.TRUE.value, Verdict.FALSE.value)
     completed = snapshots.filter(F.col("outcome") == "completed")
     return (
         completed.select("snapshot_id", "started_at", "messages_in_flight", "recorded_bytes")
@@ -331,8 +333,8 @@ def timeline(evaluations: DataFrame, snapshots: DataFrame, channels: DataFrame) 
             "deadlock",
             "termination",
             "conservation",
-            "deadlocked_processes",
-            "deadlocked_nodes",
+            # None where the deadlock is not decided: 0 would say that nothing is deadlocked.
+            *(F.when(decided, F.col(name)).alias(name) for name in ("deadlocked_processes", "deadlocked_nodes")),
             "messages_in_flight",
             "recorded_bytes",
             "busiest_channel_messages",

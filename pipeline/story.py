@@ -25,6 +25,7 @@ between``). :func:`~stablewatch.pipeline.chart.draw_lanes` draws one lane per st
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -314,7 +315,7 @@ def _series(
         )
     timeline = tables["timeline"]
     column = "deadlocked_nodes" if "deadlocked_nodes" in timeline.column_names else "deadlocked_processes"
-    values = tuple(float(v or 0) for v in timeline.column(column).to_pylist())
+    values = tuple(math.nan if v is None else float(v) for v in timeline.column(column).to_pylist())  # undecided: a gap
     return (Series("deadlocked", tuple(timeline.column("started_at").to_pylist()), values),)
 
 

@@ -214,6 +214,8 @@ def test_conservation_backlog_and_outcomes(history: History) -> None:
     timeline = history.tables["timeline"].to_pylist()
     assert [r["deadlocked_processes"] for r in timeline if r["deadlock"] == "true"] == [2] * 4 + [2] * 4 + [2] * 2
     assert [r["snapshot_id"] for r in timeline if r["deadlock"] == "unknown"] == [13]
+    undecided = [(r["deadlocked_processes"], r["deadlocked_nodes"]) for r in timeline if r["deadlock"] == "unknown"]
+    assert undecided == [(None, None)]  # not 0: nothing says that nothing is deadlocked there
 
 
 def test_the_timeline_has_every_verdict_and_the_attributes_their_totals(history: History) -> None:
