@@ -700,13 +700,15 @@ class Agent:
 
     def _handler_waits(self, state: LocalState, blocked: Sequence[Wait] | None) -> bool | None:
         """``LocalState.handler_waits`` for a recording now: whether the message handler is inside a
-        run that waits. None when that is not known (waits a state provider reports carry no task
-        to tell the handler's from others').
+        run that waits (its send recorded blocked, or a ``waiting()`` block of its run). None when
+        that is not known (waits a state provider reports carry no task to tell the handler's from
+        others').
 
         A recording holds the lock the handler holds across a run, except while the handler is
         blocked on a send: so the handler is between runs, or in that send (recorded as a wait of
-        task "" while the receiver holds the window, else about to go on), with what it declared
-        before it still open.
+        task "" while the receiver holds the window, else about to go on), with the ``waiting()``
+        blocks it entered before still open. A wait of ``add_wait`` is the process's, which may
+        outlast a run (a reply awaited across runs, while the handler takes what comes).
         """
         if not self._in_run:
             return False
@@ -714,7 +716,7 @@ class Agent:
             return True
         if self._state_provider is not None:
             return None
-        return self.state.declared_in(self._delivery)
+        return self.state.waiting_in(self._delivery)
 
     def _report(self, part: LocalSnapshotPart) -> None:
         for listener in self._part_listeners:

@@ -161,31 +161,14 @@ class WaitHandle:
     (False, None)
     """
 
-    __slots__ = (
-        "_callbacks",
-        "_declared_in",
-        "_event",
-        "_interrupt",
-        "_lock",
-        "_victim",
-        "began_at_us",
-        "instance",
-        "wait",
-    )
+    __slots__ = ("_callbacks", "_event", "_interrupt", "_lock", "_victim", "began_at_us", "instance", "wait")
 
-    def __init__(
-        self,
-        wait: _Wait,
-        lock: threading.Lock,
-        interrupt: TaskInterrupt | None,
-        declared_in: asyncio.Task[object] | None,
-    ) -> None:
+    def __init__(self, wait: _Wait, lock: threading.Lock, interrupt: TaskInterrupt | None) -> None:
         self.instance = breaking.new_instance()
         self.began_at_us = breaking.now_us()
         self.wait = wait
         self._lock = lock  # the keeper's: a break and a registration of a callback do not interleave
         self._interrupt = interrupt
-        self._declared_in = declared_in  # the asyncio task that declared the wait (None: a thread)
         self._victim: DeadlockVictim | None = None
         self._callbacks: list[Callable[[DeadlockVictim], object]] = []
         self._event: threading.Event | None = None  # made on demand: most waits are never asked
@@ -369,7 +352,7 @@ class LocalStateKeeper:
         wait's instance id, the token for :meth:`remove_wait` (and :meth:`handle`). Waits of one
         task coexist: each is reported on its own, and the detector merges them.
         """
-        return self._add(_make_wait(targets, model, task), None, _running_task()).instance
+        return self._add(_make_wait(targets, model, task), None).instance
 
     def remove_wait(self, token: int) -> None:
         """Remove the wait that :meth:`add_wait` registered under `token`."""
@@ -396,8 +379,7 @@ class LocalStateKeeper:
         cancellation still propagates as itself). A block that completes before the break
         reaches it completes normally. A thread learns of a break through the handle.
         """
-        interrupt = TaskInterrupt.here()
-        handle = self._add(_make_wait(targets, model, task), interrupt, interrupt._task if interrupt else None)
+        handle = self._add(_make_wait(targets, model, task), TaskInterrupt.here())
         try:
             yield handle
         except BaseException as error:
@@ -408,10 +390,8 @@ class LocalStateKeeper:
         else:
             self._leave(handle, None)
 
-    def _add(
-        self, wait: _Wait, interrupt: TaskInterrupt | None, declared_in: asyncio.Task[object] | None
-    ) -> WaitHandle:
-        handle = WaitHandle(wait, self._lock, interrupt, declared_in)
+    def _add(self, wait: _Wait, interrupt: TaskInterrupt | None) -> WaitHandle:
+        handle = WaitHandle(wait, self._lock, interrupt)
         with self._lock:
             self._waits[handle.instance] = handle
         self.doorbell.ring()
@@ -493,21 +473,18 @@ class LocalStateKeeper:
             state.attributes.update(attributes)
         return state
 
-    def declared_in(self, task: asyncio.Task[object] | None) -> bool:
-        """Whether asyncio task `task` declared a wait that is registered and not broken (one
-        :meth:`snapshot` reports): the agent asks this of its message handler's task."""
+    def waiting_in(self, task: asyncio.Task[object] | None) -> bool:
+        """Whether asyncio task `task` is inside a :meth:`waiting` block whose wait is not broken (one
+        :meth:`snapshot` reports): the agent asks this of its message handler's task. A block cannot
+        outlast the handler's run, where a wait of :meth:`add_wait` is the process's, and may
+        (a reply awaited across runs, while the handler takes what comes)."""
         if task is None:
             return False
         with self._lock:
-            return any(h._declared_in is task and h._victim is None for h in self._waits.values())
-
-
-def _running_task() -> asyncio.Task[object] | None:
-    """The asyncio task running now, or None outside of one (a plain thread)."""
-    try:
-        return asyncio.current_task()
-    except RuntimeError:  # no running event loop
-        return None
+            return any(
+                h._interrupt is not None and h._interrupt._task is task and h._victim is None
+                for h in self._waits.values()
+            )
 
 
 # -- validation and conversion --------------------------------------------------------------------

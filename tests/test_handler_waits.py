@@ -47,10 +47,13 @@ async def background_wait(agent: Agent, entered: asyncio.Event) -> None:
         await asyncio.Event().wait()
 
 
-def recorded(handler_run: Handler | None, *, held: bool = True, background: bool = False) -> LocalState:
+def recorded(
+    handler_run: Handler | None, *, held: bool = True, background: bool = False, earlier: Handler | None = None
+) -> LocalState:
     """P's state as its real agent records it while P's handler runs `handler_run` (None: the
-    handler stays idle). P's window to Q is full, and Q holds it when `held` (else the send is
-    about to go on); with `background`, a task of P's declares a wait on R first."""
+    handler stays idle), after a run of `earlier` if given. P's window to Q is full, and Q holds it
+    when `held` (else the send is about to go on); with `background`, a task of P's declares a wait
+    on R first."""
 
     async def scenario() -> LocalState:
         agent = Agent("P", peers={"Q": UNREACHABLE}, hint_after=None)
@@ -72,6 +75,10 @@ def recorded(handler_run: Handler | None, *, held: bool = True, background: bool
         in_run = asyncio.Event()
 
         async def handler(src: str, message: AppMessage) -> None:
+            if message.payload == b"earlier":
+                assert earlier is not None
+                await earlier(agent)
+                return
             assert handler_run is not None
             in_run.set()
             await handler_run(agent)
@@ -79,8 +86,10 @@ def recorded(handler_run: Handler | None, *, held: bool = True, background: bool
         agent.on_message(handler)
         agent._delivery = loop.create_task(agent._deliver_forever(), name="delivery-P")
         tasks.append(agent._delivery)
+        if earlier is not None:  # the delivery task takes the runs in order: this one ends first
+            agent._inbox.put("R", [AppMessage(b"earlier")], 1, 7)
         if handler_run is not None:
-            agent._inbox.put("R", [AppMessage(b"go")], 1, 2)
+            agent._inbox.put("R", [AppMessage(b"go")], 2, 2)
             await in_run.wait()
         await agent.start_snapshot(1)  # takes the recording lock: between runs, or in a blocked send
         for task in tasks:
@@ -129,6 +138,19 @@ def test_a_handler_whose_send_is_about_to_go_on_waits_only_on_what_it_declared()
     assert [w.task for w in for_a_task.waits] == ["lookup"] and for_a_task.handler_waits
 
 
+async def awaits_a_reply_from_r(agent: Agent) -> None:
+    """A run that leaves a wait of the process open for later runs: P now waits on R's reply."""
+    agent.state.add_wait("R")
+
+
+def test_a_wait_an_earlier_run_left_open_is_the_processs_not_the_running_handlers() -> None:
+    # From a review (read only) of the first version, which took any open wait the delivery task
+    # had declared for the handler's, from earlier runs too: this run's send is about to go on, and
+    # then the handler takes what is queued, as it does between runs.
+    state = recorded(sends, held=False, earlier=awaits_a_reply_from_r)
+    assert state.active and [w.task for w in state.waits] == [""] and not state.handler_waits
+
+
 def deadlock_verdicts(snapshot: GlobalSnapshot) -> tuple[str, str]:
     """The deadlock verdict of the row evaluation and of the columnar one."""
     return verdict(evaluate(snapshot).results[0]), verdict(evaluate_rows(rows_of(snapshot))[0])
@@ -163,8 +185,9 @@ def test_a_background_wait_makes_no_deadlock_through_a_send_to_an_idle_handler()
     for process in older.processes:
         process.state.ClearField("handler_waits")
     assert deadlock_verdicts(older) == ("true", "true")
-    # P's handler itself declared the wait and then sent (its send about to go on): it is not
-    # taking the heartbeats, and that is the deadlock it looks like.
+    # P's handler itself declared the wait, in a waiting() block, and sends in it (the send about
+    # to go on): the agent cannot see past the send, and reports the wait the block declares, as
+    # the application said it: the cycle stands as declared.
     busy = recorded(declares_then_sends, held=False)
     busy.waits[0].targets[0].process = "Q"
     snapshot.processes[0].state.CopyFrom(busy)
