@@ -11,6 +11,8 @@ up past ``MAX_COUNTER_UNITS`` (2**62 - 1): every total, channel sum and drift fr
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from test_assembly import SNAPSHOT, channel_part, message, started, state_part
 
@@ -18,6 +20,7 @@ from stablewatch.cli.main import main
 from stablewatch.detector.assembly import Completed, PartRejected
 from stablewatch.detector.evaluation import evaluate, result_named, verdict
 from stablewatch.detector.evaluation.predicates import expected_total
+from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.v1.bounds import MAX_COUNTER_UNITS
 
 
@@ -68,3 +71,10 @@ def test_an_expected_total_past_the_bound_is_refused(capsys: pytest.CaptureFixtu
         main(["detector", "--expect", f"tokens={2**63}"])
     assert exited.value.code == 2
     assert f"the total of tokens must be within ±{MAX_COUNTER_UNITS}, not {2**63}" in capsys.readouterr().err
+
+
+def test_an_expected_total_past_the_bound_is_refused_through_the_library(tmp_path: Path) -> None:
+    # From a review (read only) of the first version, which held the command line's --expect only.
+    with pytest.raises(ValueError, match=r"the total of tokens must be within ±4611686018427387903, not -4611"):
+        DetectorConfig(data_dir=tmp_path, expected_totals={"tokens": -MAX_COUNTER_UNITS - 1})
+    DetectorConfig(data_dir=tmp_path, expected_totals={"tokens": -MAX_COUNTER_UNITS})

@@ -47,6 +47,7 @@ from stablewatch.v1.bounds import MAX_COUNTER_UNITS
 
 __all__ = [
     "Holding",
+    "check_expected_totals",
     "conservation",
     "conservation_results",
     "counter_holdings",
@@ -71,9 +72,18 @@ def expected_total(text: str) -> tuple[str, int]:
         amount = int(total.strip())
     except ValueError:
         raise ValueError(f"expected an integer total, not {total.strip()!r} (in {text!r})") from None
-    if abs(amount) > MAX_COUNTER_UNITS:
-        raise ValueError(f"the total of {counter.strip()} must be within ±{MAX_COUNTER_UNITS}, not {amount}")
+    check_expected_totals({counter.strip(): amount})
     return counter.strip(), amount
+
+
+def check_expected_totals(totals: Mapping[str, int]) -> None:
+    """ValueError naming the first expected total past ``MAX_COUNTER_UNITS`` either way (or not an
+    integer): a drift from it would not be a 64-bit integer."""
+    for counter, amount in totals.items():
+        if not isinstance(amount, int) or isinstance(amount, bool):
+            raise ValueError(f"the total of {counter} must be an integer, not {amount!r}")
+        if abs(amount) > MAX_COUNTER_UNITS:
+            raise ValueError(f"the total of {counter} must be within ±{MAX_COUNTER_UNITS}, not {amount}")
 
 
 def unknown(result: PredicateResult, cut: CutCoverage, finding: str) -> PredicateResult:

@@ -41,6 +41,7 @@ from stablewatch.agents.certificates import server_credentials
 from stablewatch.detector.assembly import PartRejected
 from stablewatch.detector.evaluation import UserPredicate, evaluate, new_baselines
 from stablewatch.detector.evaluation.plugins import check_names
+from stablewatch.detector.evaluation.predicates import check_expected_totals
 from stablewatch.detector.evaluation.victims import POLICIES
 from stablewatch.detector.service.auth import AuthInterceptor, Authorizer
 from stablewatch.detector.service.coordinator import Coordinator, NoAgents, SnapshotAborted
@@ -123,6 +124,7 @@ class DetectorConfig:
         problem = space_problem(self.replica)
         if problem is not None:
             raise ValueError(problem)
+        check_expected_totals(self.expected_totals)
 
 
 class TooFewMembers(NoAgents):
