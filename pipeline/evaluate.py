@@ -22,10 +22,11 @@ as JSON field by field (:func:`evidence_json`), as ``MessageToJson`` would write
 Conservation needs the expected totals the detector would have had: the configured ones, and
 for every other counter the baseline set by the first closed snapshot that saw it, in the order
 the snapshots finished (``finished_at``, then id). A first pass finds those baselines; each
-snapshot is then evaluated with the configured totals plus the baselines set before it. A range
-that leaves earlier snapshots out takes the baselines the detector took on them from its archived
-results (:func:`detector_baselines`). A snapshot archived twice is refused (ArchiveError), as the
-archive's own reader refuses it, rather than evaluated and counted twice.
+snapshot is then evaluated with the configured totals plus the baselines set before it. The
+baselines the detector took before the snapshots evaluated (a range that leaves earlier ones out,
+an archive begun later) come from its archived results (:func:`detector_baselines`). A snapshot
+archived twice is refused (ArchiveError), as the archive's own reader refuses it, rather than
+evaluated and counted twice.
 
 Aborted snapshots have no global state and are not evaluated.
 """
@@ -65,7 +66,13 @@ from stablewatch.detector.evaluation.columnar import (
     light_facts,
 )
 from stablewatch.detector.evaluation.plugins import check_names, entry_point_predicates
-from stablewatch.detector.evaluation.predicates import Holding, conservation, conservation_results, deadlock_result
+from stablewatch.detector.evaluation.predicates import (
+    Holding,
+    check_expected_totals,
+    conservation,
+    conservation_results,
+    deadlock_result,
+)
 from stablewatch.detector.evaluation.waitfor import Deadlock, WaitCounts
 from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
 from stablewatch.pipeline.reduce import (
@@ -618,6 +625,7 @@ def evaluate_snapshots(
     snapshot archived twice and its files.
     """
     configured = dict(expected or {})
+    check_expected_totals(configured)  # ValueError: a drift from it would not be a 64-bit integer
     _refuse_duplicates(archive, snapshots)
     completed = _with_order(snapshots.filter(F.col("outcome") == "completed"))
     routed = F.col("snapshot").isNull()
@@ -714,13 +722,12 @@ def evaluate_archive(
     """Evaluate every completed snapshot of `archive` (ids from `first_id` to `last_id`, inclusive);
     see :func:`evaluate_snapshots` for the rest.
 
-    A range that leaves earlier snapshots out (`first_id`, or the archive's first day) also takes
-    the baselines the detector took on those (:func:`detector_baselines`): the first snapshot in
-    the range is not the first to see a counter, and the detector compared it with the earlier one.
+    The baselines are the detector's (:func:`detector_baselines`), as its archived results say:
+    the first snapshot evaluated here may not be the first to see a counter (a range that leaves
+    earlier snapshots out, an archive begun after the detector took its baseline, retention), and
+    the detector compared it with the earlier one.
     """
-    earlier: list[tuple[str, tuple[int, int], int]] = []
-    if first_id is not None or archive.first_day is not None:
-        earlier = detector_baselines(Archive(archive.spark, archive.root, None, archive.last_day))
+    earlier = detector_baselines(Archive(archive.spark, archive.root, None, archive.last_day))
     return evaluate_snapshots(
         archive,
         _heads(archive, first_id, last_id),
@@ -733,24 +740,38 @@ def evaluate_archive(
 
 def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int]]:
     """The baselines the detector took, as its archived conservation results say: a ``(counter,
-    order key, total)`` per result flagged ``baseline`` (one Spark job over a few columns of the
-    ``results`` and ``snapshots`` tables; no snapshot is decoded). A counter has one, or one per
-    store the detector started afresh: :func:`find_totals` keeps the first, as for the others."""
+    order key, total)`` per counter, from its first result decided on a closed cut (one Spark job
+    over a few columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded).
+
+    That result either set the baseline (flagged ``baseline``: the order key is its snapshot's) or
+    was compared with one the detector took before the archive holds anything of the counter (an
+    archive begun later, or retention): then the order key comes before every snapshot."""
     evidence = F.col("evidence")
-    taken = (
+    decided = (
         archive.table("results")
-        .filter(F.col("name").startswith("conservation("))
-        .filter(F.get_json_object(evidence, "$.baseline") == "true")
+        .filter(F.col("name").startswith("conservation(") & ~F.coalesce("unknown", F.lit(False)))
+        .filter(F.coalesce("error", F.lit("")) == "")
         .select(
             "snapshot_id",
             F.get_json_object(evidence, "$.counter").alias("counter"),
+            # A closed cut's result always has one: left out of the JSON, it is 0 (proto3's default).
             F.coalesce(F.get_json_object(evidence, "$.expected").cast("long"), F.lit(0)).alias("total"),
+            (F.get_json_object(evidence, "$.baseline") == "true").alias("baseline"),
         )
     )
     heads = _with_order(archive.table("snapshots").select("snapshot_id", "finished_at"))
+    first = (
+        decided.join(heads, "snapshot_id")
+        .groupBy("counter")
+        .agg(F.min(F.struct("finished_us", "snapshot_id", "total", "baseline")).alias("first"))
+        .select("counter", "first.*")
+    )
     with archive.reading():
-        rows = taken.join(heads, "snapshot_id").collect()
-    return [(row["counter"], (row["finished_us"], row["snapshot_id"]), row["total"]) for row in rows]
+        rows = first.collect()
+    return [
+        (row["counter"], (row["finished_us"], row["snapshot_id"]) if row["baseline"] else (-1, -1), row["total"])
+        for row in rows
+    ]
 
 
 def _refuse_duplicates(archive: Archive, snapshots: DataFrame) -> None:

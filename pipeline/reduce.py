@@ -296,6 +296,9 @@ def wait_for_frames(
     return WaitForFrames(waiters, edges, undecided)
 
 
+_SIGN = -(2**63)  # a long's sign bit
+
+
 def _acks_in_transit(channels: DataFrame) -> DataFrame:
     """The channels (``snapshot_id, src, dst``) with an acknowledgement in transit: ``receiver_acked``
     ahead of ``sender_ack_seen``, both of the same incarnations (``acks_in_transit``)."""
@@ -305,7 +308,9 @@ def _acks_in_transit(channels: DataFrame) -> DataFrame:
         & seen.isNotNull()
         & (acked["sender_incarnation"] == seen["sender_incarnation"])
         & (acked["receiver_incarnation"] == seen["receiver_incarnation"])
-        & (acked["next_seq"] > seen["next_seq"])
+        # next_seq is a uint64 kept in a long by its bits: compared unsigned, as the snapshot holds it
+        # (flipping the sign bit orders the bits as unsigned).
+        & (acked["next_seq"].bitwiseXOR(F.lit(_SIGN)) > seen["next_seq"].bitwiseXOR(F.lit(_SIGN)))
     ).select(_ID, "src", "dst")
 
 

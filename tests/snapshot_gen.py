@@ -112,6 +112,7 @@ def random_snapshot(
         )
     _add_ack_positions(random.Random(snapshot_id * 1_000_003 + n), snapshot)
     _add_handler_waits(random.Random(snapshot_id * 999_983 + n), snapshot)
+    _straddle_the_sign_bit(random.Random(snapshot_id * 999_979 + n), snapshot)
     snapshot.expected_members.extend(pids + (["P_gone"] if rng.random() < 0.08 else []))
     if rng.random() < 0.05:
         snapshot.expected_member_count = n + 1
@@ -168,6 +169,19 @@ def _add_ack_positions(rng: random.Random, snapshot: GlobalSnapshot) -> None:
             channel.receiver_acked.receiver_incarnation += 1
         elif 0.85 <= case < 0.9:
             channel.ClearField("receiver_acked")
+
+
+def _straddle_the_sign_bit(rng: random.Random, snapshot: GlobalSnapshot) -> None:
+    """Move some acknowledgement positions in transit up to where the receiver's is past 2**63 and
+    the sender's below it: a uint64 read as a signed long there orders them the other way round.
+    Their order as unsigned numbers, all the evaluations should read, is kept."""
+    for channel in snapshot.channels:
+        if not (channel.HasField("receiver_acked") and channel.HasField("sender_ack_seen")) or rng.random() >= 0.3:
+            continue
+        acked, seen = channel.receiver_acked, channel.sender_ack_seen
+        if acked.next_seq > seen.next_seq:
+            shift = 2**63 - 1 - seen.next_seq
+            acked.next_seq, seen.next_seq = acked.next_seq + shift, seen.next_seq + shift
 
 
 def _position(incarnations: tuple[int, int], next_seq: int) -> AckPosition:

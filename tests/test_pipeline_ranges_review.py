@@ -75,6 +75,23 @@ def test_a_range_after_the_baseline_keeps_the_detectors_verdict(spark: Any, tmp_
     assert (summary["counter"], summary["snapshots"], summary["held"]) == ("tokens", 2, 0)
 
 
+def test_an_archive_begun_after_the_detectors_baseline_keeps_its_verdicts(spark: Any, tmp_path: Path) -> None:
+    # From the review of the predicates (a suspicion, now checked): the detector took its baseline
+    # (10) on snapshot 1, before its archive began; the archive holds snapshots 2 and 3 (8 tokens),
+    # which the detector said violated. Without a range the pipeline took snapshot 2 as its
+    # baseline and said conserved. The detector's results in the archive say what it compared with.
+    snapshots = [closed(1, T0, 10), closed(2, T0 + timedelta(days=1), 8), closed(3, T0 + timedelta(days=2), 8)]
+    evaluations = as_the_detector(snapshots)
+    archived = [Archived(summary_of(s), s) for s in snapshots[1:]]
+    root = write_archive(tmp_path / "a", archived, 1, {sid: evaluations[sid] for sid in (2, 3)})
+    assert conservation_verdicts(open_archive(spark, root)) == {2: (False, False), 3: (False, False)}
+    # A counter zeroed out: the expected total 0 is left out of the evidence's JSON, and still read.
+    zero = [closed(1, T0, 0), closed(2, T0 + timedelta(days=1), 2)]
+    evaluations = as_the_detector(zero)
+    root = write_archive(tmp_path / "z", [Archived(summary_of(zero[1]), zero[1])], 1, {2: evaluations[2]})
+    assert conservation_verdicts(open_archive(spark, root)) == {2: (False, False)}
+
+
 def test_a_snapshot_archived_twice_is_refused_naming_it_and_its_files(spark: Any, tmp_path: Path) -> None:
     # Snapshot 2 is in two batches: its results would count twice in every total.
     snapshots = [closed(i, T0 + timedelta(minutes=i), 10) for i in (1, 2, 3)]
