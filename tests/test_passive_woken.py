@@ -188,12 +188,17 @@ def test_an_acknowledgement_in_transit_keeps_the_cut_from_being_quiet() -> None:
     channel = ChannelSnapshot(src="X", dst="Y", sent_before_marker=5, received_before_recording=5)
     channel.receiver_acked.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=6))
     channel.sender_ack_seen.CopyFrom(AckPosition(sender_incarnation=1, receiver_incarnation=2, next_seq=3))
-    processes = (_proc("A", _on("B", instance=1)), _proc("B", _on("A", task="t", instance=2)), _proc("Y"))
+    y = _proc("Y")
+    y.state.handler_waits = True  # Y's handler is in a run that waits: it takes nothing queued
+    processes = (_proc("A", _on("B", instance=1)), _proc("B", _on("A", task="t", instance=2)), y)
     evaluation = _evaluated(_cut(*processes, _proc("X", blocked), channels=(channel,)))
     assert verdict(evaluation.results[0]) == "false", evaluation.results[0].summary
     # Without the acknowledgement nothing is on its way: the cut is quiet, and A and B are deadlocked.
     channel.ClearField("receiver_acked")
     assert verdict(_evaluated(_cut(*processes, _proc("X", blocked), channels=(channel,))).results[0]) == "true"
+    # Unless Y's handler will take what is queued: then Y acknowledges, and X's send goes on.
+    y.state.handler_waits = False
+    assert verdict(_evaluated(_cut(*processes, _proc("X", blocked), channels=(channel,))).results[0]) == "false"
 
 
 def test_a_wait_the_process_declares_is_met_only_by_its_targets() -> None:
