@@ -21,7 +21,9 @@ Wait edges (what the recorded state holds about calls; users add their own throu
 
 * **Outgoing call.** While its caller is blocked on a call, the caller waits (AND) on the callee's
   task for that call, ``(callee, "{method}#{caller}@{incarnation}:{seq}")``: one ``Wait`` per call, with its own
-  instance and the time the wait began. The caller is the task of the handler the call is made
+  instance and the time the wait began, and one more per other thread or task blocked on the same
+  call at once (``OutgoingCall.others``: a shared call, a future several threads wait on), with
+  the call's instance and the time that one began. The caller is the task of the handler the call is made
   from (the same name, set by the server interceptor), else the thread's name (sync) or the asyncio
   task's name (aio). A task a handler starts, or a thread its context is copied into, inherits its
   context but is a caller of its own: the handler may not wait for it (but a sync handler that runs
@@ -126,7 +128,7 @@ from stablewatch.agents.rpc.calls import (
     split_request,
 )
 from stablewatch.agents.rpc.channel import InstrumentedChannel
-from stablewatch.agents.rpc.core import STAMP_KEY, ColorCore, StaleStamp, Stamp
+from stablewatch.agents.rpc.core import ALONE, ALONE_KEY, STAMP_KEY, ColorCore, StaleStamp, Stamp
 from stablewatch.agents.rpc.interceptors import (
     AioServerInterceptor,
     ClientInterceptor,
@@ -179,6 +181,14 @@ _OK = grpc.StatusCode.OK
 #: Ends of a call without our server's stamp that leave open whether the request or the response
 #: arrived: the pair's counts restart (``reset_peer``).
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
+
+#: The metadata key by which a gRPC server learns that a call's attempt is a retry or a hedge.
+_ATTEMPTS = "grpc-previous-rpc-attempts"
+
+
+#: Retried calls (their handlers' names) remembered, so that a response of any of their attempts
+#: goes alone in a session (a hedged call's first attempt may respond after a later one arrived).
+_REMEMBERED_RETRIES = 1024
 
 #: Broken instances remembered after their wait ended, so that a repeated break says "already
 #: broken" rather than "gone" (a detector does not repeat one, but a second detector may).
@@ -252,6 +262,7 @@ class RpcAgent:
         self._outgoing: dict[int, OutgoingCall] = {}
         self._pools: list[WorkerPool] = []
         self._broken: collections.OrderedDict[int, None] = collections.OrderedDict()  # instances broken here
+        self._retried: collections.OrderedDict[str, None] = collections.OrderedDict()  # calls retried by gRPC
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
         self._loop_thread = LoopThread(f"stablewatch-rpc-{process_id}")
         self._loop = self._loop_thread.loop
@@ -441,31 +452,61 @@ class RpcAgent:
             call.metadata = ((STAMP_KEY, f"{seq}:{entry[1]}"),)  # request_entry(stamp, seq)
         return call
 
-    def awaited(self, call: OutgoingCall, waiter: str | None = None) -> None:
+    def awaited(self, call: OutgoingCall, waiter: str | None = None) -> bool:
         """A thread or task blocks on ``call``'s end now (a future's ``result()``, an asyncio call's
-        ``await``): from now until the end is taken in, ``waiter`` (by default the call's caller)
-        waits on the callee's task. A call made with ``waits`` False and not yet awaited waits on
-        nothing: its caller is free to do other things, and may never block on it.
-        """
-        # The asyncio channel's unary await (aio_channel._UnaryResponse.__await__) writes this out
-        # for a call made by its awaiting caller: keep the two in step.
-        # No lock (this runs for every asyncio call): a capture or a break reads a call's wait only
-        # once ``waits`` is set, which is set last; and a call settled meanwhile has left
-        # ``_outgoing``, where captures and breaks look, so its wait is never read.
-        if call.settled or call.waits:
-            return
-        if waiter is not None:
-            call.caller_task = waiter
-        call.instance, call.began_at_ns = _new_instance(), _time_ns()
-        call.waits = True
-        if self.doorbell.asleep:
-            self.doorbell.ring()
+        ``await``): from now until it leaves (:meth:`not_awaited`) or the end is taken in, ``waiter``
+        (by default the call's caller) waits on the callee's task. A call made with ``waits`` False
+        and not yet awaited waits on nothing: its caller is free to do other things, and may never
+        block on it. Returns whether this blocker was added (False once the call ended).
 
-    def not_awaited(self, call: OutgoingCall) -> None:
-        """Nobody blocks on ``call`` any longer (a ``result(timeout)`` ran out): its wait ends, and
-        the call goes on."""
+        Each blocker of a call is a waiter of its own: a second thread or task that blocks on a
+        call another already awaits (request coalescing, a cached call, several ``result()``
+        callers) is one of ``call.others``, so that a deadlock through it is seen, with the
+        call's instance (breaking it cancels the one call, which frees every blocker).
+        """
+        # The asyncio channel's unary await (aio_channel._UnaryResponse.__await__) writes the first
+        # blocker's part out for a call made by its awaiting caller: keep the two in step. Under the
+        # lock: two threads may block on one future at once, and each must be counted.
+        ring = False
         with self._lock:
-            call.waits = False
+            if call.settled:  # its end was taken in: it left _outgoing, and nobody waits on it
+                return False
+            if not call.waits:
+                if waiter is not None:
+                    call.caller_task = waiter
+                call.instance, call.began_at_ns = _new_instance(), _time_ns()
+                call.waits = True  # last: a break reads a wait once it is set
+            else:
+                entry = (waiter if waiter is not None else call.caller_task, _time_ns())
+                if call.others is None:
+                    call.others = [entry]
+                else:
+                    call.others.append(entry)
+            ring = self.doorbell.asleep
+        if ring:
+            self.doorbell.ring()
+        return True
+
+    def not_awaited(self, call: OutgoingCall, waiter: str | None = None) -> None:
+        """The blocker ``waiter`` (None: the call's first blocker) no longer blocks on ``call`` (its
+        ``result(timeout)`` ran out): its wait ends, and the call goes on. The first blocker leaving
+        hands the call's wait to the next one still blocked, if any."""
+        with self._lock:
+            others = call.others
+            if not others:
+                call.waits = False
+                return
+            if waiter is not None and waiter != call.caller_task:
+                for i, (name, _) in enumerate(others):
+                    if name == waiter:
+                        del others[i]
+                        break
+                return
+            # The first blocker left: the next one waits in its place, from when it began.
+            call.caller_task, call.began_at_ns = others.pop(0)
+            call.handlers_loop = None  # the next blocker's name was read as it began to block
+            if not others:
+                call.others = None
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
         """The call's response (or its end, with ``code``) is about to reach the caller.
@@ -476,9 +517,14 @@ class RpcAgent:
         :class:`StaleResponse` when it is stale (nothing taken in, no restart). Runs once per call.
         """
         stamp = error = stale = None
+        alone = False
         if stamp_text is not None and call.instrumented:
             try:
-                stamp = (_stamps.get(stamp_text) or _decode(stamp_text))[0]
+                known = _stamps.get(stamp_text)
+                if known is None:
+                    alone = stamp_text.startswith(ALONE)  # (a text stamp_of gave: never bytes)
+                    known = _decode(stamp_text[len(ALONE) :] if alone else stamp_text)
+                stamp = known[0]
                 if stamp.process_id != call.peer:
                     raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
             except RemoteProtocolError as exc:
@@ -502,6 +548,8 @@ class RpcAgent:
                     else:
                         if actions:
                             self._carry_out(actions)
+                        if alone:  # the server left the response's session as it sent it
+                            self._carry_out(core.session_closed(stamp))
                 if error is not None:
                     reason = (
                         f"call {call.method} to {call.peer} returned a bad stamp ({error}): channel counts restarted"
@@ -530,10 +578,12 @@ class RpcAgent:
 
     def arrive(self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None) -> IncomingCall:
         """A request reaches the server's interceptor: take it in (recording first if its color asks)."""
-        entry = None
+        entry = attempts = None
         for key, value in metadata or ():
             if key == STAMP_KEY:  # the last one is the caller's own (see interceptors.stamped)
                 entry = value
+            elif key == _ATTEMPTS:
+                attempts = value
         if entry is None:
             call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, pool)
             self.metrics.uninstrumented("inbound")
@@ -556,9 +606,15 @@ class RpcAgent:
         lock.acquire()
         try:
             try:
-                actions = core.receive_checked(stamp, call.request_message)
-                if actions is None:
-                    actions = core.receive(stamp, call.request_message, _monotonic(), _time())
+                if attempts is not None and attempts not in ("0", b"0"):
+                    # A retried or hedged attempt (see "Retried messages" in the core): its request
+                    # is not counted again, and its response goes alone in a session (respond()).
+                    self._remember_retried(call.name)
+                    actions = core.receive_again(stamp, _monotonic(), _time())
+                else:
+                    actions = core.receive_checked(stamp, call.request_message)
+                    if actions is None:
+                        actions = core.receive(stamp, call.request_message, _monotonic(), _time())
             except RemoteProtocolError as exc:
                 error = str(exc)
             except StaleStamp as exc:
@@ -685,11 +741,30 @@ class RpcAgent:
             if not call.instrumented:
                 self._core.send(call.peer if call.peer is not None else _outside_peer(peer_address))
                 return None
-            entry = self._core.send_entry(call.peer)  # type: ignore[arg-type]  # an instrumented call has its peer
+            if self._retried and call.name in self._retried:  # an attempt of a retried call
+                entry = self._respond_alone(call)
+            else:
+                entry = self._core.send_entry(call.peer)  # type: ignore[arg-type]  # an instrumented call has its peer
             self._stamped["response"] += 1  # self.metrics.stamped("response")
         finally:
             lock.release()
         return entry
+
+    def _remember_retried(self, name: str) -> None:
+        """The call ``name`` has several attempts here (under the lock): the response of each, a
+        first attempt's too, goes alone in a session, since gRPC hands its caller one at most."""
+        self._retried[name] = None
+        if len(self._retried) > _REMEMBERED_RETRIES:
+            self._retried.popitem(last=False)
+
+    def _respond_alone(self, call: IncomingCall) -> tuple[str, str]:
+        """The stamp entry of a response of a retried call, counted alone in a session of its own
+        (``ColorCore.send_alone``; under the lock), marked so that its caller moves on at once."""
+        reason = f"call {call.name} from {call.peer} was retried by gRPC"
+        stamp, actions = self._core.send_alone(call.peer, reason)  # type: ignore[arg-type]
+        self._carry_out(actions)
+        self.metrics.peer_reset()
+        return (ALONE_KEY, stamp.encode())
 
     def callee_task(self, call: OutgoingCall) -> str:
         """The name the callee gives the handler of ``call``: ``"{method}#{caller}@{incarnation}:{seq}"``."""
@@ -805,13 +880,25 @@ class RpcAgent:
             # to the detector, and a cut begun after it must not show the deadlock whole (the
             # detector would name another wait of it). Application waits are left out alike.
             if call.waits and call.broken is None:
+                targets = [{"process": call.peer, "task": self.callee_task(call)}]
+                instance = call.instance if call.cancel is not None else 0  # 0: cannot be broken
                 state.waits.add(
                     task=call.waiter(),
-                    targets=[{"process": call.peer, "task": self.callee_task(call)}],
+                    targets=targets,
                     model=WAIT_MODEL_AND,
-                    instance=call.instance if call.cancel is not None else 0,  # 0: cannot be broken
+                    instance=instance,
                     began_at_us=call.began_at_ns // 1000,
                 )
+                # One wait per other blocker of the call, each from when it began, with the call's
+                # instance: whichever a detector picks, the break cancels the call, freeing them all.
+                for name, began_at_ns in call.others or ():
+                    state.waits.add(
+                        task=name,
+                        targets=targets,
+                        model=WAIT_MODEL_AND,
+                        instance=instance,
+                        began_at_us=began_at_ns // 1000,
+                    )
         for pool in self._pools:
             state.waits.extend(pool.waits(self.process_id))
         return state

@@ -45,7 +45,7 @@ import grpc
 
 from stablewatch.agents import breaking
 from stablewatch.agents.rpc.calls import CallEvents, DeadlockBroken, OutgoingCall, RefusedResponse
-from stablewatch.agents.rpc.core import STAMP_KEY
+from stablewatch.agents.rpc.core import ALONE_KEY, STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
     NAMED_TASK,
@@ -193,6 +193,28 @@ class _Ends:
         """The finished call's end, from its trailing metadata."""
         self._take_in(*await _end_of(self._grpc_call))
 
+    def _awaits_too(self) -> None:
+        """Another task (or a write) holds the call's wait, and this task awaits it too (a call shared
+        by its awaiters, as request coalescing does): it waits on the callee beside the first
+        (:meth:`RpcAgent.awaited`), until the end is taken in. It leaves no sooner: grpc cancels
+        the call when a task awaiting it is cancelled. Named as a first awaiter would be (see
+        :func:`_awaiter`): a call made outside a handler waits in its maker's name only, whoever
+        awaits it (nobody waits on that name). Not on the per-call path: a call awaited once
+        begins its wait in ``__await__``."""
+        call, handler = self._call, self._handler
+        awaiting = asyncio.current_task(self._loop)
+        if handler is None or awaiting is None:
+            return
+        if awaiting is handler or _blocked_on(handler, awaiting):  # the handler itself is blocked on it
+            named = NAMED_TASK.get()
+            if named is None or named.own_task is not handler:
+                return  # (a sync handler's loop: its name is the call's own waiter's)
+            name = named.name
+        else:
+            name = task_waiter_name(awaiting)
+        if name != call.waiter() and all(name != other for other, _ in call.others or ()):  # type: ignore[union-attr]
+            self._agent.awaited(call, name)  # type: ignore[arg-type]
+
     def _broken_now(self) -> DeadlockBroken | None:
         """The error of a call the agent cancelled to break a deadlock, once grpc ended it; else None.
 
@@ -305,6 +327,8 @@ class _UnaryResponse(_Ends):
             doorbell = self._agent.doorbell
             if doorbell.asleep:
                 doorbell.ring()
+        elif not call.settled:  # type: ignore[union-attr]  # awaited already: this task waits beside
+            self._awaits_too()
         try:
             response = yield from grpc_call.__await__()
         except _AioRpcError as error:
@@ -324,6 +348,8 @@ class _UnaryResponse(_Ends):
         for key, value in (yield from grpc_call.trailing_metadata().__await__()) or ():  # stamp_of(...)
             if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
+            elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
+                stamp = stamp_of(((key, value),))
         code = None if stamp is not None else (yield from grpc_call.code().__await__())
         try:
             self._agent.call_returned(call, stamp, code)

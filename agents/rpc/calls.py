@@ -162,6 +162,12 @@ class OutgoingCall:
     # (``loop.stop()``, an exception out of it) leaves the task, and its call, behind while the
     # handler goes on: the task waits then.
     handlers_loop: Any = None
+    # Its other blockers, while more than one thread or task blocks on it (a call shared by several
+    # awaiters, a future several threads wait on): (name, began_at_ns) each, in the order they began.
+    # None with one blocker (the common case: nothing more is made per call). Each waits on the
+    # callee's task as the first does, with the call's instance (breaking any of them cancels the one
+    # call, which frees them all); when the first leaves, the next takes its place.
+    others: list[tuple[str, int]] | None = None
 
     def waiter(self) -> str:
         """The name the call's caller waits in now: ``caller_task``, unless that was a sync handler's
@@ -301,9 +307,9 @@ class CallEvents(Protocol):
         self, peer: str, method: str, caller_task: str, instrumented: bool, waits: bool = True
     ) -> OutgoingCall: ...
 
-    def awaited(self, call: OutgoingCall, waiter: str | None = None) -> None: ...
+    def awaited(self, call: OutgoingCall, waiter: str | None = None) -> bool: ...
 
-    def not_awaited(self, call: OutgoingCall) -> None: ...
+    def not_awaited(self, call: OutgoingCall, waiter: str | None = None) -> None: ...
 
     def call_returned(self, call: OutgoingCall, stamp_text: str | None, code: grpc.StatusCode | None) -> None:
         """Raises a :class:`RefusedResponse` when the response is not handed to the caller."""

@@ -82,7 +82,7 @@ from stablewatch.agents.rpc.calls import (
     WorkerPool,
     cancel_future,
 )
-from stablewatch.agents.rpc.core import STAMP_KEY
+from stablewatch.agents.rpc.core import ALONE, ALONE_KEY, STAMP_KEY
 
 __all__ = ["CURRENT_TASK", "AioServerInterceptor", "ClientInterceptor", "ServerInterceptor", "aio_client_interceptors"]
 
@@ -150,11 +150,14 @@ def _is_own_task(named: IncomingCall) -> bool:
 def stamp_of(metadata: Any) -> str | None:
     """The text of the server's stamp among a call's trailing ``metadata``, or None: the last entry
     of ours (each hop sends one, added last: see :func:`stamped`)."""
-    stamp = None
+    stamp = alone = None
     for key, value in metadata or ():
         if key == STAMP_KEY:
-            stamp = value
-    return stamp.decode(errors="replace") if isinstance(stamp, bytes) else stamp
+            stamp, alone = value, False
+        elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
+            stamp, alone = value, True
+    text = stamp.decode(errors="replace") if isinstance(stamp, bytes) else stamp
+    return ALONE + text if alone and text is not None else text
 
 
 def stamped(metadata: Any, entries: tuple[tuple[str, str], ...]) -> Any:
@@ -837,22 +840,30 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
             return None
         return call.broken_error()
 
-    def _block(self) -> bool:
-        """This thread blocks on the call now: it waits on the callee's task if nothing did (a future
-        of the instrumented channel waits only from here). Returns whether it began a wait."""
+    def _block(self) -> str | None:
+        """This thread blocks on the call now: it waits on the callee's task (a future of the
+        instrumented channel waits only from here), beside any other thread blocked on it. Returns
+        the name it waits in, for :meth:`_unblock`, or None if it began no wait (the call ended, or
+        its maker waits on it already: a call of the client interceptor waits from when it is made)."""
         call = self._call
-        if call is None or call.waits or self._outcome.done():
-            return False
-        self._settled.agent.awaited(call, current_task_name())
-        return True
+        if call is None or self._outcome.done():
+            return None
+        name = current_task_name()
+        if call.waits and (name == call.caller_task or any(name == other for other, _ in call.others or ())):
+            return None  # waits in that name already (a call of the client interceptor, from its making)
+        return name if self._settled.agent.awaited(call, name) else None
+
+    def _unblock(self, waiter: str | None) -> None:
+        """The thread that began the wait ``waiter`` (:meth:`_block`) stops blocking, the call still out."""
+        if waiter is not None:
+            self._settled.agent.not_awaited(self._call, waiter)  # type: ignore[arg-type]
 
     def result(self, timeout: float | None = None) -> Any:
         began = self._block()
         try:
             value = self._outcome.result(timeout)
         except grpc.FutureTimeoutError:
-            if began:
-                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
+            self._unblock(began)
             raise
         except grpc.FutureCancelledError:
             self._settled.settle()
@@ -866,8 +877,8 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
             # until then); its caller no longer blocks on it.
             if self._outcome.done():
                 self._settled.settle()
-            elif began:
-                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
+            else:
+                self._unblock(began)
             raise
         self._settled.settle()
         return value
@@ -877,8 +888,7 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         try:
             error = self._outcome.exception(timeout)
         except grpc.FutureTimeoutError:
-            if began:
-                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
+            self._unblock(began)
             raise
         except grpc.FutureCancelledError:
             broken = self._broken()
@@ -887,8 +897,7 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
             self._settled.settle(quiet=True)
             return broken
         except BaseException:  # interrupted while it waited: as in result(), the call goes on
-            if began:
-                self._settled.agent.not_awaited(self._call)  # type: ignore[arg-type]
+            self._unblock(began)
             raise
         try:
             self._settled.settle()
@@ -1205,6 +1214,8 @@ class _AioClient:
         for key, value in await grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
             if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
+            elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
+                stamp = stamp_of(((key, value),))
         # The status matters only without the server's stamp (as in take_in_end).
         agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
         return response
