@@ -28,13 +28,16 @@ anything else is looked at; when its sender is a member of the running snapshot,
 never be whole and is aborted at once. So is a part holding a string over its maximum (a process
 id, a task, a counter's or an attribute's name, an attribute's text: :data:`~stablewatch.v1.bounds.MAX_ID_BYTES`
 and the rest, ``name_too_long``), found where the checks first read each string, before anything
-quotes it; an id or a name with a control character is ``malformed``. A rejection quotes at most a
+quotes it; an id or a name with a control character is ``malformed``. So is a part holding a
+value the store and the archive cannot keep: a count or an arrival index (uint64) above 2**63 - 1,
+or an attribute number that is NaN or infinite (JSON has none). A rejection quotes at most a
 prefix of anything the part holds.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -71,6 +74,9 @@ from stablewatch.v1.bounds import (
 
 #: The wait models this detector knows: 0 (unspecified, an older agent's) counts as AND.
 _WAIT_MODELS = frozenset({0, WAIT_MODEL_AND, WAIT_MODEL_OR})
+#: The largest count or arrival index (uint64 on the wire) the archive's int64 columns hold.
+_MAX_COUNT = 2**63 - 1
+_RECEIVE_INDEX = operator.attrgetter("receive_index")
 
 __all__ = [
     "REJECTION_REASONS",
@@ -509,6 +515,8 @@ class Assembler:
             if link is not None and link.counted:
                 raise PartRejected("duplicate_part", f"{where}: channel {process}->{dst} already reported")
             n = count.sent_before_marker
+            if n > _MAX_COUNT:
+                raise PartRejected("malformed", f"{where}: channel {process}->{dst} counts n={n}, above {_MAX_COUNT}")
             if n and recorded:
                 # A channel opened after the recording carries nothing before its marker.
                 raise PartRejected("malformed", f"{where}: channel {process}->{dst} counts n={n} after its state")
@@ -543,6 +551,8 @@ class Assembler:
             if (messages or extras) and (found := _message_problem(messages, extras)) is not None:
                 raise self._bad_text(pending, where, *found)
             m, still_open = piece.received_before_recording, piece.open
+            if (count := _count_problem(piece, m, messages)) is not None:
+                raise PartRejected("malformed", f"{where}: channel {src}->{process} {count}")
             pieces.append((src, piece, m, len(messages) + payloads, still_open))
             if src not in members:
                 continue
@@ -649,6 +659,9 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
         text = _long_text(attributes)
         if text is not None:
             return "attribute text", text, ("name_too_long", f"is longer than {MAX_TEXT_BYTES} bytes")
+    if attributes is not None and (number := _non_finite(attributes)) is not None:
+        name, value = number
+        return "attribute", name, ("malformed", f"holds {value}, not a finite number (JSON has none)")
     if not all(ids):
         return "wait target", "", ("malformed", "names no process")
     for wait in state.waits:
@@ -718,6 +731,37 @@ def _long_text(attributes: Struct) -> str | None:
             values.extend(fields.values())
         elif kind == "list_value":
             values.extend(value.list_value.values)
+    return None
+
+
+def _non_finite(attributes: Struct) -> tuple[str, float] | None:
+    """The first number in ``attributes`` (at any depth) that is NaN or infinite, with the name of
+    the attribute holding it; such a number has no JSON, so the archive could not keep the state."""
+    for name, top in attributes.fields.items():
+        values = [top]
+        while values:
+            value = values.pop()
+            kind = value.WhichOneof("kind")
+            if kind == "number_value":
+                if not math.isfinite(value.number_value):
+                    return name, value.number_value
+            elif kind == "struct_value":
+                values.extend(value.struct_value.fields.values())
+            elif kind == "list_value":
+                values.extend(value.list_value.values)
+    return None
+
+
+def _count_problem(piece: InboundChannelState, m: int, messages: Any) -> str | None:
+    """What is wrong with the counts of ``piece`` (m, the arrival indices of its messages), if one is
+    above :data:`_MAX_COUNT`."""
+    if m > _MAX_COUNT:
+        return f"counts m={m}, above {_MAX_COUNT}"
+    top = max(map(_RECEIVE_INDEX, messages), default=0)
+    if piece.run_starts:  # the column form: each run's indices start at its start
+        top = max(top, max(map(operator.add, piece.run_starts, piece.run_lengths)) - 1)
+    if top > _MAX_COUNT:
+        return f"records a message of arrival index {top}, above {_MAX_COUNT}"
     return None
 
 

@@ -29,6 +29,7 @@ One process writes an archive at a time: it holds an exclusive lock on
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import json
@@ -218,7 +219,11 @@ _File = tuple[str, str, str, Sequence[Mapping[str, Any]]]  # table, day, name, r
 
 
 def _write_files(root: Path, files: Sequence[_File], what: str) -> list[Path]:
-    """Write each (table, day, name, rows) aside, then rename them all into place in that order."""
+    """Write each (table, day, name, rows) aside, then rename them all into place in that order.
+
+    ArchiveError naming `what` when writing fails, :class:`.schema.RowsError` when a value does not
+    fit its column; either way no temporary file is left behind.
+    """
     staged: list[tuple[Path, Path]] = []
     try:
         for table, day, name, day_rows in files:
@@ -228,8 +233,8 @@ def _write_files(root: Path, files: Sequence[_File], what: str) -> list[Path]:
             tmp = folder / f".{name}.tmp"
             arrow = table_from_rows(table, day_rows).drop_columns(["day"])
             arrow = arrow.replace_schema_metadata({METADATA_KEY: str(SCHEMA_VERSION).encode()})
+            staged.append((tmp, final))  # before writing: a write that fails (disk full) leaves part of it
             pq.write_table(arrow, tmp, compression="zstd")
-            staged.append((tmp, final))
         landed = 0
         for tmp, final in staged:
             with open(tmp, "rb") as f:
@@ -240,10 +245,13 @@ def _write_files(root: Path, files: Sequence[_File], what: str) -> list[Path]:
             landed = max(time.time_ns(), landed + 1_000_000)
             os.utime(tmp, ns=(landed, landed))
             os.replace(tmp, final)
-    except (OSError, pa.ArrowException) as exc:
+    except BaseException as exc:
         for tmp, _ in staged:
-            tmp.unlink(missing_ok=True)
-        raise ArchiveError(f"cannot write {what} to {root}: {exc}") from exc
+            with contextlib.suppress(OSError):  # the error that brought us here is the one to report
+                tmp.unlink(missing_ok=True)
+        if isinstance(exc, (OSError, pa.ArrowException)):
+            raise ArchiveError(f"cannot write {what} to {root}: {exc}") from exc
+        raise
     return [final for _, final in staged]
 
 

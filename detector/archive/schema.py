@@ -78,6 +78,7 @@ __all__ = [
     "SNAPSHOT_TABLES",
     "TABLES",
     "ArchiveError",
+    "RowsError",
     "day_of",
     "latest_rows",
     "outcome_rank",
@@ -104,6 +105,10 @@ MAX_BLOB_BYTES = 64 * 1024 * 1024
 
 class ArchiveError(Exception):
     """An archive, a file in it, or a row cannot be read: names the file or folder and the reason."""
+
+
+class RowsError(ArchiveError):
+    """Rows that no file can hold: a value does not fit its column. The snapshot's fault, not the disk's."""
 
 
 _ts = pa.timestamp("us", tz="UTC")
@@ -717,5 +722,9 @@ def _state(states: dict[str, LocalState], pid: str, snapshot_id: int) -> LocalSt
 
 
 def table_from_rows(name: str, rows: Sequence[Mapping[str, Any]]) -> pa.Table:
-    """The rows of table `name` as an Arrow table with its archive schema."""
-    return pa.Table.from_pylist(list(rows), schema=TABLES[name])
+    """The rows of table `name` as an Arrow table with its archive schema; :class:`RowsError` when a
+    value does not fit its column (a uint64 of 2**63 or more in an int64 column, say)."""
+    try:
+        return pa.Table.from_pylist(list(rows), schema=TABLES[name])
+    except (pa.ArrowException, OverflowError, TypeError, ValueError) as exc:
+        raise RowsError(f"a value of the {name} table does not fit its column: {exc}") from exc

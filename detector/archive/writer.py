@@ -41,8 +41,16 @@ finished files up (``aws s3 sync``, ``gcloud storage rsync``, ``rclone copy``) e
 (``.*``: temporary files and the lock), other tables first and ``snapshots`` last; an object PUT is
 atomic, so readers see whole files.
 
-A snapshot the store deletes by retention before it is archived is lost to the archive; with the
-default retention (days) and batch age (minutes) that needs the archive to fail for days.
+A snapshot the store deletes by retention before it is archived is lost to the archive. The
+detector's retention spares unarchived snapshots (and breaks) while the archive cannot take them,
+up to ten times its bounds (``Store.apply_retention`` with ``keep_unarchived``): with retention by
+count, that is ten times ``max_snapshots`` snapshots, which at a few snapshots a second lasts
+hours, not days. Past the bound they are deleted, and the store logs an ERROR with how many and
+their ids.
+
+A snapshot the archive cannot hold (a value no column takes, which the assembler refuses in a part
+anyway: a NaN attribute, a uint64 of 2**63 or more) fails alone: it is logged, set aside in the
+store (``set_aside``: never offered again) and the rest of its batch is written.
 """
 
 from __future__ import annotations
@@ -50,7 +58,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -67,9 +75,11 @@ from stablewatch.detector.archive.recovery import archived_ids, archived_outcome
 from stablewatch.detector.archive.schema import (
     SNAPSHOT_TABLES,
     ArchiveError,
+    RowsError,
     resolution_key,
     resolution_row,
     snapshot_rows,
+    table_from_rows,
 )
 from stablewatch.v1 import Evaluation, GlobalSnapshot
 from stablewatch.v1.query_pb2 import Resolution, SnapshotSummary
@@ -108,6 +118,7 @@ class ArchivingStore(SnapshotSource, Protocol):
 
     def unarchived(self, limit: int, after_id: int = 0) -> list[int]: ...
     def mark_archived(self, snapshot_ids: Sequence[int]) -> None: ...
+    def set_aside(self, snapshot_ids: Sequence[int]) -> None: ...
 
 
 class ResolutionSource(Protocol):
@@ -151,16 +162,54 @@ def load(source: SnapshotSource, snapshot_id: int) -> Finished | None:
     return Finished(summary, source.snapshot(snapshot_id), source.evaluation(snapshot_id))
 
 
-def write_finished(root: Path, batch: Sequence[Finished]) -> list[Path]:
+def write_finished(
+    root: Path, batch: Sequence[Finished], set_aside: dict[int, ArchiveError] | None = None
+) -> list[Path]:
     """Write these snapshots as one batch (blocking; run it off the event loop); return the files.
 
-    ArchiveError naming the file when writing fails; the archive keeps what it held.
+    ArchiveError naming the file when writing fails; the archive keeps what it held. A snapshot
+    the archive cannot hold (a value no column takes: a NaN attribute, a uint64 above 2**63) is an
+    ArchiveError naming it; given `set_aside`, it is put there instead (by id) and the rest is written.
     """
-    rows: dict[str, list] = {name: [] for name in SNAPSHOT_TABLES}
+    per_snapshot: list[tuple[int, dict[str, list]]] = []
     for item in sorted(batch, key=lambda item: item.snapshot_id):
-        for table, table_rows in snapshot_rows(item.summary, item.snapshot, item.evaluation).items():
+        try:
+            per_snapshot.append((item.snapshot_id, snapshot_rows(item.summary, item.snapshot, item.evaluation)))
+        except Exception as error:
+            _unfit(item.snapshot_id, error, set_aside)
+    try:
+        return write_batch(root, _joined(per_snapshot))
+    except RowsError:
+        # Cheap when all is well: only now is each snapshot's share converted alone, to find the culprits.
+        fit = []
+        for snapshot_id, rows in per_snapshot:
+            try:
+                for table, table_rows in rows.items():
+                    table_from_rows(table, table_rows)
+            except RowsError as error:
+                _unfit(snapshot_id, error, set_aside)
+            else:
+                fit.append((snapshot_id, rows))
+        if len(fit) == len(per_snapshot):
+            raise  # no snapshot alone is at fault
+        return write_batch(root, _joined(fit))
+
+
+def _unfit(snapshot_id: int, error: Exception, set_aside: dict[int, ArchiveError] | None) -> None:
+    """Snapshot `snapshot_id` cannot be turned into rows: put it in `set_aside`, or raise ArchiveError naming it."""
+    unfit = ArchiveError(f"snapshot {snapshot_id} cannot be archived: {error}")
+    if set_aside is None:
+        raise unfit from error
+    set_aside[snapshot_id] = unfit
+
+
+def _joined(per_snapshot: Sequence[tuple[int, Mapping[str, list]]]) -> dict[str, list]:
+    """The rows of several snapshots, table by table, in the given order."""
+    rows: dict[str, list] = {name: [] for name in SNAPSHOT_TABLES}
+    for _, rows_of in per_snapshot:
+        for table, table_rows in rows_of.items():
             rows[table].extend(table_rows)
-    return write_batch(root, rows)
+    return rows
 
 
 def write_resolution_batch(root: Path, resolutions: Sequence[Resolution]) -> list[Path]:
@@ -379,13 +428,32 @@ class ArchiveWriter:
         self._behind = True
         self._retry_at = asyncio.get_running_loop().time() + self.max_age
         log = _log.error if isinstance(error, ArchiveError) else _log.exception
-        log("archive %s: %s; the snapshots stay in the store and are written later", self.root, error)
+        log(
+            "archive %s: %s; the snapshots stay in the store, unarchived (retention spares them up to its "
+            "bound), and writing is tried again in %g s",
+            self.root,
+            error,
+            self.max_age,
+        )
 
     async def _write(self, items: list[Finished]) -> None:
-        files = await asyncio.to_thread(write_finished, self.root, items)
-        self._store.mark_archived([item.snapshot_id for item in items])
-        self.written += len(items)
-        _log.debug("archived %d snapshots in %d files", len(items), len(files))
+        unfit: dict[int, ArchiveError] = {}
+        try:
+            files = await asyncio.to_thread(write_finished, self.root, items, unfit)
+        finally:
+            self._set_aside(unfit)  # even when the rest failed to write: these never will be
+        written = [item.snapshot_id for item in items if item.snapshot_id not in unfit]
+        self._store.mark_archived(written)
+        self.written += len(written)
+        _log.debug("archived %d snapshots in %d files", len(written), len(files))
+
+    def _set_aside(self, unfit: Mapping[int, ArchiveError]) -> None:
+        """Log the snapshots the archive cannot hold, and have the store stop offering them."""
+        if not unfit:
+            return
+        for error in unfit.values():
+            _log.error("archive %s: %s; it is set aside, never archived, and stays in the store", self.root, error)
+        self._store.set_aside(sorted(unfit))
 
     async def _write_breaks(self, resolutions: list[Resolution]) -> None:
         files = await asyncio.to_thread(write_resolution_batch, self.root, resolutions)

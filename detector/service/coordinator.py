@@ -89,6 +89,8 @@ ABORT_KINDS = (
     "part_too_large",  # a member's part was over the detector's size bounds (its bytes, messages or a string)
     "no_members",
     "shutdown",
+    "too_many_units",  # a counter's units in the cut add up past what a total is counted in
+    "store_error",  # the completed snapshot could not be stored
 )
 #: Seconds the news that a snapshot ended waits for a start to ride on before it goes on its own.
 ENDED_NOTICE_DELAY = 0.1
@@ -100,6 +102,7 @@ _ABORT_KIND_OF_REJECTION = {
     "too_large": "part_too_large",
     "too_many_messages": "part_too_large",
     "name_too_long": "part_too_large",
+    "too_many_units": "too_many_units",
 }
 
 

@@ -22,6 +22,7 @@ at start. The bounds of :class:`~.limits.Limits` hold in every mode.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import ipaddress
 import logging
@@ -188,6 +189,8 @@ class Detector:
         self._watch = WatchHub()
         self._latest: SnapshotResults | None = None
         self._finished_since_retention = 0
+        #: Snapshots whose ABORTED row the store failed to write (id -> reason, kind, finished at): retried.
+        self._unstored: dict[int, tuple[str, str, float]] = {}
         self._health = HealthService(self.refused)
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -211,7 +214,7 @@ class Detector:
             self._archive = archive
             self.resolutions.archive = archive.add_resolution
         self.resolutions.store = self._store
-        self._store.apply_retention(time.time())
+        self._store.apply_retention(time.time(), keep_unarchived=self._archive is not None)
         self.coordinator.epoch = self._store.epoch
         self._latest = self._store.latest_results()
         if self._latest is not None:  # the gauges say what the query API says, from the start
@@ -366,6 +369,7 @@ class Detector:
                 f"{attached} of the {self.config.min_members} agents that --min-members asks for are attached"
             )
         store = self.store
+        self._store_unstored()
         started = time.time()
         snapshot_id = store.allocate_id(started, self.config.replica)
         store.begin(snapshot_id, started, attached)
@@ -380,13 +384,14 @@ class Detector:
         except asyncio.CancelledError:
             # The caller gave up (shutdown): abort it everywhere rather than leave it running.
             self.coordinator.abort(snapshot_id, "the detector stopped it", "shutdown")
-            self._finished(store.abort(snapshot_id, "the detector stopped it", time.time(), "shutdown"))
             self.metrics.aborted("shutdown")
+            with contextlib.suppress(Exception):  # logged, and remembered for the next write
+                self._finished(self._store_aborted(snapshot_id, "the detector stopped it", "shutdown"))
             raise
         except SnapshotAborted as aborted:
-            summary = store.abort(snapshot_id, aborted.reason, time.time(), aborted.kind)
-            self._finished(summary)
             self.metrics.aborted(aborted.kind)
+            summary = self._store_aborted(snapshot_id, aborted.reason, aborted.kind)
+            self._finished(summary)
             results = SnapshotResults(snapshot=summary)
             self._watch.publish(results, changes=[])
             self._retain(time.time())
@@ -401,7 +406,11 @@ class Detector:
         if baselines:
             self._expected_totals.update(baselines)
             store.add_expected_totals(baselines)
-        results = store.complete(snapshot, evaluation, finished)
+        try:
+            results = store.complete(snapshot, evaluation, finished)
+        except Exception as error:
+            self._store_failed(snapshot_id, error)
+            raise
         self._finished(results.snapshot, snapshot, evaluation)
         self.metrics.completed(seconds)
         # Concurrent snapshots finish in any order: a slow older one is stored, counted, archived
@@ -420,12 +429,53 @@ class Detector:
         self._retain(finished)
         return results
 
+    def _store_failed(self, snapshot_id: int, error: Exception) -> None:
+        """The completed snapshot `snapshot_id` could not be stored: record it ABORTED (kind ``store_error``),
+        rather than leave it RUNNING until a restart calls it "detector restarted"; count and log it."""
+        _log.error(
+            "snapshot %d completed, but the store could not keep it: %s; it is recorded as aborted", snapshot_id, error
+        )
+        self.metrics.aborted("store_error")
+        with contextlib.suppress(Exception):  # logged, and remembered for the next write
+            summary = self._store_aborted(
+                snapshot_id, f"the completed snapshot could not be stored: {error}", "store_error"
+            )
+            self._finished(summary)
+
+    def _store_aborted(self, snapshot_id: int, reason: str, kind: str) -> SnapshotSummary:
+        """Store RUNNING snapshot `snapshot_id` as ABORTED; when the store fails, log it, remember it
+        (:meth:`_store_unstored` writes it before the next snapshot) and raise."""
+        finished = time.time()
+        try:
+            return self.store.abort(snapshot_id, reason, finished, kind)
+        except (KeyError, ValueError):
+            raise  # no RUNNING row to set right
+        except Exception as error:
+            self._unstored[snapshot_id] = (reason, kind, finished)
+            _log.error("could not store snapshot %d as aborted (%s): %s; trying again before the next snapshot",
+                       snapshot_id, reason, error)  # fmt: skip
+            raise
+
+    def _store_unstored(self) -> None:
+        """Write the ABORTED rows the store failed to write before; those that fail again wait for the next try."""
+        for snapshot_id, (reason, kind, finished) in list(self._unstored.items()):
+            try:
+                summary = self.store.abort(snapshot_id, reason, finished, kind)
+            except (KeyError, ValueError):  # gone (retention) or no longer RUNNING: nothing to set right
+                del self._unstored[snapshot_id]
+                continue
+            except Exception as error:
+                _log.error("could not store snapshot %d as aborted, again: %s", snapshot_id, error)
+                continue
+            del self._unstored[snapshot_id]
+            self._finished(summary)
+
     def _retain(self, now: float) -> None:
         """Apply the store's retention after every :data:`_RETENTION_EVERY` finished snapshots."""
         self._finished_since_retention += 1
         if self._finished_since_retention >= _RETENTION_EVERY:
             self._finished_since_retention = 0
-            self._store.apply_retention(now)
+            self._store.apply_retention(now, keep_unarchived=self._archive is not None)
 
     def _finished(
         self, summary: SnapshotSummary, snapshot: GlobalSnapshot | None = None, evaluation: Evaluation | None = None

@@ -16,11 +16,16 @@ from __future__ import annotations
 
 import sqlite3
 from collections.abc import Callable
+from typing import TypeVar
+
+from google.protobuf.message import DecodeError, Message
 
 from stablewatch.detector.evaluation import evaluate
 from stablewatch.v1 import Evaluation, GlobalSnapshot, PredicateResult
 
 __all__ = ["upgrade"]
+
+M = TypeVar("M", bound=Message)
 
 _FROM_1 = """
 ALTER TABLE snapshots ADD COLUMN abort_kind TEXT NOT NULL DEFAULT '';
@@ -40,10 +45,10 @@ def _from_1(db: sqlite3.Connection, epoch: int) -> None:
     db.execute("INSERT INTO meta (key, value) VALUES ('epoch', ?)", (epoch,))
     # Baselines were read from the newest results; now they have a table of their own.
     latest = db.execute(
-        "SELECT result FROM results WHERE snapshot_id = (SELECT max(snapshot_id) FROM results)"
+        "SELECT snapshot_id, result FROM results WHERE snapshot_id = (SELECT max(snapshot_id) FROM results)"
     ).fetchall()
-    for (blob,) in latest:
-        result = PredicateResult.FromString(blob)
+    for snapshot_id, blob in latest:
+        result = _read(PredicateResult, blob, f"a predicate result of snapshot {snapshot_id}")
         if result.WhichOneof("evidence") == "conservation":
             db.execute(
                 "INSERT OR IGNORE INTO expected_totals (counter, total) VALUES (?, ?)",
@@ -51,12 +56,24 @@ def _from_1(db: sqlite3.Connection, epoch: int) -> None:
             )
     rows = db.execute("SELECT id, snapshot FROM snapshots WHERE outcome = 'completed'").fetchall()
     for snapshot_id, blob in rows:
-        evaluated = evaluate(GlobalSnapshot.FromString(blob))
+        snapshot = _read(GlobalSnapshot, blob, f"snapshot {snapshot_id}")
+        try:
+            evaluated = evaluate(snapshot)
+        except Exception as exc:
+            raise ValueError(f"snapshot {snapshot_id} cannot be evaluated ({type(exc).__name__}: {exc})") from exc
         stored = Evaluation(snapshot_id=snapshot_id, wait_for=evaluated.wait_for, coverage=evaluated.coverage)
         db.execute(
             "UPDATE snapshots SET evaluation = ? WHERE id = ?",
             (stored.SerializeToString(deterministic=True), snapshot_id),
         )
+
+
+def _read(kind: type[M], blob: bytes, what: str) -> M:
+    """A stored protobuf message; ValueError naming `what` when the blob is not one."""
+    try:
+        return kind.FromString(blob)
+    except DecodeError as exc:
+        raise ValueError(f"{what} is stored as a blob that is not a {kind.__name__} ({exc})") from exc
 
 
 _FROM_2 = """
@@ -82,7 +99,8 @@ def upgrade(db: sqlite3.Connection, version: int, to: int, epoch: int) -> None:
     """Take the store `db` from schema `version` to `to`, step by step, inside the caller's transaction.
 
     `epoch` is the store's new epoch, for a step that adds one. Raises ValueError, naming the
-    version, for a version that no stablewatch wrote.
+    version, for a version that no stablewatch wrote, or naming the snapshot whose stored blob
+    cannot be read or evaluated.
     """
     for step in range(version, to):
         if step not in _STEPS:

@@ -42,7 +42,7 @@ from stablewatch.detector.service.resolver import (
     Resolver,
     remember,
 )
-from stablewatch.detector.service.store import Store
+from stablewatch.detector.service.store import Store, StoreError
 from stablewatch.v1 import Evaluation, GlobalSnapshot, WaitNode
 from stablewatch.v1.bounds import MAX_TEXT_BYTES, quoted_prefix, too_long
 from stablewatch.v1.control_pb2 import (
@@ -104,6 +104,7 @@ class Resolutions:
         self._resolver = Resolver(report_timeout=report_timeout, refusal_pause=refusal_pause, late_window=late_window)
         self._pending: dict[int, Resolution] = {}  # break id -> the break, until its report
         self._refusals_told: dict[str, None] = {}  # the refusals logged as warnings (bounded)
+        self._unstored: dict[int, Resolution] = {}  # break id -> its outcome, not stored yet (the store failed)
 
     def after_snapshot(self, snapshot: GlobalSnapshot, evaluation: Evaluation, started_at: float) -> list[Resolution]:
         """With a policy (``--resolve``), break the deadlocks ``snapshot`` proves; the breaks sent."""
@@ -282,6 +283,31 @@ class Resolutions:
             self._finished(resolution)
         return resolution
 
+    def _store_outcome(self, resolution: Resolution) -> None:
+        """Store what became of `resolution`, and the outcomes a failed store write left unstored before.
+
+        One the store fails to take (disk full) is logged and kept for the next try, rather than left
+        pending in the store, where a restart would call it unanswered. StoreError for a break the
+        store does not hold.
+        """
+        stored = Resolution()
+        stored.CopyFrom(resolution)  # the caller may go on changing its own
+        self._unstored[resolution.resolution_id] = stored
+        for break_id, outcome in list(self._unstored.items()):
+            try:
+                self._store().update_resolution(outcome)
+            except StoreError:  # no such break (any more): nothing to set right
+                del self._unstored[break_id]
+                if break_id == resolution.resolution_id:
+                    raise
+                continue
+            except Exception as error:
+                _log.error(
+                    "could not store the outcome of break %d: %s; trying again with the next one", break_id, error
+                )
+                continue
+            del self._unstored[break_id]
+
     def _refused(self, resolution: Resolution) -> None:
         """Warn of an agent's refusal (the detectors' policies disagree) once per distinct reason."""
         reason = resolution.detail.partition(": ")[2] or resolution.detail  # without the wait's number
@@ -295,7 +321,7 @@ class Resolutions:
 
     def _finished(self, resolution: Resolution) -> None:
         """Store, count, archive and publish a break whose outcome is known."""
-        self._store().update_resolution(resolution)
+        self._store_outcome(resolution)
         word = outcome_word(resolution)
         assert word in RESOLUTION_OUTCOMES, word
         self._metrics.resolutions.labels(word).inc()

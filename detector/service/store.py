@@ -21,7 +21,9 @@ Theory of operation:
   coverage) as serialized protobuf blobs, and each predicate result as a row of ``results``
   (name, holds, unknown, blob), so that the history of one predicate is an index scan.
 * ``archived`` marks the finished snapshots already written to the Parquet archive, so that a
-  restarted detector writes exactly those that were not (``unarchived``, ``mark_archived``).
+  restarted detector writes exactly those that were not (``unarchived``, ``mark_archived``); a
+  snapshot the archive cannot hold is set aside (``set_aside``: ``archived`` is 2) and never
+  offered again.
 * A RUNNING row found when the store opens with its lock belongs to a detector that is gone: it
   is marked ABORTED with the reason ``"detector restarted"``. Opened without the lock, the store
   leaves RUNNING rows alone: they may belong to the live detector beside it.
@@ -29,17 +31,23 @@ Theory of operation:
   and ``update_resolution`` what its agent answered; ``resolutions`` lists them newest first.
   Retention keeps them as long as the snapshots (by age).
 * ``apply_retention`` deletes finished snapshots beyond ``max_snapshots`` (oldest first) and those
-  that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted.
+  that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted. With an archive
+  (``keep_unarchived``) it spares the snapshots not archived yet, and the breaks, up to
+  :data:`UNARCHIVED_SLACK` times those bounds; past that it deletes them and logs an ERROR with how
+  many unarchived snapshots were lost and their ids.
 
 The schema is versioned (``meta.schema_version``); a file written by a newer stablewatch is
 refused with :class:`StoreError` rather than misread, and an older one is upgraded in place
-(:mod:`.migration`).
+(:mod:`.migration`) by a detector. A reader that only looks (``lock=False``) never upgrades a file
+its live detector may be using: it reads a version-2 file as it is (it has no breaks), and refuses
+an older one with :class:`StoreError`.
 Durability: with ``synchronous=NORMAL`` a commit survives a crash of the process, though the last
 commits may be lost on power loss.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -66,7 +74,17 @@ from stablewatch.v1.query_pb2 import (
     SnapshotSummary,
 )
 
-__all__ = ["DB_FILENAME", "LOCK_FILENAME", "RESTART_REASON", "SCHEMA_VERSION", "Store", "StoreError"]
+__all__ = [
+    "DB_FILENAME",
+    "LOCK_FILENAME",
+    "RESTART_REASON",
+    "SCHEMA_VERSION",
+    "UNARCHIVED_SLACK",
+    "Store",
+    "StoreError",
+]
+
+_log = logging.getLogger(__name__)
 
 #: The database file inside the data directory.
 DB_FILENAME = "stablewatch.sqlite3"
@@ -76,6 +94,11 @@ LOCK_FILENAME = "stablewatch.lock"
 SCHEMA_VERSION = 3
 #: Why a snapshot left RUNNING by an earlier process was aborted.
 RESTART_REASON = "detector restarted"
+#: With an archive, retention spares what is not archived yet up to this many times its bounds.
+UNARCHIVED_SLACK = 10
+#: The oldest schema a reader that only looks reads as it is (version 3 only added ``resolutions``).
+_LOOK_ONLY_FROM = 2
+_SET_ASIDE = 2  # ``archived`` of a snapshot the archive cannot hold
 
 _MAX_ID = 2**63 - 1  # SQLite integers are signed 64-bit
 _BUSY_TIMEOUT_MS = 2000  # only another process holding the file can make us wait
@@ -97,7 +120,7 @@ CREATE TABLE snapshots (
     messages_in_flight INTEGER NOT NULL DEFAULT 0,
     snapshot BLOB,  -- GlobalSnapshot, set once completed
     evaluation BLOB,  -- Evaluation without its results (they are rows of results), set once completed
-    archived INTEGER NOT NULL DEFAULT 0  -- written to the Parquet archive
+    archived INTEGER NOT NULL DEFAULT 0  -- 1: written to the Parquet archive, 2: set aside (it cannot be)
 );
 CREATE INDEX snapshots_by_outcome ON snapshots (outcome, id);
 CREATE INDEX snapshots_unarchived ON snapshots (archived, id);
@@ -256,6 +279,20 @@ class Store:
                 f"the store {self.path} has schema version {version}, newer than this stablewatch "
                 f"supports ({SCHEMA_VERSION}); upgrade stablewatch or use another data directory"
             )
+        if version is not None and version < SCHEMA_VERSION and self._lock_fd is None:
+            # Upgrading under a live older detector would leave it a store it cannot open.
+            if version < _LOOK_ONLY_FROM:
+                raise StoreError(
+                    f"the store {self.path} has schema version {version}, older than this stablewatch's "
+                    f"({SCHEMA_VERSION}), and a reader that only looks does not upgrade it: open it with "
+                    "the detector first (stablewatch detector --data-dir ...), which upgrades it"
+                )
+            self.schema_version = version
+            (epoch,) = db.execute("SELECT value FROM meta WHERE key = 'epoch'").fetchone()
+            self.epoch = int(epoch)
+            return
+        #: The schema of the file as it is read: :data:`SCHEMA_VERSION` unless a look-only reader opened an older one.
+        self.schema_version: int = SCHEMA_VERSION
         db.execute("PRAGMA foreign_keys = ON")
         db.execute("PRAGMA journal_mode = WAL")
         db.execute("PRAGMA synchronous = NORMAL")
@@ -272,7 +309,7 @@ class Store:
             elif version < SCHEMA_VERSION:
                 try:
                     migration.upgrade(db, version, SCHEMA_VERSION, _new_epoch())
-                except ValueError as exc:
+                except ValueError as exc:  # rolled back with the transaction; names the snapshot
                     raise StoreError(f"cannot upgrade the store {self.path}: {exc}") from None
             if self._lock_fd is not None:  # without the lock, RUNNING rows may be a live detector's
                 db.execute(
@@ -411,6 +448,11 @@ class Store:
         with self._write() as db:
             db.executemany("UPDATE snapshots SET archived = 1 WHERE id = ?", [(i,) for i in snapshot_ids])
 
+    def set_aside(self, snapshot_ids: Sequence[int]) -> None:
+        """Record that these finished snapshots cannot be archived: :meth:`unarchived` no longer offers them."""
+        with self._write() as db:
+            db.executemany("UPDATE snapshots SET archived = ? WHERE id = ?", [(_SET_ASIDE, i) for i in snapshot_ids])
+
     def unarchived(self, limit: int, after_id: int = 0) -> list[int]:
         """Up to `limit` ids of finished snapshots not yet archived, above `after_id`, oldest first."""
         rows = self._db.execute(
@@ -448,11 +490,15 @@ class Store:
 
     def resolution(self, resolution_id: int) -> Resolution | None:
         """One stored break, or None."""
+        if self.schema_version < 3:  # an older file, opened to look: it has no breaks
+            return None
         row = self._db.execute("SELECT resolution FROM resolutions WHERE id = ?", (resolution_id,)).fetchone()
         return None if row is None else Resolution.FromString(row[0])
 
     def resolutions(self, page_size: int, before_id: int | None = None) -> list[Resolution]:
         """Breaks newest first, at most ``page_size``, with ids below ``before_id`` when given."""
+        if self.schema_version < 3:  # an older file, opened to look: it has no breaks
+            return []
         rows = self._db.execute(
             "SELECT resolution FROM resolutions WHERE id < ? ORDER BY id DESC LIMIT ?",
             (_MAX_ID if before_id is None else before_id, page_size),
@@ -468,27 +514,56 @@ class Store:
         if row[0] != "running":
             raise ValueError(f"cannot {action} snapshot {snapshot_id}: it is already {row[0]}")
 
-    def apply_retention(self, now: float) -> int:
+    def apply_retention(self, now: float, *, keep_unarchived: bool = False) -> int:
         """Delete finished snapshots beyond ``max_snapshots`` (oldest first) or that finished more than
         ``max_age_seconds`` before `now`; return how many were deleted. RUNNING rows stay; ids are not reused.
+
+        With `keep_unarchived` (an archive is configured) snapshots not archived yet, and the breaks,
+        are kept up to :data:`UNARCHIVED_SLACK` times those bounds; what is deleted past that unarchived
+        is logged as an ERROR (how many, which ids).
         """
         _check_time("now", now)
         deleted = 0
+        lost: list[tuple[int, int, int]] = []  # (how many, first id, last id) deleted unarchived
+        spare = " AND archived != 0" if keep_unarchived else ""
+        slack = UNARCHIVED_SLACK if keep_unarchived else 1
         with self._write() as db:
             if self.max_age_seconds is not None:
                 deleted += db.execute(
-                    "DELETE FROM snapshots WHERE outcome != 'running' AND finished_at < ?",
+                    f"DELETE FROM snapshots WHERE outcome != 'running' AND finished_at < ?{spare}",
                     (now - self.max_age_seconds,),
                 ).rowcount
-                db.execute("DELETE FROM resolutions WHERE sent_at < ?", (now - self.max_age_seconds,))
+                if keep_unarchived:
+                    deleted += self._delete_unarchived("finished_at < ?", (now - slack * self.max_age_seconds,), lost)
+                db.execute("DELETE FROM resolutions WHERE sent_at < ?", (now - slack * self.max_age_seconds,))
             if self.max_snapshots is not None:
                 # Every row counts towards the bound; only finished ones can be deleted to meet it.
+                beyond = "id <= (SELECT id FROM snapshots ORDER BY id DESC LIMIT 1 OFFSET ?)"
                 deleted += db.execute(
-                    "DELETE FROM snapshots WHERE outcome != 'running' AND id <= "
-                    "(SELECT id FROM snapshots ORDER BY id DESC LIMIT 1 OFFSET ?)",
-                    (self.max_snapshots,),
+                    f"DELETE FROM snapshots WHERE outcome != 'running' AND {beyond}{spare}", (self.max_snapshots,)
                 ).rowcount
+                if keep_unarchived:
+                    deleted += self._delete_unarchived(beyond, (slack * self.max_snapshots,), lost)
+        for count, first, last in lost:
+            _log.error(
+                "%s: retention deleted %d finished snapshots that were never archived (ids %d to %d): they "
+                "were kept up to %d times the retention bound, and the archive did not take them meanwhile",
+                self.path, count, first, last, slack,
+            )  # fmt: skip
+        if deleted:
+            _log.debug("%s: retention deleted %d finished snapshots", self.path, deleted)
         return deleted
+
+    def _delete_unarchived(self, condition: str, params: tuple, lost: list[tuple[int, int, int]]) -> int:
+        """Delete the finished, unarchived snapshots meeting `condition`; note how many and which in `lost`."""
+        where = f"outcome != 'running' AND archived = 0 AND {condition}"
+        count, first, last = self._db.execute(
+            f"SELECT count(*), min(id), max(id) FROM snapshots WHERE {where}", params
+        ).fetchone()
+        if count:
+            self._db.execute(f"DELETE FROM snapshots WHERE {where}", params)
+            lost.append((int(count), int(first), int(last)))
+        return int(count)
 
     # -- reading ----------------------------------------------------------------------------------
 
