@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
@@ -55,6 +54,7 @@ from stablewatch.agents.rpc.interceptors import (
     _current_tasks,
     _current_thread,
     method_name,
+    on_loop,
     runs_handlers_loop,
     stamp_of,
     task_waiter_name,
@@ -67,7 +67,6 @@ __all__ = ["AioInstrumentedChannel"]
 _AioRpcError, _CancelledError, _EOF = grpc.aio.AioRpcError, asyncio.CancelledError, grpc.aio.EOF
 _CANCELLED = grpc.StatusCode.CANCELLED
 _new, _new_instance, _time_ns = object.__new__, breaking.new_instance, time.time_ns
-_get_ident = threading.get_ident
 
 
 async def _end_of(grpc_call: Any) -> tuple[str | None, grpc.StatusCode | None]:
@@ -155,17 +154,13 @@ class _Ends:
     def _ended(self, _grpc_call: Any) -> None:
         """grpc's done callback: unless its caller took the end in already, it is taken in now, on the
         call's loop (a call dropped by its caller may end in a garbage collection, in any thread)."""
-        if self._call.settled:  # type: ignore[union-attr]
-            return
-        loop = self._loop
-        if getattr(loop, "_thread_id", None) == _get_ident():  # a BaseEventLoop's thread: the common case
-            self._take_in_soon()
-            return
-        try:
-            loop.call_soon_threadsafe(self._take_in_soon)
-        except RuntimeError:  # the loop is closed, and its calls with it
-            with contextlib.suppress(RefusedResponse):
-                self._take_in(None, _CANCELLED)
+        if not self._call.settled:  # type: ignore[union-attr]
+            on_loop(self._loop, self._take_in_soon, self._take_in_closed)
+
+    def _take_in_closed(self) -> None:
+        """The ended call's end, its loop closed: its caller is gone, and nothing is kept for it."""
+        with contextlib.suppress(RefusedResponse):
+            self._take_in(None, _CANCELLED)
 
     def _take_in_soon(self) -> None:
         """Take the ended call's end in, in a task of its loop (reading it is a coroutine)."""

@@ -419,29 +419,15 @@ class ColorCore:
             self._check_ready()
         color, incarnation, session, src = stamp
         peer = self._peers.get(src)
-        if peer is not None and peer.checked is stamp:  # checked before: only the color's bound is left
+        actions: list[Action] | tuple[Action, ...]
+        if peer is not None and peer.checked is stamp and peer.incarnation == incarnation and peer.view == session:
+            # Checked before, and of the session counted: only the color's bound is left.
             if color > (wall + self.max_skew) * 1_000_000:
                 raise self._bad_stamp(stamp, wall)
-        elif (
-            not (0 <= color < LOCAL_ID_BASE and 0 <= incarnation < _UINT64 and 0 <= session < _UINT64)
-            or color > (wall + self.max_skew) * 1_000_000
-            or not src
-            or src == self.process_id
-        ):
-            raise self._bad_stamp(stamp, wall)
-        actions: list[Action] | tuple[Action, ...] = _NOTHING
-        if peer is None or peer.incarnation != incarnation or peer.view != session:
-            if peer is None:
-                peer = self._new_peer(src)
-            elif peer.incarnation is not None and (
-                incarnation < peer.incarnation or (incarnation == peer.incarnation and session < peer.view)
-            ):
-                raise StaleStamp(
-                    f"message from {src} of incarnation {incarnation}, session {session}: "
-                    f"{self.process_id} counts incarnation {peer.incarnation}, session {peer.view}"
-                )
-            actions = self._adopt(src, peer, incarnation, session)
-        peer.checked = stamp
+            actions = _NOTHING
+        else:
+            peer, actions = self._admit(stamp, wall)
+            peer.checked = stamp
         if color > self._color:
             recording = self._jump(color, now)  # before the count: m excludes this message
             peer.received += 1
@@ -464,6 +450,15 @@ class ColorCore:
         about at the call's response. Raises as :meth:`receive` does."""
         if self._awaiting is not None:
             self._check_ready()
+        _, actions = self._admit(stamp, wall)
+        if stamp.color > self._color:
+            return (*actions, *self._jump(stamp.color, now))
+        return tuple(actions)
+
+    def _admit(self, stamp: Stamp, wall: float) -> tuple[_Peer, list[Action] | tuple[Action, ...]]:
+        """Check `stamp` whole (:class:`RemoteProtocolError`, :class:`StaleStamp`, before anything
+        changes) and adopt its sender's incarnation and session if they are new: the peer, and the
+        actions of adopting them."""
         color, incarnation, session, src = stamp
         if (
             not (0 <= color < LOCAL_ID_BASE and 0 <= incarnation < _UINT64 and 0 <= session < _UINT64)
@@ -473,21 +468,18 @@ class ColorCore:
         ):
             raise self._bad_stamp(stamp, wall)
         peer = self._peers.get(src)
-        actions: list[Action] = []
-        if peer is None or peer.incarnation != incarnation or peer.view != session:
-            if peer is None:
-                peer = self._new_peer(src)
-            elif peer.incarnation is not None and (
-                incarnation < peer.incarnation or (incarnation == peer.incarnation and session < peer.view)
-            ):
-                raise StaleStamp(
-                    f"message from {src} of incarnation {incarnation}, session {session}: "
-                    f"{self.process_id} counts incarnation {peer.incarnation}, session {peer.view}"
-                )
-            actions.extend(self._adopt(src, peer, incarnation, session))
-        if color > self._color:
-            actions.extend(self._jump(color, now))
-        return tuple(actions)
+        if peer is not None and peer.incarnation == incarnation and peer.view == session:
+            return peer, _NOTHING
+        if peer is None:
+            peer = self._new_peer(src)
+        elif peer.incarnation is not None and (
+            incarnation < peer.incarnation or (incarnation == peer.incarnation and session < peer.view)
+        ):
+            raise StaleStamp(
+                f"message from {src} of incarnation {incarnation}, session {session}: "
+                f"{self.process_id} counts incarnation {peer.incarnation}, session {peer.view}"
+            )
+        return peer, self._adopt(src, peer, incarnation, session)
 
     def send_alone(self, peer: str, reason: str) -> tuple[Stamp, tuple[Action, ...]]:
         """Count one message to ``peer`` in a session of its own: our session with it rises before

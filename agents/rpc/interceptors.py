@@ -147,6 +147,19 @@ def _is_own_task(named: IncomingCall) -> bool:
     return loop is not None and asyncio.current_task(loop) is own
 
 
+def on_loop(loop: asyncio.AbstractEventLoop, soon: Callable[[], object], closed: Callable[[], object]) -> None:
+    """Run `soon` on `loop`'s thread: at once when that is this thread, else as soon as the loop
+    runs a callback; `closed` instead when the loop is closed (its calls with it). For grpc's done
+    callbacks, which run in whatever thread ends the call (a garbage collection, too)."""
+    if getattr(loop, "_thread_id", None) == _get_ident():  # a BaseEventLoop's thread: the common case
+        soon()
+        return
+    try:
+        loop.call_soon_threadsafe(soon)
+    except RuntimeError:
+        closed()
+
+
 def stamp_of(metadata: Any) -> str | None:
     """The text of the server's stamp among a call's trailing ``metadata``, or None: the last entry
     of ours (each hop sends one, added last: see :func:`stamped`)."""
@@ -1273,14 +1286,7 @@ class _StreamEnd:
         any thread)."""
         if self._call.settled:
             return
-        loop = self._loop
-        if getattr(loop, "_thread_id", None) == _get_ident():  # a BaseEventLoop's thread: the common case
-            self._take_in_soon()
-            return
-        try:
-            loop.call_soon_threadsafe(self._take_in_soon)
-        except RuntimeError:  # the loop is closed, and its calls with it
-            self._settle(None, grpc.StatusCode.CANCELLED, quiet=True)
+        on_loop(self._loop, self._take_in_soon, lambda: self._settle(None, grpc.StatusCode.CANCELLED, quiet=True))
 
     def _take_in_soon(self) -> None:
         """Take the end in, in a task of the call's loop (reading it is a coroutine)."""
