@@ -243,6 +243,13 @@ def test_predicate_history_newest_first(store: Store) -> None:
     assert store.predicate_history("user.score", 1) == [(fourth, True)]
     assert store.predicate_history("no such predicate", 10) == []
     assert store.predicate_history("deadlock", 0) == []
+    # An unknown result reads as None, not as False (from a review: the cut did not say).
+    undecided = store.allocate_id(0)
+    store.begin(undecided, T0 - 1.0, members=2)
+    results = predicate_results(False)
+    results[0].unknown = True
+    store.complete(global_snapshot(undecided), evaluation(undecided, results), T0)
+    assert store.predicate_history("deadlock", 1) == [(undecided, None)]
     with pytest.raises(ValueError, match="limit"):
         store.predicate_history("deadlock", -1)
 

@@ -637,15 +637,17 @@ class Store:
         )
         return [_summary(row) for row in rows]
 
-    def predicate_history(self, name: str, limit: int) -> list[tuple[int, bool]]:
-        """``(snapshot_id, holds)`` of predicate `name` in up to `limit` completed snapshots, newest first."""
+    def predicate_history(self, name: str, limit: int) -> list[tuple[int, bool | None]]:
+        """``(snapshot_id, holds)`` of predicate `name` in up to `limit` completed snapshots, newest
+        first; ``holds`` is None where the result was unknown (not False: the cut did not say)."""
         if limit < 0:
             raise ValueError(f"limit must be >= 0, not {limit}")
         rows = self._db.execute(
-            "SELECT snapshot_id, holds FROM results WHERE name = ? ORDER BY snapshot_id DESC, position DESC LIMIT ?",
+            "SELECT snapshot_id, holds, unknown FROM results WHERE name = ? "
+            "ORDER BY snapshot_id DESC, position DESC LIMIT ?",
             (name, limit),
         )
-        return [(int(snapshot_id), bool(holds)) for snapshot_id, holds in rows]
+        return [(int(snapshot_id), None if unknown else bool(holds)) for snapshot_id, holds, unknown in rows]
 
     # -- closing ----------------------------------------------------------------------------------
 
