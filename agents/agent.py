@@ -618,6 +618,14 @@ class Agent:
             if handler is not None:
                 try:
                     await handler(src, message)  # type: ignore[misc]
+                except asyncio.CancelledError:
+                    task = asyncio.current_task()
+                    if task is None or task.cancelling():
+                        raise  # the delivery task itself is cancelled: the agent stops
+                    # Something the handler awaited was cancelled under it: a failure of that run,
+                    # which must not end the delivery task (no message would be handed over again,
+                    # and the process would look idle to the detector, though nothing takes its queue).
+                    _log.exception("the message handler of %s was cancelled on a message from %s", self.process_id, src)
                 except Exception:
                     _log.exception("the message handler of %s failed on a message from %s", self.process_id, src)
         self.metrics.received(src, len(run.messages), payload_bytes(run.messages))

@@ -192,3 +192,33 @@ def test_a_background_wait_makes_no_deadlock_through_a_send_to_an_idle_handler()
     busy.waits[0].targets[0].process = "Q"
     snapshot.processes[0].state.CopyFrom(busy)
     assert deadlock_verdicts(snapshot) == ("true", "true")
+
+
+def test_a_run_whose_await_was_cancelled_under_it_does_not_end_the_delivery() -> None:
+    # A suspicion of a review (read only), checked here: a handler that raised CancelledError (a future it awaited was
+    # cancelled) ended the delivery task. No message was handed over again, and the process
+    # recorded an idle handler (handler_waits false) though nothing would ever take its queue.
+    async def scenario() -> tuple[list[bytes], bool]:
+        agent = Agent("P", peers={}, hint_after=None)
+        agent._lock = asyncio.Lock()
+        handled: list[bytes] = []
+        second = asyncio.Event()
+
+        async def handler(src: str, message: AppMessage) -> None:
+            handled.append(message.payload)
+            if message.payload == b"first":
+                gone = asyncio.get_running_loop().create_future()
+                gone.cancel()
+                await gone  # raises CancelledError in this run only
+            second.set()
+
+        agent.on_message(handler)
+        delivery = agent._delivery = asyncio.get_running_loop().create_task(agent._deliver_forever())
+        agent._inbox.put("R", [AppMessage(b"first"), AppMessage(b"second")], 1, 11)
+        await asyncio.wait_for(second.wait(), 10)
+        alive = not delivery.done()
+        delivery.cancel()
+        await asyncio.gather(delivery, return_exceptions=True)
+        return handled, alive
+
+    assert asyncio.run(scenario()) == ([b"first", b"second"], True)
