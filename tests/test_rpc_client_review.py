@@ -1,20 +1,18 @@
-"""RPC mode, client side: a call with several blockers waits in each of their names, and gRPC's own
-retries keep every pair's counts true (the review's reproductions, made deterministic)."""
+"""RPC mode, client side: a call with several blockers waits in each of their names, and one
+leaving ends only its own part (the reviews' reproductions, made deterministic)."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
+from concurrent import futures
 from typing import Any
 
 import grpc
-from rpc_harness import SERVICE, AioServer, Service, agent, deadlock, recorded, snapshot, stored
+from rpc_harness import SERVICE, AioServer, Service, agent, call, deadlock, recorded, snapshot, stored
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.calls import DeadlockBroken
-from stablewatch.agents.rpc.core import ALONE_KEY, ColorCore, Stamp
-from stablewatch.agents.rpc.interceptors import stamp_of
 from stablewatch.detector.evaluation.verdict import Verdict
 from stablewatch.detector.service.query import outcome_name
 from stablewatch.testing.detector import Running
@@ -173,97 +171,142 @@ def test_the_first_blocker_leaving_hands_the_wait_to_the_next(rpc_agents: Any) -
     _two_blockers(rpc_agents, first_blocks_first=True)
 
 
-# -- gRPC's retries ---------------------------------------------------------------------------------
+def test_a_blocker_of_a_name_another_blocker_has_keeps_waiting_when_that_one_leaves(rpc_agents: Any) -> None:
+    """From a review (read only) of the first version: two threads of one name block on one future;
+    the first leaving (its result(timeout) runs out) ended the call's wait, the other still blocked."""
+    s_agent, c_agent = rpc_agents
+    release = threading.Event()
 
-RETRY = json.dumps({
-    "methodConfig": [{
-        "name": [{"service": SERVICE}],
-        "retryPolicy": {
-            "maxAttempts": 3, "initialBackoff": "0.01s", "maxBackoff": "0.05s",
-            "backoffMultiplier": 1, "retryableStatusCodes": ["UNAVAILABLE"],
-        },
-    }]
-})  # fmt: skip
+    def slow(request: bytes, context: Any) -> bytes:
+        release.wait(30)
+        return b"ok"
 
-
-def _counts_agree(c_agent: Any, s_agent: Any) -> None:
-    """Each direction's counts, in the session the receiver counts: what was received was sent."""
-    with c_agent._lock, s_agent._lock:
-        c, s = c_agent._core, s_agent._core
-        assert s.view("C")[1] == c.session("S") and s.received_count("C") == c.sent_count("S")
-        assert c.view("S")[1] == s.session("C") and c.received_count("S") == s.sent_count("C")
-
-
-def test_a_retried_call_keeps_the_counts_true(running: Running) -> None:
-    """gRPC's retry sends one stamped request twice: the repeat is not counted, and the retried
-    attempt's response goes alone in a session, which the caller leaves at once. Counts agree after
-    the next call, and every later snapshot of the pair completes."""
-    c_agent, s_agent = agent(running, "C"), agent(running, "S")
-    attempts: list[bytes] = []
-
-    def handler(payload: bytes, context: grpc.ServicerContext) -> bytes:
-        attempts.append(payload)
-        if payload == b"flaky" and attempts.count(b"flaky") == 1:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "try again")
-        return payload
-
-    service = Service({"Echo": handler}, s_agent)
-    raw = grpc.insecure_channel(service.address, options=[("grpc.service_config", RETRY)])
-    channel = c_agent.instrument_channel(raw, "S")
-    echo = channel.unary_unary(f"/{SERVICE}/Echo")
+    service = Service({"Slow": slow}, s_agent)
+    channel = c_agent.instrument_channel(grpc.insecure_channel(service.address), "S")
+    threads = []
     try:
-        assert echo(b"ok", timeout=10) == b"ok"
-        assert outcome_name(snapshot(running, deadline=3).snapshot.outcome) == "completed"
-        assert echo(b"flaky", timeout=10) == b"flaky"
-        assert attempts.count(b"flaky") == 2  # grpc retried it once
-        for _ in range(3):
-            assert echo(b"more", timeout=10) == b"more"
-            _counts_agree(c_agent, s_agent)
-            after = snapshot(running, deadline=3)
-            assert outcome_name(after.snapshot.outcome) == "completed", after.snapshot.abort_reason
+        future = channel.unary_unary(f"/{SERVICE}/Slow").future(b"", timeout=30)
+        first_left = threading.Event()
+
+        def first() -> None:
+            try:
+                future.result(timeout=3)  # long enough for the second to block meanwhile
+            except grpc.FutureTimeoutError:
+                first_left.set()
+
+        def second() -> None:
+            future.result()
+
+        threads = [threading.Thread(target=first, name="worker"), threading.Thread(target=second, name="worker")]
+        threads[0].start()
+        _poll_waiters(c_agent, ["worker"])
+        threads[1].start()
+        # Each blocker is one of the call's, whatever its name (a name waits once in the state).
+        poll(lambda: any(call.others for call in c_agent._outgoing.values()), "the second blocking", 10, interval=0.02)
+        assert first_left.wait(10)
+        threads[0].join(5)
+        assert _waiters(c_agent) == ["worker"]  # the second is still blocked in result(): it waits on S
     finally:
+        release.set()
+        for t in threads:
+            if t.ident is not None:
+                t.join(10)
         channel.close()
         service.stop()
-        c_agent.stop()
-        s_agent.stop()
 
 
-def test_a_retried_request_is_counted_once_in_its_session() -> None:
-    """The core: a repeated request is not counted again; a response sent alone leaves its session,
-    and its receiver, told so, moves to the next one with the sender."""
-    c, s = ColorCore("C", incarnation=1), ColorCore("S", incarnation=2)
-    request = c.send("S")
-    s.receive(request, lambda: None, now=0.0, wall=1e9)  # type: ignore[arg-type]
-    assert s.receive_again(request, now=0.0, wall=1e9) == ()
-    assert s.received_count("C") == c.sent_count("S") == 1
-    lost = s.send("C")  # the first attempt's response, which gRPC drops
-    response, _ = s.send_alone("C", "retried")
-    assert response.session == lost.session + 1 and s.session("C") == response.session + 1
-    c.receive(response, lambda: None, now=0.0, wall=1e9)  # type: ignore[arg-type]
-    assert c.received_count("S") == 1
-    c.session_closed(response)
-    # Both sides now count in the server's next session, from zero: the lost response is behind them.
-    assert c.view("S") == (2, s.session("C")) and c.received_count("S") == s.sent_count("C") == 0
-    assert c.session("S") == s.session("C") and c.sent_count("S") == 0
-    assert isinstance(response, Stamp)
+def test_a_writer_free_after_its_write_does_not_wait_for_another_tasks_await(running: Running) -> None:
+    """From a review (read only) of 7b128fa: T calls B.Outer (B: one worker), which calls A.Mid; Mid
+    writes a stream-unary call to B.Total (queued behind Outer) while a task of its own awaits that
+    call, and then does other work. The wait stayed in the writer's (Mid's) name after its write
+    returned, and a closed cut showed Mid -> Total -> Outer -> Mid: a made-up deadlock."""
+    a_agent, b_agent, t_agent = agent(running, "A"), agent(running, "B"), agent(running, "T")
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="A-loop", daemon=True)
+    thread.start()
+    written, proceed = threading.Event(), threading.Event()
+    state: dict[str, Any] = {}
 
+    def outer(request: bytes, context: Any) -> bytes:
+        return call(state["B->A"], "Mid", timeout=30)
 
-def test_every_attempt_of_a_repeated_call_answers_alone(rpc_agents: Any) -> None:
-    """A hedged call (other languages' clients hedge; grpc's C core does not): the first attempt may
-    answer after a later one arrived, and its response may be dropped. Each attempt's response then
-    goes alone in a session, and the caller that gets one moves on with the server."""
-    s_agent, c_agent = rpc_agents
-    call = c_agent.call_out("S", "/test.Svc/Echo", "caller", True)
-    first = s_agent.arrive("/test.Svc/Echo", call.metadata, None)
-    second = s_agent.arrive("/test.Svc/Echo", (("grpc-previous-rpc-attempts", "1"), *call.metadata), None)
-    assert first.name == second.name
-    assert s_agent._core.received_count("C") == 1  # the repeat is not counted
-    second_entry = s_agent.respond(second, "ipv4:127.0.0.1:1", True)
-    first_entry = s_agent.respond(first, "ipv4:127.0.0.1:1", True)  # the loser, answering late
-    assert second_entry is not None and first_entry is not None
-    assert second_entry[0] == first_entry[0] == ALONE_KEY  # an older caller ignores the key: no stamp
-    # The caller got the first attempt's response (its channel reads the key: stamp_of).
-    c_agent.call_returned(call, stamp_of((first_entry,)), None)
-    with c_agent._lock, s_agent._lock:
-        assert c_agent._core.view("S")[1] == s_agent._core.session("C")
-        assert c_agent._core.received_count("S") == s_agent._core.sent_count("C") == 0
+    def total(requests: Any, context: Any) -> bytes:
+        return b"+".join(requests)
+
+    b_pool = b_agent.thread_pool(1)
+    b_server = grpc.server(b_pool, interceptors=[b_agent.server_interceptor(workers=b_pool)])
+    b_server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                SERVICE,
+                {
+                    "Outer": grpc.unary_unary_rpc_method_handler(outer),
+                    "Total": grpc.stream_unary_rpc_method_handler(total),
+                },
+            )
+        ]
+    )
+    b_port = b_server.add_insecure_port("127.0.0.1:0")
+    b_server.start()
+
+    async def collect(c: Any) -> Any:
+        state["awaiting"] = True
+        return await c
+
+    async def mid(request: bytes, context: Any) -> bytes:
+        total_call = state["A->B"].stream_unary(f"/{SERVICE}/Total")(timeout=30)
+        state["collector"] = asyncio.create_task(collect(total_call))  # another task awaits the call
+        await total_call.write(b"x")  # the collector begins its await while this write is under way
+        state["awaited_during_write"] = state.get("awaiting", False)
+        await total_call.done_writing()
+        written.set()
+        await asyncio.to_thread(proceed.wait, 30)  # other work, not the call
+        state["Total"] = total_call
+        return b"ok"
+
+    async def start_a() -> int:
+        server = grpc.aio.server(interceptors=[a_agent.aio_server_interceptor()])
+        server.add_generic_rpc_handlers(
+            [grpc.method_handlers_generic_handler(SERVICE, {"Mid": grpc.unary_unary_rpc_method_handler(mid)})]
+        )
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        state["a_server"] = server
+        state["A->B"] = a_agent.instrument_channel(grpc.aio.insecure_channel(f"127.0.0.1:{b_port}"), "B")
+        return port
+
+    a_port = asyncio.run_coroutine_threadsafe(start_a(), loop).result(10)
+    state["B->A"] = b_agent.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{a_port}"), "A")
+    t_channel = t_agent.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{b_port}"), "B")
+    driver = futures.ThreadPoolExecutor(1, thread_name_prefix="driver")
+    try:
+        reply = driver.submit(call, t_channel, "Outer", b"", timeout=30)
+        assert written.wait(10)
+        assert state["awaited_during_write"], "precondition: the await began during the write"
+        poll(lambda: b_agent._pools[0].queued, "Total queued at B")
+        results = snapshot(running)
+        assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
+        found = deadlock(results)
+        proceed.set()
+        assert reply.result(20) == b"ok"  # Mid was never blocked on Total: everything ended
+        assert not found.holds, f"made-up deadlock: {found.summary}"
+    finally:
+        proceed.set()
+        if "Total" in state:
+            loop.call_soon_threadsafe(state["Total"].cancel)
+        t_channel.close()
+        state["B->A"].close()
+
+        async def stop_a() -> None:
+            await state["A->B"].close()
+            await state["a_server"].stop(0)
+
+        asyncio.run_coroutine_threadsafe(stop_a(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+        b_server.stop(0).wait(10)
+        b_pool.shutdown(wait=True)
+        driver.shutdown(wait=True)
+        for each in (a_agent, b_agent, t_agent):
+            each.stop()

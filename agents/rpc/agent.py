@@ -128,7 +128,7 @@ from stablewatch.agents.rpc.calls import (
     split_request,
 )
 from stablewatch.agents.rpc.channel import InstrumentedChannel
-from stablewatch.agents.rpc.core import ALONE, ALONE_KEY, STAMP_KEY, ColorCore, StaleStamp, Stamp
+from stablewatch.agents.rpc.core import STAMP_KEY, ColorCore, StaleStamp, Stamp
 from stablewatch.agents.rpc.interceptors import (
     AioServerInterceptor,
     ClientInterceptor,
@@ -182,13 +182,6 @@ _OK = grpc.StatusCode.OK
 #: arrived: the pair's counts restart (``reset_peer``).
 _UNKNOWN_OUTCOME = "ended in {code} without the server's stamp: channel counts restarted"
 
-#: The metadata key by which a gRPC server learns that a call's attempt is a retry or a hedge.
-_ATTEMPTS = "grpc-previous-rpc-attempts"
-
-
-#: Retried calls (their handlers' names) remembered, so that a response of any of their attempts
-#: goes alone in a session (a hedged call's first attempt may respond after a later one arrived).
-_REMEMBERED_RETRIES = 1024
 
 #: Broken instances remembered after their wait ended, so that a repeated break says "already
 #: broken" rather than "gone" (a detector does not repeat one, but a second detector may).
@@ -262,7 +255,6 @@ class RpcAgent:
         self._outgoing: dict[int, OutgoingCall] = {}
         self._pools: list[WorkerPool] = []
         self._broken: collections.OrderedDict[int, None] = collections.OrderedDict()  # instances broken here
-        self._retried: collections.OrderedDict[str, None] = collections.OrderedDict()  # calls retried by gRPC
         self._part_listeners: list[Callable[[LocalSnapshotPart], None]] = []
         self._loop_thread = LoopThread(f"stablewatch-rpc-{process_id}")
         self._loop = self._loop_thread.loop
@@ -517,14 +509,9 @@ class RpcAgent:
         :class:`StaleResponse` when it is stale (nothing taken in, no restart). Runs once per call.
         """
         stamp = error = stale = None
-        alone = False
         if stamp_text is not None and call.instrumented:
             try:
-                known = _stamps.get(stamp_text)
-                if known is None:
-                    alone = stamp_text.startswith(ALONE)  # (a text stamp_of gave: never bytes)
-                    known = _decode(stamp_text[len(ALONE) :] if alone else stamp_text)
-                stamp = known[0]
+                stamp = (_stamps.get(stamp_text) or _decode(stamp_text))[0]
                 if stamp.process_id != call.peer:
                     raise RemoteProtocolError(f"the stamp names {stamp.process_id!r}, not the channel's peer")
             except RemoteProtocolError as exc:
@@ -548,8 +535,6 @@ class RpcAgent:
                     else:
                         if actions:
                             self._carry_out(actions)
-                        if alone:  # the server left the response's session as it sent it
-                            self._carry_out(core.session_closed(stamp))
                 if error is not None:
                     reason = (
                         f"call {call.method} to {call.peer} returned a bad stamp ({error}): channel counts restarted"
@@ -578,12 +563,10 @@ class RpcAgent:
 
     def arrive(self, method: str, metadata: Iterable[tuple[str, str | bytes]], pool: WorkerPool | None) -> IncomingCall:
         """A request reaches the server's interceptor: take it in (recording first if its color asks)."""
-        entry = attempts = None
+        entry = None
         for key, value in metadata or ():
             if key == STAMP_KEY:  # the last one is the caller's own (see interceptors.stamped)
                 entry = value
-            elif key == _ATTEMPTS:
-                attempts = value
         if entry is None:
             call = IncomingCall(f"{method}#?:{next(self._seqs)}", None, False, pool)
             self.metrics.uninstrumented("inbound")
@@ -606,15 +589,9 @@ class RpcAgent:
         lock.acquire()
         try:
             try:
-                if attempts is not None and attempts not in ("0", b"0"):
-                    # A retried or hedged attempt (see "Retried messages" in the core): its request
-                    # is not counted again, and its response goes alone in a session (respond()).
-                    self._remember_retried(call.name)
-                    actions = core.receive_again(stamp, _monotonic(), _time())
-                else:
-                    actions = core.receive_checked(stamp, call.request_message)
-                    if actions is None:
-                        actions = core.receive(stamp, call.request_message, _monotonic(), _time())
+                actions = core.receive_checked(stamp, call.request_message)
+                if actions is None:
+                    actions = core.receive(stamp, call.request_message, _monotonic(), _time())
             except RemoteProtocolError as exc:
                 error = str(exc)
             except StaleStamp as exc:
@@ -741,30 +718,11 @@ class RpcAgent:
             if not call.instrumented:
                 self._core.send(call.peer if call.peer is not None else _outside_peer(peer_address))
                 return None
-            if self._retried and call.name in self._retried:  # an attempt of a retried call
-                entry = self._respond_alone(call)
-            else:
-                entry = self._core.send_entry(call.peer)  # type: ignore[arg-type]  # an instrumented call has its peer
+            entry = self._core.send_entry(call.peer)  # type: ignore[arg-type]  # an instrumented call has its peer
             self._stamped["response"] += 1  # self.metrics.stamped("response")
         finally:
             lock.release()
         return entry
-
-    def _remember_retried(self, name: str) -> None:
-        """The call ``name`` has several attempts here (under the lock): the response of each, a
-        first attempt's too, goes alone in a session, since gRPC hands its caller one at most."""
-        self._retried[name] = None
-        if len(self._retried) > _REMEMBERED_RETRIES:
-            self._retried.popitem(last=False)
-
-    def _respond_alone(self, call: IncomingCall) -> tuple[str, str]:
-        """The stamp entry of a response of a retried call, counted alone in a session of its own
-        (``ColorCore.send_alone``; under the lock), marked so that its caller moves on at once."""
-        reason = f"call {call.name} from {call.peer} was retried by gRPC"
-        stamp, actions = self._core.send_alone(call.peer, reason)  # type: ignore[arg-type]
-        self._carry_out(actions)
-        self.metrics.peer_reset()
-        return (ALONE_KEY, stamp.encode())
 
     def callee_task(self, call: OutgoingCall) -> str:
         """The name the callee gives the handler of ``call``: ``"{method}#{caller}@{incarnation}:{seq}"``."""
@@ -882,8 +840,9 @@ class RpcAgent:
             if call.waits and call.broken is None:
                 targets = [{"process": call.peer, "task": self.callee_task(call)}]
                 instance = call.instance if call.cancel is not None else 0  # 0: cannot be broken
+                waiter = call.waiter()
                 state.waits.add(
-                    task=call.waiter(),
+                    task=waiter,
                     targets=targets,
                     model=WAIT_MODEL_AND,
                     instance=instance,
@@ -891,14 +850,20 @@ class RpcAgent:
                 )
                 # One wait per other blocker of the call, each from when it began, with the call's
                 # instance: whichever a detector picks, the break cancels the call, freeing them all.
-                for name, began_at_ns in call.others or ():
-                    state.waits.add(
-                        task=name,
-                        targets=targets,
-                        model=WAIT_MODEL_AND,
-                        instance=instance,
-                        began_at_us=began_at_ns // 1000,
-                    )
+                # A name blocked twice (two threads of one name, or a maker that waits from the call's
+                # making and then blocks in result()) waits once.
+                if call.others:
+                    named = {waiter}
+                    for name, began_at_ns in call.others:
+                        if name not in named:
+                            named.add(name)
+                            state.waits.add(
+                                task=name,
+                                targets=targets,
+                                model=WAIT_MODEL_AND,
+                                instance=instance,
+                                began_at_us=began_at_ns // 1000,
+                            )
         for pool in self._pools:
             state.waits.extend(pool.waits(self.process_id))
         return state

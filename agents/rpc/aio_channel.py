@@ -44,7 +44,7 @@ import grpc
 
 from stablewatch.agents import breaking
 from stablewatch.agents.rpc.calls import CallEvents, DeadlockBroken, OutgoingCall, RefusedResponse
-from stablewatch.agents.rpc.core import ALONE_KEY, STAMP_KEY
+from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
     NAMED_TASK,
@@ -343,8 +343,6 @@ class _UnaryResponse(_Ends):
         for key, value in (yield from grpc_call.trailing_metadata().__await__()) or ():  # stamp_of(...)
             if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
-            elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
-                stamp = stamp_of(((key, value),))
         code = None if stamp is not None else (yield from grpc_call.code().__await__())
         try:
             self._agent.call_returned(call, stamp, code)
@@ -397,7 +395,8 @@ class _RequestStream(_Ends):
     unawaited holds no wait either."""
 
     _waits_when_written = False
-    _writing = 0  # writes under way that hold the call's wait (counted: a call may be written from two tasks)
+    _writing = 0  # writes under way (counted: a call may be written from two tasks)
+    _write_began = False  # the writes under way began the call's wait (an await had not)
     _awaited = False  # an await of the call began: it holds the wait until the end (_StreamUnaryCall)
     # The call's waiter before a write took the wait in another task's name (see _awaiter): its
     # caller_task and handlers_loop, put back when that wait ends.
@@ -414,6 +413,7 @@ class _RequestStream(_Ends):
             self._watch()
         self._writing += 1
         if not call.waits:  # type: ignore[union-attr]
+            self._write_began = True
             waiter = None
             if self._handler is not None and (writer := asyncio.current_task(self._loop)) is not self._handler:
                 waiter = _awaiter(call.caller_task, self._handler, writer)  # type: ignore[union-attr]
@@ -428,7 +428,16 @@ class _RequestStream(_Ends):
         or an await holds it, or the end was taken in (which ended the wait)."""
         self._writing -= 1
         call = self._call
-        if self._writing or self._awaited or call.settled or not call.waits:  # type: ignore[union-attr]
+        if self._writing or not self._write_began or call.settled or not call.waits:  # type: ignore[union-attr]
+            return
+        self._write_began = False
+        if self._awaited:
+            # An await began while it was written. Awaited in another name, it waits beside the
+            # writer (_awaits_too): the writer, free now, leaves, and the awaiter waits in its place.
+            # Awaited in the writer's own name (the handler blocked on the task that awaits), or in
+            # its maker's (nobody waits on that name), the wait stays as it is.
+            if call.others:  # type: ignore[union-attr]
+                self._agent.not_awaited(call)  # type: ignore[arg-type]
             return
         self._agent.not_awaited(call)  # type: ignore[arg-type]
         maker = self._maker

@@ -40,7 +40,7 @@ from typing import Any
 import grpc
 
 from stablewatch.agents.rpc.calls import CallEvents, OutgoingCall, RefusedResponse, cancel_future
-from stablewatch.agents.rpc.core import ALONE_KEY, STAMP_KEY
+from stablewatch.agents.rpc.core import STAMP_KEY
 from stablewatch.agents.rpc.interceptors import (
     CURRENT_TASK,
     NAMED_TASK,
@@ -108,8 +108,6 @@ class _UnaryUnary(grpc.UnaryUnaryMultiCallable):
         for key, value in grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
             if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
-            elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
-                stamp = stamp_of(((key, value),))
         # A RefusedResponse propagates to the caller; the status matters only without the stamp.
         agent.call_returned(call, stamp, None if stamp is not None else grpc_call.code())
         return response

@@ -62,19 +62,6 @@ request when its handler starts, a response when the caller gets it.
   lost) with a status its sender does not take for an ambiguous end, stamped with our session so
   that the sender moves on. Only messages overtaken by a newer session of their sender are stale;
   our own reset leaves the peer's session, and its messages in flight, valid.
-* **Retried messages.** gRPC's retries and hedging send one request as several attempts with the
-  same metadata, and drop the responses of all attempts but one, unseen by the caller's code: a
-  count per attempt would pass what the caller sent and miss what it received. An attempt the
-  driver knows for a repeat (its server sees ``grpc-previous-rpc-attempts`` above 0) is taken in
-  by :meth:`ColorCore.receive_again`, uncounted (each request is counted at most once, by the
-  first attempt that reaches it: a subset of what its sender counted, never more), and its
-  response is sent by :meth:`ColorCore.send_alone`, alone in a session: lost, no later count
-  holds it; delivered, its receiver moves on at once (:meth:`ColorCore.session_closed`). The
-  response of a first attempt that a retry replaced lies in a session the receiver leaves with
-  that retry's response; one gRPC discards otherwise (a hedged call's losing first attempt) is
-  left behind the same way once a retried attempt arrived, and the caller sees the call end
-  without our stamp whenever no retried attempt's response reaches it. So the counts of every
-  session stay true, and the pair's snapshots complete again after the call.
 * **Bad stamps.** Malformed metadata (:meth:`Stamp.decode`), a color at or above
   :data:`LOCAL_ID_BASE`, or a color beyond the wall clock plus ``max_skew`` (the detector's ids
   are microseconds of wall time) raise :class:`RemoteProtocolError` before anything changes: a bad
@@ -140,8 +127,6 @@ from stablewatch.v1.bounds import process_id_problem
 from stablewatch.v1.ids import id_space, space_problem
 
 __all__ = [
-    "ALONE",
-    "ALONE_KEY",
     "DEFAULT_MAX_SKEW",
     "STAMP_KEY",
     "Action",
@@ -153,14 +138,6 @@ __all__ = [
 
 #: The one gRPC metadata key that carries a :class:`Stamp` (lower case, as gRPC requires).
 STAMP_KEY = "stablewatch-stamp"
-#: The metadata key of a response's stamp when the response was counted alone in its session
-#: (:meth:`ColorCore.send_alone`): a caller that knows it moves to the server's next session at
-#: once (:meth:`ColorCore.session_closed`); an older caller finds no stamp, takes the outcome for
-#: unknown and restarts the pair's counts, which is as true.
-ALONE_KEY = "stablewatch-stamp-alone"
-#: Marks, inside an agent, the text of a stamp that came under ALONE_KEY (never sent: the key says
-#: it on the wire).
-ALONE = "alone:"
 #: Seconds a stamp's color may run ahead of the receiver's wall clock (ids are its microseconds).
 DEFAULT_MAX_SKEW = 600.0
 
@@ -441,20 +418,6 @@ class ColorCore:
                 return (*actions, *recorded)
         return actions if actions is _NOTHING else tuple(actions)
 
-    def receive_again(self, stamp: Stamp, now: float, wall: float) -> tuple[Action, ...]:
-        """A message that may have been received before comes again with the same stamp (gRPC's
-        retries and hedging resend a request's metadata: see "Retried messages"). Checked, and its
-        color recorded for, as by :meth:`receive`, but neither counted nor recorded: its first copy
-        was if it arrived here, and if it did not, the message stays in flight for the counts (no
-        cut completes over it) until the pair's counts restart, which :meth:`send_alone` brings
-        about at the call's response. Raises as :meth:`receive` does."""
-        if self._awaiting is not None:
-            self._check_ready()
-        _, actions = self._admit(stamp, wall)
-        if stamp.color > self._color:
-            return (*actions, *self._jump(stamp.color, now))
-        return tuple(actions)
-
     def _admit(self, stamp: Stamp, wall: float) -> tuple[_Peer, list[Action] | tuple[Action, ...]]:
         """Check `stamp` whole (:class:`RemoteProtocolError`, :class:`StaleStamp`, before anything
         changes) and adopt its sender's incarnation and session if they are new: the peer, and the
@@ -480,28 +443,6 @@ class ColorCore:
                 f"{self.process_id} counts incarnation {peer.incarnation}, session {peer.view}"
             )
         return peer, self._adopt(src, peer, incarnation, session)
-
-    def send_alone(self, peer: str, reason: str) -> tuple[Stamp, tuple[Action, ...]]:
-        """Count one message to ``peer`` in a session of its own: our session with it rises before
-        and after it (two :meth:`reset_peer`). For a message that may never be delivered although
-        sent (the response of a retried call: gRPC drops a retried attempt's response, and a hedged
-        call's losers'). Lost, it is the only message of its session, which the peer leaves as soon
-        as anything newer reaches it; delivered, its receiver moves to the next session at once
-        (:meth:`session_closed`). Returns its stamp and the restarts' actions."""
-        actions = [*self.reset_peer(peer, reason)]
-        stamp = self.send(peer)
-        actions.extend(self.reset_peer(peer, reason))
-        return stamp, tuple(actions)
-
-    def session_closed(self, stamp: Stamp) -> tuple[Action, ...]:
-        """The message stamped ``stamp``, just received, was sent alone in its session
-        (:meth:`send_alone`): its sender has moved to the next session already, which is adopted now,
-        as the sender's next message would make us adopt it (a newer session seen meanwhile stays)."""
-        self._check_ready()
-        peer = self._peers.get(stamp.process_id)
-        if peer is None or peer.incarnation != stamp.incarnation or peer.view > stamp.session:
-            return _NOTHING
-        return tuple(self._adopt(stamp.process_id, peer, stamp.incarnation, stamp.session + 1))
 
     def record_state(self, color: int, state: LocalState) -> tuple[Action, ...]:
         """Hand over the state captured for the :class:`RecordState` just returned.

@@ -82,7 +82,7 @@ from stablewatch.agents.rpc.calls import (
     WorkerPool,
     cancel_future,
 )
-from stablewatch.agents.rpc.core import ALONE, ALONE_KEY, STAMP_KEY
+from stablewatch.agents.rpc.core import STAMP_KEY
 
 __all__ = ["CURRENT_TASK", "AioServerInterceptor", "ClientInterceptor", "ServerInterceptor", "aio_client_interceptors"]
 
@@ -163,14 +163,11 @@ def on_loop(loop: asyncio.AbstractEventLoop, soon: Callable[[], object], closed:
 def stamp_of(metadata: Any) -> str | None:
     """The text of the server's stamp among a call's trailing ``metadata``, or None: the last entry
     of ours (each hop sends one, added last: see :func:`stamped`)."""
-    stamp = alone = None
+    stamp = None
     for key, value in metadata or ():
         if key == STAMP_KEY:
-            stamp, alone = value, False
-        elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
-            stamp, alone = value, True
-    text = stamp.decode(errors="replace") if isinstance(stamp, bytes) else stamp
-    return ALONE + text if alone and text is not None else text
+            stamp = value
+    return stamp.decode(errors="replace") if isinstance(stamp, bytes) else stamp
 
 
 def stamped(metadata: Any, entries: tuple[tuple[str, str], ...]) -> Any:
@@ -861,9 +858,10 @@ class _UnaryOutcome(grpc.Call, grpc.Future):
         call = self._call
         if call is None or self._outcome.done():
             return None
+        # Each blocking thread is a blocker of its own, even of a name already waiting (two threads
+        # of one name, or the maker of a client interceptor's call, which waits from its making):
+        # one leaving ends only its own part (RpcAgent.not_awaited).
         name = current_task_name()
-        if call.waits and (name == call.caller_task or any(name == other for other, _ in call.others or ())):
-            return None  # waits in that name already (a call of the client interceptor, from its making)
         return name if self._settled.agent.awaited(call, name) else None
 
     def _unblock(self, waiter: str | None) -> None:
@@ -1227,8 +1225,6 @@ class _AioClient:
         for key, value in await grpc_call.trailing_metadata() or ():  # stamp_of(...), written out
             if key == STAMP_KEY:  # the last one is the server's
                 stamp = value if type(value) is str else stamp_of(((key, value),))
-            elif key == ALONE_KEY:  # counted alone in its session (see ColorCore.send_alone)
-                stamp = stamp_of(((key, value),))
         # The status matters only without the server's stamp (as in take_in_end).
         agent.call_returned(call, stamp, None if stamp is not None else await grpc_call.code())
         return response
