@@ -68,13 +68,18 @@ def _export(args: argparse.Namespace, console: Console) -> int:
         result = export(store, args.archive, args.batch)
     if args.json:
         print(json.dumps({"archive": str(args.archive), **dataclasses.asdict(result)}), flush=True)
-    elif result.exported or result.resolutions:
+    elif result.exported or result.resolutions or result.set_aside:
         breaks = f"; {plural(result.resolutions, 'break')} of deadlocks" if result.resolutions else ""
+        aside = (
+            f"; {plural(result.set_aside, 'snapshot')} the archive cannot hold set aside, not exported (each logged)"
+            if result.set_aside
+            else ""
+        )
         console.print(
             Text(
                 f"exported {plural(result.exported, 'snapshot')}{breaks} to {args.archive} in "
                 f"{plural(result.batches, 'batch', 'batches')} ({plural(result.files, 'file')}); "
-                f"{result.already} were there already"
+                f"{result.already} were there already{aside}"
             ),
             highlight=False,
             soft_wrap=True,

@@ -4,7 +4,7 @@
   refused by the assembler as ``malformed``; should one reach the writer anyway, it fails alone: it
   is set aside (logged, marked in the store, never retried) and the rest of its batch is archived.
 * With an archive, retention spares what is not archived yet, up to ten times its bounds, and logs
-  an ERROR naming what it deletes past that.
+  a WARNING naming what it deletes past that (the writer may still hold those in memory).
 * A completed snapshot the store fails to keep is recorded aborted (``store_error``), not left
   RUNNING; an abort or a break's answer the store fails to take is written with the next write.
 * A failed upgrade is a StoreError naming the file and the snapshot; a look-only open never
@@ -202,11 +202,13 @@ def test_retention_by_count_past_its_bound_deletes_unarchived_snapshots_and_says
 ) -> None:
     with Store(tmp_path / "data", max_snapshots=1, max_age_seconds=None) as store:
         ids = [complete(store, T0 + i) for i in range(15)]
-        with caplog.at_level(logging.ERROR):
+        with caplog.at_level(logging.WARNING):
             assert store.apply_retention(T0 + 100, keep_unarchived=True) == 5  # ten times one are kept
         assert len(store.list(20)) == 10
-        [said] = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-        assert f"5 finished snapshots that were never archived (ids {ids[0]} to {ids[4]})" in said
+        [said] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert (
+            f"5 finished snapshots were not archived yet when retention deleted them (ids {ids[0]} to {ids[4]})" in said
+        )
 
 
 def test_retention_by_age_spares_unarchived_snapshots_and_breaks_up_to_its_bound(
@@ -220,13 +222,15 @@ def test_retention_by_age_spares_unarchived_snapshots_and_breaks_up_to_its_bound
         sent = Resolution(snapshot_id=ids[0], process_id="a")
         sent.sent_at.FromMicroseconds(int(T0 * 1e6))
         store.add_resolution(sent)
-        with caplog.at_level(logging.ERROR):
+        with caplog.at_level(logging.WARNING):
             assert store.apply_retention(T0 + 50, keep_unarchived=True) == 1  # the archived one
             assert store.resolutions(10) and not caplog.records
             assert store.apply_retention(T0 + 200, keep_unarchived=True) == 2  # past ten times 10 s
         assert store.list(10) == [] and store.resolutions(10) == []
         [said] = [r.getMessage() for r in caplog.records]
-        assert f"2 finished snapshots that were never archived (ids {ids[1]} to {ids[2]})" in said
+        assert (
+            f"2 finished snapshots were not archived yet when retention deleted them (ids {ids[1]} to {ids[2]})" in said
+        )
 
 
 def test_the_detector_with_an_archive_spares_what_it_lacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

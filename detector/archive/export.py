@@ -11,10 +11,16 @@ known copied too, into the ``resolutions`` table, again only those the archive l
 snapshot and break id), or holds only as given up while the store has the answer that came late
 (:func:`~.recovery.needs_archiving`). A break still waiting for its agent's answer is left for a
 later export.
+
+A snapshot the archive cannot hold (a value no column takes: a NaN attribute, a count of 2**63 or
+more) is set aside as the detector's writer does: logged with its id and why, counted
+(``ExportResult.set_aside``), and the rest of its batch is written. The store is not marked (it may
+be open read-only), so a later export tries it again, and sets it aside again.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +28,7 @@ from typing import Protocol
 
 from stablewatch.detector.archive.files import unlock_archive
 from stablewatch.detector.archive.recovery import archived_ids, archived_outcomes, needs_archiving, repair
+from stablewatch.detector.archive.schema import ArchiveError
 from stablewatch.detector.archive.writer import (
     SnapshotSource,
     finished_resolutions,
@@ -34,6 +41,7 @@ from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_RUNNING, SnapshotSummary
 
 __all__ = ["ExportResult", "ListingStore", "export"]
 
+_log = logging.getLogger(__name__)
 _PAGE = 1000
 
 
@@ -53,13 +61,15 @@ class ExportResult:
     files: int
     resolutions: int = 0  # breaks written now (files counts theirs too)
     resolutions_already: int = 0  # finished breaks of the store that the archive held already, as the store has them
+    set_aside: int = 0  # finished snapshots the archive cannot hold, not exported (logged, with why)
 
 
 def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportResult:
     """Write every finished snapshot of `store` that the archive at `root` lacks, in batches, oldest first.
 
-    Idempotent. ArchiveError naming the folder or file when the archive cannot be opened or written;
-    the batches written before stay (a second run goes on from there).
+    Idempotent. A snapshot the archive cannot hold is logged and set aside, and the rest is written.
+    ArchiveError naming the folder or file when the archive cannot be opened or written; the batches
+    written before stay (a second run goes on from there).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, not {batch_size}")
@@ -71,12 +81,16 @@ def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportRes
         finished = list(_finished_ids(store))
         missing = sorted(i for i in finished if i not in present)
         exported = batches = files = 0
+        unfit: dict[int, ArchiveError] = {}
         for start in range(0, len(missing), batch_size):
             items = [item for i in missing[start : start + batch_size] if (item := load(store, i)) is not None]
             if items:
-                files += len(write_finished(root, items))
-                exported += len(items)
-                batches += 1
+                before = len(unfit)
+                written = write_finished(root, items, unfit)
+                _log_set_aside(root, unfit, before)
+                files += len(written)
+                exported += len(items) - (len(unfit) - before)
+                batches += 1 if written else 0
         archived = archived_outcomes(root)
         breaks = list(finished_resolutions(store))
         new = [resolution for resolution in breaks if needs_archiving(resolution, archived)]
@@ -90,9 +104,16 @@ def export(store: ListingStore, root: Path, batch_size: int = 1000) -> ExportRes
             files=files,
             resolutions=len(new),
             resolutions_already=len(breaks) - len(new),
+            set_aside=len(unfit),
         )
     finally:
         unlock_archive(lock)
+
+
+def _log_set_aside(root: Path, unfit: dict[int, ArchiveError], first: int) -> None:
+    """Log the snapshots set aside by the last batch (those of `unfit` from position `first` on)."""
+    for error in list(unfit.values())[first:]:
+        _log.error("archive %s: %s; it is set aside, not exported, and stays in the store", root, error)
 
 
 def _finished_ids(store: ListingStore) -> Iterator[int]:

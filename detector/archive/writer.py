@@ -45,8 +45,8 @@ A snapshot the store deletes by retention before it is archived is lost to the a
 detector's retention spares unarchived snapshots (and breaks) while the archive cannot take them,
 up to ten times its bounds (``Store.apply_retention`` with ``keep_unarchived``): with retention by
 count, that is ten times ``max_snapshots`` snapshots, which at a few snapshots a second lasts
-hours, not days. Past the bound they are deleted, and the store logs an ERROR with how many and
-their ids.
+hours, not days. Past the bound they are deleted, and the store logs a WARNING with how many and
+their ids (this writer may still hold them in memory and write them; if it fails to, they are lost).
 
 A snapshot the archive cannot hold (a value no column takes, which the assembler refuses in a part
 anyway: a NaN attribute, a uint64 of 2**63 or more) fails alone: it is logged, set aside in the

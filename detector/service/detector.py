@@ -403,10 +403,12 @@ class Detector:
         snapshot.completed_at.FromMicroseconds(int(finished * 1e6))
         evaluation = evaluate(snapshot, self._expected_totals, self._plugins)
         baselines = new_baselines(evaluation)
-        if baselines:
-            self._expected_totals.update(baselines)
-            store.add_expected_totals(baselines)
         try:
+            # Inside the same handling as the snapshot: a baseline the store failed to keep (a full
+            # disk) records the snapshot aborted (store_error), never leaves it RUNNING.
+            if baselines:
+                store.add_expected_totals(baselines)
+                self._expected_totals.update(baselines)  # only once the store has them
             results = store.complete(snapshot, evaluation, finished)
         except Exception as error:
             self._store_failed(snapshot_id, error)

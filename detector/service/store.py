@@ -33,8 +33,8 @@ Theory of operation:
 * ``apply_retention`` deletes finished snapshots beyond ``max_snapshots`` (oldest first) and those
   that finished more than ``max_age_seconds`` ago; RUNNING rows are never deleted. With an archive
   (``keep_unarchived``) it spares the snapshots not archived yet, and the breaks, up to
-  :data:`UNARCHIVED_SLACK` times those bounds; past that it deletes them and logs an ERROR with how
-  many unarchived snapshots were lost and their ids.
+  :data:`UNARCHIVED_SLACK` times those bounds; past that it deletes them and logs a WARNING with how
+  many were not archived yet and their ids (the archive writer may still hold them in memory).
 
 The schema is versioned (``meta.schema_version``); a file written by a newer stablewatch is
 refused with :class:`StoreError` rather than misread, and an older one is upgraded in place
@@ -520,7 +520,7 @@ class Store:
 
         With `keep_unarchived` (an archive is configured) snapshots not archived yet, and the breaks,
         are kept up to :data:`UNARCHIVED_SLACK` times those bounds; what is deleted past that unarchived
-        is logged as an ERROR (how many, which ids).
+        is logged as a WARNING (how many, which ids).
         """
         _check_time("now", now)
         deleted = 0
@@ -545,9 +545,12 @@ class Store:
                 if keep_unarchived:
                     deleted += self._delete_unarchived(beyond, (slack * self.max_snapshots,), lost)
         for count, first, last in lost:
-            _log.error(
-                "%s: retention deleted %d finished snapshots that were never archived (ids %d to %d): they "
-                "were kept up to %d times the retention bound, and the archive did not take them meanwhile",
+            # Not "lost": the store cannot tell whether the archive writer still holds them in memory
+            # (its batch of up to --archive-batch, written right after); only if that write fails are they.
+            _log.warning(
+                "%s: %d finished snapshots were not archived yet when retention deleted them (ids %d to %d), "
+                "past %d times the retention bound: the archive writer may still write them from memory; if "
+                "it fails to, they are lost to the archive",
                 self.path, count, first, last, slack,
             )  # fmt: skip
         if deleted:
