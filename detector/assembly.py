@@ -37,7 +37,6 @@ prefix of anything the part holds.
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -67,6 +66,7 @@ from stablewatch.v1.bounds import (
     MAX_TEXT_BYTES,
     has_control_character,
     names_a_wait,
+    non_finite,
     quoted_prefix,
     text_problem,
     too_long,
@@ -659,7 +659,7 @@ def _state_problem(state: LocalState) -> tuple[str, str, tuple[str, str]] | None
         text = _long_text(attributes)
         if text is not None:
             return "attribute text", text, ("name_too_long", f"is longer than {MAX_TEXT_BYTES} bytes")
-    if attributes is not None and (number := _non_finite(attributes)) is not None:
+    if attributes is not None and (number := non_finite(attributes)) is not None:
         name, value = number
         return "attribute", name, ("malformed", f"holds {value}, not a finite number (JSON has none)")
     if not all(ids):
@@ -731,24 +731,6 @@ def _long_text(attributes: Struct) -> str | None:
             values.extend(fields.values())
         elif kind == "list_value":
             values.extend(value.list_value.values)
-    return None
-
-
-def _non_finite(attributes: Struct) -> tuple[str, float] | None:
-    """The first number in ``attributes`` (at any depth) that is NaN or infinite, with the name of
-    the attribute holding it; such a number has no JSON, so the archive could not keep the state."""
-    for name, top in attributes.fields.items():
-        values = [top]
-        while values:
-            value = values.pop()
-            kind = value.WhichOneof("kind")
-            if kind == "number_value":
-                if not math.isfinite(value.number_value):
-                    return name, value.number_value
-            elif kind == "struct_value":
-                values.extend(value.struct_value.fields.values())
-            elif kind == "list_value":
-                values.extend(value.list_value.values)
     return None
 
 

@@ -2,6 +2,7 @@
 built-in's or each other's, and the shipped example predicate on an open cut."""
 
 import asyncio
+import math
 import textwrap
 from pathlib import Path
 
@@ -272,3 +273,15 @@ def test_a_whole_system_answer_is_unknown_on_an_open_cut_and_kept_on_a_closed_on
     assert verdict(predicate(_workers({"W1": (0, 0)}, ["W1"]))) == "true"
     wrong = UserPredicate("wrong", lambda snapshot: {"holds": True, "whole_system": "yes"})(_workers({}, []))
     assert verdict(wrong) == "unknown" and wrong.error.startswith("TypeError: 'whole_system' must be a bool")
+
+
+def test_a_detail_without_json_is_the_predicates_error() -> None:
+    # From a review (read only) of the persistence: a user predicate's NaN in its details was taken
+    # as it was; the archive then set every such snapshot aside (its deadlock proofs with it), and
+    # the pipeline failed on it. It is the predicate's error now, in the detector and the pipeline.
+    for value in (math.nan, math.inf, [1.0, {"deep": -math.inf}]):
+        result = UserPredicate("ratio", lambda snapshot, v=value: {"holds": True, "details": {"ratio": v}})(
+            _workers({}, [])
+        )
+        assert verdict(result) == "unknown" and result.error.startswith("ValueError: 'details' holds")
+        assert "under 'ratio': numbers must be finite" in result.error

@@ -43,6 +43,7 @@ from importlib.metadata import entry_points
 from stablewatch.detector.evaluation.cut import coverage
 from stablewatch.detector.evaluation.predicates import unknown as unknown_on_open_cut
 from stablewatch.v1 import GlobalSnapshot, PredicateResult
+from stablewatch.v1.bounds import non_finite
 
 GROUP = "stablewatch.predicates"
 
@@ -125,6 +126,9 @@ def to_result(name: str, value: object, snapshot: GlobalSnapshot | None = None) 
     result = PredicateResult(name=name, holds=bool(holds), unknown=holds is None, summary=summary or default)
     if details is not None:
         result.details.update(details)
+        if (number := non_finite(result.details)) is not None:
+            # No JSON holds it: the archive could not keep the snapshot, nor the pipeline write it.
+            raise ValueError(f"'details' holds {number[1]} under {number[0]!r}: numbers must be finite")
     if whole_system and holds is not None and snapshot is not None:
         cut = coverage(snapshot)
         if not cut.closed:

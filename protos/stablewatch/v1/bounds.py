@@ -9,7 +9,10 @@ its size never grows with its input.
 
 from __future__ import annotations
 
+import math
 import re
+
+from google.protobuf.struct_pb2 import Struct
 
 __all__ = [
     "MAX_ADDRESS_BYTES",
@@ -20,6 +23,7 @@ __all__ = [
     "MAX_TEXT_BYTES",
     "has_control_character",
     "names_a_wait",
+    "non_finite",
     "process_id_problem",
     "quoted_prefix",
     "text_problem",
@@ -96,3 +100,22 @@ def names_a_wait(task: str) -> bool:
     (True, False, False)
     """
     return "[wait " in task and _WAIT_NODE.search(task) is not None
+
+
+def non_finite(attributes: Struct) -> tuple[str, float] | None:
+    """The first number in ``attributes`` (a Struct: a state's attributes, a result's details), at
+    any depth, that is NaN or infinite, with the name of the field holding it: such a number has no
+    JSON, so the archive could not keep it, nor the pipeline write it."""
+    for name, top in attributes.fields.items():
+        values = [top]
+        while values:
+            value = values.pop()
+            kind = value.WhichOneof("kind")
+            if kind == "number_value":
+                if not math.isfinite(value.number_value):
+                    return name, value.number_value
+            elif kind == "struct_value":
+                values.extend(value.struct_value.fields.values())
+            elif kind == "list_value":
+                values.extend(value.list_value.values)
+    return None
