@@ -24,9 +24,10 @@ for every other counter the baseline set by the first closed snapshot that saw i
 the snapshots finished (``finished_at``, then id). A first pass finds those baselines; each
 snapshot is then evaluated with the configured totals plus the baselines set before it. The
 baselines the detector took before the snapshots evaluated (a range that leaves earlier ones out,
-an archive begun later) come from its archived results (:func:`detector_baselines`). A snapshot
-archived twice is refused (ArchiveError), as the archive's own reader refuses it, rather than
-evaluated and counted twice.
+an archive begun later), and the new ones it took when restarted on a fresh store (each snapshot
+compared with the latest set before it), come from its archived results
+(:func:`detector_baselines`). A snapshot archived twice is refused (ArchiveError), as the
+archive's own reader refuses it, rather than evaluated and counted twice.
 
 Aborted snapshots have no global state and are not evaluated.
 """
@@ -91,6 +92,7 @@ __all__ = [
     "EVALUATIONS",
     "PLAIN_COLUMNS",
     "Evaluated",
+    "TakenAt",
     "Totals",
     "detector_baselines",
     "evaluate_archive",
@@ -120,18 +122,34 @@ _CANDIDATES = "counter string, finished_us long, snapshot_id long, observed long
 class Totals:
     """The expected totals for conservation: configured ones, and baselines with the snapshot that set each.
 
-    `baselines` maps a counter to ``((finished_us, snapshot_id), total)``: the order key of the
-    first closed snapshot that saw it, and what it held.
+    `baselines` maps a counter to its baselines ``((finished_us, snapshot_id), total)`` in order:
+    the order key of the snapshot that set each, and what it held. There is more than one when a
+    detector restarted on a fresh store took a new one; a snapshot is compared with the latest
+    set before it, and one that set a baseline with none (the detector had none when it took it).
     """
 
     configured: Mapping[str, int] = field(default_factory=dict)
-    baselines: Mapping[str, tuple[tuple[int, int], int]] = field(default_factory=dict)
+    baselines: Mapping[str, tuple[tuple[tuple[int, int], int], ...]] = field(default_factory=dict)
 
     def before(self, key: tuple[int, int]) -> dict[str, int]:
         """The totals the detector had when it evaluated the snapshot of order key `key`."""
         totals = dict(self.configured)
-        totals.update((counter, total) for counter, (set_at, total) in self.baselines.items() if set_at < key)
+        for counter, taken in self.baselines.items():
+            known = [(set_at, total) for set_at, total in taken if set_at <= key]
+            if known and known[-1][0] < key:  # set at `key`: that snapshot took it, having none
+                totals[counter] = known[-1][1]
         return totals
+
+    def latest(self) -> dict[str, int]:
+        """Each counter's latest baseline: what a snapshot after all of them is compared with."""
+        return {counter: taken[-1][1] for counter, taken in self.baselines.items() if taken}
+
+
+class TakenAt(tuple[int, int]):
+    """The order key of a baseline the detector took, as its archived results say
+    (:func:`detector_baselines`): :func:`find_totals` keeps every one, not only the first."""
+
+    __slots__ = ()
 
 
 def order_key(finished_at: datetime | None, snapshot_id: int) -> tuple[int, int]:
@@ -169,12 +187,21 @@ def _candidates_schema() -> pa.Schema:
 
 
 def find_totals(candidates: Iterable[tuple[str, tuple[int, int], int]], configured: Mapping[str, int]) -> Totals:
-    """Keep, per counter, the candidate ``(counter, order key, total)`` that comes first in the order."""
+    """The baselines of the candidates ``(counter, order key, total)``: per counter, every one the
+    detector took (a :class:`TakenAt` key), and the first of the others (the first closed snapshot
+    that saw it) when it comes before all those: the detector had no baseline yet when it saw it."""
     first: dict[str, tuple[tuple[int, int], int]] = {}
+    taken: dict[str, dict[tuple[int, int], int]] = {}
     for counter, key, total in candidates:
-        if counter not in first or key < first[counter][0]:
-            first[counter] = (key, total)
-    return Totals(dict(configured), first)
+        if isinstance(key, TakenAt):
+            taken.setdefault(counter, {})[(key[0], key[1])] = total
+        elif counter not in first or key < first[counter][0]:
+            first[counter] = ((key[0], key[1]), total)
+    for counter, (key, total) in first.items():
+        kept = taken.setdefault(counter, {})
+        if all(key < other for other in kept):
+            kept[key] = total
+    return Totals(dict(configured), {counter: tuple(sorted(kept.items())) for counter, kept in taken.items()})
 
 
 # -- results as rows ----------------------------------------------------------------------------------------
@@ -725,7 +752,8 @@ def evaluate_archive(
     The baselines are the detector's (:func:`detector_baselines`), as its archived results say:
     the first snapshot evaluated here may not be the first to see a counter (a range that leaves
     earlier snapshots out, an archive begun after the detector took its baseline, retention), and
-    the detector compared it with the earlier one.
+    the detector compared it with the earlier one; and a detector restarted on a fresh store took
+    a new one, which the snapshots after it were compared with.
     """
     earlier = detector_baselines(Archive(archive.spark, archive.root, None, archive.last_day))
     return evaluate_snapshots(
@@ -738,14 +766,14 @@ def evaluate_archive(
     )
 
 
-def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int]]:
-    """The baselines the detector took, as its archived conservation results say: a ``(counter,
-    order key, total)`` per counter, from its first result decided on a closed cut (one Spark job
-    over a few columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded).
-
-    That result either set the baseline (flagged ``baseline``: the order key is its snapshot's) or
-    was compared with one the detector took before the archive holds anything of the counter (an
-    archive begun later, or retention): then the order key comes before every snapshot."""
+def detector_baselines(archive: Archive) -> list[tuple[str, TakenAt, int]]:
+    """The baselines the detector took, as its archived conservation results say: ``(counter,
+    order key, total)`` for every result decided on a closed cut that set one (flagged
+    ``baseline``: the order key is its snapshot's), a detector restarted on a fresh store taking a
+    new one; and, when a counter's first decided result did not set one, the baseline it was
+    compared with, which the detector took before the archive holds anything of the counter (an
+    archive begun later, or retention): its order key comes before every snapshot. One Spark job
+    over a few columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded."""
     evidence = F.col("evidence")
     decided = (
         archive.table("results")
@@ -756,22 +784,27 @@ def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int
             F.get_json_object(evidence, "$.counter").alias("counter"),
             # A closed cut's result always has one: left out of the JSON, it is 0 (proto3's default).
             F.coalesce(F.get_json_object(evidence, "$.expected").cast("long"), F.lit(0)).alias("total"),
-            (F.get_json_object(evidence, "$.baseline") == "true").alias("baseline"),
+            F.coalesce(F.get_json_object(evidence, "$.baseline") == "true", F.lit(False)).alias("baseline"),
         )
     )
     heads = _with_order(archive.table("snapshots").select("snapshot_id", "finished_at"))
-    first = (
+    taken = F.struct("finished_us", "snapshot_id", "total")
+    per_counter = (
         decided.join(heads, "snapshot_id")
         .groupBy("counter")
-        .agg(F.min(F.struct("finished_us", "snapshot_id", "total", "baseline")).alias("first"))
-        .select("counter", "first.*")
+        .agg(
+            F.min(F.struct("finished_us", "snapshot_id", "total", "baseline")).alias("first"),
+            F.collect_list(F.when(F.col("baseline"), taken)).alias("taken"),  # collect_list drops the nulls
+        )
     )
     with archive.reading():
-        rows = first.collect()
-    return [
-        (row["counter"], (row["finished_us"], row["snapshot_id"]) if row["baseline"] else (-1, -1), row["total"])
-        for row in rows
-    ]
+        rows = per_counter.collect()
+    found = []
+    for row in rows:
+        if not row["first"]["baseline"]:
+            found.append((row["counter"], TakenAt((-1, -1)), row["first"]["total"]))
+        found += [(row["counter"], TakenAt((t["finished_us"], t["snapshot_id"])), t["total"]) for t in row["taken"]]
+    return sorted(found)
 
 
 def _refuse_duplicates(archive: Archive, snapshots: DataFrame) -> None:

@@ -12,9 +12,12 @@ Each micro-batch is evaluated like ``evaluate`` does (:func:`~stablewatch.pipeli
 and written to ``OUT/evaluations/batch=N``, replacing that folder: a micro-batch run again
 replaces its own output instead of adding to it, so nothing is evaluated twice in the output and
 nothing is skipped. Conservation baselines carry from batch to batch in
-``OUT/baselines/batch=N.json``; batch N reads only those of earlier batches, so a run again sees
-what the first run saw. Batches are taken in the order their files appear, so a baseline is the
-first closed snapshot in that order (within a batch: by finish time, as everywhere).
+``OUT/baselines/batch=N.json`` (each counter's latest); batch N reads only those of earlier
+batches, so a run again sees what the first run saw. Batches are taken in the order their files
+appear, so a baseline is the first closed snapshot in that order (within a batch: by finish
+time, as everywhere), unless the detector's archived results say otherwise: a micro-batch without
+baselines of earlier ones takes the detector's too (``detector_baselines``: one taken before the
+archive began, new ones a detector restarted on a fresh store took), as ``evaluate`` does.
 
 One detector batch is one ``snapshots`` file per day of start: a batch spanning midnight is two
 files, and a micro-batch may take one without the other (``maxFilesPerTrigger``, or a look between
@@ -51,9 +54,9 @@ from rich.console import Console
 from stablewatch.detector.archive.files import batch_range, parquet_files
 from stablewatch.detector.archive.schema import SNAPSHOT_TABLES, ArchiveError
 from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
-from stablewatch.pipeline.evaluate import evaluate_snapshots, write_evaluations
+from stablewatch.pipeline.evaluate import detector_baselines, evaluate_snapshots, write_evaluations
 from stablewatch.pipeline.session import get_session
-from stablewatch.pipeline.tables import check_file, naming_corrupt, open_archive, spark_schema
+from stablewatch.pipeline.tables import Archive, check_file, naming_corrupt, open_archive, spark_schema
 
 __all__ = ["RUN_FILE", "SIBLING_WAIT", "Followed", "follow"]
 
@@ -160,15 +163,18 @@ def _batch_writer(
                 archive = open_archive(batch.sparkSession, root, min(days, default=None), max(days, default=None))
                 snapshots = _snapshots_of(archive.spark, root, files)
                 earlier = _earlier_baselines(out / "baselines", batch_id)
+                # Without baselines of its own yet, follow takes the detector's: it may have taken
+                # one before the archive began, or restarted on a fresh store and taken a new one.
+                detectors = [] if earlier else detector_baselines(Archive(archive.spark, root, None, archive.last_day))
                 evaluated = evaluate_snapshots(
-                    archive, snapshots, {**earlier, **expected}, predicates, reduction=reduction
+                    archive, snapshots, {**earlier, **expected}, predicates, reduction=reduction, earlier=detectors
                 )
                 write_evaluations(evaluated.evaluations, out / "evaluations" / f"batch={batch_id}", archive)
         except ArchiveError as error:
             followed.error = error
             raise
         _replace(out / "taken" / f"batch={batch_id}.json", json.dumps(files) + "\n")
-        new = {c: total for c, (_, total) in sorted(evaluated.totals.baselines.items()) if c not in earlier}
+        new = {c: total for c, total in sorted(evaluated.totals.latest().items()) if c not in earlier}
         _replace(out / "baselines" / f"batch={batch_id}.json", json.dumps(new, sort_keys=True) + "\n")
         followed.batches += 1
         followed.snapshots += evaluated.snapshots
