@@ -75,9 +75,12 @@ async def a_wait(c_agent: RpcAgent) -> str:
 # -- a write's wait ends with the write -------------------------------------------------------------
 
 
-def test_a_written_stream_unary_call_not_awaited_makes_no_deadlock_up(running: Running) -> None:
+@pytest.mark.parametrize("awaited", [False, True], ids=["unawaited", "awaited-by-another-task"])
+def test_a_written_stream_unary_call_not_awaited_makes_no_deadlock_up(running: Running, awaited: bool) -> None:
     """T calls B.Outer, which (B's one worker) calls A.Mid; Mid writes a stream-unary call to
-    B.Total (queued behind Outer), then does other work. Mid is not blocked on its call: no deadlock."""
+    B.Total (queued behind Outer), then does other work. Mid is not blocked on its call: no deadlock.
+    With `awaited`, a task of Mid's own begins awaiting the call while the write is under way (from
+    a review of the first version, which kept the wait in Mid's name once the write returned)."""
     a_agent, b_agent, t_agent = agent(running, "A"), agent(running, "B"), agent(running, "T")
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="A-loop", daemon=True)
@@ -100,9 +103,16 @@ def test_a_written_stream_unary_call_not_awaited_makes_no_deadlock_up(running: R
     b_port = b_server.add_insecure_port("127.0.0.1:0")
     b_server.start()
 
+    async def collect(c: Any) -> Any:
+        state["awaiting"] = True
+        return await c
+
     async def mid(request: bytes, context: Any) -> bytes:
         total_call = state["A->B"].stream_unary(f"/{SERVICE}/Total")(timeout=30)
-        await total_call.write(b"x")
+        if awaited:
+            state["collector"] = asyncio.create_task(collect(total_call))  # another task awaits the call
+        await total_call.write(b"x")  # the collector begins its await while this write is under way
+        state["awaited_during_write"] = state.get("awaiting", False)
         await total_call.done_writing()
         written.set()
         await asyncio.to_thread(proceed.wait, 30)  # other work, not the call
@@ -128,6 +138,7 @@ def test_a_written_stream_unary_call_not_awaited_makes_no_deadlock_up(running: R
     try:
         reply = driver.submit(call, t_channel, "Outer", b"", timeout=30)
         assert written.wait(10)
+        assert state["awaited_during_write"] == awaited
         poll(lambda: b_agent._pools[0].queued, "Total queued at B")
         results = take_snapshot(running)
         assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason

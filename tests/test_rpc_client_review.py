@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from concurrent import futures
 from typing import Any
 
 import grpc
-from rpc_harness import SERVICE, AioServer, Service, agent, call, deadlock, recorded, snapshot, stored
+from rpc_harness import SERVICE, AioServer, Service, agent, deadlock, recorded, stored
 
 from polling import async_poll, poll, run
 from stablewatch.agents.rpc.calls import DeadlockBroken
@@ -213,100 +212,3 @@ def test_a_blocker_of_a_name_another_blocker_has_keeps_waiting_when_that_one_lea
                 t.join(10)
         channel.close()
         service.stop()
-
-
-def test_a_writer_free_after_its_write_does_not_wait_for_another_tasks_await(running: Running) -> None:
-    """From a review (read only) of 7b128fa: T calls B.Outer (B: one worker), which calls A.Mid; Mid
-    writes a stream-unary call to B.Total (queued behind Outer) while a task of its own awaits that
-    call, and then does other work. The wait stayed in the writer's (Mid's) name after its write
-    returned, and a closed cut showed Mid -> Total -> Outer -> Mid: a made-up deadlock."""
-    a_agent, b_agent, t_agent = agent(running, "A"), agent(running, "B"), agent(running, "T")
-    loop = asyncio.new_event_loop()
-    thread = threading.Thread(target=loop.run_forever, name="A-loop", daemon=True)
-    thread.start()
-    written, proceed = threading.Event(), threading.Event()
-    state: dict[str, Any] = {}
-
-    def outer(request: bytes, context: Any) -> bytes:
-        return call(state["B->A"], "Mid", timeout=30)
-
-    def total(requests: Any, context: Any) -> bytes:
-        return b"+".join(requests)
-
-    b_pool = b_agent.thread_pool(1)
-    b_server = grpc.server(b_pool, interceptors=[b_agent.server_interceptor(workers=b_pool)])
-    b_server.add_generic_rpc_handlers(
-        [
-            grpc.method_handlers_generic_handler(
-                SERVICE,
-                {
-                    "Outer": grpc.unary_unary_rpc_method_handler(outer),
-                    "Total": grpc.stream_unary_rpc_method_handler(total),
-                },
-            )
-        ]
-    )
-    b_port = b_server.add_insecure_port("127.0.0.1:0")
-    b_server.start()
-
-    async def collect(c: Any) -> Any:
-        state["awaiting"] = True
-        return await c
-
-    async def mid(request: bytes, context: Any) -> bytes:
-        total_call = state["A->B"].stream_unary(f"/{SERVICE}/Total")(timeout=30)
-        state["collector"] = asyncio.create_task(collect(total_call))  # another task awaits the call
-        await total_call.write(b"x")  # the collector begins its await while this write is under way
-        state["awaited_during_write"] = state.get("awaiting", False)
-        await total_call.done_writing()
-        written.set()
-        await asyncio.to_thread(proceed.wait, 30)  # other work, not the call
-        state["Total"] = total_call
-        return b"ok"
-
-    async def start_a() -> int:
-        server = grpc.aio.server(interceptors=[a_agent.aio_server_interceptor()])
-        server.add_generic_rpc_handlers(
-            [grpc.method_handlers_generic_handler(SERVICE, {"Mid": grpc.unary_unary_rpc_method_handler(mid)})]
-        )
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        state["a_server"] = server
-        state["A->B"] = a_agent.instrument_channel(grpc.aio.insecure_channel(f"127.0.0.1:{b_port}"), "B")
-        return port
-
-    a_port = asyncio.run_coroutine_threadsafe(start_a(), loop).result(10)
-    state["B->A"] = b_agent.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{a_port}"), "A")
-    t_channel = t_agent.instrument_channel(grpc.insecure_channel(f"127.0.0.1:{b_port}"), "B")
-    driver = futures.ThreadPoolExecutor(1, thread_name_prefix="driver")
-    try:
-        reply = driver.submit(call, t_channel, "Outer", b"", timeout=30)
-        assert written.wait(10)
-        assert state["awaited_during_write"], "precondition: the await began during the write"
-        poll(lambda: b_agent._pools[0].queued, "Total queued at B")
-        results = snapshot(running)
-        assert outcome_name(results.snapshot.outcome) == "completed", results.snapshot.abort_reason
-        found = deadlock(results)
-        proceed.set()
-        assert reply.result(20) == b"ok"  # Mid was never blocked on Total: everything ended
-        assert not found.holds, f"made-up deadlock: {found.summary}"
-    finally:
-        proceed.set()
-        if "Total" in state:
-            loop.call_soon_threadsafe(state["Total"].cancel)
-        t_channel.close()
-        state["B->A"].close()
-
-        async def stop_a() -> None:
-            await state["A->B"].close()
-            await state["a_server"].stop(0)
-
-        asyncio.run_coroutine_threadsafe(stop_a(), loop).result(10)
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(10)
-        loop.close()
-        b_server.stop(0).wait(10)
-        b_pool.shutdown(wait=True)
-        driver.shutdown(wait=True)
-        for each in (a_agent, b_agent, t_agent):
-            each.stop()

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 from samples import evaluation, global_snapshot, predicate_results
+from test_store_review import T0, complete, nan_attribute
 
 from polling import run
 from stablewatch.cli.main import main
@@ -33,26 +34,6 @@ from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED
 
 pytestmark = pytest.mark.timeout(60)
-
-T0 = 1_700_000_000.0
-
-
-def complete(store: Store, started: float, make: Any = global_snapshot) -> int:
-    """Store a completed snapshot made by `make` (from its id), started at `started`; its id."""
-    snapshot_id = store.allocate_id(0)
-    store.begin(snapshot_id, started, members=2)
-    snap = make(snapshot_id)
-    snap.started_at.FromMicroseconds(int(started * 1e6))
-    snap.completed_at.FromMicroseconds(int(started * 1e6) + 1000)
-    store.complete(snap, evaluation(snapshot_id, predicate_results()), started + 1)
-    return snapshot_id
-
-
-def nan_attribute(snapshot_id: int) -> GlobalSnapshot:
-    """A snapshot no archive column takes (what a store kept before the assembler refused it)."""
-    snap = global_snapshot(snapshot_id)
-    snap.processes[0].state.attributes.update({"ratio": float("nan")})
-    return snap
 
 
 def archived(root: Path) -> set[int]:
