@@ -13,11 +13,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
 import math
 import os
 import sqlite3
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -259,21 +261,32 @@ def test_the_detector_with_an_archive_spares_what_it_lacks(tmp_path: Path, monke
 # -- 3. a store write that fails as a snapshot ends --------------------------------------------------
 
 
-def _one_member_detector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, detector: Detector) -> list[int]:
-    """Give `detector` one attached member and a coordinator that completes every snapshot; the ids taken."""
+@contextlib.asynccontextmanager
+async def one_member_detector(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, make: Callable[[int], GlobalSnapshot] = global_snapshot
+) -> AsyncIterator[tuple[Detector, list[int]]]:
+    """A started detector with one attached member and a coordinator that completes every snapshot
+    with `make` (from its id); the detector and the ids taken. Stopped after."""
+    config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
+    detector = Detector(config)
+    await detector.start()
     taken: list[int] = []
 
     async def snapshot(timeout: float, snapshot_id: int | None = None, **_: Any) -> GlobalSnapshot:
         assert snapshot_id is not None
         taken.append(snapshot_id)
-        return global_snapshot(snapshot_id)
+        return make(snapshot_id)
 
-    detector.coordinator.members["a"] = object()  # type: ignore[assignment]  # for take_snapshot's check
-    monkeypatch.setattr(detector.coordinator, "snapshot", snapshot)
-    return taken
+    try:
+        detector.coordinator.members["a"] = object()  # type: ignore[assignment]  # for take_snapshot's check
+        monkeypatch.setattr(detector.coordinator, "snapshot", snapshot)
+        yield detector, taken
+    finally:
+        detector.coordinator.members.clear()
+        await detector.stop()
 
 
-def _full(*args: Any, **kwargs: Any) -> Any:
+def disk_full(*args: Any, **kwargs: Any) -> Any:
     raise sqlite3.OperationalError("database or disk is full")
 
 
@@ -281,13 +294,9 @@ def test_a_completed_snapshot_the_store_cannot_keep_is_recorded_aborted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario() -> None:
-        config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-        detector = Detector(config)
-        await detector.start()
-        try:
-            taken = _one_member_detector(tmp_path, monkeypatch, detector)
+        async with one_member_detector(tmp_path, monkeypatch) as (detector, taken):
             with monkeypatch.context() as patch:
-                patch.setattr(detector.store, "complete", _full)
+                patch.setattr(detector.store, "complete", disk_full)
                 with pytest.raises(sqlite3.OperationalError):
                     await detector.take_snapshot()
             summary = detector.store.summary(taken[0])
@@ -298,9 +307,6 @@ def test_a_completed_snapshot_the_store_cannot_keep_is_recorded_aborted(
                 "stablewatch_snapshot_aborts_total", {"kind": "store_error"}
             )
             assert aborts == 1
-        finally:
-            detector.coordinator.members.clear()
-            await detector.stop()
 
     run(scenario())
 
@@ -309,14 +315,10 @@ def test_an_abort_the_store_fails_to_write_is_written_before_the_next_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario() -> None:
-        config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-        detector = Detector(config)
-        await detector.start()
-        try:
-            taken = _one_member_detector(tmp_path, monkeypatch, detector)
+        async with one_member_detector(tmp_path, monkeypatch) as (detector, taken):
             with monkeypatch.context() as patch:
-                patch.setattr(detector.store, "complete", _full)
-                patch.setattr(detector.store, "abort", _full)
+                patch.setattr(detector.store, "complete", disk_full)
+                patch.setattr(detector.store, "abort", disk_full)
                 with pytest.raises(sqlite3.OperationalError):
                     await detector.take_snapshot()
             first = detector.store.summary(taken[0])
@@ -325,9 +327,6 @@ def test_an_abort_the_store_fails_to_write_is_written_before_the_next_snapshot(
             first = detector.store.summary(taken[0])
             assert first is not None and first.outcome == SNAPSHOT_OUTCOME_ABORTED
             assert first.abort_kind == "store_error"
-        finally:
-            detector.coordinator.members.clear()
-            await detector.stop()
 
     run(scenario())
 
@@ -340,7 +339,7 @@ def test_a_break_answer_the_store_fails_to_take_is_stored_with_the_next(
     h.complete(cycle_snapshot(10), CLOCK_T0 - 1)
     _, order = h.sent[-1]
     with monkeypatch.context() as patch, caplog.at_level(logging.ERROR):
-        patch.setattr(store, "update_resolution", _full)
+        patch.setattr(store, "update_resolution", disk_full)
         answered = h.resolutions.reported("b", report(order))
     assert answered is not None and answered.outcome == BREAK_OUTCOME_BROKEN
     assert h.archived[-1] == answered  # counted, archived and published all the same

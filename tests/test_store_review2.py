@@ -16,11 +16,10 @@ import json
 import logging
 import sqlite3
 from pathlib import Path
-from typing import Any
 
 import pytest
 from samples import evaluation, global_snapshot, predicate_results
-from test_store_review import T0, complete, nan_attribute
+from test_store_review import T0, complete, disk_full, nan_attribute, one_member_detector
 
 from polling import run
 from stablewatch.cli.main import main
@@ -28,7 +27,6 @@ from stablewatch.detector.archive.export import export
 from stablewatch.detector.archive.files import ensure_archive
 from stablewatch.detector.archive.reader import read_snapshots
 from stablewatch.detector.archive.writer import ArchiveWriter
-from stablewatch.detector.service.detector import Detector, DetectorConfig
 from stablewatch.detector.service.store import Store
 from stablewatch.v1 import GlobalSnapshot
 from stablewatch.v1.query_pb2 import SNAPSHOT_OUTCOME_ABORTED, SNAPSHOT_OUTCOME_COMPLETED
@@ -88,25 +86,10 @@ def test_a_baseline_the_store_fails_to_keep_records_the_snapshot_aborted(
         del snap.channels[2]  # a closed cut: it sets the baseline of tokens
         return snap
 
-    def full(*args: Any, **kwargs: Any) -> Any:
-        raise sqlite3.OperationalError("database or disk is full")
-
     async def scenario() -> None:
-        config = DetectorConfig(data_dir=tmp_path / "data", listen="127.0.0.1:0", metrics_port=None, interval=None)
-        detector = Detector(config)
-        await detector.start()
-        taken: list[int] = []
-
-        async def snapshot(timeout: float, snapshot_id: int | None = None, **_: Any) -> GlobalSnapshot:
-            assert snapshot_id is not None
-            taken.append(snapshot_id)
-            return closed(snapshot_id)
-
-        try:
-            detector.coordinator.members["a"] = object()  # type: ignore[assignment]
-            monkeypatch.setattr(detector.coordinator, "snapshot", snapshot)
+        async with one_member_detector(tmp_path, monkeypatch, closed) as (detector, taken):
             with monkeypatch.context() as patch:
-                patch.setattr(detector.store, "add_expected_totals", full)
+                patch.setattr(detector.store, "add_expected_totals", disk_full)
                 with pytest.raises(sqlite3.OperationalError):
                     await detector.take_snapshot()
             summary = detector.store.summary(taken[0])
@@ -116,9 +99,6 @@ def test_a_baseline_the_store_fails_to_keep_records_the_snapshot_aborted(
             await detector.take_snapshot()  # the disk has room again: the baseline is kept, in both
             assert detector.store.summary(taken[1]).outcome == SNAPSHOT_OUTCOME_COMPLETED  # type: ignore[union-attr]
             assert detector._expected_totals == detector.store.expected_totals() != {}
-        finally:
-            detector.coordinator.members.clear()
-            await detector.stop()
 
     run(scenario())
 
