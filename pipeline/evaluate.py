@@ -92,7 +92,6 @@ __all__ = [
     "EVALUATIONS",
     "PLAIN_COLUMNS",
     "Evaluated",
-    "TakenAt",
     "Totals",
     "detector_baselines",
     "evaluate_archive",
@@ -145,13 +144,6 @@ class Totals:
         return {counter: taken[-1][1] for counter, taken in self.baselines.items() if taken}
 
 
-class TakenAt(tuple[int, int]):
-    """The order key of a baseline the detector took, as its archived results say
-    (:func:`detector_baselines`): :func:`find_totals` keeps every one, not only the first."""
-
-    __slots__ = ()
-
-
 def order_key(finished_at: datetime | None, snapshot_id: int) -> tuple[int, int]:
     """The order in which the detector evaluated snapshots: by finish time, then id (no time: last)."""
     if finished_at is None:
@@ -186,17 +178,21 @@ def _candidates_schema() -> pa.Schema:
     )
 
 
-def find_totals(candidates: Iterable[tuple[str, tuple[int, int], int]], configured: Mapping[str, int]) -> Totals:
-    """The baselines of the candidates ``(counter, order key, total)``: per counter, every one the
-    detector took (a :class:`TakenAt` key), and the first of the others (the first closed snapshot
-    that saw it) when it comes before all those: the detector had no baseline yet when it saw it."""
+def find_totals(
+    candidates: Iterable[tuple[str, tuple[int, int], int]],
+    configured: Mapping[str, int],
+    detectors: Iterable[tuple[str, tuple[int, int], int]] = (),
+) -> Totals:
+    """The baselines, each ``(counter, order key, total)``: per counter, every one the detector took
+    (`detectors`, :func:`detector_baselines`), and the first of the `candidates` (the first closed
+    snapshot that saw it) when it comes before all those: the detector had no baseline yet then."""
     first: dict[str, tuple[tuple[int, int], int]] = {}
     taken: dict[str, dict[tuple[int, int], int]] = {}
+    for counter, key, total in detectors:
+        taken.setdefault(counter, {})[key] = total
     for counter, key, total in candidates:
-        if isinstance(key, TakenAt):
-            taken.setdefault(counter, {})[(key[0], key[1])] = total
-        elif counter not in first or key < first[counter][0]:
-            first[counter] = ((key[0], key[1]), total)
+        if counter not in first or key < first[counter][0]:
+            first[counter] = (key, total)
     for counter, (key, total) in first.items():
         kept = taken.setdefault(counter, {})
         if all(key < other for other in kept):
@@ -682,8 +678,8 @@ def evaluate_snapshots(
             key = (item.head["finished_us"], sid)
             taken = new_baselines(Evaluation(results=item.conservation))
             candidates += [(counter, key, total) for counter, total in taken.items()]
-        candidates += [(counter, key, total) for counter, key, total in earlier if counter not in configured]
-        totals = find_totals(candidates, configured)
+        detectors = [(counter, key, total) for counter, key, total in earlier if counter not in configured]
+        totals = find_totals(candidates, configured, detectors)
         rounds, left = 0, 0
         if reduced:
             rounds, left = _reduce_large(archive, {sid: large[sid] for sid in reduced}, reduction)
@@ -766,7 +762,7 @@ def evaluate_archive(
     )
 
 
-def detector_baselines(archive: Archive) -> list[tuple[str, TakenAt, int]]:
+def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int]]:
     """The baselines the detector took, as its archived conservation results say: ``(counter,
     order key, total)`` for every result decided on a closed cut that set one (flagged
     ``baseline``: the order key is its snapshot's), a detector restarted on a fresh store taking a
@@ -802,8 +798,8 @@ def detector_baselines(archive: Archive) -> list[tuple[str, TakenAt, int]]:
     found = []
     for row in rows:
         if not row["first"]["baseline"]:
-            found.append((row["counter"], TakenAt((-1, -1)), row["first"]["total"]))
-        found += [(row["counter"], TakenAt((t["finished_us"], t["snapshot_id"])), t["total"]) for t in row["taken"]]
+            found.append((row["counter"], (-1, -1), row["first"]["total"]))
+        found += [(row["counter"], (t["finished_us"], t["snapshot_id"]), t["total"]) for t in row["taken"]]
     return sorted(found)
 
 
