@@ -216,6 +216,35 @@ def test_a_batch_across_midnight_lands_day_by_day_a_millisecond_apart(store: Sto
     assert max(os.stat(p).st_mtime_ns for p in files) == every[-1]  # the snapshots files land last
 
 
+def test_a_batch_is_durable_before_the_store_marks_it_archived(
+    store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rename is durable only once its folder is flushed: every folder that gained an entry (the
+    day's, the table's, the archive's) is flushed before the store marks the batch archived, or a
+    power loss could keep the mark and lose the batch."""
+    synced: list[str] = []
+    real_fsync, real_mark = os.fsync, store.mark_archived
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def mark_archived(snapshot_ids: Any) -> None:
+        if snapshot_ids:
+            synced.append("marked")
+        real_mark(snapshot_ids)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(store, "mark_archived", mark_archived)
+    complete(store)
+    root = tmp_path / "archive"
+    assert restart_writer(root, store) == 1
+    before_mark = synced[: synced.index("marked")]
+    folders = {str(p.parent) for table in TABLES for p in parquet_files(root, table)}
+    tables = {str(root / table) for table in TABLES if parquet_files(root, table)}
+    assert folders | tables | {str(root)} <= set(before_mark)
+
+
 def test_failed_writes_are_logged_and_written_once_the_archive_works_again(
     store: Store, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

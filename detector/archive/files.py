@@ -111,8 +111,26 @@ def raise_marker(root: Path) -> None:
 
 def _write_marker(root: Path) -> None:
     tmp = root / f".{MARKER_FILE}.tmp"
-    tmp.write_text(json.dumps({"format": _FORMAT, "schema_version": SCHEMA_VERSION}) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps({"format": _FORMAT, "schema_version": SCHEMA_VERSION}) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, root / MARKER_FILE)
+    _sync_folders([root])
+
+
+def _sync_folders(folders: Iterable[Path]) -> None:
+    """Flush each folder's entries to disk: a rename is durable only once its folder is.
+
+    The store marks a batch archived after its files are renamed into place; without this, a power
+    loss could keep that mark and lose the renames (and a new day's folder) with the batch.
+    """
+    for folder in folders:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def check_marker(root: Path) -> int:
@@ -245,6 +263,9 @@ def _write_files(root: Path, files: Sequence[_File], what: str) -> list[Path]:
             landed = max(time.time_ns(), landed + 1_000_000)
             os.utime(tmp, ns=(landed, landed))
             os.replace(tmp, final)
+        # Each day's folder, then the folders that may have gained a day's folder or a table's.
+        days = dict.fromkeys(final.parent for _, final in staged)
+        _sync_folders([*days, *dict.fromkeys(day.parent for day in days), root])
     except BaseException as exc:
         for tmp, _ in staged:
             with contextlib.suppress(OSError):  # the error that brought us here is the one to report
