@@ -631,6 +631,7 @@ def evaluate_snapshots(
     *,
     reduction: Reduction = DEFAULT_REDUCTION,
     earlier: Sequence[tuple[str, tuple[int, int], int]] = (),
+    seen: Sequence[tuple[str, tuple[int, int], int]] = (),
 ) -> Evaluated:
     """Evaluate the completed snapshots among `snapshots` (rows of `archive`'s ``snapshots`` table).
 
@@ -642,7 +643,9 @@ def evaluate_snapshots(
     ``min_release`` of its edges). The others are evaluated by the shared function in parallel.
     `expected` are the conservation totals known before these snapshots (configured, or earlier
     baselines); `earlier` are baselines the detector took on snapshots that may lie outside
-    `snapshots` (:func:`detector_baselines`), candidates beside those found here. Runs the Spark
+    `snapshots` (:func:`detector_baselines`); `seen` are baseline candidates found in snapshots
+    evaluated before these (``follow``'s earlier micro-batches), candidates beside those found
+    here (the first of each counter wins, unless the detector took one before it). Runs the Spark
     jobs that check that no snapshot is archived twice, count the snapshots, find the baselines
     and evaluate the large snapshots; returns the result rows lazily. ArchiveError names a
     snapshot archived twice and its files.
@@ -678,6 +681,7 @@ def evaluate_snapshots(
             key = (item.head["finished_us"], sid)
             taken = new_baselines(Evaluation(results=item.conservation))
             candidates += [(counter, key, total) for counter, total in taken.items()]
+        candidates += [(counter, key, total) for counter, key, total in seen if counter not in configured]
         detectors = [(counter, key, total) for counter, key, total in earlier if counter not in configured]
         totals = find_totals(candidates, configured, detectors)
         rounds, left = 0, 0
@@ -762,14 +766,17 @@ def evaluate_archive(
     )
 
 
-def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int]]:
+def detector_baselines(archive: Archive, snapshots: DataFrame | None = None) -> list[tuple[str, tuple[int, int], int]]:
     """The baselines the detector took, as its archived conservation results say: ``(counter,
     order key, total)`` for every result decided on a closed cut that set one (flagged
     ``baseline``: the order key is its snapshot's), a detector restarted on a fresh store taking a
     new one; and, when a counter's first decided result did not set one, the baseline it was
     compared with, which the detector took before the archive holds anything of the counter (an
     archive begun later, or retention): its order key comes before every snapshot. One Spark job
-    over a few columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded."""
+    over a few columns of the ``results`` and ``snapshots`` tables; no snapshot is decoded.
+
+    With `snapshots` (rows of the ``snapshots`` table, within `archive`'s days), only the results of
+    those snapshots count, and "first" means the first among them: ``follow``'s micro-batch."""
     evidence = F.col("evidence")
     decided = (
         archive.table("results")
@@ -783,7 +790,9 @@ def detector_baselines(archive: Archive) -> list[tuple[str, tuple[int, int], int
             F.coalesce(F.get_json_object(evidence, "$.baseline") == "true", F.lit(False)).alias("baseline"),
         )
     )
-    heads = _with_order(archive.table("snapshots").select("snapshot_id", "finished_at"))
+    heads = _with_order(
+        (archive.table("snapshots") if snapshots is None else snapshots).select("snapshot_id", "finished_at")
+    )
     taken = F.struct("finished_us", "snapshot_id", "total")
     per_counter = (
         decided.join(heads, "snapshot_id")

@@ -11,13 +11,22 @@ files.
 Each micro-batch is evaluated like ``evaluate`` does (:func:`~stablewatch.pipeline.evaluate.evaluate_snapshots`)
 and written to ``OUT/evaluations/batch=N``, replacing that folder: a micro-batch run again
 replaces its own output instead of adding to it, so nothing is evaluated twice in the output and
-nothing is skipped. Conservation baselines carry from batch to batch in
-``OUT/baselines/batch=N.json`` (each counter's latest); batch N reads only those of earlier
-batches, so a run again sees what the first run saw. Batches are taken in the order their files
-appear, so a baseline is the first closed snapshot in that order (within a batch: by finish
-time, as everywhere), unless the detector's archived results say otherwise: a micro-batch without
-baselines of earlier ones takes the detector's too (``detector_baselines``: one taken before the
-archive began, new ones a detector restarted on a fresh store took), as ``evaluate`` does.
+nothing is skipped.
+
+Conservation is evaluated as ``evaluate`` evaluates it over the same archive, whatever the
+micro-batch boundaries (the detector archives its batches in the order their snapshots finished):
+each snapshot is compared with the latest baseline taken before it in that order, the
+``--expect`` totals overriding them all. A micro-batch takes the detector's baselines from the
+archived results of its own snapshots (``detector_baselines``: each one flagged ``baseline``, as
+a detector restarted on a fresh store into the same archive takes a new one, and one taken
+before the archive began), reading only the days its files are in; and it takes those that
+earlier micro-batches carried, with the first closed snapshot of each counter (a baseline only
+when no detector baseline comes before it). It carries all of them on, each with its snapshot's
+order key, in ``OUT/baselines/batch=N.json`` (:data:`BASELINES_FORMAT`: the whole state, so
+batch N reads only the latest earlier file, and a run again sees what the first run saw). A
+folder written by an earlier version holds the first format (each counter's total, without its
+order key): it is read, each total taken as a baseline from before the next micro-batch, which
+the detector's own results override.
 
 One detector batch is one ``snapshots`` file per day of start: a batch spanning midnight is two
 files, and a micro-batch may take one without the other (``maxFilesPerTrigger``, or a look between
@@ -54,11 +63,11 @@ from rich.console import Console
 from stablewatch.detector.archive.files import batch_range, parquet_files
 from stablewatch.detector.archive.schema import SNAPSHOT_TABLES, ArchiveError
 from stablewatch.pipeline.defaults import DEFAULT_REDUCTION, Reduction
-from stablewatch.pipeline.evaluate import detector_baselines, evaluate_snapshots, write_evaluations
+from stablewatch.pipeline.evaluate import Totals, detector_baselines, evaluate_snapshots, write_evaluations
 from stablewatch.pipeline.session import get_session
-from stablewatch.pipeline.tables import Archive, check_file, naming_corrupt, open_archive, spark_schema
+from stablewatch.pipeline.tables import check_file, naming_corrupt, open_archive, spark_schema
 
-__all__ = ["RUN_FILE", "SIBLING_WAIT", "Followed", "follow"]
+__all__ = ["BASELINES_FORMAT", "RUN_FILE", "SIBLING_WAIT", "Followed", "follow"]
 
 #: How long a micro-batch waits for a ``snapshots`` file of its detector batch that the detector is
 #: still renaming into place (it has only an fsync and renames left to do); past it, the writer is
@@ -81,14 +90,107 @@ class Followed:
     checked: set[Path] = field(default_factory=set)  # archive files whose footer was checked
 
 
-def _earlier_baselines(folder: Path, batch_id: int) -> dict[str, int]:
-    """The baselines written by micro-batches before `batch_id`, the earliest first."""
-    totals: dict[str, int] = {}
-    for path in sorted(folder.glob("batch=*.json")):
-        if int(path.stem.removeprefix("batch=")) < batch_id:
-            for counter, total in json.loads(path.read_text()).items():
-                totals.setdefault(counter, total)
-    return totals
+#: A baseline as :func:`~stablewatch.pipeline.evaluate.find_totals` takes it: ``(counter, order key, total)``.
+Baseline = tuple[str, tuple[int, int], int]
+
+#: The format of ``OUT/baselines/batch=N.json`` this version writes (the first format, a JSON object
+#: of each counter's total, is read too: :func:`_carried`).
+BASELINES_FORMAT = 2
+
+#: The order key ``detector_baselines`` gives a baseline the detector took before every snapshot read.
+_BEFORE_ALL = (-1, -1)
+
+
+@dataclass(frozen=True)
+class _Carried:
+    """The conservation baselines that micro-batches hand on, with the order key of the snapshot that
+    set each: every one the detector took (its archived results say so), and the first closed
+    snapshot of each counter that follow saw (a candidate, which a detector baseline taken before it
+    overrides, as in ``find_totals``)."""
+
+    detectors: tuple[Baseline, ...] = ()
+    firsts: tuple[Baseline, ...] = ()
+
+    def to_json(self) -> str:
+        """The text of ``baselines/batch=N.json``: the format, and each baseline with its order key."""
+
+        def rows(baselines: Iterable[Baseline]) -> list[dict[str, object]]:
+            return [
+                {"counter": counter, "finished_us": key[0], "snapshot_id": key[1], "total": total}
+                for counter, key, total in sorted(baselines)
+            ]
+
+        state = {"format": BASELINES_FORMAT, "detector": rows(self.detectors), "first": rows(self.firsts)}
+        return json.dumps(state, sort_keys=True) + "\n"
+
+
+def _carried(folder: Path, batch_id: int) -> _Carried:
+    """What the micro-batches before `batch_id` carried: the latest one's file, which holds them all.
+
+    Files of the first format (each counter's total, no order key, only the counters that batch
+    saw first) are merged back to the latest file of this format, each total taken as the first
+    baseline, from before every later snapshot: the detector's own baselines, read again from
+    the next micro-batch's results, override it. ArchiveError names a file of neither format."""
+    earlier = sorted(
+        (number, path)
+        for path in folder.glob("batch=*.json")
+        if (number := int(path.stem.removeprefix("batch="))) < batch_id
+    )
+    old: dict[str, int] = {}
+    carried = _Carried()
+    for _, path in reversed(earlier):
+        state = _read_baselines(path)
+        if isinstance(state, _Carried):
+            carried = state
+            break
+        old = old | state  # the earlier file's total wins, as the first format read them
+    firsts = {counter: (key, total) for counter, key, total in carried.firsts}
+    firsts.update((counter, (_BEFORE_ALL, total)) for counter, total in old.items())
+    return _Carried(carried.detectors, tuple((c, key, total) for c, (key, total) in sorted(firsts.items())))
+
+
+def _read_baselines(path: Path) -> _Carried | dict[str, int]:
+    """One ``baselines/batch=N.json``: this format's :class:`_Carried`, or the first format's totals."""
+    try:
+        state = json.loads(path.read_text())
+        if isinstance(state, dict) and all(type(total) is int for total in state.values()):
+            return state  # the first format: {counter: total}
+        if state.get("format") != BASELINES_FORMAT:
+            raise ValueError(f"format {state.get('format')!r}, not {BASELINES_FORMAT}: written by another stablewatch")
+
+        def baselines(kind: str) -> tuple[Baseline, ...]:
+            return tuple(
+                (str(row["counter"]), (int(row["finished_us"]), int(row["snapshot_id"])), int(row["total"]))
+                for row in state[kind]
+            )
+
+        return _Carried(baselines("detector"), baselines("first"))
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise ArchiveError(f"{path}: cannot read the baselines follow carried ({exc})") from exc
+
+
+def _taken_here(carried: _Carried, found: Iterable[Baseline]) -> list[Baseline]:
+    """The detector's baselines `found` in a micro-batch's results that it hands on: all it flagged,
+    and the one from before them (the first result did not set one) only for a counter no earlier
+    micro-batch had a result of: for the others, what they carried says more (its order key)."""
+    known = {counter for counter, _, _ in carried.detectors}
+    return [(counter, key, total) for counter, key, total in found if key != _BEFORE_ALL or counter not in known]
+
+
+def _handed_on(carried: _Carried, detectors: Iterable[Baseline], totals: Totals) -> _Carried:
+    """What a micro-batch hands on: the detector's baselines known so far (`detectors`), and each
+    counter's first candidate: the carried one, or the one that `totals` kept beside `detectors`
+    (found in this micro-batch) when it comes first."""
+    taken = {(counter, key): total for counter, key, total in detectors}
+    firsts = {counter: (key, total) for counter, key, total in carried.firsts}
+    for counter, baselines in totals.baselines.items():
+        for key, total in baselines:
+            if (counter, key) not in taken and (counter not in firsts or key < firsts[counter][0]):
+                firsts[counter] = (key, total)
+    return _Carried(
+        tuple((counter, key, total) for (counter, key), total in sorted(taken.items())),
+        tuple((counter, key, total) for counter, (key, total) in sorted(firsts.items())),
+    )
 
 
 def _earlier_taken(folder: Path, batch_id: int) -> set[str]:
@@ -162,20 +264,30 @@ def _batch_writer(
                 days = [relative.split("/", 1)[0].removeprefix("day=") for relative in files]
                 archive = open_archive(batch.sparkSession, root, min(days, default=None), max(days, default=None))
                 snapshots = _snapshots_of(archive.spark, root, files)
-                earlier = _earlier_baselines(out / "baselines", batch_id)
-                # Without baselines of its own yet, follow takes the detector's: it may have taken
-                # one before the archive began, or restarted on a fresh store and taken a new one.
-                detectors = [] if earlier else detector_baselines(Archive(archive.spark, root, None, archive.last_day))
+                carried = _carried(out / "baselines", batch_id)
+                # The detector's baselines, as the results of this micro-batch's snapshots say (one
+                # taken before the archive began, a new one a detector restarted on a fresh store
+                # took), beside those of earlier micro-batches: each snapshot is compared with the
+                # latest taken before it. Only the days of these files are read.
+                found = detector_baselines(archive, snapshots) if files else []
+                detectors = [*carried.detectors, *_taken_here(carried, found)]
                 evaluated = evaluate_snapshots(
-                    archive, snapshots, {**earlier, **expected}, predicates, reduction=reduction, earlier=detectors
+                    archive,
+                    snapshots,
+                    expected,
+                    predicates,
+                    reduction=reduction,
+                    earlier=detectors,
+                    seen=carried.firsts,
                 )
                 write_evaluations(evaluated.evaluations, out / "evaluations" / f"batch={batch_id}", archive)
         except ArchiveError as error:
             followed.error = error
             raise
         _replace(out / "taken" / f"batch={batch_id}.json", json.dumps(files) + "\n")
-        new = {c: total for c, total in sorted(evaluated.totals.latest().items()) if c not in earlier}
-        _replace(out / "baselines" / f"batch={batch_id}.json", json.dumps(new, sort_keys=True) + "\n")
+        _replace(
+            out / "baselines" / f"batch={batch_id}.json", _handed_on(carried, detectors, evaluated.totals).to_json()
+        )
         followed.batches += 1
         followed.snapshots += evaluated.snapshots
         if console is not None:
