@@ -11,9 +11,10 @@ part, a hint) appear with ``--verbose`` only, and the pipeline's Spark starts qu
 by a ``fork`` (PySpark's), and a fork in this process, where gRPC threads are busy, makes gRPC
 log that it skips its fork handlers.
 
-Exit status 0 when the philosophers' deadlock, the job's termination, the bank's conservation and
-a shop deadlock broken with orders completed after it were all seen (and the history job ran,
-unless ``--no-history``), 1 otherwise.
+Exit status 0 when the philosophers' deadlock, the job's termination, the bank's conservation
+(true in a snapshot at least, false in none: an unknown one proves nothing) and a shop deadlock
+broken with orders completed after it were all seen (and the history job ran, unless
+``--no-history``), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -251,6 +252,22 @@ def shop_breaks_lines(report: DemoReport) -> list[Text]:
     return lines
 
 
+def bank_line(report: DemoReport) -> Text:
+    """The bank's totals and how many snapshots proved them: only a true conservation counts, and
+    the totals are those of a snapshot that proved it (an unknown one, an open cut, sums only part)."""
+    totals = ", ".join(f"{name} = {total}" for name, total in sorted(report.bank_totals.items())) or "none"
+    unknown = report.bank_conservation_unknown
+    if report.bank_conservation_broken:
+        return Text(f"bank totals: {totals} (NOT conserved)", style="red")
+    if not report.conservation_ok:
+        never = f"unknown in {plural(unknown, 'snapshot')}, an open cut" if unknown else "no snapshot of the bank"
+        return Text(f"bank totals: {totals} (conservation never proved: {never})", style="yellow")
+    if not unknown:
+        return Text(f"bank totals: {totals} (conserved in every snapshot)", style="green")
+    proved = plural(report.bank_conserved, "snapshot")
+    return Text(f"bank totals: {totals} (conserved in {proved}; unknown in {unknown}, an open cut)", style="green")
+
+
 def demo_summary(report: DemoReport) -> Group:
     """What the live demo found: the deadlock with its evidence, termination, the bank's totals."""
     lines: list[Text] = []
@@ -277,9 +294,7 @@ def demo_summary(report: DemoReport) -> Group:
         )
     else:
         lines.append(Text("the job's termination was not detected in time", style="yellow"))
-    totals = ", ".join(f"{name} = {total}" for name, total in sorted(report.bank_totals.items())) or "none"
-    verdict = "conserved in every snapshot" if report.conservation_ok else "NOT conserved"
-    lines.append(Text(f"bank totals: {totals} ({verdict})", style="green" if report.conservation_ok else "red"))
+    lines.append(bank_line(report))
     lines.append(Text(f"{plural(report.snapshots_completed, 'snapshot')} completed in {report.seconds:.1f} s"))
     lines.append(
         Text(f"results in {report.out_dir}" + (f"; data kept in {report.data_dir}" if report.data_dir else ""))

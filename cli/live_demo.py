@@ -66,7 +66,7 @@ from stablewatch.detector.service.resolutions import outcome_word
 from stablewatch.examples.shop import PLACE, SERVICES
 from stablewatch.examples.shop import ROLES as SHOP
 from stablewatch.examples.shop_processes import ShopProcesses
-from stablewatch.v1 import WaitForGraph
+from stablewatch.v1 import PredicateResult, WaitForGraph
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
 from stablewatch.v1.query_pb2 import Resolution, SnapshotResults
 
@@ -101,7 +101,10 @@ class _System:
     aborted: int = 0
     latest: SnapshotResults | None = None
     first_seen: dict[str, float] = field(default_factory=dict)  # predicate -> elapsed s when first true
-    conservation_broken: bool = False
+    conservation_broken: bool = False  # a snapshot's conservation was false
+    conserved: int = 0  # completed snapshots whose conservation was true (every counter's)
+    conservation_unknown: int = 0  # completed snapshots whose conservation was unknown (an open cut), none false
+    conserved_totals: dict[str, int] = field(default_factory=dict)  # the latest conserved snapshot's totals
     shop: ShopProcesses | None = None  # the shop's processes, started and stopped together
     calls: list[dict[str, str]] = field(default_factory=list)  # the shop's cycle of calls, once reported
     breaks: ShopBreaks | None = None  # the shop's: its detector's breaks and its books about the first
@@ -121,8 +124,21 @@ class _System:
                 calls = [call_of(node.process, node.task) for node in result.deadlock.cycle]
                 start = next((i for i, call in enumerate(calls) if call["method"] == PLACE), 0)
                 self.calls = calls[start:] + calls[:start]  # told from the order's side: Place first
-            if result.name.startswith("conservation(") and verdict is Verdict.FALSE:
-                self.conservation_broken = True
+        self._count_conservation([r for r in results.results if r.name.startswith("conservation(")])
+
+    def _count_conservation(self, results: Sequence[PredicateResult]) -> None:
+        """Count a completed snapshot's conservation: proved (its totals kept), broken, or unknown.
+        Only a true result proves it: an unknown one (an open cut) sums only part of the tokens."""
+        verdicts = {Verdict.of(result) for result in results}
+        if not verdicts:
+            return
+        if Verdict.FALSE in verdicts:
+            self.conservation_broken = True
+        elif verdicts == {Verdict.TRUE}:
+            self.conserved += 1
+            self.conserved_totals = {result.conservation.counter: result.conservation.observed for result in results}
+        else:
+            self.conservation_unknown += 1
 
 
 @dataclass(frozen=True)
@@ -278,9 +294,9 @@ class DemoReport:
     deadlock_detected: bool
     deadlock_cycle: list[str]
     termination_detected: bool
-    conservation_ok: bool
+    conservation_ok: bool  # proved in a snapshot of the bank at least, and false in none
     seconds: float
-    bank_totals: dict[str, int]
+    bank_totals: dict[str, int]  # from the latest snapshot that proved conservation; empty if none did
     graph_dot: str | None  # the deadlock's wait-for graph, in the output folder
     graph_png: str | None  # the same drawn by Graphviz, when `dot` is installed
     archives: dict[str, str]  # system -> its Parquet archive of finished snapshots
@@ -305,6 +321,9 @@ class DemoReport:
     shop_orders_at_break: int | None = None  # orders the client completed by the victim's ABORTED
     shop_orders_after_break: int = 0  # orders the client completed after it
     history: dict[str, object] | None = None  # the pipeline's history job on every system's archive
+    bank_conserved: int = 0  # the bank's snapshots whose conservation was true
+    bank_conservation_unknown: int = 0  # ... unknown (an open cut: a branch's tokens not counted)
+    bank_conservation_broken: bool = False  # ... false in one at least
 
 
 async def run_demo(
@@ -518,6 +537,7 @@ def _done(systems: list[_System]) -> bool:
     bank, philosophers, job, shop = systems
     return (
         bank.completed >= 20
+        and bank.conserved > 0
         and "deadlock" in philosophers.first_seen
         and "termination" in job.first_seen
         and shop.breaks is not None
@@ -626,19 +646,17 @@ def _report(systems: list[_System], seconds: float, out_dir: Path, kept: Path | 
         cycle = [label(node) for node in graph.deadlock.cycle]
         dot, png = write_graph(graph, out_dir / "philosophers-deadlock.dot")
         graph_dot, graph_png = str(dot), None if png is None else str(png)
-    totals: dict[str, int] = {}
-    if bank.latest is not None:
-        for result in bank.latest.results:
-            if result.WhichOneof("evidence") == "conservation":
-                totals[result.conservation.counter] = result.conservation.observed
     return DemoReport(
         snapshots_completed=sum(system.completed for system in systems),
         deadlock_detected="deadlock" in philosophers.first_seen,
         deadlock_cycle=cycle,
         termination_detected="termination" in job.first_seen,
-        conservation_ok=bank.completed > 0 and not bank.conservation_broken,
+        conservation_ok=bank.conserved > 0 and not bank.conservation_broken,
         seconds=round(seconds, 2),
-        bank_totals=totals,
+        bank_totals=dict(bank.conserved_totals),
+        bank_conserved=bank.conserved,
+        bank_conservation_unknown=bank.conservation_unknown,
+        bank_conservation_broken=bank.conservation_broken,
         graph_dot=graph_dot,
         graph_png=graph_png,
         archives={system.name: str(system.detector.config.archive) for system in systems},

@@ -23,11 +23,10 @@ from stablewatch.detector.sim.cos418 import (
     TOKENS,
     TraceError,
     compare_snaps,
-    expected_snap_files,
     format_snap,
     parse_delays,
     parse_events,
-    parse_snap,
+    parse_expected,
     parse_topology,
     snap_from_snapshot,
 )
@@ -71,7 +70,7 @@ def _simulate(args: argparse.Namespace, console: Console) -> int:
     delays = tape_delays(parse_delays(args.delays), str(args.delays)) if args.delays else random_delays(args.seed)
     topology = parse_topology(topology_path)
     events = parse_events(events_path, topology)
-    expected_snaps = [parse_snap(path) for path in expected_snap_files(expected)] if expected else None
+    expected_snaps = parse_expected(expected) if expected else None
     simulation = Simulation(
         topology,
         delays,

@@ -24,15 +24,24 @@ import pytest
 from rich.console import Console
 
 from polling import poll
-from stablewatch.cli.demo import history_arguments, shop_breaks_lines, verbose_logging, where_text
-from stablewatch.cli.live_demo import DemoReport, ShopBreaks, _read_books_last, call_of, write_graph
+from stablewatch.cli.demo import bank_line, history_arguments, shop_breaks_lines, verbose_logging, where_text
+from stablewatch.cli.live_demo import (
+    DemoReport,
+    ShopBreaks,
+    _read_books_last,
+    _report,
+    _System,
+    call_of,
+    write_graph,
+)
 from stablewatch.detector.assembly import PartRejected
-from stablewatch.detector.evaluation import evaluate
+from stablewatch.detector.evaluation import Verdict, evaluate
 from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.query import outcome_name
 from stablewatch.examples.shop import CHARGE, CONFIRM, PLACE, RESERVE, SERVICES
-from stablewatch.v1 import GlobalSnapshot, LocalState, ProcessSnapshot, Wait, WaitNode
+from stablewatch.v1 import GlobalSnapshot, LocalState, PredicateResult, ProcessSnapshot, Wait, WaitNode
 from stablewatch.v1.control_pb2 import BREAK_OUTCOME_BROKEN
-from stablewatch.v1.query_pb2 import Resolution
+from stablewatch.v1.query_pb2 import Resolution, SnapshotResults
 
 PNG_MAGIC = b"\x89PNG"
 #: What a new user must not have to ignore in the demo's output: gRPC's note when Spark's JVM is
@@ -459,3 +468,57 @@ def test_late_parts_are_logged_only_with_verbose(tmp_path: Path, capsys: pytest.
     assert "rejected a snapshot part: late: snapshot 7 already finished" in console.export_text()
     counted = detector.metrics.registry.get_sample_value("stablewatch_rejected_parts_total", {"reason": "late"})
     assert counted == 2
+
+
+def _bank_snapshot(snapshot_id: int, verdict: Verdict, observed: int) -> SnapshotResults:
+    """A completed bank snapshot whose conservation(tokens) is `verdict`, summing `observed` tokens."""
+    results = SnapshotResults()
+    results.snapshot.snapshot_id = snapshot_id
+    results.snapshot.outcome = next(v for v in range(10) if outcome_name(v) == "completed")
+    result = PredicateResult(name="conservation(tokens)", holds=verdict is Verdict.TRUE)
+    result.unknown = verdict is Verdict.UNKNOWN
+    result.conservation.counter = "tokens"
+    result.conservation.observed = observed
+    results.results.append(result)
+    return results
+
+
+def _bank_report(tmp_path: Path, verdicts: list[tuple[Verdict, int]]) -> DemoReport:
+    """The demo's report when the bank's snapshots had these conservation verdicts (and totals)."""
+    detector = SimpleNamespace(
+        store=SimpleNamespace(predicate_history=lambda *a, **k: []), config=SimpleNamespace(archive=tmp_path)
+    )
+    systems = [_System(name, name, [], [], detector) for name in ("bank", "philosophers", "job", "shop")]  # type: ignore[arg-type]
+    for snapshot_id, (verdict, observed) in enumerate(verdicts):
+        systems[0].observe(_bank_snapshot(snapshot_id, verdict, observed), 1.0)
+    return _report(systems, 1.0, tmp_path, None)
+
+
+def test_unknown_conservation_is_not_counted_as_conserved(tmp_path: Path) -> None:
+    """An open cut (a branch missing) proves nothing: 20 unknown snapshots are not "conserved in
+    every snapshot", and their partial sum is no total of the bank's."""
+    report = _bank_report(tmp_path, [(Verdict.UNKNOWN, 2000)] * 20)
+    assert (report.conservation_ok, report.bank_totals) == (False, {})
+    assert (report.bank_conserved, report.bank_conservation_unknown) == (0, 20)
+    line = bank_line(report)
+    assert line.plain == "bank totals: none (conservation never proved: unknown in 20 snapshots, an open cut)"
+    assert str(line.style) == "yellow"
+
+
+def test_the_bank_totals_come_from_a_snapshot_that_proved_conservation(tmp_path: Path) -> None:
+    """Proved in some snapshots, unknown in others: conserved (the demo's promise is shown), the
+    totals those of the latest proof, and the unknown ones told apart with their number."""
+    verdicts = [(Verdict.TRUE, 3000), (Verdict.UNKNOWN, 2000), (Verdict.TRUE, 3000), (Verdict.UNKNOWN, 1000)]
+    report = _bank_report(tmp_path, verdicts)
+    assert (report.conservation_ok, report.bank_totals) == (True, {"tokens": 3000})
+    assert (report.bank_conserved, report.bank_conservation_unknown) == (2, 2)
+    line = bank_line(report)
+    assert line.plain == "bank totals: tokens = 3000 (conserved in 2 snapshots; unknown in 2, an open cut)"
+    everywhere = _bank_report(tmp_path, [(Verdict.TRUE, 3000)] * 3)
+    assert bank_line(everywhere).plain == "bank totals: tokens = 3000 (conserved in every snapshot)"
+
+
+def test_a_false_conservation_is_not_conserved(tmp_path: Path) -> None:
+    report = _bank_report(tmp_path, [(Verdict.TRUE, 3000), (Verdict.FALSE, 2999), (Verdict.TRUE, 3000)])
+    assert report.conservation_ok is False and report.bank_conservation_broken
+    assert bank_line(report).plain == "bank totals: tokens = 3000 (NOT conserved)"

@@ -1,17 +1,22 @@
 """Read and write the COS 418 Chandy–Lamport trace formats (.top, .events, .snap).
 
-Every parse error is a :class:`TraceError` naming the file, the line and what was wrong.
+Every parse error is a :class:`TraceError` naming the file, the line and what was wrong. A process
+id follows the detector's rule (:func:`~stablewatch.v1.bounds.process_id_problem`), and a balance,
+a token count and the tokens of a whole file stay within ``MAX_COUNTER_UNITS``, the units the
+evaluation counts a total in; a tick count and a delay stay within :data:`MAX_TICKS`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from stablewatch.v1 import GlobalSnapshot
+from stablewatch.v1.bounds import MAX_COUNTER_UNITS, process_id_problem, quoted_prefix
 
 __all__ = [
+    "MAX_TICKS",
     "Send",
     "SnapFile",
     "SnapshotEvent",
@@ -26,12 +31,16 @@ __all__ = [
     "format_topology",
     "parse_delays",
     "parse_events",
+    "parse_expected",
     "parse_snap",
     "parse_topology",
     "snap_from_snapshot",
 ]
 
 TOKENS = "tokens"  # the counter the COS 418 token bank conserves
+#: The most ticks one ``tick N`` line, or one delay of a tape, may take: a trace's steps are small,
+#: and a huge one would only keep the simulator busy (idle ticks are skipped, delays are not).
+MAX_TICKS = 1_000_000
 
 
 class TraceError(Exception):
@@ -87,6 +96,7 @@ class SnapFile:
     snapshot_id: int
     balances: dict[str, int]
     messages: list[tuple[str, str, int]] = field(default_factory=list)  # (src, dst, tokens), in order
+    source: str | None = field(default=None, compare=False)  # the file it was read from, if any
 
     def by_destination(self) -> dict[str, list[tuple[str, int]]]:
         """Recorded messages per destination, in order: what a comparison must match."""
@@ -99,23 +109,50 @@ class SnapFile:
 def _lines(path: Path) -> Iterator[tuple[int, list[str]]]:
     """Numbered, split, non-blank lines that are not comments."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
     except OSError as error:
         raise TraceError(path, 0, f"cannot read: {error.strerror or error}") from error
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise TraceError(path, line, f"is not UTF-8 text (byte 0x{data[error.start]:02x})") from None
     for number, raw in enumerate(text.splitlines(), start=1):
         words = raw.split()
         if words and not words[0].startswith("#"):
             yield number, words
 
 
-def _integer(path: Path, line: int, word: str, what: str, minimum: int) -> int:
+def _integer(path: Path, line: int, word: str, what: str, minimum: int, maximum: int | None = None) -> int:
     try:
         value = int(word)
     except ValueError:
-        raise TraceError(path, line, f"{what} must be an integer, got {word!r}") from None
+        raise TraceError(path, line, f"{what} must be an integer, got {quoted_prefix(word)}") from None
     if value < minimum:
         raise TraceError(path, line, f"{what} must be at least {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise TraceError(path, line, f"{what} must be at most {maximum}, got {quoted_prefix(word)}")
     return value
+
+
+def _units(path: Path, line: int, word: str, what: str) -> int:
+    """A number of tokens: 0 or more, and at most ``MAX_COUNTER_UNITS``."""
+    return _integer(path, line, word, what, 0, MAX_COUNTER_UNITS)
+
+
+def _process(path: Path, line: int, word: str) -> str:
+    """``word`` as a process id, refused as the detector refuses it (too long, a control character)."""
+    problem = process_id_problem(word)
+    if problem is not None:
+        raise TraceError(path, line, problem)
+    return word
+
+
+def _total(path: Path, amounts: Iterable[int], what: str) -> None:
+    """Refuse a file whose tokens add up past ``MAX_COUNTER_UNITS``: every sum of them must stay one."""
+    total = sum(amounts)
+    if total > MAX_COUNTER_UNITS:
+        raise TraceError(path, 0, f"{what} add up to {total}, past the {MAX_COUNTER_UNITS} a total is counted in")
 
 
 def _headed(path: Path, what: str, minimum: int, empty: str) -> tuple[int, list[tuple[int, list[str]]]]:
@@ -128,7 +165,7 @@ def _headed(path: Path, what: str, minimum: int, empty: str) -> tuple[int, list[
         raise TraceError(path, 0, empty)
     first_line, words = lines[0]
     if len(words) != 1:
-        raise TraceError(path, first_line, f"expected {what}, got {' '.join(words)!r}")
+        raise TraceError(path, first_line, f"expected {what}, got {quoted_prefix(' '.join(words))}")
     return _integer(path, first_line, words[0], what, minimum), lines[1:]
 
 
@@ -142,18 +179,20 @@ def parse_topology(path: str | Path) -> Topology:
     balances: dict[str, int] = {}
     for number, words in lines[:count]:
         if len(words) != 2:
-            raise TraceError(path, number, f"expected 'ID tokens', got {' '.join(words)!r}")
-        if words[0] in balances:
-            raise TraceError(path, number, f"process {words[0]} is listed twice")
-        balances[words[0]] = _integer(path, number, words[1], "the initial balance", 0)
+            raise TraceError(path, number, f"expected 'ID tokens', got {quoted_prefix(' '.join(words))}")
+        process = _process(path, number, words[0])
+        if process in balances:
+            raise TraceError(path, number, f"process {process} is listed twice")
+        balances[process] = _units(path, number, words[1], "the initial balance")
+    _total(path, balances.values(), "the initial balances")
     links: dict[str, set[str]] = {process: set() for process in balances}
     for number, words in lines[count:]:
         if len(words) != 2:
-            raise TraceError(path, number, f"expected a link 'SRC DST', got {' '.join(words)!r}")
+            raise TraceError(path, number, f"expected a link 'SRC DST', got {quoted_prefix(' '.join(words))}")
         src, dst = words
         for process in (src, dst):
             if process not in balances:
-                raise TraceError(path, number, f"link names unknown process {process}")
+                raise TraceError(path, number, f"link names unknown process {_process(path, number, process)}")
         if src != dst:  # a link to itself is ignored, as the format says
             links[src].add(dst)
     return Topology(balances, {src: sorted(dsts) for src, dsts in links.items()})
@@ -169,22 +208,23 @@ def parse_events(path: str | Path, topology: Topology) -> list[TraceEvent]:
             src, dst, amount = args
             for process in (src, dst):
                 if process not in topology.balances:
-                    raise TraceError(path, number, f"unknown process {process}")
+                    raise TraceError(path, number, f"unknown process {_process(path, number, process)}")
             if dst not in topology.links[src]:
                 raise TraceError(path, number, f"no link {src} -> {dst} in the topology")
-            events.append(Send(src, dst, _integer(path, number, amount, "the number of tokens", 1), number))
+            tokens = _integer(path, number, amount, "the number of tokens", 1, MAX_COUNTER_UNITS)
+            events.append(Send(src, dst, tokens, number))
         elif kind == "snapshot" and len(args) == 1:
             if args[0] not in topology.balances:
-                raise TraceError(path, number, f"unknown process {args[0]}")
+                raise TraceError(path, number, f"unknown process {_process(path, number, args[0])}")
             events.append(SnapshotEvent(args[0], number))
         elif kind == "tick" and len(args) <= 1:
-            steps = _integer(path, number, args[0], "the number of ticks", 1) if args else 1
+            steps = _integer(path, number, args[0], "the number of ticks", 1, MAX_TICKS) if args else 1
             events.append(Tick(steps, number))
         else:
             raise TraceError(
                 path,
                 number,
-                f"expected 'send SRC DST N', 'snapshot ID' or 'tick [N]', got {' '.join(words)!r}",
+                f"expected 'send SRC DST N', 'snapshot ID' or 'tick [N]', got {quoted_prefix(' '.join(words))}",
             )
     return events
 
@@ -195,8 +235,8 @@ def parse_delays(path: str | Path) -> list[int]:
     delays = []
     for number, words in _lines(path):
         if len(words) != 1:
-            raise TraceError(path, number, f"expected one delay, got {' '.join(words)!r}")
-        delays.append(_integer(path, number, words[0], "a delay", 0))
+            raise TraceError(path, number, f"expected one delay, got {quoted_prefix(' '.join(words))}")
+        delays.append(_integer(path, number, words[0], "a delay", 0, MAX_TICKS))
     return delays
 
 
@@ -204,17 +244,22 @@ def parse_snap(path: str | Path) -> SnapFile:
     """Parse a .snap file: the id, ``ID tokens`` lines, then ``SRC DST token(N)`` lines."""
     path = Path(path)
     snapshot_id, lines = _headed(path, "the snapshot id", 0, "empty snapshot file")
-    snap = SnapFile(snapshot_id, {})
+    snap = SnapFile(snapshot_id, {}, source=str(path))
     for number, words in lines:
         if len(words) == 2 and not snap.messages:
-            if words[0] in snap.balances:
-                raise TraceError(path, number, f"process {words[0]} is listed twice")
-            snap.balances[words[0]] = _integer(path, number, words[1], "a balance", 0)
+            process = _process(path, number, words[0])
+            if process in snap.balances:
+                raise TraceError(path, number, f"process {process} is listed twice")
+            snap.balances[process] = _units(path, number, words[1], "a balance")
         elif len(words) == 3 and words[2].startswith("token(") and words[2].endswith(")"):
-            tokens = _integer(path, number, words[2][len("token(") : -1], "a token count", 0)
-            snap.messages.append((words[0], words[1], tokens))
+            src, dst = _process(path, number, words[0]), _process(path, number, words[1])
+            tokens = _units(path, number, words[2][len("token(") : -1], "a token count")
+            snap.messages.append((src, dst, tokens))
         else:
-            raise TraceError(path, number, f"expected 'ID tokens' or 'SRC DST token(N)', got {' '.join(words)!r}")
+            raise TraceError(
+                path, number, f"expected 'ID tokens' or 'SRC DST token(N)', got {quoted_prefix(' '.join(words))}"
+            )
+    _total(path, [*snap.balances.values(), *(tokens for _, _, tokens in snap.messages)], "its tokens")
     return snap
 
 
@@ -267,24 +312,52 @@ def expected_snap_files(spec: str | Path) -> list[Path]:
 
     A prefix ``P`` names ``P.snap`` and ``P<id>.snap``, as the conformance cases do.
     """
-    spec = Path(spec)
+    return [path for path, _ in _expected_files(Path(spec))]
+
+
+def _expected_files(spec: Path) -> list[tuple[Path, str | None]]:
+    """:func:`expected_snap_files`, each with the snapshot id its name gives (``<id>.snap`` in a
+    folder, ``P<id>.snap`` for a prefix ``P``), or None when its name gives none."""
     if spec.is_dir():
-        files = sorted(spec.glob("*.snap"))
+        files = [(path, path.stem if path.stem.isdigit() else None) for path in sorted(spec.glob("*.snap"))]
     else:
-        files = [spec.with_name(spec.name + ".snap")] if spec.with_name(spec.name + ".snap").is_file() else []
-        files += sorted(
-            path for path in spec.parent.glob(f"{spec.name}*.snap") if path.stem[len(spec.name) :].isdigit()
-        )
+        whole = spec.with_name(spec.name + ".snap")
+        files = [(whole, None)] if whole.is_file() else []
+        files += [
+            (path, path.stem[len(spec.name) :])
+            for path in sorted(spec.parent.glob(f"{spec.name}*.snap"))
+            if path.stem[len(spec.name) :].isdigit()
+        ]
     if not files:
         raise TraceError(spec, 0, "no expected .snap files found (give a folder or a path prefix)")
     return files
 
 
+def parse_expected(spec: str | Path) -> list[SnapFile]:
+    """Parse the expected .snap files named by ``spec`` (see :func:`expected_snap_files`).
+
+    A file whose name gives an id other than the one inside is refused (which of the two was meant
+    cannot be told), and so are two files with one id (only one of them could be compared).
+    """
+    snaps = []
+    for path, named in _expected_files(Path(spec)):
+        snap = parse_snap(path)
+        if named is not None and int(named) != snap.snapshot_id:
+            raise TraceError(path, 1, f"holds snapshot {snap.snapshot_id}, but its name says snapshot {int(named)}")
+        snaps.append(snap)
+    _by_id(snaps)  # two files with one id: refused now, before anything is simulated or written
+    return snaps
+
+
 def compare_snaps(actual: list[SnapFile], expected: list[SnapFile]) -> list[str]:
-    """Differences between two sets of snapshots: balances exactly, recorded messages per destination."""
+    """Differences between two sets of snapshots: balances exactly, recorded messages per destination.
+
+    Two expected snapshots with one id are refused (a :class:`TraceError` naming both files), as
+    only one of them could be compared.
+    """
     differences = []
     actual_by_id = {snap.snapshot_id: snap for snap in actual}
-    expected_by_id = {snap.snapshot_id: snap for snap in expected}
+    expected_by_id = _by_id(expected)
     for snapshot_id in sorted(expected_by_id.keys() - actual_by_id.keys()):
         differences.append(f"snapshot {snapshot_id}: expected but not produced")
     for snapshot_id in sorted(actual_by_id.keys() - expected_by_id.keys()):
@@ -306,6 +379,19 @@ def compare_snaps(actual: list[SnapFile], expected: list[SnapFile]) -> list[str]
                     f"{_describe(got_at)}, expected {_describe(want_at)}"
                 )
     return differences
+
+
+def _by_id(expected: list[SnapFile]) -> dict[int, SnapFile]:
+    """``expected`` by snapshot id, refusing an id given twice."""
+    by_id: dict[int, SnapFile] = {}
+    for snap in expected:
+        first = by_id.setdefault(snap.snapshot_id, snap)
+        if first is not snap:
+            where = snap.source or "expected snapshots"
+            raise TraceError(
+                where, 1, f"snapshot {snap.snapshot_id} is expected twice: here and in {first.source or 'another'}"
+            )
+    return by_id
 
 
 def _describe(messages: list[tuple[str, int]]) -> str:

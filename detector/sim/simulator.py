@@ -12,6 +12,12 @@ network (per-link FIFO queues with delivery times) and the detector (an
   the oldest on the first of its links (in destination order) that has one due;
 * after the last event it ticks until every snapshot is complete, then 6 more ticks.
 
+The script is the processes' program, so it decides what each records about itself: a process
+is active at its recording when the script still has it send, passive when it never sends again.
+``termination`` then holds on a snapshot only if nothing is ever sent after it, as on a real run
+(termination is stable). Driven step by step (without :meth:`Simulation.run`), the simulator
+knows no program, and records every process active: it never claims a future it cannot see.
+
 It is the reference replay of a trace, so its cores record any number of snapshots at once, of any
 size: an agent's bounds (``max_recordings``, ``max_recorded_bytes``) apply only when given. A
 snapshot that fails anyway (refused, over a bound, inconsistent) is aborted and kept in
@@ -102,6 +108,9 @@ class Simulation:
         }
         self._assembler = Assembler()
         self._next_snapshot_id = 0
+        # Sends the script still has per process (None: no script, the future unknown).
+        self._sends_left: dict[str, int] | None = None
+        self._in_flight = 0  # entries on all links, so idle ticks can be skipped at once
 
     @property
     def started(self) -> int:
@@ -113,14 +122,18 @@ class Simulation:
     def run(self, events: Sequence[TraceEvent]) -> list[GlobalSnapshot]:
         """Play ``events``, then tick until every snapshot has ended; return the completed ones by id
         (the others are in :attr:`failed`, by id too)."""
+        self._sends_left = dict.fromkeys(self.topology.processes, 0)
         for event in events:
             if isinstance(event, Send):
+                self._sends_left[event.src] += 1
+        for event in events:
+            if isinstance(event, Send):
+                self._sends_left[event.src] -= 1  # this send is no longer ahead of a recording
                 self.send(event.src, event.dst, event.tokens, line=event.line)
             elif isinstance(event, SnapshotEvent):
                 self.start_snapshot(event.process)
             elif isinstance(event, Tick):
-                for _ in range(event.steps):
-                    self.tick()
+                self.advance(event.steps)
         self.finish()
         self.failed.sort(key=lambda aborted: aborted.snapshot_id)
         return sorted(self.completed, key=lambda snapshot: snapshot.snapshot_id)
@@ -142,12 +155,22 @@ class Simulation:
         self._apply(initiator, self._cores[initiator].start_snapshot(snapshot_id))
         return snapshot_id
 
+    def advance(self, steps: int) -> None:
+        """Tick ``steps`` times; once nothing is in flight the remaining ticks deliver nothing, so
+        time jumps over them at once."""
+        for done in range(steps):
+            if not self._in_flight:
+                self.now += steps - done
+                return
+            self.tick()
+
     def tick(self) -> None:
         """Advance time by one and deliver at most one due message per source."""
         self.now += 1
         for src in self.topology.processes:
             for dst, queue in self._links[src].items():
                 if queue and queue[0].due <= self.now:
+                    self._in_flight -= 1
                     self._deliver(src, dst, queue.popleft().entry)
                     break
 
@@ -158,13 +181,13 @@ class Simulation:
                 stuck = [f"{k}: {self._assembler.missing(k)}" for k in self._assembler.running]
                 raise TraceError(self.events_source, 0, "snapshot cannot complete: " + "; ".join(stuck))
             self.tick()
-        for _ in range(_SETTLE_TICKS):
-            self.tick()
+        self.advance(_SETTLE_TICKS)
 
     # -- internals -----------------------------------------------------------------------------
 
     def _enqueue(self, src: str, dst: str, entry: Entry) -> None:
         self._links[src][dst].append(_InTransit(self.now + 1 + next(self.delays), entry))
+        self._in_flight += 1
 
     def _deliver(self, src: str, dst: str, entry: Entry) -> None:
         core = self._cores[dst]
@@ -180,7 +203,7 @@ class Simulation:
         while pending:
             action = pending.popleft()
             if isinstance(action, RecordState):
-                state = LocalState(counters={TOKENS: self.balances[process]})
+                state = LocalState(active=self._will_send(process), counters={TOKENS: self.balances[process]})
                 pending.extendleft(reversed(self._cores[process].record_state(action.snapshot_id, state)))
             elif isinstance(action, SendEntry):
                 self._enqueue(process, action.dst, action.entry)
@@ -188,6 +211,10 @@ class Simulation:
                 self._report(action.part)
             elif isinstance(action, SnapshotFailed):
                 self._abort(action.snapshot_id, action.reason)  # the reason names the process
+
+    def _will_send(self, process: str) -> bool:
+        """Whether ``process`` may still send: the script has it send later (no script: it may)."""
+        return self._sends_left is None or self._sends_left[process] > 0
 
     def _report(self, part: LocalSnapshotPart) -> None:
         try:
