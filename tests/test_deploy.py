@@ -26,6 +26,7 @@ import shutil
 import socket
 import ssl
 import subprocess
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from stablewatch.agents.certificates import channel_credentials
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import DetectorConfig
+from stablewatch.detector.service.limits import REFUSAL_REASONS
 from stablewatch.detector.service.metrics import DetectorMetrics
 from stablewatch.testing.detector import Running
 
@@ -53,6 +55,7 @@ ALERTMANAGER = DEPLOY / "alertmanager" / "alertmanager.yml"
 KUBERNETES_PROMETHEUS = PROMETHEUS / "kubernetes.yml"
 KUBERNETES = DEPLOY / "kubernetes"
 MAKE_CERTS = DEPLOY / "tls" / "make-certs.sh"
+SPARK = DEPLOY / "spark"
 # What make-certs.sh writes for the services, and where compose mounts it.
 TLS_MOUNT = "/tls"
 DETECTOR_TLS = [
@@ -346,6 +349,246 @@ def test_promtool_rule_unit_tests() -> None:
     result = _promtool("test", "rules", "alerts_test.yml")
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
+
+
+# -- the rules' behaviour in the cases the replicas and Prometheus' extrapolation make -------------------
+
+# The labels Prometheus gives detector `replica`'s series (prometheus.yml).
+_JOB = "stablewatch-detector"
+
+
+def _series(metric: str, replica: int, values: str, **labels: str) -> dict[str, str]:
+    """A promtool input series of detector `replica`, with extra `labels`."""
+    extra = "".join(f', {name}="{value}"' for name, value in labels.items())
+    target = f'job="{_JOB}", instance="detector-{replica}:9464", replica="{replica}"'
+    return {"series": f"{metric}{{{target}{extra}}}", "values": values}
+
+
+def _deadlock(replica: int, values: str, unknown: str, completed: str) -> list[dict[str, str]]:
+    """A detector's deadlock gauges, its `unknown` flags and its snapshots' completion times."""
+    return [
+        _series("stablewatch_predicate_value", replica, values, predicate="deadlock"),
+        _series("stablewatch_predicate_unknown", replica, unknown, predicate="deadlock"),
+        _series("stablewatch_last_completed_snapshot_timestamp_seconds", replica, completed),
+    ]
+
+
+def _rendered(template: str, labels: dict[str, str], value: str) -> str:
+    """An annotation template as Prometheus renders it with these `labels` and `value`, for the
+    constructs alerts.yml uses; a `with` over a query finds nothing (the tests give no such series)."""
+
+    def without_query(match: re.Match[str]) -> str:
+        return match.group(1) or ""
+
+    text = re.sub(r"\{\{ with .*?(?:\{\{ else \}\}(.*?))?\{\{ end \}\}", without_query, template)
+    text = re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda match: labels[match.group(1)], text)
+    text = re.sub(r"\{\{ \$value[^}]*\}\}", value, text)
+    assert "{{" not in text, text
+    return text
+
+
+def _fires(alert: str, at: str, *labels: dict[str, str], value: str = "") -> dict[str, Any]:
+    """A promtool case: `alert` at `at` is exactly the alerts with these labels (none: not firing),
+    each with the annotations its templates make of its labels and of `value`."""
+    annotations = _alerts()[alert]["annotations"]
+    expected = [
+        {"exp_labels": dict(lab), "exp_annotations": {k: _rendered(t, lab, value) for k, t in annotations.items()}}
+        for lab in labels
+    ]
+    return {"eval_time": at, "alertname": alert, "exp_alerts": expected}
+
+
+def _promtool_cases(tmp_path: Path, tests: list[dict[str, Any]], evaluation_interval: str = "1m") -> None:
+    """Run promtool unit `tests` of alerts.yml (written to `tmp_path`); fail with its report."""
+    document = {"rule_files": [str(PROMETHEUS / "alerts.yml")], "evaluation_interval": evaluation_interval}
+    (tmp_path / "cases_test.yml").write_text(yaml.safe_dump(document | {"tests": tests}, sort_keys=False))
+    result = _promtool("test", "rules", "cases_test.yml", cwd=tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+_DEADLOCK = {"severity": "critical", "job": _JOB, "predicate": "deadlock"}
+
+
+def test_deadlock_alert_ignores_a_restarted_replicas_old_snapshot(tmp_path: Path) -> None:
+    """Replica 1, down from 1m to 5m, comes back republishing its stored snapshot of 0m
+    (deadlock=1); replica 0's snapshots show the deadlock broken from 3m on: no alert from 3m,
+    though replica 1 shows 1 until its next snapshot (8m), which shows none either. A single
+    detector's alert is as before: it fires on its deadlock and resolves with it."""
+    restart = {
+        "interval": "1m",
+        "input_series": [
+            *_deadlock(0, "1 1 1 0x7", "0x10", "0+60x10"),
+            *_deadlock(1, "1 stale _ _ _ 1 1 1 0 0", "0 stale _ _ _ 0 0 0 0 0", "0 stale _ _ _ 0 0 0 480 540"),
+        ],
+        "alert_rule_test": [
+            _fires("StablewatchDeadlock", "2m", _DEADLOCK),
+            *(_fires("StablewatchDeadlock", f"{minute}m") for minute in (3, 5, 6, 7, 8)),
+        ],
+    }
+    alone = {
+        "interval": "1m",
+        "input_series": _deadlock(0, "0 1 1 0 0", "0x5", "0+60x5"),
+        "alert_rule_test": [
+            _fires("StablewatchDeadlock", "0m"),
+            _fires("StablewatchDeadlock", "1m", _DEADLOCK),
+            _fires("StablewatchDeadlock", "2m", _DEADLOCK),
+            _fires("StablewatchDeadlock", "3m"),
+        ],
+    }
+    _promtool_cases(tmp_path, [restart, alone])
+
+
+def test_deadlock_alert_fires_unless_a_newer_snapshot_decided_false(tmp_path: Path) -> None:
+    """Replica 1 proves a deadlock (its snapshot of 60 s); replica 0's newer snapshot refutes
+    nothing when its deadlock is unknown (0 with unknown=1, or NaN), and an older one refutes
+    nothing either: the alert fires in each case. Equal times refute nothing."""
+    proven = _deadlock(1, "1x4", "0x4", "60x4")
+    cases = {
+        "unknown": _deadlock(0, "0x4", "1x4", "120x4"),
+        "nan": _deadlock(0, "NaN NaN NaN NaN NaN", "0x4", "120x4"),
+        "older": _deadlock(0, "0x4", "0x4", "30x4"),
+        "as old": _deadlock(0, "0x4", "0x4", "60x4"),
+    }
+    tests = [
+        {
+            "interval": "1m",
+            "input_series": [*proven, *other],
+            "alert_rule_test": [_fires("StablewatchDeadlock", "2m", _DEADLOCK)],
+        }
+        for other in cases.values()
+    ]
+    _promtool_cases(tmp_path, tests)
+
+
+def test_conservation_alert_ignores_a_restarted_replicas_old_drift(tmp_path: Path) -> None:
+    """Replica 1 comes back at 5m republishing its stored drift of -2 (snapshot of 0m); replica
+    0's later snapshots show tokens conserved: no alert. For another counter that replica 0
+    cannot decide (no drift gauge), replica 1's drift still fires, and so it does when replica 0
+    (which stops at 2m) has only older snapshots."""
+    tokens, seats = {"counter": "tokens"}, {"counter": "seats"}
+    test = {
+        "interval": "1m",
+        "input_series": [
+            _series("stablewatch_conservation_drift", 0, "-2 -2 0 0x7", **tokens),
+            _series("stablewatch_last_completed_snapshot_timestamp_seconds", 0, "0+60x10"),
+            _series("stablewatch_conservation_drift", 1, "-2 stale _ _ _ -2x5", **tokens),
+            _series("stablewatch_conservation_drift", 1, "_ stale _ _ _ 5x5", **seats),
+            _series("stablewatch_last_completed_snapshot_timestamp_seconds", 1, "0 stale _ _ _ 0x5"),
+        ],
+        "alert_rule_test": [
+            _fires(
+                "StablewatchConservationViolated", "1m", {"severity": "critical", "job": _JOB, **tokens}, value="-2"
+            ),
+            _fires("StablewatchConservationViolated", "6m", {"severity": "critical", "job": _JOB, **seats}, value="5"),
+        ],
+    }
+    older = {
+        "interval": "1m",
+        "input_series": [
+            _series("stablewatch_conservation_drift", 0, "0x4", **tokens),
+            _series("stablewatch_last_completed_snapshot_timestamp_seconds", 0, "0x4"),
+            _series("stablewatch_conservation_drift", 1, "-2x4", **tokens),
+            _series("stablewatch_last_completed_snapshot_timestamp_seconds", 1, "60x4"),
+        ],
+        "alert_rule_test": [
+            _fires("StablewatchConservationViolated", "2m", {"severity": "critical", "job": _JOB, **tokens}, value="-2")
+        ],
+    }
+    _promtool_cases(tmp_path, [test, older])
+
+
+def test_no_agents_is_one_alert(tmp_path: Path) -> None:
+    """Every agent leaves detector 0 at 0m, so no snapshot completes: StablewatchNoRecentSnapshot,
+    which alertmanager.yml inhibits only once StablewatchNoAgents fires (5m), must not fire
+    before it, nor after; with an agent attached and no snapshot it still fires (after 2m)."""
+    detector = {"job": _JOB, "instance": "detector-0:9464", "replica": "0", "severity": "warning"}
+    test = {
+        "interval": "1m",
+        "input_series": [
+            _series("stablewatch_agents_attached", 0, "0x8 1x6"),
+            _series("stablewatch_last_completed_snapshot_timestamp_seconds", 0, "0x14"),
+        ],
+        "alert_rule_test": [
+            *(_fires("StablewatchNoRecentSnapshot", f"{minute}m") for minute in (3, 4, 5, 6, 8, 10)),
+            _fires("StablewatchNoAgents", "4m"),
+            _fires("StablewatchNoAgents", "6m", detector),
+            _fires("StablewatchNoRecentSnapshot", "11m", detector, value="11m 0s"),
+        ],
+    }
+    _promtool_cases(tmp_path, [test])
+
+
+def test_counts_in_descriptions_are_whole_numbers(tmp_path: Path) -> None:
+    """One event each, scraped every 15 s as prometheus.yml does, evaluated between scrapes:
+    increase() extrapolates it to 1.049, and each alert's annotations say 1."""
+    resolved = "stablewatch_deadlocks_resolved_total"
+    detector = {"instance": "detector-0:9464", "replica": "0"}
+    counters = {
+        "StablewatchDeadlockBroken": (resolved, {"outcome": "broken"}, {}),
+        "StablewatchBreakUnanswered": (resolved, {"outcome": "unanswered"}, {}),
+        "StablewatchResolvePoliciesDisagree": (resolved, {"outcome": "policies_disagree"}, {}),
+        "StablewatchPartsRejected": ("stablewatch_rejected_parts_total", {"reason": "spoofed"}, detector),
+        "StablewatchRefused": ("stablewatch_refused_total", {"reason": "too_many_agents"}, detector),
+    }
+    cases = [
+        _fires(alert, "5m14s", {"job": _JOB, **target, **labels, **_alerts()[alert]["labels"]}, value="1")
+        for alert, (_, labels, target) in counters.items()
+    ]
+    test = {
+        "interval": "15s",
+        "input_series": [_series(metric, 0, "0x8 1x40", **labels) for metric, labels, _ in counters.values()],
+        "alert_rule_test": cases,
+    }
+    _promtool_cases(tmp_path, [test], evaluation_interval="1s")
+
+
+# The refusals StablewatchRefused leaves out (alerts.yml says why): every other reason the detector
+# counts is one of a client's identity or of its admission limits, which the alert promises.
+_REFUSALS_NOT_ALERTED = {"already_attached", "rate_limited", "too_many_triggers", "bad_request"}
+
+
+def test_refused_alert_covers_every_admission_refusal() -> None:
+    """Each of limits.REFUSAL_REASONS is either in StablewatchRefused's reason regex or named as left
+    out on purpose, so a new reason has to be decided; the admission limits are all in."""
+    expr = _alerts()["StablewatchRefused"]["expr"]
+    (regex,) = re.findall(r'stablewatch_refused_total\{reason=~"([^"]+)"\}', expr)
+    alerted = set(regex.split("|"))
+    assert alerted | _REFUSALS_NOT_ALERTED == set(REFUSAL_REASONS)
+    assert not alerted & _REFUSALS_NOT_ALERTED
+    admission = {reason for reason in REFUSAL_REASONS if reason.startswith("too_many_")} - {"too_many_triggers"}
+    assert {"too_many_watchers_for_identity", "no_register", *admission} <= alerted
+
+
+_NUMBERS = (
+    "zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten",
+    "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen", "seventeen", "eighteen",
+)  # fmt: skip
+
+
+def test_readme_counts_the_alerts() -> None:
+    """deploy/README.md says how many alerts and recording rules alerts.yml holds: the real numbers."""
+    said = re.search(r"the (\w+) alerts and (\w+) recording rules", (DEPLOY / "README.md").read_text())
+    assert said is not None
+    rules = _rules()
+    alerts = sum("alert" in rule for rule in rules)
+    recorded = sum("record" in rule for rule in rules)
+    assert (said.group(1), said.group(2)) == (_NUMBERS[alerts], _NUMBERS[recorded])
+
+
+def test_dashboard_alert_annotations_name_the_alerts_labels() -> None:
+    """An annotation over ALERTS names only labels its alert has: a merged system alert has no
+    `instance` or `replica`."""
+    for annotation in _dashboard()["annotations"]["list"]:
+        alert = re.search(r'ALERTS\{alertname="(\w+)"', annotation.get("expr", ""))
+        if alert is None:
+            continue
+        assert alert.group(1) in ALERTS, annotation["name"]
+        named = set(
+            re.findall(r"\{\{\s*(\w+)\s*\}\}", annotation.get("titleFormat", "") + annotation.get("textFormat", ""))
+        )
+        assert named, annotation["name"]
+        if alert.group(1) in SYSTEM_ALERTS:
+            assert not named & set(REPLICA_LABELS), (annotation["name"], named)
 
 
 def test_promtool_checks_config_and_rules(tmp_path: Path, pki: dict[str, Path]) -> None:
@@ -670,6 +913,61 @@ def test_dockerfile() -> None:
     assert entrypoint == ["stablewatch", "detector", "--listen", f"0.0.0.0:{GRPC_PORT}", "--data-dir", "/data"]
     assert re.search(rf"^EXPOSE {GRPC_PORT} {METRICS_PORT}$", text, re.MULTILINE)
     assert "pip install ." in text
+
+
+def _copied(dockerfile: Path) -> set[str]:
+    """What a Dockerfile COPYs from the build context (the repository root)."""
+    sources: set[str] = set()
+    for source in re.findall(r"^COPY (.+) \S+$", dockerfile.read_text(), re.MULTILINE):
+        sources.update(source.split())
+    return sources
+
+
+@pytest.mark.parametrize("dockerfile", [DEPLOY / "Dockerfile", SPARK / "Dockerfile"], ids=["detector", "spark"])
+def test_dockerfile_copies_every_package_folder(dockerfile: Path) -> None:
+    """`pip install .` needs every folder pyproject.toml's package-dir maps onto the package, and
+    the README it names: the image copies them all."""
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    copied = _copied(dockerfile)
+    assert {"pyproject.toml", "README.md"} <= copied
+    for folder in setuptools["package-dir"].values():
+        parts = Path(folder).parts
+        assert any("/".join(parts[:n]) in copied for n in range(1, len(parts) + 1)), f"{folder} is not copied"
+
+
+@pytest.mark.parametrize("dockerfile", [DEPLOY / "Dockerfile", SPARK / "Dockerfile"], ids=["detector", "spark"])
+def test_dockerfile_has_its_dockerignore(dockerfile: Path) -> None:
+    """BuildKit reads <Dockerfile>.dockerignore beside the Dockerfile, in place of the context's
+    .dockerignore (the repository root has none): it keeps .venv and .git out of the context, and
+    no source the Dockerfile copies."""
+    ignore = dockerfile.with_name(dockerfile.name + ".dockerignore")
+    patterns = [line for line in ignore.read_text().splitlines() if line and not line.startswith("#")]
+    assert {".git", ".venv"} <= set(patterns)
+    for source in _copied(dockerfile):
+        assert source not in patterns, source
+
+
+def test_spark_compose_builds_from_the_root() -> None:
+    """The Spark compose file builds deploy/spark/Dockerfile from the repository root, so its
+    Dockerfile.dockerignore is the one Docker uses."""
+    build = _load(SPARK / "docker-compose.yml")["services"]["spark-master"]["build"]
+    context = (SPARK / build["context"]).resolve()
+    assert context == ROOT
+    assert (context / build["dockerfile"]).resolve() == SPARK / "Dockerfile"
+
+
+def test_spark_worker_has_a_writable_work_dir() -> None:
+    """The worker runs as uid 10001, which cannot write Spark's default $SPARK_HOME/work: its
+    command or environment names a work dir that the image makes and gives to that user."""
+    worker = _load(SPARK / "docker-compose.yml")["services"]["spark-worker"]
+    command = worker["command"]
+    environment = worker.get("environment", {})
+    work_dir = _flag(command, "--work-dir") if "--work-dir" in command else environment.get("SPARK_WORKER_DIR")
+    assert work_dir, "the worker names no work dir"
+    dockerfile = (SPARK / "Dockerfile").read_text()
+    assert re.search(r"^USER 10001$", dockerfile, re.MULTILINE)
+    (owned,) = re.findall(r"chown 10001:10001 ([^\n\\]+)", dockerfile)
+    assert work_dir in owned.split(), f"{work_dir} is not made writable for uid 10001"
 
 
 def test_kubernetes_manifests() -> None:
