@@ -768,7 +768,7 @@ class Agent:
             on_finish=self._finish_snapshot,
             on_epoch=new_epoch,
             credentials=self._tls.channel_credentials() if self._tls else None,
-            channel_options=self._client_options(),
+            channel_options=self._grpc_options + (self._tls.control_channel_options() if self._tls else []),
             incarnation=self.incarnation,
             agent_version=__version__,
             heartbeat_interval=self._heartbeat_interval,

@@ -68,6 +68,10 @@ class TlsConfig:
     `ca_file` None trusts the system roots as a client and asks no client certificate as a server.
     `server_name` overrides the name checked in the server's certificate (when dialling an address
     the certificate does not name); pass :meth:`channel_options` to the channel for it.
+    `detector_name` is the name checked in a detector's certificate instead (the control stream
+    only): a name that only detector certificates carry (``stablewatch-detector`` in
+    ``deploy/tls/make-certs.sh``), so that an agent's certificate, which may name the host the
+    detector is dialled at (localhost, 127.0.0.1), cannot serve as the detector and send orders.
     """
 
     cert_file: StrPath
@@ -75,6 +79,7 @@ class TlsConfig:
     ca_file: StrPath | None = None
     server_name: str | None = None
     mutual: bool = True  # with a CA: require client certificates signed by it
+    detector_name: str | None = None
 
     def server_credentials(self) -> grpc.ServerCredentials:
         """Credentials for ``server.add_secure_port``; mutual TLS when a CA is configured and `mutual`."""
@@ -87,6 +92,11 @@ class TlsConfig:
     def channel_options(self) -> list[tuple[str, str]]:
         """Channel options that go with :meth:`channel_credentials`."""
         return server_name_options(self.server_name)
+
+    def control_channel_options(self) -> list[tuple[str, str]]:
+        """Channel options for the control stream to a detector: its certificate must name
+        `detector_name` (else `server_name`, else the dialled host)."""
+        return server_name_options(self.detector_name or self.server_name)
 
 
 def read_pem(path: StrPath, what: str) -> bytes:

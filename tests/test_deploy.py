@@ -1104,6 +1104,13 @@ def test_make_certs_names_each_identity(made: Path) -> None:
     )
     assert bad.returncode == 2
     assert "may only hold" in bad.stderr
+    for clash in ("stablewatch-detector", "detector-0", "localhost"):  # would serve as the detector
+        taken = subprocess.run(
+            [str(MAKE_CERTS), str(made.parent / "ca"), str(made), clash], capture_output=True, text=True, timeout=60
+        )
+        assert taken.returncode == 2, clash
+        assert "a name of the detectors' certificate" in taken.stderr
+        assert not (made / f"agent-{clash}.pem").exists()
 
 
 def test_made_certificates_work_with_the_detector(made: Path, tmp_path: Path) -> None:

@@ -943,7 +943,7 @@ class RpcAgent:
             on_finish=self._finish,
             on_epoch=new_epoch,
             credentials=self._tls.channel_credentials() if self._tls else None,
-            channel_options=self._tls.channel_options() if self._tls else (),
+            channel_options=self._tls.control_channel_options() if self._tls else (),
             incarnation=self.incarnation,
             agent_version=__version__,
             heartbeat_interval=self._heartbeat_interval,

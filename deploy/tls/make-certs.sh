@@ -14,7 +14,9 @@
 #   operator.pem, operator-key.pem     URI stablewatch://role/operator: read and trigger snapshots
 #   reader.pem, reader-key.pem         URI stablewatch://role/reader: read only
 #   agent-ID.pem, agent-ID-key.pem     one per AGENT_ID: URI stablewatch://process/ID, DNS ID,
-#                                      localhost, IP 127.0.0.1 (server and client use)
+#                                      localhost, IP 127.0.0.1 (server and client use); so
+#                                      agents should check stablewatch-detector in their detector's
+#                                      certificate (TlsConfig.detector_name), a name no agent's has
 #
 # Files that exist are kept, so the script can run again to add agents. Run as root (as the
 # compose file's one-shot `certs` service does), it hands each key to the user of the container
@@ -37,6 +39,11 @@ for id in "$@"; do
     case "$id" in
         "" | *[!A-Za-z0-9._~-]*)
             echo "$0: agent id '$id' may only hold letters, digits and . _ ~ -" >&2
+            exit 2
+            ;;
+        detector | detector-0 | detector-1 | stablewatch-detector | localhost)
+            # An agent's certificate naming a detector's DNS name could serve as the detector.
+            echo "$0: agent id '$id' is a name of the detectors' certificate; choose another" >&2
             exit 2
             ;;
     esac
