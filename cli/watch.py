@@ -42,24 +42,28 @@ def _watch(client: DetectorClient, args: argparse.Namespace, console: Console) -
     client.members()  # fails within --timeout when the detector is not there; the stream has no deadline
     view = WatchView()
     events = client.watch(args.changes_only)
-    live = None if args.json else Live(view.render(), console=console, auto_refresh=False)
+    # A live table redraws itself on a terminal; piped or written to a file (a log, `timeout`,
+    # systemd), it would show only the last table, at exit, so the table is printed after each event.
+    live = None if args.json or not console.is_terminal else Live(view.render(), console=console, auto_refresh=False)
     try:
         if live is not None:
             live.start(refresh=True)
         for seen, event in enumerate(events, 1):
-            if live is None:
+            if args.json:
                 print(json.dumps(_watch_json(event)), flush=True)
             else:
                 view.update(event)
-                live.update(view.render(), refresh=True)
+                if live is not None:
+                    live.update(view.render(), refresh=True)
+                else:
+                    console.print(view.render())
+                    console.file.flush()
             if seen == args.count:
                 return 0
     finally:
         events.close()
         if live is not None:
             live.stop()
-            if not console.is_terminal:  # rich leaves the last line open when output is not a terminal
-                console.line()
     raise CommandError(f"the detector at {client.address} ended the stream (it is shutting down)")
 
 

@@ -183,6 +183,15 @@ def test_watch_human_count(system: System) -> None:
     assert result.stdout.endswith("\n")
 
 
+def test_watch_to_a_pipe_prints_the_table_after_each_event(system: System) -> None:
+    """Piped (a log, `timeout`), the live table would show only the last table, at exit: each event
+    prints the table as it is then."""
+    result = stablewatch("watch", "--detector", system.address, "--count", "2")
+    assert result.returncode == 0, result.stderr
+    assert "predicates (1 event)" in result.stdout and "predicates (2 events)" in result.stdout
+    assert result.stdout.index("predicates (1 event)") < result.stdout.index("predicates (2 events)")
+
+
 def test_watch_changes_only_shows_the_current_values_first(system: System) -> None:
     """On a steady system nothing changes; the table still shows every value at once."""
     result = stablewatch("watch", "--detector", system.address, "--changes-only", "--count", "1")
