@@ -41,6 +41,12 @@ quotes it, and every refusal quotes at most a prefix of what the agent sent. The
 :class:`~.limits.Limits` bound the streams open, those one identity holds before they register,
 the agents attached, the time to register and the size of each part. Every refused stream is
 reported to ``on_refused`` with a reason from :data:`~.limits.REFUSAL_REASONS`.
+
+What waits to be written to an agent is bounded too: a member's queue holds at most one
+AbortSnapshot per snapshot id, and at most :data:`OUTBOX_LIMIT` messages. A member whose stream is
+that far behind (an agent that does not read it) is detached, as a slow watcher is ended, and
+reported to ``on_detached`` (``outbox_full``): nothing it was owed is dropped silently, it attaches
+again and the usual rules apply (its running snapshots abort, as for any member that leaves).
 """
 
 from __future__ import annotations
@@ -77,7 +83,16 @@ from stablewatch.v1.bounds import (
 )
 from stablewatch.v1.ids import id_space, next_id, space_problem
 
-__all__ = ["ABORT_KINDS", "ENDED_NOTICE_DELAY", "Coordinator", "Member", "NoAgents", "SnapshotAborted"]
+__all__ = [
+    "ABORT_KINDS",
+    "DETACH_REASONS",
+    "ENDED_NOTICE_DELAY",
+    "OUTBOX_LIMIT",
+    "Coordinator",
+    "Member",
+    "NoAgents",
+    "SnapshotAborted",
+]
 
 
 #: Why snapshots are aborted, in a bounded set (safe as a metric label).
@@ -92,6 +107,15 @@ ABORT_KINDS = (
     "too_many_units",  # a counter's units in the cut add up past what a total is counted in
     "store_error",  # the completed snapshot could not be stored
 )
+#: Why a member was detached by the detector, in a bounded set (safe as a metric label).
+DETACH_REASONS = (
+    "no_heartbeat",  # silent longer than the heartbeat timeout
+    "outbox_full",  # OUTBOX_LIMIT messages queued that its agent has not read
+)
+#: Messages queued for one member and not yet written to its stream. A member that reads its
+#: stream holds a few (a start, ends, one ChannelTarget per peer reporting towards it); the
+#: transport buffers megabytes more before a member that stops reading makes the queue grow.
+OUTBOX_LIMIT = 4096
 #: Seconds the news that a snapshot ended waits for a start to ride on before it goes on its own.
 ENDED_NOTICE_DELAY = 0.1
 # The most a valid Register takes, encoded: its three strings at their maxima, with room for the tags,
@@ -133,9 +157,42 @@ class Member:
     outbox: asyncio.Queue[DetectorMessage] = field(repr=False, default_factory=asyncio.Queue)
     pongs: dict[int, asyncio.Future[None]] = field(repr=False, default_factory=dict)
     ended: list[int] = field(repr=False, default_factory=list)  # snapshots that ended, not yet told
+    outbox_limit: int = OUTBOX_LIMIT
+    #: Called once when the outbox overflows (the stream is ending): the coordinator detaches it.
+    on_overflow: Callable[[Member], None] | None = field(repr=False, default=None)
+    overflowed: bool = field(repr=False, default=False)
+    aborts_queued: set[int] = field(repr=False, default_factory=set)  # snapshot ids of queued aborts
+    reader: asyncio.Future[None] | None = field(repr=False, default=None)  # reads the agent's stream
 
     def send(self, message: DetectorMessage) -> None:
+        """Queue ``message`` (the empty one ends the stream); past :data:`OUTBOX_LIMIT`, end it instead."""
+        if self.overflowed:
+            return  # its stream is ending: the agent attaches again and hears the present then
+        kind = message.WhichOneof("kind")
+        if kind == "abort":
+            # One pending abort per snapshot says all: parts for it may come faster than it is read.
+            if message.abort.snapshot_id in self.aborts_queued:
+                return
+            self.aborts_queued.add(message.abort.snapshot_id)
+        if kind and self.outbox.qsize() >= self.outbox_limit:
+            self._overflow()
+            return
         self.outbox.put_nowait(message)
+
+    def taken(self, message: DetectorMessage) -> None:
+        """Note that ``message`` left the outbox for the stream."""
+        if message.WhichOneof("kind") == "abort":
+            self.aborts_queued.discard(message.abort.snapshot_id)
+
+    def _overflow(self) -> None:
+        """End the stream the way a slow watcher's is: drop what is queued, queue the end."""
+        self.overflowed = True
+        while not self.outbox.empty():
+            self.outbox.get_nowait()
+        self.aborts_queued.clear()
+        self.outbox.put_nowait(DetectorMessage())
+        if self.on_overflow is not None:
+            self.on_overflow(self)
 
     def tell_ended(self) -> None:
         """Send the ends not yet told, on their own (no start came to carry them)."""
@@ -166,6 +223,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         on_refused: Callable[[str, str], None] | None = None,
         on_break_report: Callable[[str, control_pb2.BreakReport], None] | None = None,
         on_hint: Callable[[str, control_pb2.WaitHint], None] | None = None,
+        on_detached: Callable[[str, str], None] | None = None,
         limits: Limits | None = None,
         authorizer: Authorizer | None = None,
         ended_notice_delay: float = ENDED_NOTICE_DELAY,
@@ -201,6 +259,9 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self._on_refused = on_refused or (lambda reason, detail: None)
         self._on_break_report = on_break_report or (lambda process_id, report: None)
         self._on_hint = on_hint or (lambda process_id, hint: None)
+        self._on_detached = on_detached or (lambda reason, detail: None)
+        #: Messages a member's queue may hold (:data:`OUTBOX_LIMIT`), for members that register from now on.
+        self.outbox_limit = OUTBOX_LIMIT
 
     # -- snapshots -----------------------------------------------------------------------------
 
@@ -431,7 +492,16 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 f"{quoted_prefix(register.process_id)} is refused",
             )
         now = time.time()
-        member = Member(register.process_id, register.address, register.incarnation, now, now, register.rpc_mode)
+        member = Member(
+            register.process_id,
+            register.address,
+            register.incarnation,
+            now,
+            now,
+            register.rpc_mode,
+            outbox_limit=self.outbox_limit,
+            on_overflow=self._overflowed,
+        )
         if register.known_epoch in (0, self.epoch):
             self._admit(member)
         else:
@@ -458,7 +528,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         self, member: Member, request_iterator: AsyncIterator[AgentMessage]
     ) -> AsyncIterator[DetectorMessage]:
         """Send the member its messages while reading its stream, until either ends."""
-        reader = asyncio.ensure_future(self._read(member, request_iterator))
+        reader = member.reader = asyncio.ensure_future(self._read(member, request_iterator))
         # The reader's end queues the same empty message as detach(): one queue to wait on, and no
         # task or wait per message sent (a snapshot sends one to every member, several times).
         reader.add_done_callback(lambda _: member.send(DetectorMessage()))
@@ -467,6 +537,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
                 message = await member.outbox.get()
                 if not message.WhichOneof("kind"):  # detach() or the agent's stream ended
                     break
+                member.taken(message)
                 yield message
         finally:
             reader.cancel()
@@ -576,6 +647,18 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         """Make ``member`` one that the next snapshots include."""
         self.members[member.process_id] = member
         self._on_membership()
+
+    def _overflowed(self, member: Member) -> None:
+        """Detach a member whose agent does not read its stream (its outbox is full)."""
+        if member.reader is not None:
+            member.reader.cancel()  # read no more of a stream that nothing can be written to
+        if self._attached(member.process_id) is member:
+            self._lose(member)
+            self._on_detached(
+                "outbox_full",
+                f"{quoted_prefix(member.process_id)}: {member.outbox_limit} messages queued that its agent has "
+                "not read; it may attach again",
+            )
 
     def _lose(self, member: Member) -> None:
         if self.joining.get(member.process_id) is member:

@@ -73,6 +73,8 @@ __all__ = ["Detector", "DetectorConfig", "NoAgents", "exposure_warnings"]
 _log = logging.getLogger(__name__)
 # Retention runs at start-up and then after every this many snapshots.
 _RETENTION_EVERY = 100
+# Seconds between warnings about parts for snapshots that were never started (see Detector._rejected).
+_UNKNOWN_LOG_INTERVAL = 60.0
 
 
 @dataclass
@@ -157,6 +159,7 @@ class Detector:
             on_refused=self.refused,
             on_break_report=self._break_reported,
             on_hint=self._hinted,
+            on_detached=self._detached,
             limits=config.limits,
             authorizer=self._authorizer,
             resolve_policy=config.resolve or OFF,
@@ -192,6 +195,9 @@ class Detector:
         #: Snapshots whose ABORTED row the store failed to write (id -> reason, kind, finished at): retried.
         self._unstored: dict[int, tuple[str, str, float]] = {}
         self._health = HealthService(self.refused)
+        # Rejections of parts for snapshots never started: one warning per _UNKNOWN_LOG_INTERVAL, the rest at debug.
+        self._unknown_warned_at = -math.inf  # monotonic seconds
+        self._unknown_unwarned = 0  # such rejections since that warning, logged at debug level
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -515,7 +521,7 @@ class Detector:
             await asyncio.sleep(self.config.heartbeat_interval)
             self.resolutions.expire()
             for process_id in self.coordinator.expire_silent(time.time(), self.config.heartbeat_timeout):
-                _log.warning("detached %s: no heartbeat for %gs", process_id, self.config.heartbeat_timeout)
+                self._detached("no_heartbeat", f"{process_id}: no heartbeat for {self.config.heartbeat_timeout:g}s")
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -629,7 +635,27 @@ class Detector:
         # A late part is routine (an agent that attached, or recorded from a peer's marker, while a
         # snapshot it was no member of ended): counted, and logged only at debug level.
         level = logging.DEBUG if rejected.reason == "late" else logging.WARNING
+        if rejected.reason == "unknown_snapshot":
+            # Any attached agent can send these as fast as it likes: a warning now and then says so,
+            # the metric counts every one.
+            now = time.monotonic()
+            if now - self._unknown_warned_at < _UNKNOWN_LOG_INTERVAL:
+                self._unknown_unwarned += 1
+                level = logging.DEBUG
+            else:
+                if self._unknown_unwarned:
+                    _log.warning(
+                        "%d more parts for snapshots never started were rejected in the last %gs (at debug level)",
+                        self._unknown_unwarned,
+                        now - self._unknown_warned_at,
+                    )
+                self._unknown_warned_at, self._unknown_unwarned = now, 0
         _log.log(level, "rejected a snapshot part: %s", rejected)
+
+    def _detached(self, reason: str, detail: str) -> None:
+        """Count and log a member the detector detached (reason: one of coordinator.DETACH_REASONS)."""
+        self.metrics.detached.labels(reason).inc()
+        _log.warning("detached (%s): %s", reason, detail)
 
     def refused(self, reason: str, detail: str) -> None:
         """Count a refused stream or call (reason: one of limits.REFUSAL_REASONS) and log why."""

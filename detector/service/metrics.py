@@ -1,7 +1,7 @@
 """Prometheus metrics of the detector, named by Prometheus conventions.
 
 Labels are bounded: predicate names (the built-ins, configured plugins and one per conserved
-counter), counter names, abort kinds, rejection reasons and refusal reasons. Snapshot and process ids are never
+counter), counter names, abort kinds, rejection, refusal and detach reasons. Snapshot and process ids are never
 label values: the latest snapshot id is a gauge value, not a label.
 
 A predicate is true, false or unknown, by the one rule of
@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from stablewatch.detector.assembly import REJECTION_REASONS
 from stablewatch.detector.evaluation import Verdict
-from stablewatch.detector.service.coordinator import ABORT_KINDS
+from stablewatch.detector.service.coordinator import ABORT_KINDS, DETACH_REASONS
 from stablewatch.detector.service.limits import REFUSAL_REASONS
 from stablewatch.v1 import PredicateResult
 
@@ -138,6 +138,13 @@ class DetectorMetrics:
             "Long-wait hints from agents, by what the detector did (snapshot, coalesced, rate_limited, ignored)",
             ["outcome"], registry=r,
         )  # fmt: skip
+        self.detached = Counter(
+            "stablewatch_agents_detached",
+            "Agents the detector detached, by reason (no_heartbeat; outbox_full: its stream was not read)",
+            ["reason"], registry=r,
+        )  # fmt: skip
+        for reason in DETACH_REASONS:
+            self.detached.labels(reason)
         for outcome in RESOLUTION_OUTCOMES:
             self.resolutions.labels(outcome)
         for outcome in LATE_REPORT_OUTCOMES:
