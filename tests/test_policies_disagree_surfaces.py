@@ -138,7 +138,7 @@ def test_the_policies_alert_is_one_per_system_and_says_what_to_do() -> None:
     rule = _alerted()["policies_disagree"]
     assert rule["alert"] == "StablewatchResolvePoliciesDisagree"
     # Each detector's refused break counts: the sum over the replicas, one alert for both.
-    assert rule["expr"].startswith("sum without (instance, replica) (increase(")
+    assert rule["expr"].startswith("sum without (instance, replica) (floor(increase(")
     assert rule["for"] == "0s"
     description = " ".join(rule["annotations"]["description"].split())
     for needle in ("the same --resolve", "stablewatch resolutions", "stablewatch resolve"):
