@@ -12,17 +12,19 @@ from stablewatch.testing.detector import Running
 
 
 @contextlib.contextmanager
-def mtls_detector(data_dir: Path, pki: dict[str, Path], **settings: object) -> Iterator[Running]:
+def mtls_detector(
+    data_dir: Path, pki: dict[str, Path], *, cert: str = "server", **settings: object
+) -> Iterator[Running]:
     """A detector with mutual TLS on 127.0.0.1 (gRPC, and /metrics over HTTPS on a free port), its
-    certificate ``server`` of ``pki``, trusting clients of ``pki``'s CA; ``settings`` for the rest.
+    certificate ``cert`` of ``pki``, trusting clients of ``pki``'s CA; ``settings`` for the rest.
     Stopped when the block ends."""
     config = DetectorConfig(
         data_dir=data_dir,
         listen="127.0.0.1:0",
         metrics_port=0,
         interval=None,
-        tls_cert=pki["server_cert"],
-        tls_key=pki["server_key"],
+        tls_cert=pki[f"{cert}_cert"],
+        tls_key=pki[f"{cert}_key"],
         tls_client_ca=pki["ca_cert"],
         **settings,  # type: ignore[arg-type]
     )

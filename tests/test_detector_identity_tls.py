@@ -18,31 +18,17 @@ from pathlib import Path
 import pytest
 from certs import issue, make_certs, tls_config
 from cryptography import x509
+from mtls_detector import mtls_detector
 
 from polling import async_poll
 from stablewatch.agents import Agent
 from stablewatch.agents.certificates import TlsConfig
 from stablewatch.agents.peer_identity import process_uri
-from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.testing.detector import Running
 
 pytestmark = pytest.mark.timeout(90)
 
 DETECTOR_NAME = "stablewatch-detector"
-
-
-def _running(tmp_path: Path, pki: dict[str, Path], cert: str) -> Running:
-    """A detector on loopback serving certificate ``cert`` of ``pki``, with mutual TLS."""
-    config = DetectorConfig(
-        data_dir=tmp_path / cert,
-        listen="127.0.0.1:0",
-        metrics_port=None,
-        interval=None,
-        tls_cert=pki[f"{cert}_cert"],
-        tls_key=pki[f"{cert}_key"],
-        tls_client_ca=pki["ca_cert"],
-    )
-    return Running(config)
 
 
 def _attaches(running: Running, tls: TlsConfig, seconds: float) -> bool:
@@ -76,22 +62,13 @@ def test_with_a_detector_name_an_agents_certificate_cannot_serve_as_the_detector
     tmp_path: Path, pki: dict[str, Path]
 ) -> None:
     tls = replace(tls_config(pki, "server"), detector_name=DETECTOR_NAME)
-    impostor = _running(tmp_path, pki, "impostor")
-    try:
+    with mtls_detector(tmp_path / "impostor", pki, cert="impostor") as impostor:
         assert not _attaches(impostor, tls, 5), "attached to a detector whose certificate names only process X"
-    finally:
-        impostor.stop()
-    detector = _running(tmp_path, pki, "detector")
-    try:
+    with mtls_detector(tmp_path / "detector", pki, cert="detector") as detector:
         assert _attaches(detector, tls, 30), "did not attach to the detector whose certificate names it"
-    finally:
-        detector.stop()
 
 
 def test_without_it_the_dialled_host_is_all_that_is_checked(tmp_path: Path, pki: dict[str, Path]) -> None:
     """The limit the option exists for (stated in SECURITY.md): without it the impostor is taken."""
-    impostor = _running(tmp_path, pki, "impostor")
-    try:
+    with mtls_detector(tmp_path / "impostor", pki, cert="impostor") as impostor:
         assert _attaches(impostor, tls_config(pki, "server"), 30)
-    finally:
-        impostor.stop()
