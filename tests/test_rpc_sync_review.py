@@ -28,7 +28,7 @@ import pytest
 from pool_service import PoolService
 from rpc_harness import SERVICE, Service, aio_channel_to, new_agent, outstanding, recorded, sample
 
-from polling import poll
+from polling import DEFAULT_TIMEOUT, poll
 from stablewatch.agents.rpc import pool as rpc_pool
 from stablewatch.agents.rpc.agent import RpcAgent
 from stablewatch.agents.rpc.interceptors import CURRENT_TASK
@@ -299,20 +299,27 @@ def pictured(agent: RpcAgent) -> tuple[list[str], list[str]]:
 
 @dataclass
 class OneWorker:
-    """A server S with one worker from its agent's pool: ``Hold`` keeps it until ``release``, and
-    ``Echo`` (which sets ``echoed`` as it runs) queues behind it."""
+    """A server S with one worker from its agent's pool: ``Hold`` (which sets ``held`` as it runs)
+    keeps it until ``release``, and ``Echo`` (which sets ``echoed`` as it runs) queues behind it."""
 
     service: PoolService
     channel: grpc.Channel
     release: threading.Event
     echoed: threading.Event
+    held: threading.Event
     hold: Any = None
     echo: Any = None
 
-    def queue_echo_behind_hold(self, s_agent: RpcAgent) -> int:
-        """Hold the worker and queue a call of Echo; returns the queued wait's instance."""
+    def queue_echo_behind_hold(self, s_agent: RpcAgent, timeout: float = DEFAULT_TIMEOUT) -> int:
+        """Hold the worker and queue a call of Echo; returns the queued wait's instance.
+
+        Waits for Hold's handler itself to run, not only for the picture: the agent pictures a call
+        as running from its arrival, while the worker may not have started it yet, and a server
+        stopped then ends Hold too (neither handler ever runs: both leave the picture).
+        """
         self.hold = self.channel.unary_unary(f"/{SERVICE}/Hold").future(b"", timeout=30)
-        poll(lambda: pictured(s_agent)[0] == [f"/{SERVICE}/Hold"], "Hold running")
+        poll(self.held.is_set, "Hold's handler running", timeout)
+        assert pictured(s_agent) == ([f"/{SERVICE}/Hold"], [])
         self.echo = self.channel.unary_unary(f"/{SERVICE}/Echo").future(b"", timeout=30)
         (pool,) = s_agent._pools
 
@@ -327,9 +334,10 @@ class OneWorker:
 @pytest.fixture
 def one_worker(rpc_agents: tuple[RpcAgent, RpcAgent]) -> Iterator[OneWorker]:
     s_agent, c_agent = rpc_agents
-    release, echoed = threading.Event(), threading.Event()
+    release, echoed, held = threading.Event(), threading.Event(), threading.Event()
 
     def hold(payload: bytes, context: Any) -> bytes:
+        held.set()
         assert release.wait(30), "never released"
         return b"held"
 
@@ -340,7 +348,7 @@ def one_worker(rpc_agents: tuple[RpcAgent, RpcAgent]) -> Iterator[OneWorker]:
     service = PoolService({"Hold": hold, "Echo": echo}, s_agent, 1)
     channel = c_agent.instrument_channel(grpc.insecure_channel(service.address), "S")
     try:
-        yield OneWorker(service, channel, release, echoed)
+        yield OneWorker(service, channel, release, echoed, held)
     finally:
         release.set()
         channel.close()
