@@ -24,6 +24,7 @@ from typing import NamedTuple, NoReturn, Protocol
 
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_BROKEN,
+    BREAK_OUTCOME_FAILED,
     BREAK_OUTCOME_GONE,
     BREAK_OUTCOME_POLICIES_DISAGREE,
     BreakReport,
@@ -183,6 +184,9 @@ class BreakDispatcher:
     Its :attr:`doorbell` is given to every source, which rings it when it registers a wait.
     ``on_broken`` is called with each order that broke a wait, before its report is returned (so
     before the detector can hear of the break): the RPC-mode agent stops serving older recordings.
+    A source (or ``on_broken``) that raises is answered ``BREAK_OUTCOME_FAILED`` with its error, never
+    "gone": the wait may have been marked broken (left out of later cuts) or may still hold the
+    deadlock, and a detector told "gone" would break another wait of it.
     """
 
     def __init__(self, sources: Sequence[WaitSource], on_broken: Callable[[BreakWait], None] | None = None) -> None:
@@ -198,21 +202,39 @@ class BreakDispatcher:
         self._sources += (source,)
 
     def handle(self, order: BreakWait) -> BreakReport:
-        """Break ``order``'s wait at most once; a wait that is no longer anywhere is reported gone."""
-        for source in self._sources:
-            done = source.break_wait(order)
-            if done is not None:
-                if done.outcome == BREAK_OUTCOME_BROKEN and self._on_broken is not None:
-                    self._on_broken(order)
-                return BreakReport(
-                    break_id=order.break_id, instance=order.instance, outcome=done.outcome, detail=done.detail
-                )
+        """Break ``order``'s wait at most once; a wait that is no longer anywhere is reported gone,
+        one whose breaking raised is reported failed (with the error, logged here)."""
+        try:
+            done = self._break(order)
+        except Exception as error:
+            _log.exception("breaking wait %d (break %d) failed", order.instance, order.break_id)
+            return BreakReport(
+                break_id=order.break_id,
+                instance=order.instance,
+                outcome=BREAK_OUTCOME_FAILED,
+                detail=f"breaking wait {order.instance} raised {type(error).__name__}: {error}"[:1024],
+            )
+        if done is not None:
+            return BreakReport(
+                break_id=order.break_id, instance=order.instance, outcome=done.outcome, detail=done.detail
+            )
         return BreakReport(
             break_id=order.break_id,
             instance=order.instance,
             outcome=BREAK_OUTCOME_GONE,
             detail=f"wait {order.instance} is not waiting here (it ended, or never began): nothing done",
         )
+
+    def _break(self, order: BreakWait) -> Broken | None:
+        """What the source holding ``order``'s wait did with it (None: no source holds it); raises
+        what a source or ``on_broken`` raised."""
+        for source in self._sources:
+            done = source.break_wait(order)
+            if done is not None:
+                if done.outcome == BREAK_OUTCOME_BROKEN and self._on_broken is not None:
+                    self._on_broken(order)
+                return done
+        return None
 
     def open_waits(self) -> Iterable[OpenWait]:
         """Every source's waits now in progress."""
@@ -241,7 +263,12 @@ class PolicyAgreement:
     latest each one stated (also while its stream is down: it comes back with it, and its cuts may
     still be answered), and while two of them differ :meth:`refusal` refuses every automatic
     break, from any of them (``BREAK_OUTCOME_POLICIES_DISAGREE``). An operator's order
-    (``BreakWait.policy == "operator"``) is one explicit order and goes through.
+    (``BreakWait.policy == "operator"``) is one explicit order and goes through, unless the
+    detectors agree on an automatic policy other than the one that chose its victim
+    (``BreakWait.chosen_by``: an operator at a detector without ``--resolve`` gets the youngest
+    wait): one of them may already have broken another wait of that deadlock, on a cut taken after
+    the operator's snapshot began, and this would be a second victim. It is refused then, with the
+    same outcome, naming the detectors to ask instead (their choice is their own break's).
 
     Compared are the automatic policies only: a detector that breaks nothing unasked (``off``)
     agrees with every other, and one that states nothing (older than the field) cannot be
@@ -255,6 +282,13 @@ class PolicyAgreement:
     the detectors break deadlocks by different policies (oldest at d1:1, youngest at d0:1): ...
     >>> agreement.refusal(BreakWait(policy="youngest")) is not None, agreement.refusal(BreakWait(policy="operator"))
     (True, None)
+    >>> agreement.stated("d1:1", "off") is not None  # the policies agree again: youngest
+    True
+    >>> agreement.refusal(BreakWait(policy="operator", chosen_by="youngest")) is None
+    True
+    >>> refused = agreement.refusal(BreakWait(policy="operator", chosen_by="oldest", instance=7))
+    >>> print(refused.detail)  # doctest: +ELLIPSIS
+    operator break of wait 7 refused: it was chosen by oldest, but youngest at d0:1 breaks ...
     """
 
     def __init__(self) -> None:
@@ -290,17 +324,31 @@ class PolicyAgreement:
         )
 
     def refusal(self, order: BreakWait) -> BreakReport | None:
-        """The report refusing ``order`` while the policies disagree (automatic orders only); None: carry it out."""
-        if order.policy == OPERATOR:
-            return None
-        why = self.disagreement()
+        """The report refusing ``order`` while the policies disagree (automatic orders), or an
+        operator's order chosen by another policy than the one the detectors agree on; None: carry it out."""
+        operator = order.policy == OPERATOR
+        why = self._other_choice(order) if operator else self.disagreement()
         if why is None:
             return None
         return BreakReport(
             break_id=order.break_id,
             instance=order.instance,
             outcome=BREAK_OUTCOME_POLICIES_DISAGREE,
-            detail=f"automatic break of wait {order.instance} refused: {why}",
+            detail=f"{'operator' if operator else 'automatic'} break of wait {order.instance} refused: {why}",
+        )
+
+    def _other_choice(self, order: BreakWait) -> str | None:
+        """Why an operator's ``order`` could make a second victim: the detectors agree on breaking
+        unasked by a policy other than ``order.chosen_by`` (None when they do not, or it is not said)."""
+        automatic = {detector: p for detector, p in self._policies.items() if p not in ("", OFF)}
+        policies = set(automatic.values())
+        if not order.chosen_by or len(policies) != 1 or order.chosen_by in policies:
+            return None
+        who = ", ".join(f"{policy} at {detector}" for detector, policy in sorted(automatic.items()))
+        return (
+            f"it was chosen by {order.chosen_by}, but {who} breaks deadlocks unasked by another policy and may "
+            "already have broken another wait of this deadlock (this would be a second victim); see "
+            "`stablewatch resolutions` there, or run `stablewatch resolve` against it"
         )
 
 

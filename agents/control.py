@@ -67,6 +67,7 @@ import grpc
 from stablewatch.agents.breaking import PolicyAgreement
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
 from stablewatch.v1.control_pb2 import (
+    BREAK_OUTCOME_FAILED,
     BREAK_OUTCOME_GONE,
     BreakReport,
     BreakWait,
@@ -526,16 +527,22 @@ class ControlClient:
         if refused is not None:
             _log.debug("%s refused break %d: %s", self.process_id, order.break_id, refused.detail)
             return refused
-        if self._on_break is not None:
-            try:
-                return self._on_break(order)
-            except Exception as exc:
-                _log.exception("on_break(%d) failed", order.instance)
-                self._event("callback-error", _describe(exc))
-                detail = f"the agent failed to break it: {_describe(exc)}"
-        else:
+        if self._on_break is None:
             detail = "this agent does not break waits"
-        return BreakReport(break_id=order.break_id, instance=order.instance, outcome=BREAK_OUTCOME_GONE, detail=detail)
+            return BreakReport(
+                break_id=order.break_id, instance=order.instance, outcome=BREAK_OUTCOME_GONE, detail=detail
+            )
+        try:
+            return self._on_break(order)
+        except Exception as exc:
+            # Not "gone": the callback may have broken the wait, or it may still hold the deadlock;
+            # a detector told "gone" would name another victim of it.
+            _log.exception("on_break(%d) failed", order.instance)
+            self._event("callback-error", _describe(exc))
+            detail = f"the agent failed to break it: {_describe(exc)}"
+            return BreakReport(
+                break_id=order.break_id, instance=order.instance, outcome=BREAK_OUTCOME_FAILED, detail=detail
+            )
 
     def _channel_target(self, target: ChannelTarget) -> None:
         if self._on_channel_target is None:

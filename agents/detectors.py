@@ -62,7 +62,8 @@ class DetectorLinks:
 
     ``make_client(address, on_registered, on_event)`` builds the client for one detector (the agent
     gives the callbacks that act on its own core); ``on_change(address, connected)`` hears when a
-    stream goes up or down.
+    stream goes up or down, and hears every detector down as :meth:`start` begins, so that one never
+    reached reads as down (its ``detector_connected`` gauge 0) rather than not at all.
     """
 
     def __init__(
@@ -76,14 +77,18 @@ class DetectorLinks:
         self._by_space: dict[int, ControlClient] = {}
         #: The detectors' resolve policies, compared: automatic breaks are refused while they differ.
         self.policies = PolicyAgreement()
+        self._addresses = tuple(addresses)
         self.clients: tuple[ControlClient, ...] = tuple(
-            make_client(address, self._claimer(address), self._listener(address)) for address in addresses
+            make_client(address, self._claimer(address), self._listener(address)) for address in self._addresses
         )
         for client in self.clients:  # the agent made them: the shared rule is set here, as a doorbell is
             client.policies = self.policies
 
     async def start(self) -> None:
-        """Dial every detector in the background."""
+        """Dial every detector in the background, each down until its stream comes up."""
+        if self._on_change is not None:
+            for address in self._addresses:
+                self._on_change(address, False)
         for client in self.clients:
             await client.start()
 

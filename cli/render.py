@@ -208,6 +208,7 @@ _OUTCOME_STYLES = {
     "gone": "yellow",
     "already_broken": "yellow",
     "policies_disagree": "red",
+    "failed": "red",
     "unanswered": "red",
     "not_attached": "red",
     "pending": "cyan",
@@ -217,7 +218,7 @@ _OUTCOME_STYLES = {
 def resolution_dict(resolution: Resolution) -> dict[str, Any]:
     """A break as the CLI prints it in JSON: the message's fields, with ``outcome`` as a word of
     :func:`~stablewatch.detector.service.resolutions.outcome_word` (broken, gone, already_broken,
-    policies_disagree, unanswered, not_attached, or pending while the agent's report may still come)."""
+    policies_disagree, failed, unanswered, not_attached, or pending while the agent's report may still come)."""
     return {**proto_dict(resolution), "outcome": outcome_word(resolution)}
 
 

@@ -27,7 +27,8 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="List the breaks of deadlocks the detector sent (--resolve, or `stablewatch resolve`), "
         "newest first: the victim wait, the deadlock, who asked, and the outcome the victim's agent "
         "reported (broken, gone: the wait had ended, already_broken, policies_disagree: the agent refused "
-        "an automatic break because its detectors' --resolve policies differ), or unanswered, not_attached, "
+        "an automatic break because its detectors' --resolve policies differ, failed: breaking it raised at the "
+        "agent, which logged why), or unanswered, not_attached, "
         "and pending while the report may still come.",
     )
     resolutions.add_argument("--limit", type=arguments.positive_int, default=DEFAULT_LIMIT, metavar="N",

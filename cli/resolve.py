@@ -3,7 +3,9 @@ proven deadlock").
 
 The detector picks one wait per deadlock, as ``--resolve`` would (its policy, else youngest), and
 sends the break to the victim's agent; the agent's report comes later (``stablewatch resolutions``,
-``stablewatch watch``). Under mutual TLS it needs the operator role.
+``stablewatch watch``): an agent whose detectors break unasked by another policy than the one that
+chose the victim refuses it (``policies_disagree``), since one of them may have broken another wait
+of that deadlock already. Under mutual TLS it needs the operator role.
 """
 
 from __future__ import annotations
@@ -32,7 +34,10 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
         description="Break each deadlock that completed snapshot SNAPSHOT_ID proves: the detector picks "
         "one wait of it (by its --resolve policy, else the youngest) and its agent ends that wait, whose "
         "caller gets ABORTED or DeadlockVictim. Nothing is broken for a snapshot whose deadlock is false "
-        "or unknown, or whose deadlocks are being broken already. Under mutual TLS it needs "
+        "or unknown, or whose deadlocks are being broken already. Where another detector breaks deadlocks "
+        "unasked by another --resolve policy, the agent refuses the break (policies_disagree in `stablewatch "
+        "resolutions`, naming that detector): it may have broken another wait of the deadlock already. "
+        "Under mutual TLS it needs "
         "stablewatch://role/operator. Exit status 0 when a break was sent, 1 when the detector refused "
         "(nothing to break, an unknown snapshot, no permission) or reached no victim.",
     )

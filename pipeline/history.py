@@ -408,7 +408,7 @@ def breaks(resolutions: DataFrame, snapshots: DataFrame) -> DataFrame:
 
     Columns: ``resolution_id, snapshot_id, sent_at, reported_at, victim`` (``P`` or ``P/task``),
     ``instance, policy, requested_by, outcome`` (broken, gone, already_broken, policies_disagree,
-    unanswered, pending), ``deadlock, component_size``, ``waited_seconds`` (how long the victim had waited
+    failed, unanswered, pending), ``deadlock, component_size``, ``waited_seconds`` (how long the victim had waited
     when the break was sent), ``answer_seconds`` (from sending to the agent's answer) and
     ``recovery_seconds`` (for a broken wait, from the start of the snapshot that proved the
     deadlock to the answer: as long as the deadlock can have lasted after it was seen, the
@@ -439,7 +439,7 @@ def breaks(resolutions: DataFrame, snapshots: DataFrame) -> DataFrame:
 
 
 #: The outcomes counted per bucket by :func:`breaks_over_time`, as its columns.
-BREAK_OUTCOME_COLUMNS = ("broken", "gone", "already_broken", "policies_disagree", "unanswered", "pending")
+BREAK_OUTCOME_COLUMNS = ("broken", "gone", "already_broken", "policies_disagree", "failed", "unanswered", "pending")
 
 
 def breaks_over_time(found: DataFrame, bucket_seconds: int) -> DataFrame:
@@ -448,8 +448,8 @@ def breaks_over_time(found: DataFrame, bucket_seconds: int) -> DataFrame:
     proving snapshots, the victims (sorted), and percentiles of ``recovery_seconds``. With
     `bucket_seconds` 0, one row over the whole range (``bucket_start`` null); none without breaks.
 
-    Columns: ``bucket_start, breaks, broken, gone, already_broken, policies_disagree, unanswered,
-    pending, snapshots, victims, recovery_p50, recovery_p90, recovery_p99, recovery_max``.
+    Columns: ``bucket_start, breaks, broken, gone, already_broken, policies_disagree, failed,
+    unanswered, pending, snapshots, victims, recovery_p50, recovery_p90, recovery_p99, recovery_max``.
     """
     if bucket_seconds:
         start = F.floor(F.unix_seconds("sent_at") / bucket_seconds) * bucket_seconds

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
 import prometheus_client
 import pytest
 from prometheus_client import CollectorRegistry
 
+from conftest import free_port
+from stablewatch.agents.agent import Agent
 from stablewatch.agents.metrics import REJECT_REASONS, AgentMetrics
+from stablewatch.agents.rpc.agent import RpcAgent
 
 P = "stablewatch_agent_"
 
@@ -126,3 +130,37 @@ def test_http_exposition() -> None:
     assert not thread.is_alive()
     assert 'stablewatch_agent_messages_sent_total{peer="B"} 2.0' in body
     assert "# TYPE stablewatch_agent_window_entries gauge" in body
+
+
+def _unreachable_detectors() -> list[str]:
+    """Two detector addresses where nothing listens: the agents dial them in vain."""
+    return [f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"]
+
+
+def test_a_detector_never_reached_reads_0() -> None:
+    """An agent exports ``detector_connected`` 0 for each configured detector from its start, before
+    (and without) any stream coming up, so an alert or panel sees a detector it never reached."""
+    detectors = _unreachable_detectors()
+
+    async def scenario() -> None:
+        agent = Agent("A", detector=detectors)
+        await agent.start()
+        try:
+            for address in detectors:
+                assert value(agent.metrics, "detector_connected", detector=address) == 0, address
+            assert value(agent.metrics, "control_connected") == 0
+        finally:
+            await agent.stop()
+
+    asyncio.run(scenario())
+
+
+def test_an_rpc_detector_never_reached_reads_0() -> None:
+    """The same for an RPC-mode agent's ``stablewatch_agent_rpc_detector_connected``."""
+    detectors = _unreachable_detectors()
+    with RpcAgent("A", detector=detectors, hint_after=None) as agent:
+        for address in detectors:
+            sample = agent.metrics.registry.get_sample_value(
+                "stablewatch_agent_rpc_detector_connected", {"detector": address}
+            )
+            assert sample == 0, address

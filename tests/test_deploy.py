@@ -38,6 +38,7 @@ from cryptography import x509
 
 from stablewatch.agents.certificates import channel_credentials
 from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.rpc.metrics import RpcAgentMetrics
 from stablewatch.cli.client import DetectorClient, DetectorError
 from stablewatch.detector.service.detector import DetectorConfig
 from stablewatch.detector.service.limits import REFUSAL_REASONS
@@ -189,6 +190,11 @@ def agent_names() -> set[str]:
     return _sample_names(AgentMetrics().registry)
 
 
+@pytest.fixture(scope="module")
+def rpc_agent_names() -> set[str]:
+    return _sample_names(RpcAgentMetrics().registry)
+
+
 def _promtool(*args: str, cwd: Path = PROMETHEUS) -> subprocess.CompletedProcess[str]:
     promtool = shutil.which("promtool")
     if promtool is None:
@@ -234,7 +240,7 @@ def test_every_file_parses() -> None:
     assert _dashboard()["panels"]
 
 
-def test_metric_names_are_collected(detector_names: set[str], agent_names: set[str]) -> None:
+def test_metric_names_are_collected(detector_names: set[str], agent_names: set[str], rpc_agent_names: set[str]) -> None:
     """The name lists the other tests rely on are complete (labelled metrics without children included)."""
     for name in (
         "stablewatch_predicate_value",
@@ -249,7 +255,13 @@ def test_metric_names_are_collected(detector_names: set[str], agent_names: set[s
     ):
         assert name in detector_names
     assert "stablewatch_agent_messages_sent_total" in agent_names
+    assert {
+        "stablewatch_agent_rpc_stamped_messages_total",
+        "stablewatch_agent_rpc_detector_connected",
+    } <= rpc_agent_names
     assert not any(name.startswith("stablewatch_agent_") for name in detector_names)
+    assert all(name.startswith("stablewatch_agent_rpc_") for name in rpc_agent_names)
+    assert not any(name.startswith("stablewatch_agent_rpc_") for name in agent_names)
 
 
 # -- alert rules --------------------------------------------------------------------------------------------
@@ -276,7 +288,7 @@ def test_break_alerts() -> None:
     assert broken["labels"]["severity"] == "info"
     assert 'stablewatch_deadlocks_resolved_total{outcome="broken"}' in broken["expr"]
     assert unanswered["labels"]["severity"] == "warning"
-    assert 'stablewatch_deadlocks_resolved_total{outcome=~"unanswered|not_attached"}' in unanswered["expr"]
+    assert 'stablewatch_deadlocks_resolved_total{outcome=~"unanswered|not_attached|failed"}' in unanswered["expr"]
     for rule in (broken, unanswered):
         assert rule["for"] == "0s"
         assert "stablewatch resolutions" in rule["annotations"]["description"]
@@ -542,6 +554,35 @@ def test_counts_in_descriptions_are_whole_numbers(tmp_path: Path) -> None:
     _promtool_cases(tmp_path, [test], evaluation_interval="1s")
 
 
+def _counter(start: int, steps: tuple[int, ...], scrapes: int) -> str:
+    """A promtool values string: a counter from `start` that grows by `steps`, repeated, per scrape."""
+    values = [start]
+    for scrape in range(1, scrapes):
+        values.append(values[-1] + steps[scrape % len(steps)])
+    return " ".join(map(str, values))
+
+
+def test_snapshots_aborting_needs_three_whole_aborts(tmp_path: Path) -> None:
+    """Scraped every 61 s and evaluated every minute (so no evaluation lines up with a scrape, as in
+    production), each 5-minute window sees 4 or 5 scrapes: increase() extrapolates the 2 aborts
+    they show to 2.5. Exactly 2 aborts in every window never fire; exactly 3 do, after 10 minutes."""
+    detector = {"severity": "warning", "job": _JOB, "instance": "detector-0:9464", "replica": "0"}
+
+    def test(steps: tuple[int, ...], *firing: dict[str, str]) -> dict[str, Any]:
+        return {
+            "interval": "61s",
+            "input_series": [
+                _series("stablewatch_snapshots_total", 0, _counter(100, steps, 40), outcome="aborted"),
+                _series("stablewatch_snapshots_total", 0, "50x40", outcome="completed"),
+            ],
+            "alert_rule_test": [
+                _fires("StablewatchSnapshotsAborting", f"{minute}m", *firing, value="100%") for minute in (20, 30)
+            ],
+        }
+
+    _promtool_cases(tmp_path, [test((1, 0)), test((1, 1, 1, 0), detector)])
+
+
 # The refusals StablewatchRefused leaves out (alerts.yml says why): every other reason the detector
 # counts is one of a client's identity or of its admission limits, which the alert promises.
 _REFUSALS_NOT_ALERTED = {"already_attached", "rate_limited", "too_many_triggers", "bad_request"}
@@ -731,11 +772,63 @@ def test_amtool_checks_alertmanager_config() -> None:
 # -- Grafana dashboard --------------------------------------------------------------------------------------
 
 
-def test_dashboard_uses_only_real_metrics(detector_names: set[str], agent_names: set[str]) -> None:
+def test_dashboard_uses_only_real_metrics(
+    detector_names: set[str], agent_names: set[str], rpc_agent_names: set[str]
+) -> None:
+    """Every name the dashboard queries is one the detector, an agent or an RPC-mode agent exports."""
     names = _names(iter(_dashboard_expressions()))
-    assert names - detector_names - agent_names == set()
+    assert names - detector_names - agent_names - rpc_agent_names == set()
     assert "stablewatch_snapshot_duration_seconds_bucket" in names
     assert "stablewatch_agent_messages_sent_total" in names
+
+
+# What an RPC-mode agent exports in place of a channel-mode agent's series of another name (a series
+# of the same name after ``stablewatch_agent_rpc_`` is the equivalent too, without being listed).
+_RPC_EQUIVALENTS = {
+    "stablewatch_agent_messages_sent_total": {"stablewatch_agent_rpc_stamped_messages_total"},
+    "stablewatch_agent_reconnects_total": {"stablewatch_agent_rpc_peer_resets_total"},
+    "stablewatch_agent_rejected_frames_total": {
+        "stablewatch_agent_rpc_bad_stamps_total",
+        "stablewatch_agent_rpc_stale_messages_total",
+    },
+}
+
+
+def _row(title: str) -> list[dict[str, Any]]:
+    """The panels of the (expanded) row called `title`: those after it up to the next row."""
+    panels = _dashboard()["panels"]
+    start = next(i for i, panel in enumerate(panels) if panel["type"] == "row" and panel["title"] == title)
+    row = []
+    for panel in panels[start + 1 :]:
+        if panel["type"] == "row":
+            break
+        row.append(panel)
+    return row
+
+
+def test_dashboard_agents_row_covers_rpc_agents(agent_names: set[str], rpc_agent_names: set[str]) -> None:
+    """RPC-mode agents export ``stablewatch_agent_rpc_*``, not ``stablewatch_agent_*``: each panel of
+    the Agents row that shows a series with an RPC equivalent shows that too, and the agent
+    variables list the agents of both modes, so the row is not empty for an RPC service."""
+    row = _row("Agents")
+    assert row
+    shown_rpc: set[str] = set()
+    for panel in row:
+        names = _names(target["expr"] for target in panel["targets"])
+        assert names <= agent_names | rpc_agent_names, panel["title"]
+        shown_rpc |= names & rpc_agent_names
+        for name in names & agent_names:
+            suffix = name.removeprefix("stablewatch_agent_")
+            same = {f"stablewatch_agent_rpc_{suffix}"} & rpc_agent_names
+            missing = (same | _RPC_EQUIVALENTS.get(name, set())) - names
+            assert not missing, (panel["title"], name, missing)
+    assert {"stablewatch_agent_rpc_control_connected", "stablewatch_agent_rpc_stamped_messages_total"} <= shown_rpc
+    variables = {v["name"]: v for v in _dashboard()["templating"]["list"]}
+    for variable in ("agent_job", "agent_instance"):
+        query = variables[variable]["query"]["query"]
+        assert {"stablewatch_agent_control_connected", "stablewatch_agent_rpc_control_connected"} <= _names(
+            iter([query])
+        ), variable
 
 
 def test_dashboard_shows_what_it_promises() -> None:

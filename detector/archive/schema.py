@@ -259,13 +259,14 @@ _TABLE_ADDED: dict[str, int] = {"resolutions": 3}
 #: What became of a break, as the ``resolutions`` table says it: the agent's answer, ``unanswered``
 #: when the detector gave up waiting for one (or could not send the break), ``pending`` for a break
 #: archived before its outcome was known (the detector and export archive a break once it is).
-#: ``policies_disagree`` (an agent refused an automatic break: its detectors' policies differ) is
-#: a word, not a column: files of version 3 hold it, and a reader without it reads ``unanswered``.
-RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "unanswered", "pending")
+#: ``policies_disagree`` (an agent refused an automatic break: its detectors' policies differ) and
+#: ``failed`` (breaking the wait raised at the agent) are words, not columns: files of version 3
+#: hold them, and a reader without them reads ``unanswered``.
+RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "failed", "unanswered", "pending")
 #: The outcomes that are an agent's answer: a break has at most one.
-ANSWERS = ("broken", "gone", "already_broken", "policies_disagree")
+ANSWERS = ("broken", "gone", "already_broken", "policies_disagree", "failed")
 
-# The agent's answers, as words: broken, gone, already_broken, policies_disagree.
+# The agent's answers, as words: broken, gone, already_broken, policies_disagree, failed.
 _BREAK_OUTCOMES = {
     BreakOutcome.Name(value).removeprefix("BREAK_OUTCOME_").lower(): value
     for value in BreakOutcome.values()

@@ -27,10 +27,18 @@ from stablewatch.v1 import PredicateResult
 __all__ = ["HINT_OUTCOMES", "LATE_REPORT_OUTCOMES", "RESOLUTION_OUTCOMES", "DetectorMetrics"]
 
 #: How a break ended (the label of ``stablewatch_deadlocks_resolved_total``).
-RESOLUTION_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "unanswered", "not_attached")
+RESOLUTION_OUTCOMES = (
+    "broken",
+    "gone",
+    "already_broken",
+    "policies_disagree",
+    "failed",
+    "unanswered",
+    "not_attached",
+)
 #: The agents' answers that can come after the detector gave up waiting (the label of
 #: ``stablewatch_break_reports_late_total``).
-LATE_REPORT_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree")
+LATE_REPORT_OUTCOMES = ("broken", "gone", "already_broken", "policies_disagree", "failed")
 #: What a long-wait hint led to (the label of ``stablewatch_wait_hints_total``).
 HINT_OUTCOMES = ("snapshot", "coalesced", "rate_limited", "ignored")
 
@@ -108,7 +116,8 @@ class DetectorMetrics:
         self.resolutions = Counter(
             "stablewatch_deadlocks_resolved",
             "Breaks of proven deadlocks, by how they ended (broken, gone, already_broken, policies_disagree: "
-            "refused by an agent whose detectors' --resolve policies differ, unanswered, not_attached); "
+            "refused by an agent whose detectors' --resolve policies differ, failed: breaking raised at the agent, "
+            "unanswered, not_attached); "
             "an answer that came after the break was given up as unanswered is counted under it too",
             ["outcome"], registry=r,
         )  # fmt: skip

@@ -7,7 +7,13 @@ takes the agent's ``BreakReport`` in (only from the process the break was sent t
 report that does not come (or that a detector restart made impossible), and hands every finished
 break to the archive, the metrics and the watchers. An automatic break an agent refuses because the
 detectors it attaches to break by different policies (``policies_disagree``) is recorded like the
-others and logged as a warning, once per distinct refusal. An operator's break of a stored snapshot goes
+others and logged as a warning, once per distinct refusal. An operator's order says which policy
+chose its victim (``BreakWait.chosen_by``: this detector's, else ``youngest``), so that an agent
+whose detectors all break unasked by another policy refuses it the same way: one of them may have
+broken another wait of that deadlock already (one victim per deadlock whatever the policies). A
+break whose breaking raised at the agent (``failed``) is logged as a warning with the agent's
+error; as after a refusal, its wait is not named (the same wait is tried again, never another
+one of the deadlock, which it may still hold). An operator's break of a stored snapshot goes
 only to a process attached since before that snapshot began: one that attached again may have
 restarted, and its wait instances then name other waits. ``stablewatch_resolution_seconds``
 measures, per wait reported broken, the time from the start of the snapshot that proved the deadlock
@@ -47,6 +53,7 @@ from stablewatch.v1 import Evaluation, GlobalSnapshot, WaitNode
 from stablewatch.v1.bounds import MAX_TEXT_BYTES, quoted_prefix, too_long
 from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_BROKEN,
+    BREAK_OUTCOME_FAILED,
     BREAK_OUTCOME_POLICIES_DISAGREE,
     BREAK_OUTCOME_UNSPECIFIED,
     BreakOutcome,
@@ -71,6 +78,12 @@ def outcome_word(resolution: Resolution) -> str:
 
 
 _NOT_ATTACHED = "the victim's process is not attached"
+
+
+def _nothing_known_broken(report: BreakReport) -> bool:
+    """Whether the agent's answer says nothing known was broken, so the same wait is named again
+    (see :meth:`.Resolver.reported`): a refusal, or a break that raised at the agent."""
+    return report.outcome in (BREAK_OUTCOME_POLICIES_DISAGREE, BREAK_OUTCOME_FAILED)
 
 
 class Resolutions:
@@ -143,7 +156,7 @@ class Resolutions:
                     f"snapshot {snapshot_id} has nothing to break: {who} attached again after snapshot "
                     f"{snapshot_id} started (it may have restarted, and its waits be others now): take a new snapshot"
                 )
-        return [self._break(snapshot_id, victim, OPERATOR, requested_by) for victim in victims]
+        return [self._break(snapshot_id, victim, OPERATOR, requested_by, chosen_by=policy) for victim in victims]
 
     def reported(self, process_id: str, report: BreakReport) -> Resolution | None:
         """An agent answered a break; ignored (and logged) unless it is the victim's process answering
@@ -154,8 +167,7 @@ class Resolutions:
             return self._late(process_id, report)
         del self._pending[report.break_id]
         now = self._clock()
-        refused = report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE
-        self._resolver.reported(report.break_id, now, refused=refused)
+        self._resolver.reported(report.break_id, now, refused=_nothing_known_broken(report))
         self._answer(resolution, report, now)
         self._finished(resolution)
         return resolution
@@ -204,7 +216,7 @@ class Resolutions:
     def _late(self, process_id: str, report: BreakReport) -> Resolution | None:
         """A report for no pending break: the answer to one given up on lately, or ignored."""
         now = self._clock()
-        refused = report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE
+        refused = _nothing_known_broken(report)
         # The resolver checks the process and the wait: the break named them when it went out.
         wait = (process_id, report.instance)
         # A late report without an answer this detector knows would only say "unanswered" again.
@@ -238,12 +250,19 @@ class Resolutions:
         resolution.detail = quoted_prefix(detail, 1024) if too_long(detail, MAX_TEXT_BYTES) else detail[:4096]
         if report.outcome == BREAK_OUTCOME_POLICIES_DISAGREE:
             self._refused(resolution)
+        elif report.outcome == BREAK_OUTCOME_FAILED:
+            _log.warning(
+                "%s failed to break wait %d of the deadlock of snapshot %d: %s",
+                quoted_prefix(resolution.process_id), resolution.instance, resolution.snapshot_id, resolution.detail,
+            )  # fmt: skip
 
     def _store(self) -> Store:
         assert self.store is not None, "the detector sets the store when it starts"
         return self.store
 
-    def _break(self, snapshot_id: int, victim: Victim, policy: str, requested_by: str) -> Resolution:
+    def _break(
+        self, snapshot_id: int, victim: Victim, policy: str, requested_by: str, *, chosen_by: str = ""
+    ) -> Resolution:
         now = self._clock()
         resolution = Resolution(
             snapshot_id=snapshot_id,
@@ -268,6 +287,7 @@ class Resolutions:
             task=victim.task,
             deadlock=victim.deadlock_text,
             policy=policy,  # "operator": one explicit order, carried out even while policies disagree
+            chosen_by=chosen_by,  # an operator's: refused where the detectors agree on another policy
         )
         _log.info(
             "breaking wait %d of %s (task %r) to end the deadlock of snapshot %d: %s",

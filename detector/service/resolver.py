@@ -31,7 +31,15 @@ nothing. Its wait is not named either: once the policies agree again, every dete
 same wait, and moving on to the next candidate would make a second victim. The detector's own
 policy does not try that deadlock again until ``refusal_pause`` seconds after the refusal (each try
 would be refused the same while the configuration stays wrong); an operator's request may break
-it at once.
+it at once. An operator's order refused because the detectors agree on another policy than the one
+that chose it is taken the same way (another wait of the deadlock may have been broken already).
+
+A break whose breaking *raised* at the agent (``BREAK_OUTCOME_FAILED``: its callback or wait source
+failed) is taken as a refusal too, not as "gone": the wait may have been marked broken, so that
+later cuts no longer show it, or may still hold the deadlock. Its wait is not named, and the
+deadlock gets no other victim: a later cut that still shows it names the same wait again after
+``refusal_pause`` (the agent answers ``already_broken`` if the first try did break it); a cut
+that no longer shows it names nothing.
 
 The caller (:mod:`.breaking`) passes the time in, sends the orders and stores what happened.
 """
@@ -222,7 +230,8 @@ class Resolver:
     def reported(self, break_id: int, now: float, *, refused: bool = False) -> bool:
         """The agent answered ``break_id`` at ``now``; False when no such break is under way.
 
-        ``refused``: it broke nothing because its detectors' policies disagree. The wait is not
+        ``refused``: nothing is known to be broken (its detectors' policies disagree, or breaking
+        raised at the agent). The wait is not
         named (see :meth:`unsent`), and the deadlock waits ``refusal_pause`` for this detector's
         policy to try it again.
         """

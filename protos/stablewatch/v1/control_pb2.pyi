@@ -15,11 +15,13 @@ class BreakOutcome(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     BREAK_OUTCOME_GONE: _ClassVar[BreakOutcome]
     BREAK_OUTCOME_ALREADY_BROKEN: _ClassVar[BreakOutcome]
     BREAK_OUTCOME_POLICIES_DISAGREE: _ClassVar[BreakOutcome]
+    BREAK_OUTCOME_FAILED: _ClassVar[BreakOutcome]
 BREAK_OUTCOME_UNSPECIFIED: BreakOutcome
 BREAK_OUTCOME_BROKEN: BreakOutcome
 BREAK_OUTCOME_GONE: BreakOutcome
 BREAK_OUTCOME_ALREADY_BROKEN: BreakOutcome
 BREAK_OUTCOME_POLICIES_DISAGREE: BreakOutcome
+BREAK_OUTCOME_FAILED: BreakOutcome
 
 class Register(_message.Message):
     __slots__ = ("process_id", "address", "incarnation", "agent_version", "rpc_mode", "known_epoch")
@@ -166,20 +168,22 @@ class Ping(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class BreakWait(_message.Message):
-    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock", "policy")
+    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock", "policy", "chosen_by")
     BREAK_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
     TASK_FIELD_NUMBER: _ClassVar[int]
     DEADLOCK_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
+    CHOSEN_BY_FIELD_NUMBER: _ClassVar[int]
     break_id: int
     snapshot_id: int
     instance: int
     task: str
     deadlock: str
     policy: str
-    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+    chosen_by: str
+    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ..., policy: _Optional[str] = ..., chosen_by: _Optional[str] = ...) -> None: ...
 
 class DetectorMessage(_message.Message):
     __slots__ = ("registered", "refused", "start", "abort", "ended", "ping", "channel_target", "break_wait")
