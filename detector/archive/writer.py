@@ -50,7 +50,8 @@ their ids (this writer may still hold them in memory and write them; if it fails
 
 A snapshot the archive cannot hold (a value no column takes, which the assembler refuses in a part
 anyway: a NaN attribute, a uint64 of 2**63 or more) fails alone: it is logged, set aside in the
-store (``set_aside``: never offered again) and the rest of its batch is written.
+store (``set_aside``: never offered again) and the rest of its batch is written. Running out of
+memory while converting one says nothing about it: the batch fails, and the resync tries it again.
 """
 
 from __future__ import annotations
@@ -175,6 +176,8 @@ def write_finished(
     for item in sorted(batch, key=lambda item: item.snapshot_id):
         try:
             per_snapshot.append((item.snapshot_id, snapshot_rows(item.summary, item.snapshot, item.evaluation)))
+        except MemoryError:
+            raise  # says nothing about the snapshot: the batch fails, and the next resync tries it again
         except Exception as error:
             _unfit(item.snapshot_id, error, set_aside)
     try:
