@@ -35,7 +35,7 @@ from stablewatch.detector.archive.reader import read_snapshots
 from stablewatch.detector.archive.schema import ArchiveError
 from stablewatch.detector.archive.writer import ArchiveWriter, load, write_finished
 from stablewatch.detector.assembly import Assembler, PartRejected
-from stablewatch.detector.service.detector import Detector, DetectorConfig
+from stablewatch.detector.service.detector import Detector, DetectorConfig, NoAgents
 from stablewatch.detector.service.store import DB_FILENAME, Store, StoreError
 from stablewatch.v1 import GlobalSnapshot, InboundChannelState, LocalSnapshotPart, LocalState, OutboundCount
 from stablewatch.v1 import RecordedMessage as Message
@@ -324,6 +324,28 @@ def test_an_abort_the_store_fails_to_write_is_written_before_the_next_snapshot(
             first = detector.store.summary(taken[0])
             assert first is not None and first.outcome != SNAPSHOT_OUTCOME_ABORTED  # the disk was full
             await detector.take_snapshot()  # the store works again: the abort is written first
+            first = detector.store.summary(taken[0])
+            assert first is not None and first.outcome == SNAPSHOT_OUTCOME_ABORTED
+            assert first.abort_kind == "store_error"
+
+    run(scenario())
+
+
+def test_an_abort_the_store_fails_to_write_is_written_at_the_next_turn_also_without_agents(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The schedule's next turn writes it though no agent is attached any more (no snapshot starts)."""
+
+    async def scenario() -> None:
+        async with one_member_detector(tmp_path, monkeypatch) as (detector, taken):
+            with monkeypatch.context() as patch:
+                patch.setattr(detector.store, "complete", disk_full)
+                patch.setattr(detector.store, "abort", disk_full)
+                with pytest.raises(sqlite3.OperationalError):
+                    await detector.take_snapshot()
+            detector.coordinator.members.clear()  # the member left
+            with pytest.raises(NoAgents):
+                await detector.take_snapshot()
             first = detector.store.summary(taken[0])
             assert first is not None and first.outcome == SNAPSHOT_OUTCOME_ABORTED
             assert first.abort_kind == "store_error"

@@ -367,6 +367,8 @@ class Detector:
         aborted snapshot is returned too, with its outcome and reason. Raises :class:`NoAgents`
         when no agent is attached, :class:`TooFewMembers` when fewer than ``min_members`` are.
         """
+        # First, also while no agent is attached (the schedule still comes here): the store may work again.
+        self._store_unstored()
         attached = len(self.coordinator.members)
         if not attached:
             raise NoAgents("no agent is attached")
@@ -375,7 +377,6 @@ class Detector:
                 f"{attached} of the {self.config.min_members} agents that --min-members asks for are attached"
             )
         store = self.store
-        self._store_unstored()
         started = time.time()
         snapshot_id = store.allocate_id(started, self.config.replica)
         store.begin(snapshot_id, started, attached)
@@ -452,7 +453,7 @@ class Detector:
 
     def _store_aborted(self, snapshot_id: int, reason: str, kind: str) -> SnapshotSummary:
         """Store RUNNING snapshot `snapshot_id` as ABORTED; when the store fails, log it, remember it
-        (:meth:`_store_unstored` writes it before the next snapshot) and raise."""
+        (:meth:`_store_unstored` writes it at the next snapshot's turn) and raise."""
         finished = time.time()
         try:
             return self.store.abort(snapshot_id, reason, finished, kind)
