@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 #: Every reason a frame can be refused for (bounded: safe as a metric label).
-FRAME_ERRORS = ("no_hello", "unknown_channel", "sequence_gap", "malformed", "spoofed")
+FRAME_ERRORS = ("no_hello", "unknown_channel", "sequence_gap", "malformed", "spoofed", "superseded")
 
 # Bytes an entry is charged beyond its payload, for windows and size limits.
 ENTRY_OVERHEAD = 8

@@ -27,7 +27,21 @@ while the receive queue is full:
 * meanwhile the stream keeps reading, unacknowledged, up to ``read_ahead_entries`` entries or
   ``read_ahead_bytes`` bytes, so that markers behind a full window still arrive (a snapshot can
   then record a flow-control deadlock); beyond that it stops reading and gRPC's flow control holds
-  the sender back. Memory stays bounded by the queue's bounds plus the read-ahead of each stream.
+  the sender back. Memory stays bounded by the queue's bounds plus the read-ahead of each channel.
+
+The read-ahead is the channel's, not the stream's: what was accepted and not acknowledged counts
+against it whichever stream carried it, and it is checked before a frame is taken, a new stream's
+first one included. Only an acknowledgement sent with room in the queue moves the channel's
+acknowledged position (a new stream's hello answered while the queue is full does not). A sender
+has one stream per channel: a new stream of the same sender incarnation that passes its checks
+supersedes the older ones, which end as ``superseded`` (the sender resends from what it saw
+acknowledged, and what was accepted before is dropped as a duplicate, so nothing is lost or
+delivered twice). A new sender incarnation starts the channel's numbers again with a read-ahead
+of its own (its markers behind a full window must still arrive), but inherits what earlier ones left
+unacknowledged, until an acknowledgement with room covers it, and all of it together stays within
+twice the read-ahead: announcing incarnations buys no more. A frame larger than the read-ahead is
+refused (``malformed``). So opening streams or restarting cannot make the agent hold more than
+twice the read-ahead, plus one frame, per channel.
 
 The per-channel sequence state lives here, not in the gRPC server, so it survives a restart of the
 server (for example to reload certificates). A hello with a greater sender incarnation means the
@@ -43,7 +57,6 @@ import asyncio
 import contextlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
-from dataclasses import dataclass
 
 import grpc
 
@@ -62,13 +75,44 @@ _STATUS = {
     "sequence_gap": grpc.StatusCode.OUT_OF_RANGE,
     "malformed": grpc.StatusCode.INVALID_ARGUMENT,
     "spoofed": grpc.StatusCode.PERMISSION_DENIED,
+    "superseded": grpc.StatusCode.ABORTED,
 }
 
 
-@dataclass(slots=True)
 class _Expected:
-    sender_incarnation: int
-    next_seq: int
+    """One channel's state for its sender's current incarnation, shared by its streams: what was
+    accepted, what was acknowledged, and what is read ahead of the acknowledgements."""
+
+    __slots__ = ("acked", "carried_bytes", "carried_entries", "next_seq", "sender_incarnation", "unacked")
+
+    def __init__(self, sender_incarnation: int, next_seq: int, carried: tuple[int, int] = (0, 0)) -> None:
+        self.sender_incarnation = sender_incarnation
+        self.next_seq = next_seq  # accepted up to here
+        # The highest acknowledgement sent with room in the queue: the read-ahead counts from here.
+        self.acked = next_seq
+        self.unacked: deque[tuple[int, int]] = deque()  # (end sequence number, bytes) per frame accepted
+        # What an earlier incarnation read ahead and nothing acknowledged: it still counts.
+        self.carried_entries, self.carried_bytes = carried
+
+    def read_ahead(self) -> tuple[int, int]:
+        """Entries and bytes this incarnation accepted and nothing acknowledged."""
+        return self.next_seq - self.acked, sum(size for _, size in self.unacked)
+
+    def held(self) -> tuple[int, int]:
+        """Entries and bytes accepted and not acknowledged, earlier incarnations' included."""
+        entries, nbytes = self.read_ahead()
+        return entries + self.carried_entries, nbytes + self.carried_bytes
+
+    def acknowledged(self, next_seq: int) -> None:
+        """An acknowledgement up to ``next_seq`` went out with room in the queue."""
+        self.acked = max(self.acked, next_seq)
+        while self.unacked and self.unacked[0][0] <= self.acked:
+            self.unacked.popleft()
+        self.room()
+
+    def room(self) -> None:
+        """The queue has room: what an earlier incarnation read ahead is within its bounds now."""
+        self.carried_entries = self.carried_bytes = 0
 
 
 class _Stream:
@@ -83,8 +127,9 @@ class _Stream:
         "hello_answered",
         "incarnation",
         "progress",
+        "reader",
         "src",
-        "unacked",
+        "superseded",
         "wake",
     )
 
@@ -92,11 +137,12 @@ class _Stream:
         self.src = ""
         self.incarnation = 0
         self.expected: _Expected | None = None  # shared by the streams of one sender incarnation
-        self.acked = 0  # next_seq of the last acknowledgement (at first: where the sender starts)
+        self.acked = 0  # next_seq of the last acknowledgement on this stream (at first: where the sender starts)
         self.due = 0  # accepted up to here, something the sender wants acknowledged at once
         self.hello_answered = False
         self.held = False  # a hold was sent and nothing acknowledged since
-        self.unacked: deque[tuple[int, int]] = deque()  # (end sequence number, bytes) per frame read
+        self.reader: asyncio.Future[None] | None = None  # the task reading the frames
+        self.superseded = False  # a newer stream of the same sender took the channel over
         self.wake = asyncio.Event()  # for the writer: something accepted, room, or the reader ended
         self.progress = asyncio.Event()  # for the reader: something acknowledged
         self.ack_timer: asyncio.TimerHandle | None = None  # makes what was accepted due, ack_delay after
@@ -117,7 +163,8 @@ class _Stream:
         accepted = self.expected.next_seq
         if not self.hello_answered:
             self.hello_answered = True
-            return self._acknowledge(accepted if room else self.acked)
+            # Without room: the sender's own starting point, which acknowledges nothing new.
+            return self._acknowledge(accepted) if room else self.acked
         if accepted <= self.acked:
             return None
         if room and self.due <= self.acked and not self.held:
@@ -130,13 +177,18 @@ class _Stream:
         self.held = True
         return self.acked  # the hold: the same next_seq again
 
-    def unacked_bytes(self) -> int:
-        return sum(nbytes for _, nbytes in self.unacked)
+    def supersede(self) -> None:
+        """A newer stream of the same sender took the channel over: stop reading, end this one."""
+        self.superseded = True
+        if self.reader is not None:
+            self.reader.cancel()  # it waits for a frame or for progress: nothing is half taken
+        self.wake.set()
 
     def _acknowledge(self, next_seq: int) -> int:
+        """Send ``next_seq`` (the queue has room): it moves the channel's read-ahead on too."""
         self.acked = next_seq
-        while self.unacked and self.unacked[0][0] <= next_seq:
-            self.unacked.popleft()
+        if self.expected is not None:
+            self.expected.acknowledged(next_seq)
         if self.ack_timer is not None and self.expected is not None and next_seq >= self.expected.next_seq:
             self.ack_timer.cancel()  # this one covers everything accepted
             self.ack_timer = None
@@ -201,9 +253,9 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         """One channel's stream: frames in (read by a task of its own), cumulative acknowledgements out."""
         stream = _Stream()
         self._streams.add(stream)
-        reader = asyncio.ensure_future(self._read(request_iterator, context, stream))
+        reader = stream.reader = asyncio.ensure_future(self._read(request_iterator, context, stream))
         try:
-            while True:
+            while not stream.superseded:
                 next_seq = stream.next_ack(self._inbox.has_room())
                 if next_seq is not None:
                     yield ChannelAck(next_seq=next_seq, receiver_incarnation=self._incarnation)
@@ -212,7 +264,8 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                     break
                 stream.wake.clear()
                 await stream.wake.wait()
-            error = reader.exception()
+            # A reader that failed on its own keeps its reason, superseded or not.
+            error = reader.exception() if reader.done() and not reader.cancelled() else None
         finally:
             self._streams.discard(stream)
             if stream.ack_timer is not None:
@@ -223,6 +276,8 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                     await reader
             elif not reader.cancelled():
                 reader.exception()  # taken: a stream closed under it (server stopping) ends quietly
+        if stream.superseded and error is None:
+            error = FrameError("superseded", "a newer stream of the same sender took this channel over")
         if isinstance(error, FrameError):
             self._metrics.frame_rejected(error.reason)
             where = f"{stream.src or '?'} -> {self._process_id}"
@@ -239,30 +294,63 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                 if frame.HasField("hello"):  # with mutual TLS, the certificate says who may send
                     check_channel_peer(context, frame.hello)
                 entries = decode(frame)
+                self._check_size(frame, entries)
                 if stream.expected is None:
                     self._open(frame, stream)
+                # Checked before taking too: a new stream's first frame gets no allowance of its own.
+                await self._within_read_ahead(stream)
                 if frame.markers:
                     async with self._lock:  # recording may happen: wait for a moment it is allowed
                         self._take(frame, entries, stream)
                 else:
                     self._take(frame, entries, stream)
-                stream.unacked.append((frame.first_seq + len(entries), frame.ByteSize()))
                 if not frame.ack_later:
                     stream.make_due()
                 elif stream.ack_timer is None:
                     loop = asyncio.get_running_loop()
                     stream.ack_timer = loop.call_later(self._ack_delay, stream.make_due)
                 stream.wake.set()
-                while (
-                    stream.expected.next_seq - stream.acked >= self._read_ahead_entries
-                    or stream.unacked_bytes() >= self._read_ahead_bytes
-                ):
-                    # Read ahead as far as allowed: what was left to wait is acknowledged now.
-                    stream.make_due()
-                    stream.progress.clear()
-                    await stream.progress.wait()
+                await self._within_read_ahead(stream)
         finally:
             stream.wake.set()
+
+    def _check_size(self, frame: ChannelFrame, entries: list[Entry]) -> None:
+        """Refuse a frame larger than this agent reads ahead: one frame would escape the bound.
+
+        An honest frame is at most the sender's window, which the read-ahead (by default twice
+        this agent's window) is meant to cover.
+        """
+        size = frame.ByteSize()
+        if len(entries) > self._read_ahead_entries or size > self._read_ahead_bytes:
+            raise FrameError(
+                "malformed",
+                f"a frame of {len(entries)} entries and {size} bytes is more than this agent reads ahead "
+                f"({self._read_ahead_entries} entries, {self._read_ahead_bytes} bytes: give it a "
+                "read-ahead at least the sender's window)",
+            )
+
+    async def _within_read_ahead(self, stream: _Stream) -> None:
+        """Wait while the channel holds as much unacknowledged as it may read ahead.
+
+        The sender's current incarnation may read ahead in full, so that its markers behind a full
+        window still arrive after a restart; what earlier ones left unacknowledged counts only
+        against twice that, so announcing incarnations buys no more.
+        """
+        while True:
+            expected = self._expect(stream)
+            entries, nbytes = expected.read_ahead()
+            held_entries, held_bytes = expected.held()
+            if (
+                entries < self._read_ahead_entries
+                and nbytes < self._read_ahead_bytes
+                and held_entries < 2 * self._read_ahead_entries
+                and held_bytes < 2 * self._read_ahead_bytes
+            ):
+                return
+            # Read ahead as far as allowed: what was left to wait is acknowledged now.
+            stream.make_due()
+            stream.progress.clear()
+            await stream.progress.wait()
 
     def _take(self, frame: ChannelFrame, entries: list[Entry], stream: _Stream) -> None:
         """Hand over the entries of ``frame`` not accepted before (synchronously: no other frame of
@@ -273,6 +361,9 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
             raise FrameError("sequence_gap", f"expected entry {expected.next_seq}, got {frame.first_seq}")
         if skip >= len(entries):
             return
+        # Only the new entries' share of the frame: a resent frame is not charged twice.
+        nbytes = frame.ByteSize() * (len(entries) - skip) // len(entries)
+        expected.unacked.append((frame.first_seq + len(entries), nbytes))
         if not frame.markers:
             self._accept(stream.src, entries[skip:] if skip else entries, True)
             expected.next_seq = frame.first_seq + len(entries)
@@ -303,13 +394,26 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                 f"stale sender incarnation {hello.sender_incarnation} of {hello.src}: "
                 f"incarnation {known.sender_incarnation} has superseded it",
             )
+        same = known is not None and hello.sender_incarnation == known.sender_incarnation
+        if same and frame.first_seq > known.next_seq:  # refused here, before it supersedes a stream
+            raise FrameError("sequence_gap", f"expected entry {known.next_seq}, got {frame.first_seq}")
         if known is None or hello.sender_incarnation > known.sender_incarnation:
+            carried = (0, 0)
             if known is not None:
                 self._on_sender_restart(hello.src)
-            known = self._expected[hello.src] = _Expected(hello.sender_incarnation, frame.first_seq)
+                carried = known.held()  # still queued: a new incarnation buys no more than one allowance
+            known = self._expected[hello.src] = _Expected(hello.sender_incarnation, frame.first_seq, carried)
+        for other in list(self._streams):
+            if other is not stream and other.src == hello.src and other.incarnation == hello.sender_incarnation:
+                # One stream per channel (an earlier incarnation's is refused on its next frame). It
+                # leaves the picture at once: a writer stuck in a write must not speak for the channel.
+                other.supersede()
+                self._streams.discard(other)
         stream.src, stream.incarnation = hello.src, hello.sender_incarnation
         stream.expected = known
-        stream.acked = frame.first_seq  # what the sender knows to be acknowledged
+        # What the sender knows to be acknowledged: an honest sender starts no further than the
+        # channel's acknowledged position, and the stream acknowledges nothing before passing it.
+        stream.acked = min(frame.first_seq, known.acked)
 
     def _expect(self, stream: _Stream) -> _Expected:
         expected = self._expected[stream.src]
@@ -355,6 +459,11 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         }
 
     def _room(self) -> None:
-        """The receive queue has room again: every stream may acknowledge what it holds."""
+        """The receive queue has room again: every stream may acknowledge what it holds, and a
+        stream waiting only on what an earlier incarnation read ahead may read on (it has nothing
+        new to acknowledge that would wake it)."""
+        for expected in self._expected.values():
+            expected.room()
         for stream in self._streams:
             stream.wake.set()
+            stream.progress.set()

@@ -66,7 +66,7 @@ class ChannelSettings:
         read_ahead_bytes: int | None = None,
     ) -> None:
         # Receiving: acknowledgements stop while inbox_entries messages or inbox_bytes wait for the
-        # handler; each stream reads at most read_ahead_* beyond its acknowledgements (by default
+        # handler; each channel reads at most read_ahead_* beyond its acknowledgements (by default
         # twice a window, so that markers behind a peer's full window still arrive).
         read_ahead_entries = 2 * window_entries if read_ahead_entries is None else read_ahead_entries
         read_ahead_bytes = 2 * window_bytes if read_ahead_bytes is None else read_ahead_bytes
@@ -376,10 +376,13 @@ class OutboundChannel:
                 f"{ack.receiver_incarnation} (incarnation {known} has superseded it)"
             )
         covered = ack.next_seq - self._acked
-        if covered < 0 or covered > self._next_to_write - self._head:
+        # Bounded by what was ever written, not by what this stream has resent yet: after a
+        # reconnect the receiver answers the hello with all it accepted on the stream before.
+        written = max(self._next_to_write, self._written_high)
+        if covered < 0 or covered > written - self._head:
             raise ConnectionError(
                 f"channel {self.src} -> {self.dst}: acknowledgement of {ack.next_seq} outside the window "
-                f"[{self._acked}, {self._acked + self._next_to_write - self._head}]"
+                f"[{self._acked}, {self._acked + written - self._head}]"
             )
         self._acks_on_stream += 1
         # The first acknowledgement answers the hello; a later one that covers nothing is a hold.
@@ -388,6 +391,7 @@ class OutboundChannel:
             end = self._head + covered
             self._window_bytes -= sum(self._sizes[self._head : end])
             self._head = end
+            self._next_to_write = max(self._next_to_write, end)  # no resending what is acknowledged
             self._acked = ack.next_seq
             self._compact()
         self._metrics.window(self.dst, len(self._entries) - self._head, self._window_bytes)
