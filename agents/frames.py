@@ -21,12 +21,17 @@ __all__ = [
     "COUNTER_OVERHEAD",
     "ENTRY_OVERHEAD",
     "FRAME_ERRORS",
+    "MAX_FRAME_ENTRIES",
     "FrameError",
     "Outgoing",
     "decode",
     "encode",
     "entry_size",
 ]
+
+#: The most entries one frame may carry (part of the wire contract): a frame of many tiny entries
+#: would otherwise make a receiver hold any number of them past its read-ahead. Markers count.
+MAX_FRAME_ENTRIES = 65_536
 
 #: Every reason a frame can be refused for (bounded: safe as a metric label).
 FRAME_ERRORS = ("no_hello", "unknown_channel", "sequence_gap", "malformed", "spoofed", "superseded")

@@ -39,9 +39,9 @@ acknowledged, and what was accepted before is dropped as a duplicate, so nothing
 delivered twice). A new sender incarnation starts the channel's numbers again with a read-ahead
 of its own (its markers behind a full window must still arrive), but inherits what earlier ones left
 unacknowledged, until an acknowledgement with room covers it, and all of it together stays within
-twice the read-ahead: announcing incarnations buys no more. A frame larger than the read-ahead is
-refused (``malformed``). So opening streams or restarting cannot make the agent hold more than
-twice the read-ahead, plus one frame, per channel.
+twice the read-ahead: announcing incarnations buys no more. A frame of more than
+``MAX_FRAME_ENTRIES`` entries is refused (``malformed``). So opening streams or restarting cannot
+make the agent hold more than twice the read-ahead, plus one frame, per channel.
 
 The per-channel sequence state lives here, not in the gRPC server, so it survives a restart of the
 server (for example to reload certificates). A hello with a greater sender incarnation means the
@@ -61,7 +61,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import grpc
 
 from stablewatch.agents.core import Entry, Marker
-from stablewatch.agents.frames import FrameError, decode
+from stablewatch.agents.frames import MAX_FRAME_ENTRIES, FrameError, decode
 from stablewatch.agents.inbox import Inbox
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.peer_identity import check_channel_peer
@@ -294,7 +294,7 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
                 if frame.HasField("hello"):  # with mutual TLS, the certificate says who may send
                     check_channel_peer(context, frame.hello)
                 entries = decode(frame)
-                self._check_size(frame, entries)
+                self._check_size(entries)
                 if stream.expected is None:
                     self._open(frame, stream)
                 # Checked before taking too: a new stream's first frame gets no allowance of its own.
@@ -314,20 +314,13 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         finally:
             stream.wake.set()
 
-    def _check_size(self, frame: ChannelFrame, entries: list[Entry]) -> None:
-        """Refuse a frame larger than this agent reads ahead: one frame would escape the bound.
-
-        An honest frame is at most the sender's window, which the read-ahead (by default twice
-        this agent's window) is meant to cover.
-        """
-        size = frame.ByteSize()
-        if len(entries) > self._read_ahead_entries or size > self._read_ahead_bytes:
-            raise FrameError(
-                "malformed",
-                f"a frame of {len(entries)} entries and {size} bytes is more than this agent reads ahead "
-                f"({self._read_ahead_entries} entries, {self._read_ahead_bytes} bytes: give it a "
-                "read-ahead at least the sender's window)",
-            )
+    @staticmethod
+    def _check_size(entries: list[Entry]) -> None:
+        """Refuse a frame of more entries than the wire contract allows (:data:`MAX_FRAME_ENTRIES`):
+        the read-ahead is checked between frames, so one frame of many tiny entries would escape it.
+        Bytes need no check of their own: gRPC's receive limit bounds a frame's."""
+        if len(entries) > MAX_FRAME_ENTRIES:
+            raise FrameError("malformed", f"a frame of {len(entries)} entries is more than {MAX_FRAME_ENTRIES}")
 
     async def _within_read_ahead(self, stream: _Stream) -> None:
         """Wait while the channel holds as much unacknowledged as it may read ahead.

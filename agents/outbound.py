@@ -36,7 +36,7 @@ from typing import Any
 import grpc
 
 from stablewatch.agents.core import Marker
-from stablewatch.agents.frames import ENTRY_OVERHEAD, Outgoing, encode
+from stablewatch.agents.frames import ENTRY_OVERHEAD, MAX_FRAME_ENTRIES, Outgoing, encode
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.v1 import AckPosition, ChannelAck, ChannelFrame, ChannelHello, channel_pb2_grpc
 
@@ -75,6 +75,10 @@ class ChannelSettings:
             raise ValueError("channel windows, frame limits, receive queue and read-ahead bounds must be positive")
         if ack_delay < 0:
             raise ValueError(f"ack_delay must not be negative, not {ack_delay}")
+        if max_frame_entries > MAX_FRAME_ENTRIES:
+            raise ValueError(
+                f"max_frame_entries is at most {MAX_FRAME_ENTRIES} (receivers refuse more), not {max_frame_entries}"
+            )
         # Receiving: a frame the sender lets wait is acknowledged at the latest this long after it came.
         self.ack_delay = ack_delay
         self.window_entries = window_entries

@@ -15,10 +15,14 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
 from polling import async_poll
 from stablewatch.agents import Agent, AppMessage, ChannelSettings
-from stablewatch.agents.frames import encode
+from stablewatch.agents.core import Marker
+from stablewatch.agents.frames import MAX_FRAME_ENTRIES, encode
+from stablewatch.agents.metrics import AgentMetrics
+from stablewatch.agents.outbound import OutboundChannel
 from stablewatch.v1 import ChannelAck, ChannelHello, channel_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -218,16 +222,76 @@ def test_a_restarted_senders_entry_behind_its_full_window_still_arrives() -> Non
     with_held_b(scenario)
 
 
-def test_a_frame_larger_than_the_read_ahead_is_refused() -> None:
-    """One frame of many small entries would escape the bound (a review sent 100,000 empty
-    messages in one 200 KB frame): refused as malformed, with the bound named, and nothing taken."""
+def test_a_frame_of_more_entries_than_the_wire_contract_allows_is_refused() -> None:
+    """One frame of many small entries would escape the bound, which is checked between frames (a
+    review sent 100,000 empty messages in one 200 KB frame): refused as malformed, nothing taken."""
 
     async def scenario(agent: Agent, stub: channel_pb2_grpc.PeerStub, got: list[bytes], _: asyncio.Event) -> None:
         call = stub.Channel(timeout=4 * TIMEOUT)
-        await call.write(encode(0, [b""] * 100_000, hello()))
+        await call.write(encode(0, [b""] * (MAX_FRAME_ENTRIES + 1), hello()))
         error = await ended_with(call)
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, (error.code(), error.details())
-        assert f"more than this agent reads ahead ({READ_AHEAD} entries" in (error.details() or "")
+        assert f"entries is more than {MAX_FRAME_ENTRIES}" in (error.details() or "")
         assert agent._inbox.entries == 0 and "A" not in agent._inbound._expected
 
     with_held_b(scenario)
+
+
+def test_a_message_larger_than_the_read_ahead_is_delivered() -> None:
+    """One entry may be larger than the window (it goes alone) and than the read-ahead: a review
+    found the first version of the bound refusing its frame on every resend, a dead channel."""
+
+    async def scenario() -> None:
+        got: list[int] = []
+        settings = ChannelSettings(window_bytes=64 * 1024, backoff_initial=0.01, backoff_max=0.05)
+        b = Agent("B", handler=lambda src, m: got.append(len(m.payload)), channel_settings=settings)
+        await b.start()
+        a = Agent("A", peers={"B": b.address}, channel_settings=settings)
+        await a.start()
+        try:
+            await a.send("B", b"x" * (200 * 1024))  # over 2 x 64 KiB, within max_message_bytes
+            await async_poll(lambda: got == [200 * 1024], "the 200 KiB message delivered")
+        finally:
+            await a.stop()
+            await b.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 5 * TIMEOUT))
+
+
+def test_held_markers_and_a_message_past_a_small_read_ahead_are_taken() -> None:
+    """With a one-entry window the read-ahead is two entries, but an honest sender puts the markers
+    it held while its window was empty in front of its next message, in one frame (three entries
+    for two snapshots): the receiver takes it (a review found it refused, the channel dead)."""
+    settings = ChannelSettings(window_entries=1)
+
+    async def scenario() -> None:
+        b = Agent("B", channel_settings=settings)
+        await b.start()
+        out = OutboundChannel(
+            "A", "B", b.address, incarnation=1, settings=settings,
+            metrics=AgentMetrics(CollectorRegistry()), on_receiver_restart=lambda lost: None,
+        )  # fmt: skip
+        far = asyncio.get_running_loop().time() + 3600
+        out.put_marker(Marker(1), hold_until=far)  # the window is empty: the markers wait for the next entry
+        out.put_marker(Marker(2), hold_until=far)
+        out.push(b"m0", 16)
+        frame = out._next_frame()
+        frame.hello.CopyFrom(out._hello)
+        assert len(frame.markers) == 2 and len(frame.payloads) == 3  # the honest sender's frame
+        channel = grpc.aio.insecure_channel(b.address)
+        try:
+            call = channel_pb2_grpc.PeerStub(channel).Channel(timeout=TIMEOUT)
+            await call.write(frame)
+            assert (await first_ack(call)).next_seq == 3
+            call.cancel()
+        finally:
+            await channel.close()
+            await b.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 5 * TIMEOUT))
+
+
+def test_a_sender_cannot_be_set_to_send_frames_receivers_refuse() -> None:
+    with pytest.raises(ValueError, match=f"max_frame_entries is at most {MAX_FRAME_ENTRIES}"):
+        ChannelSettings(max_frame_entries=MAX_FRAME_ENTRIES + 1)
+    assert ChannelSettings(max_frame_entries=MAX_FRAME_ENTRIES).max_frame_entries == MAX_FRAME_ENTRIES
