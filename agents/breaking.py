@@ -44,6 +44,7 @@ __all__ = [
     "OpenWait",
     "PolicyAgreement",
     "WaitSource",
+    "failed_report",
     "hint_forever",
     "instance_counter",
     "new_instance",
@@ -178,6 +179,14 @@ class Doorbell:
                 wake()
 
 
+def failed_report(order: BreakWait, detail: str) -> BreakReport:
+    """The answer to ``order`` when breaking its wait raised: ``BREAK_OUTCOME_FAILED``, or for a
+    detector that does not know that outcome (``knows_failed`` unset) ``POLICIES_DISAGREE``, which it
+    also takes as "nothing known broken": either way it names no other wait of the deadlock."""
+    outcome = BREAK_OUTCOME_FAILED if order.knows_failed else BREAK_OUTCOME_POLICIES_DISAGREE
+    return BreakReport(break_id=order.break_id, instance=order.instance, outcome=outcome, detail=detail[:1024])
+
+
 class BreakDispatcher:
     """Routes a ``BreakWait`` to the source that holds the wait and builds the ``BreakReport``.
 
@@ -208,12 +217,7 @@ class BreakDispatcher:
             done = self._break(order)
         except Exception as error:
             _log.exception("breaking wait %d (break %d) failed", order.instance, order.break_id)
-            return BreakReport(
-                break_id=order.break_id,
-                instance=order.instance,
-                outcome=BREAK_OUTCOME_FAILED,
-                detail=f"breaking wait {order.instance} raised {type(error).__name__}: {error}"[:1024],
-            )
+            return failed_report(order, f"breaking wait {order.instance} raised {type(error).__name__}: {error}")
         if done is not None:
             return BreakReport(
                 break_id=order.break_id, instance=order.instance, outcome=done.outcome, detail=done.detail

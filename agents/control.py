@@ -64,10 +64,9 @@ from typing import Any, Literal, NamedTuple, NoReturn, TypeVar
 
 import grpc
 
-from stablewatch.agents.breaking import PolicyAgreement
+from stablewatch.agents.breaking import PolicyAgreement, failed_report
 from stablewatch.v1 import AgentMessage, DetectorMessage, LocalSnapshotPart
 from stablewatch.v1.control_pb2 import (
-    BREAK_OUTCOME_FAILED,
     BREAK_OUTCOME_GONE,
     BreakReport,
     BreakWait,
@@ -539,10 +538,7 @@ class ControlClient:
             # a detector told "gone" would name another victim of it.
             _log.exception("on_break(%d) failed", order.instance)
             self._event("callback-error", _describe(exc))
-            detail = f"the agent failed to break it: {_describe(exc)}"
-            return BreakReport(
-                break_id=order.break_id, instance=order.instance, outcome=BREAK_OUTCOME_FAILED, detail=detail
-            )
+            return failed_report(order, f"the agent failed to break it: {_describe(exc)}")
 
     def _channel_target(self, target: ChannelTarget) -> None:
         if self._on_channel_target is None:

@@ -81,7 +81,12 @@ class FakeDetector(ControlServicer):
     ) -> None:
         """Send ``process_id`` a ``BreakWait`` for its wait ``instance`` (the cycle "A -> B -> A")."""
         order = BreakWait(
-            break_id=break_id, snapshot_id=snapshot_id, instance=instance, task=task, deadlock="A -> B -> A"
+            break_id=break_id,
+            snapshot_id=snapshot_id,
+            instance=instance,
+            task=task,
+            deadlock="A -> B -> A",
+            knows_failed=True,  # as today's detectors
         )
         self.send_to(process_id, DetectorMessage(break_wait=order))
 

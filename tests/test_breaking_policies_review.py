@@ -27,6 +27,7 @@ from stablewatch.v1.control_pb2 import (
     BREAK_OUTCOME_BROKEN,
     BREAK_OUTCOME_FAILED,
     BREAK_OUTCOME_GONE,
+    BREAK_OUTCOME_POLICIES_DISAGREE,
     BreakReport,
     BreakWait,
 )
@@ -217,7 +218,7 @@ def test_an_on_broken_that_raises_is_answered_failed_and_the_wait_stays_broken_o
 
     waits = Waits(7)
     dispatcher = BreakDispatcher([waits], on_broken=on_broken)
-    first = dispatcher.handle(BreakWait(break_id=1, instance=7))
+    first = dispatcher.handle(BreakWait(break_id=1, instance=7, knows_failed=True))
     assert first.outcome == BREAK_OUTCOME_FAILED and "ValueError: core not told" in first.detail
     assert dispatcher.handle(BreakWait(break_id=2, instance=7)).outcome == BREAK_OUTCOME_ALREADY_BROKEN
     assert waits.broken == {7}
@@ -244,3 +245,12 @@ def test_a_failed_break_gives_its_deadlock_no_other_victim(store: Store, clock: 
     [again] = deliver(h, processes, start=1)
     assert outcome_word(again) == "already_broken"
     assert victims(processes) == [YOUNGEST]
+
+
+def test_a_detector_that_does_not_know_failed_is_answered_policies_disagree() -> None:
+    """An older detector cannot name BREAK_OUTCOME_FAILED (and would take the wait as settled):
+    it gets the refusal it already treats as "nothing known broken", with the error."""
+    waits = Waits(7, fail=True)
+    answer = BreakDispatcher([waits]).handle(BreakWait(break_id=1, instance=7))  # no knows_failed
+    assert answer.outcome == BREAK_OUTCOME_POLICIES_DISAGREE, answer
+    assert "RuntimeError: the waiter's loop is closed" in answer.detail

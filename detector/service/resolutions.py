@@ -288,6 +288,7 @@ class Resolutions:
             deadlock=victim.deadlock_text,
             policy=policy,  # "operator": one explicit order, carried out even while policies disagree
             chosen_by=chosen_by,  # an operator's: refused where the detectors agree on another policy
+            knows_failed=True,
         )
         _log.info(
             "breaking wait %d of %s (task %r) to end the deadlock of snapshot %d: %s",

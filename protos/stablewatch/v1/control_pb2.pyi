@@ -168,7 +168,7 @@ class Ping(_message.Message):
     def __init__(self, nonce: _Optional[int] = ...) -> None: ...
 
 class BreakWait(_message.Message):
-    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock", "policy", "chosen_by")
+    __slots__ = ("break_id", "snapshot_id", "instance", "task", "deadlock", "policy", "chosen_by", "knows_failed")
     BREAK_ID_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_ID_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
@@ -176,6 +176,7 @@ class BreakWait(_message.Message):
     DEADLOCK_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     CHOSEN_BY_FIELD_NUMBER: _ClassVar[int]
+    KNOWS_FAILED_FIELD_NUMBER: _ClassVar[int]
     break_id: int
     snapshot_id: int
     instance: int
@@ -183,7 +184,8 @@ class BreakWait(_message.Message):
     deadlock: str
     policy: str
     chosen_by: str
-    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ..., policy: _Optional[str] = ..., chosen_by: _Optional[str] = ...) -> None: ...
+    knows_failed: bool
+    def __init__(self, break_id: _Optional[int] = ..., snapshot_id: _Optional[int] = ..., instance: _Optional[int] = ..., task: _Optional[str] = ..., deadlock: _Optional[str] = ..., policy: _Optional[str] = ..., chosen_by: _Optional[str] = ..., knows_failed: _Optional[bool] = ...) -> None: ...
 
 class DetectorMessage(_message.Message):
     __slots__ = ("registered", "refused", "start", "abort", "ended", "ping", "channel_target", "break_wait")
