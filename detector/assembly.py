@@ -107,6 +107,8 @@ REJECTION_REASONS = (
 
 # How many finished snapshot ids are remembered to tell "late" from "unknown".
 _FINISHED_MEMORY = 4096
+# How many completed snapshots keep the channels their cut counted (see Assembler.after_the_cut).
+_CUTS_MEMORY = 16
 
 Channel = tuple[str, str]  # (src, dst)
 
@@ -303,6 +305,7 @@ class Assembler:
         self._pending: dict[int, _Pending] = {}
         self._finished: set[int] = set()
         self._finished_order: deque[int] = deque()
+        self._cuts: dict[int, frozenset[Channel]] = {}  # the channels each recent completed cut counted
 
     @property
     def running(self) -> list[int]:
@@ -417,7 +420,27 @@ class Assembler:
             return None
         del self._pending[pending.snapshot_id]
         self._remember_finished(pending.snapshot_id)
+        self._cuts[pending.snapshot_id] = frozenset(links)
+        if len(self._cuts) > _CUTS_MEMORY:
+            del self._cuts[next(iter(self._cuts))]  # the oldest completed
         return Completed(_global_snapshot(pending))
+
+    def after_the_cut(self, part: LocalSnapshotPart) -> bool:
+        """Whether late ``part`` only reports messages on channels that opened after a completed cut.
+
+        A sender that heard the snapshot ended opens a channel without its marker, while the
+        receiver, not told yet, still records the channel from its first message. Such a part
+        (no state, no count, each channel with m = 0 and unknown to the cut) belongs after the cut
+        and changes nothing. A channel the cut counted is not excused: a message past its n would
+        mean a broken FIFO.
+        """
+        counted = self._cuts.get(part.snapshot_id)
+        if counted is None or part.HasField("state") or part.outbound:
+            return False
+        return all(
+            channel.received_before_recording == 0 and (channel.src, part.process_id) not in counted
+            for channel in part.inbound
+        )
 
     def fail(self, snapshot_id: int, process_id: str, reason: str) -> Aborted | None:
         """A member cannot contribute (its recording failed): abort the snapshot, if still running."""

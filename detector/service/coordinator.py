@@ -576,7 +576,7 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         try:
             outcome = self._assembler.add_part(part, sender=sender)
         except PartRejected as rejected:
-            if rejected.reason == "late" and _only_empty_channels(part):
+            if rejected.reason == "late" and (_only_empty_channels(part) or self._assembler.after_the_cut(part)):
                 return  # a channel that opened after the cut: nothing on it belongs to the snapshot
             self._on_rejected(rejected)
             running = self._running.get(part.snapshot_id)
