@@ -332,12 +332,11 @@ class InboundChannels(channel_pb2_grpc.PeerServicer):
         while True:
             expected = self._expect(stream)
             entries, nbytes = expected.read_ahead()
-            held_entries, held_bytes = expected.held()
             if (
                 entries < self._read_ahead_entries
                 and nbytes < self._read_ahead_bytes
-                and held_entries < 2 * self._read_ahead_entries
-                and held_bytes < 2 * self._read_ahead_bytes
+                and entries + expected.carried_entries < 2 * self._read_ahead_entries
+                and nbytes + expected.carried_bytes < 2 * self._read_ahead_bytes
             ):
                 return
             # Read ahead as far as allowed: what was left to wait is acknowledged now.

@@ -311,16 +311,21 @@ def test_a_completed_snapshot_the_store_cannot_keep_is_recorded_aborted(
     run(scenario())
 
 
+async def snapshot_on_a_full_disk(detector: Detector, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Take a snapshot while the store can neither complete nor abort it (the abort is left unstored)."""
+    with monkeypatch.context() as patch:
+        patch.setattr(detector.store, "complete", disk_full)
+        patch.setattr(detector.store, "abort", disk_full)
+        with pytest.raises(sqlite3.OperationalError):
+            await detector.take_snapshot()
+
+
 def test_an_abort_the_store_fails_to_write_is_written_before_the_next_snapshot(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     async def scenario() -> None:
         async with one_member_detector(tmp_path, monkeypatch) as (detector, taken):
-            with monkeypatch.context() as patch:
-                patch.setattr(detector.store, "complete", disk_full)
-                patch.setattr(detector.store, "abort", disk_full)
-                with pytest.raises(sqlite3.OperationalError):
-                    await detector.take_snapshot()
+            await snapshot_on_a_full_disk(detector, monkeypatch)
             first = detector.store.summary(taken[0])
             assert first is not None and first.outcome != SNAPSHOT_OUTCOME_ABORTED  # the disk was full
             await detector.take_snapshot()  # the store works again: the abort is written first
@@ -338,11 +343,7 @@ def test_an_abort_the_store_fails_to_write_is_written_at_the_next_turn_also_with
 
     async def scenario() -> None:
         async with one_member_detector(tmp_path, monkeypatch) as (detector, taken):
-            with monkeypatch.context() as patch:
-                patch.setattr(detector.store, "complete", disk_full)
-                patch.setattr(detector.store, "abort", disk_full)
-                with pytest.raises(sqlite3.OperationalError):
-                    await detector.take_snapshot()
+            await snapshot_on_a_full_disk(detector, monkeypatch)
             detector.coordinator.members.clear()  # the member left
             with pytest.raises(NoAgents):
                 await detector.take_snapshot()
