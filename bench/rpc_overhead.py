@@ -59,6 +59,12 @@ attaches to a detector in this process. Cases (the asyncio ones are named ``aio 
   agents do). The least agent keeps the facts the detector needs, each in the plainest Python;
   bare bookkeeping keeps only counts and waits. What they cost in place is the floor under the
   targets of any agent that keeps those facts, whatever its code.
+* ``plain-pool instrumented+snapshots`` (``plain_pool``, sync only): the README's set-up but
+  for the pool, a plain ``ThreadPoolExecutor`` with ``agent.server_interceptor()`` (no
+  ``workers``), snapshots at 10 a second: the agent without its picture of the pool (which queued
+  request waits for which running handlers, what a pool-exhaustion deadlock is made of, and which
+  the least agent does not keep either). Set beside ``instrumented+snapshots`` it says what that
+  picture costs in place.
 
 Each case runs ``--warmup`` seconds, then is measured for ``--seconds``: the latency of every call
 that started in that window (its p50 and p99, in µs) and the calls completed per second. The cases
@@ -95,6 +101,12 @@ call of both processes together (``<key>_cpu_us_per_call``) and of each (``<key>
   (instrumented+snapshots against the least agent: what the agent costs beyond the facts it must
   keep), ``realistic_least_overhead_p50``, ``realistic_least_throughput_ratio`` and
   ``realistic_least_cpu_overhead`` (against realistic plain, as the realistic targets);
+* the sync agent without its pool's picture: ``plain_pool_floor_overhead_p50``,
+  ``plain_pool_floor_throughput_ratio`` and ``plain_pool_floor_cpu_overhead`` (against
+  stamp-only+snapshots), ``pool_picture_p50`` and ``pool_picture_cpu_overhead``
+  (instrumented+snapshots against it: what the picture of the pool costs), and
+  ``plain_pool_over_least_p50`` and ``plain_pool_over_least_cpu_overhead`` (it against the least
+  agent, which keeps no picture of the pool either);
 * against plain, as before: ``overhead_p50`` (intercepted p50 / plain p50 - 1),
   ``overhead_p50_with_snapshots``, the floors' ``noop_overhead_p50`` and ``stamp_only_overhead_p50``
   and ``client_interceptor_overhead_p50``; ``cpu_overhead`` (intercepted over plain, - 1),
@@ -138,8 +150,8 @@ handler), the latter three shared by all of a process's servers, so run one case
 (``--cases``) to read them. A second line, ``probe-gc <role> {...}``, counts the garbage
 collector's passes per generation and their time.
 
-A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 30 cases (15 for
-each API): about 28 minutes by default, 14 with ``--api sync``.
+A full run takes about (cases) x (warm-up + seconds) x rounds + 10 seconds, with 31 cases (16 sync,
+15 asyncio): about 29 minutes by default, 15 with ``--api sync``.
 """
 
 from __future__ import annotations
@@ -196,6 +208,7 @@ def _cases() -> dict[str, Case]:
         "client interceptor": Case("sync", "client_interceptor", "echo", False, "client_interceptor"),
         "instrumented": Case("sync", "intercepted", "echo", False, "intercepted"),
         "instrumented+snapshots": Case("sync", "intercepted", "echo", True, "with_snapshots"),
+        "plain-pool instrumented+snapshots": Case("sync", "plain_pool", "echo", True, "plain_pool"),
         "realistic plain": Case("sync", "plain", "work", False, "realistic_plain"),
         "realistic stamp-only+snapshots": Case("sync", "stamp_only", "work", True, "realistic_stamp_only"),
         "realistic instrumented+snapshots": Case("sync", "intercepted", "work", True, "realistic"),
@@ -205,9 +218,10 @@ def _cases() -> dict[str, Case]:
         "realistic least agent+snapshots": Case("sync", "least", "work", True, "realistic_least_agent"),
         "bare bookkeeping+snapshots": Case("sync", "bare", "echo", True, "bare_bookkeeping"),
     }
-    aio = {
+    aio = {  # an asyncio server has no worker pool: the plain pool's case is the sync server's alone
         f"aio {name}": Case("aio", case.channel, case.method, case.snapshots, f"aio_{case.key}")
         for name, case in sync.items()
+        if case.channel != "plain_pool"
     }
     return sync | aio
 
@@ -250,6 +264,14 @@ RATIOS = (
     ("bare_floor_cpu_overhead", "bare bookkeeping+snapshots", "stamp-only+snapshots", "cpu"),
     ("over_least_p50", "instrumented+snapshots", "least agent+snapshots", "p50"),
     ("over_least_cpu_overhead", "instrumented+snapshots", "least agent+snapshots", "cpu"),
+    # The sync agent without its worker pool (a plain one): what the pool's picture costs in place.
+    ("plain_pool_floor_overhead_p50", "plain-pool instrumented+snapshots", "stamp-only+snapshots", "p50"),
+    ("plain_pool_floor_throughput_ratio", "plain-pool instrumented+snapshots", "stamp-only+snapshots", "rate"),
+    ("plain_pool_floor_cpu_overhead", "plain-pool instrumented+snapshots", "stamp-only+snapshots", "cpu"),
+    ("pool_picture_p50", "instrumented+snapshots", "plain-pool instrumented+snapshots", "p50"),
+    ("pool_picture_cpu_overhead", "instrumented+snapshots", "plain-pool instrumented+snapshots", "cpu"),
+    ("plain_pool_over_least_p50", "plain-pool instrumented+snapshots", "least agent+snapshots", "p50"),
+    ("plain_pool_over_least_cpu_overhead", "plain-pool instrumented+snapshots", "least agent+snapshots", "cpu"),
     ("realistic_least_overhead_p50", "realistic least agent+snapshots", "realistic plain", "p50"),
     ("realistic_least_throughput_ratio", "realistic least agent+snapshots", "realistic plain", "rate"),
     ("realistic_least_cpu_overhead", "realistic least agent+snapshots", "realistic plain", "cpu"),
@@ -592,6 +614,7 @@ def serve(args: argparse.Namespace) -> None:
         ("bare", [bare.server_interceptor()], None),
         # for both of the agent's clients (the instrumented channel and the client interceptor)
         ("intercepted", [agent.server_interceptor(workers=instrumented_pool)], instrumented_pool),
+        ("plain_pool", [agent.server_interceptor()], None),  # the agent without its pool's picture
     )
     for kind, interceptors, own_pool in kinds:
         pool = own_pool or futures.ThreadPoolExecutor(args.workers, thread_name_prefix=f"{kind}-worker")
@@ -667,6 +690,7 @@ def call(args: argparse.Namespace) -> None:
             grpc.insecure_channel(addresses["intercepted"]), agent.client_interceptor("server")
         ),
         "intercepted": agent.instrument_channel(grpc.insecure_channel(addresses["intercepted"]), "server"),
+        "plain_pool": agent.instrument_channel(grpc.insecure_channel(addresses["plain_pool"]), "server"),
     }
     methods = {
         (kind, name): channel.unary_unary(path) for kind, channel in channels.items() for name, path in METHODS.items()

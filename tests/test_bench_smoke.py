@@ -192,12 +192,16 @@ def test_rpc_overhead_benchmark_prints_its_json_line() -> None:
     cases = ("plain", "noop", "stamp_only", "stamp_only_with_snapshots", "intercepted", "with_snapshots")
     cases += ("realistic_plain", "realistic_stamp_only", "realistic", "standin", "realistic_standin")
     cases += ("client_interceptor", "least_agent", "realistic_least_agent", "bare_bookkeeping")
-    for case in (*cases, *(f"aio_{case}" for case in cases)):
+    for case in (*cases, "plain_pool", *(f"aio_{case}" for case in cases)):  # the plain pool's is sync only
         low, high = result[f"{case}_p50_us_spread"]
         assert 0 < low <= result[f"{case}_p50_us"] <= high, (case, result)
         assert result[f"{case}_calls_per_s"] > 0, (case, result)
         cpu = result[f"{case}_cpu_us_per_call"]
         assert cpu > 0 and result[f"{case}_client_cpu_us"] + result[f"{case}_server_cpu_us"] >= cpu - 0.2, result
+    assert "aio_plain_pool_p50_us" not in result, result
+    for key in ("pool_picture_p50", "plain_pool_over_least_cpu_overhead", "plain_pool_floor_throughput_ratio"):
+        low, high = result[f"{key}_spread"]
+        assert low <= result[key] <= high, (key, result)
     # The realistic handler waits about 1 ms, so its calls take longer than the echo's.
     assert result["realistic_plain_p50_us"] > 1000 and result["aio_realistic_plain_p50_us"] > 1000, result
     assert result["realistic_handler"]["sync_iterations"] > 0 and result["realistic_handler"]["aio_iterations"] > 0
