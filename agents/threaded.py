@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, TypeVar
 
 from stablewatch.agents.agent import Agent, MessageHandler
+from stablewatch.agents.detectors import DetectorStatus
 from stablewatch.agents.loop_thread import LoopThread
 from stablewatch.agents.metrics import AgentMetrics
 from stablewatch.agents.state import LocalStateKeeper
@@ -80,6 +81,16 @@ class ThreadedAgent:
     def metrics(self) -> AgentMetrics:
         return self.agent.metrics
 
+    @property
+    def detector_connected(self) -> bool:
+        """Whether a detector (at least one, when several are given) has accepted this agent."""
+        return self._read(lambda: self.agent.detector_connected)
+
+    @property
+    def detectors(self) -> tuple[DetectorStatus, ...]:
+        """Each detector's control stream, as :attr:`Agent.detectors` gives it."""
+        return self._read(lambda: self.agent.detectors)
+
     def on_message(self, handler: MessageHandler) -> MessageHandler:
         """Register the handler; it runs on the agent's thread."""
         return self.agent.on_message(handler)
@@ -104,6 +115,13 @@ class ThreadedAgent:
     def start_snapshot(self, snapshot_id: int | None = None) -> int:
         """Record this process for a snapshot and send its markers (see :meth:`Agent.start_snapshot`)."""
         return self._call(self.agent.start_snapshot(snapshot_id))
+
+    def _read(self, read: Callable[[], T]) -> T:
+        """``read()`` where the agent's loop does not change what it reads meanwhile: on that loop, or
+        directly when no loop runs (before start, after stop) or from the loop's own thread."""
+        if self._loop_thread.is_current() or not self._loop_thread.is_alive():
+            return read()
+        return self._call(_returning(read))
 
     def _call(self, coroutine: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
         """Run ``coroutine`` on the agent's loop and wait for its result, ``timeout`` seconds at most.
@@ -148,3 +166,8 @@ def _settle(outcome: concurrent.futures.Future[T], task: asyncio.Task[T]) -> Non
         outcome.set_exception(error)
     else:
         outcome.set_result(task.result())
+
+
+async def _returning(read: Callable[[], T]) -> T:
+    """``read()``'s value, as a coroutine for :meth:`ThreadedAgent._call`."""
+    return read()

@@ -78,3 +78,22 @@ def test_stop_is_idempotent_and_start_errors_surface() -> None:
         agent.start()
     agent.stop()
     agent.stop()
+
+
+def test_service_threads_read_whether_the_detector_has_accepted_it() -> None:
+    """``detector_connected`` and ``detectors`` read as the Agent's do, from a service thread (they
+    hop onto the agent's loop) and before the agent starts (no loop runs then)."""
+    detector = StubDetector()
+    agent = ThreadedAgent("A", detector=detector.address)
+    try:
+        assert agent.detector_connected is False
+        assert agent.detectors == ()
+        agent.start()
+        detector.wait_members({"A"})
+        poll(lambda: agent.detector_connected, "A's detector_connected")
+        (status,) = agent.detectors
+        assert status.address == detector.address
+        assert status.connected is True
+    finally:
+        agent.stop()
+        detector.stop()
