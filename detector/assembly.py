@@ -442,6 +442,12 @@ class Assembler:
             for channel in part.inbound
         )
 
+    def changes_nothing(self, part: LocalSnapshotPart) -> bool:
+        """Whether a part refused as late would change nothing in its snapshot, and so is no rejection:
+        it reports only empty channels (opened while the snapshot ran), or only channels that opened
+        after its completed cut (:meth:`after_the_cut`)."""
+        return _only_empty_channels(part) or self.after_the_cut(part)
+
     def fail(self, snapshot_id: int, process_id: str, reason: str) -> Aborted | None:
         """A member cannot contribute (its recording failed): abort the snapshot, if still running."""
         return self.abort(snapshot_id, f"process {process_id} failed: {reason}")
@@ -768,6 +774,18 @@ def _count_problem(piece: InboundChannelState, m: int, messages: Any) -> str | N
     if top > _MAX_COUNT:
         return f"records a message of arrival index {top}, above {_MAX_COUNT}"
     return None
+
+
+def _only_empty_channels(part: LocalSnapshotPart) -> bool:
+    """Whether a part only reports channels with nothing before their marker (n = 0, m = 0, empty).
+
+    Such reports come from channels opened while a snapshot ran, and can arrive after it completed.
+    """
+    return (
+        not part.HasField("state")
+        and all(count.sent_before_marker == 0 for count in part.outbound)
+        and all(channel.received_before_recording == 0 and not recorded_count(channel) for channel in part.inbound)
+    )
 
 
 def recorded_count(piece: InboundChannelState) -> int:

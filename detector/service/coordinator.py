@@ -61,7 +61,7 @@ from typing import NoReturn
 import grpc
 
 from stablewatch.agents.breaking import OFF
-from stablewatch.detector.assembly import Assembler, Completed, PartRejected, recorded_count
+from stablewatch.detector.assembly import Assembler, Completed, PartRejected
 from stablewatch.detector.service.auth import Authorizer, Denied, peer_identity
 from stablewatch.detector.service.limits import Limits
 from stablewatch.v1 import (
@@ -576,8 +576,8 @@ class Coordinator(control_pb2_grpc.ControlServicer):
         try:
             outcome = self._assembler.add_part(part, sender=sender)
         except PartRejected as rejected:
-            if rejected.reason == "late" and (_only_empty_channels(part) or self._assembler.after_the_cut(part)):
-                return  # a channel that opened after the cut: nothing on it belongs to the snapshot
+            if rejected.reason == "late" and self._assembler.changes_nothing(part):
+                return  # channels that opened while or after the snapshot ran: nothing on them belongs to it
             self._on_rejected(rejected)
             running = self._running.get(part.snapshot_id)
             attached = self._attached(sender)
@@ -696,15 +696,3 @@ def _register_problem(register: control_pb2.Register) -> str | None:
     if too_long(register.agent_version, MAX_NAME_BYTES):
         return f"the agent version {quoted_prefix(register.agent_version)} is longer than {MAX_NAME_BYTES} bytes"
     return None
-
-
-def _only_empty_channels(part: LocalSnapshotPart) -> bool:
-    """Whether a part only reports channels with nothing before their marker (n = 0, m = 0, empty).
-
-    Such reports come from channels opened while a snapshot ran, and can arrive after it completed.
-    """
-    return (
-        not part.HasField("state")
-        and all(count.sent_before_marker == 0 for count in part.outbound)
-        and all(channel.received_before_recording == 0 and not recorded_count(channel) for channel in part.inbound)
-    )
