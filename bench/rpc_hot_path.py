@@ -28,6 +28,13 @@ thread (``time.thread_time``), so that other processes on a shared machine do no
   ``server_interceptor(workers=pool)`` (the README's set-up) for the agent. The pools start no
   thread (the loopback runs each work item itself), so the CPU the pool costs, where grpc spends
   it, is timed too: the other cases leave it out (``workers=4`` is only the pool's size);
+* ``pooled_plain_agent``: the agents of ``pooled_instrumented`` through the plain pool, with
+  ``server_interceptor()`` (no ``workers``): the agent without its picture of the pool, as
+  ``rpc_overhead.py``'s ``plain-pool`` case sets it up. Set beside ``pooled_instrumented``, it
+  gives what the picture (which queued call waits for which running handlers, and what lets a
+  break refuse a queued call) costs a call; set beside ``pooled_stamp_only``, what the agent costs
+  when its handler runs in a worker pool, as every sync server's does; ``pooled_least_agent``, the
+  least agent (below) through the plain pool, is the floor of that;
 * ``aio_loopback``, ``aio_stamp_only``, ``aio_instrumented``, ``aio_client_interceptors``: the same
   for the asyncio API, awaited in one event loop. The client is the agent's instrumented asyncio
   channel (the README's set-up), or its asyncio client interceptor called as ``grpc.aio`` calls it,
@@ -44,8 +51,12 @@ agents' own Python per call, both sides, above the stamp-only floor (``instrumen
 ``stamp_only`` within each round; median and spread over rounds), target at most 4 µs;
 ``hot_path_agent_recording_us`` the same with a recording running, ``aio_hot_path_agent_us`` the
 asyncio one (``aio_instrumented`` less ``aio_stamp_only``), ``hot_path_agent_pooled_us`` the
-same with the pools (``pooled_instrumented`` less ``pooled_stamp_only``). ``targets`` holds the
-target met or not.
+same with the pools (``pooled_instrumented`` less ``pooled_stamp_only``),
+``hot_path_agent_plain_pool_us`` the agent through the plain pool (``pooled_plain_agent`` less
+``pooled_stamp_only``) and ``hot_path_pool_picture_us`` its picture of the pool
+(``pooled_instrumented`` less ``pooled_plain_agent``), ``hot_path_least_agent_pooled_us`` and
+``hot_path_agent_pooled_over_least_us`` the least agent through the plain pool above its floor,
+and the agent with its pool above it. ``targets`` holds the target met or not.
 
 A microbenchmark's loop keeps the CPU's caches warm; a real server's call does not find its
 Python there, after gRPC's C core, the kernel and the other processes have run. ``--cold MB``
@@ -96,6 +107,10 @@ AGENT_KEYS = {
     "hot_path_agent_recording_us": ("instrumented_recording", "stamp_only"),
     "aio_hot_path_agent_us": ("aio_instrumented", "aio_stamp_only"),
     "hot_path_agent_pooled_us": ("pooled_instrumented", "pooled_stamp_only"),
+    "hot_path_agent_plain_pool_us": ("pooled_plain_agent", "pooled_stamp_only"),
+    "hot_path_pool_picture_us": ("pooled_instrumented", "pooled_plain_agent"),
+    "hot_path_least_agent_pooled_us": ("pooled_least_agent", "pooled_stamp_only"),
+    "hot_path_agent_pooled_over_least_us": ("pooled_instrumented", "pooled_least_agent"),
     "hot_path_least_agent_us": ("least_agent", "stamp_only"),
     "hot_path_bare_bookkeeping_us": ("bare_bookkeeping", "stamp_only"),
     "hot_path_agent_over_least_us": ("instrumented", "least_agent"),
@@ -454,6 +469,9 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent | Lea
     pool = InlineWorkerPool(4)
     pooled_channel = LoopbackChannel(LoopbackServer([server.server_interceptor(workers=pool)], pool))
     pooled = clients["pooled_instrumented"].instrument_channel(pooled_channel, "server").unary_unary(METHOD)
+    clients["pooled_plain_agent"], server = agents(False)
+    plain_pool_channel = LoopbackChannel(LoopbackServer([server.server_interceptor()], InlinePool(4)))
+    plain_pooled = clients["pooled_plain_agent"].instrument_channel(plain_pool_channel, "server").unary_unary(METHOD)
     methods = {
         "loopback": plain,
         "stamp_only": stamp_only,
@@ -462,12 +480,17 @@ def cases() -> tuple[dict[str, Callable[[bytes], Any]], dict[str, RpcAgent | Lea
         "client_interceptor": intercepted,
         "pooled_stamp_only": pooled_stamp_only,
         "pooled_instrumented": pooled,
+        "pooled_plain_agent": plain_pooled,
     }
     for name, facts in (("least_agent", True), ("bare_bookkeeping", False)):
         clients[name], server = least_agents(facts)
         methods[name] = clients[name].method(
             LoopbackChannel(LoopbackServer([server.server_interceptor()])).unary_unary(METHOD), "server"
         )
+    clients["pooled_least_agent"], server = least_agents(True)
+    methods["pooled_least_agent"] = clients["pooled_least_agent"].method(
+        LoopbackChannel(LoopbackServer([server.server_interceptor()], InlinePool(4))).unary_unary(METHOD), "server"
+    )
     return methods, clients
 
 

@@ -115,6 +115,15 @@ class AioServer:
         await self.server.stop(0)
 
 
+def pictured_calls(agent: RpcAgent) -> tuple[list[str], list[str]]:
+    """The agent's picture of its one pool as a recording reads it (calls gRPC ended before their
+    handler started taken out first): the running calls' and the queued calls' names."""
+    (pool,) = agent._pools
+    with agent._lock:
+        agent._forget_ended(pool)
+        return list(pool.running), list(pool.queued)
+
+
 def outstanding(agent: RpcAgent) -> int:
     """The calls ``agent`` has out (waiting or not) whose end it has not taken in."""
     with agent._lock:

@@ -90,23 +90,28 @@ def test_rpc_hot_path_benchmark_prints_its_json_line() -> None:
     result = bench_json("rpc_hot_path.py", "--seconds", "0.05", "--rounds", "2", timeout=120)
     cases = ("loopback", "stamp_only", "instrumented", "instrumented_recording", "client_interceptor")
     cases += ("least_agent", "bare_bookkeeping", "aio_least_agent", "aio_bare_bookkeeping")
+    cases += ("pooled_stamp_only", "pooled_instrumented", "pooled_plain_agent", "pooled_least_agent")
     for case in (*cases, "aio_loopback", "aio_stamp_only", "aio_instrumented", "aio_client_interceptors"):
         low, high = result[f"{case}_spread"]
         assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
         assert result[f"{case}_calls"] > 0, (case, result)
         assert (f"{case}_added_us" in result) == (case not in ("loopback", "aio_loopback")), result
     # The agents were really on the path of their cases: every request made was stamped.
-    agent_cases = ("instrumented", "instrumented_recording", "client_interceptor")
+    agent_cases = ("instrumented", "instrumented_recording", "client_interceptor", "pooled_instrumented")
+    agent_cases += ("pooled_plain_agent",)
     for case in (*agent_cases, "aio_instrumented", "aio_client_interceptors"):
         assert result[f"{case}_stamped_requests"] == result[f"{case}_calls"], (case, result)
     assert "stamp_only_stamped_requests" not in result and "aio_stamp_only_stamped_requests" not in result
     # The least agents were on the path too: each took in the server's stamped response of every call.
-    for case in ("least_agent", "bare_bookkeeping", "aio_least_agent", "aio_bare_bookkeeping"):
+    least_cases = ("least_agent", "bare_bookkeeping", "aio_least_agent", "aio_bare_bookkeeping", "pooled_least_agent")
+    for case in least_cases:
         assert result[f"{case}_stamped_responses"] == result[f"{case}_calls"], (case, result)
     # The agents' own cost above the stamp-only floor, and the least agents', paired within each round.
     keys = ("hot_path_agent_us", "hot_path_agent_recording_us", "aio_hot_path_agent_us")
     keys += ("hot_path_least_agent_us", "hot_path_bare_bookkeeping_us", "hot_path_agent_over_least_us")
     keys += ("aio_hot_path_least_agent_us", "aio_hot_path_bare_bookkeeping_us", "aio_hot_path_agent_over_least_us")
+    keys += ("hot_path_agent_pooled_us", "hot_path_agent_plain_pool_us", "hot_path_pool_picture_us")
+    keys += ("hot_path_least_agent_pooled_us", "hot_path_agent_pooled_over_least_us")
     for key in keys:
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
@@ -123,9 +128,9 @@ def test_rpc_hot_path_benchmark_runs_each_call_cold_when_asked() -> None:
         low, high = result[f"{case}_spread"]
         assert 0 < low <= result[f"{case}_us"] <= high, (case, result)
         assert result[f"{case}_calls"] > 0, (case, result)
-    for case in ("instrumented", "pooled_instrumented", "aio_instrumented"):
+    for case in ("instrumented", "pooled_instrumented", "pooled_plain_agent", "aio_instrumented"):
         assert result[f"{case}_stamped_requests"] == result[f"{case}_calls"], (case, result)
-    for key in ("hot_path_agent_us", "aio_hot_path_agent_us", "hot_path_agent_pooled_us"):
+    for key in ("hot_path_agent_us", "aio_hot_path_agent_us", "hot_path_agent_pooled_us", "hot_path_pool_picture_us"):
         low, high = result[f"{key}_spread"]
         assert low <= result[key] <= high, (key, result)
     assert "targets" not in result, result  # set for the warm measure only

@@ -23,7 +23,7 @@ from typing import Any
 
 import grpc
 import pytest
-from rpc_harness import SERVICE, aio_channel_to, call, handler_prefix, recorded
+from rpc_harness import SERVICE, aio_channel_to, call, handler_prefix, pictured_calls, recorded
 
 from polling import poll, run
 from stablewatch.agents.rpc import RpcAgent
@@ -49,13 +49,6 @@ def poll_queued(agent: RpcAgent, count: int, what: str) -> list[Wait]:
         return (found,) if found is not None and len(found) == count else None
 
     return poll(look, what, interval=0.02)[0]
-
-
-def pictured(agent: RpcAgent) -> tuple[list[str], list[str]]:
-    """The agent's picture of its one pool: the running calls' and the queued calls' names."""
-    (pool,) = agent._pools
-    with agent._lock:
-        return list(pool.running), list(pool.queued)
 
 
 class PoolServer:
@@ -216,7 +209,7 @@ def test_a_queued_call_ended_by_grpc_leaves_the_picture_and_a_later_call_runs(
             assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
         # Out of the picture once gRPC ended it, while Hold still holds the worker.
         poll_queued(s_agent, 0, "the ended call out of the queue")
-        running, waiting_names = pictured(s_agent)
+        running, waiting_names = pictured_calls(s_agent)
         assert [name.split("#")[0] for name in running] == [f"/{SERVICE}/Hold"] and waiting_names == []
         assert not s_agent.open_waits()
         assert not server.release.is_set()
@@ -224,7 +217,7 @@ def test_a_queued_call_ended_by_grpc_leaves_the_picture_and_a_later_call_runs(
         assert hold.result(10).startswith(handler_prefix("Hold", c_agent).encode())
         # The worker skips the ended call's item; a later call runs, and the picture is empty after.
         assert call(channel, "Echo", timeout=10).startswith(handler_prefix("Echo", c_agent).encode())
-        poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
+        poll(lambda: pictured_calls(s_agent) == ([], []), "an empty picture of the pool")
     finally:
         channel.close()
         server.stop()
@@ -248,7 +241,7 @@ def test_without_grpcs_call_state_a_cancelled_call_leaves_once_a_worker_reaches_
         server.release.set()
         hold.result(10)
         assert call(channel, "Echo", timeout=10).startswith(handler_prefix("Echo", c_agent).encode())
-        poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
+        poll(lambda: pictured_calls(s_agent) == ([], []), "an empty picture of the pool")
         assert queued(s_agent) == []
     finally:
         channel.close()
@@ -263,7 +256,7 @@ def test_a_method_with_a_pool_of_its_own_runs_there_and_never_queues_in_the_serv
     seen: dict[str, Any] = {}
 
     def on_its_own(request: bytes, context: Any) -> bytes:
-        seen["picture"] = pictured(s_agent)
+        seen["picture"] = pictured_calls(s_agent)
         seen["queued"] = queued(s_agent)
         return threading.current_thread().name.encode()
 
@@ -285,7 +278,7 @@ def test_a_method_with_a_pool_of_its_own_runs_there_and_never_queues_in_the_serv
         server.release.set()
         hold.result(10)
         behind.result(10)
-        poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
+        poll(lambda: pictured_calls(s_agent) == ([], []), "an empty picture of the pool")
     finally:
         channel.close()
         server.stop()
@@ -315,7 +308,7 @@ def test_a_sync_call_without_an_agent_is_named_by_address_once_its_handler_start
         assert hold.result(10).decode() == target.task
         echo_name = behind.result(10).decode()
         assert echo_name == wait.task.replace("#?:", f"#{LOOPBACK}:")  # the same call, by its address
-        poll(lambda: pictured(s_agent) == ([], []), "an empty picture of the pool")
+        poll(lambda: pictured_calls(s_agent) == ([], []), "an empty picture of the pool")
     finally:
         channel.close()
         server.stop()

@@ -26,7 +26,7 @@ import grpc
 import grpc._channel
 import pytest
 from pool_service import PoolService
-from rpc_harness import SERVICE, Service, aio_channel_to, new_agent, outstanding, recorded, sample
+from rpc_harness import SERVICE, Service, aio_channel_to, new_agent, outstanding, pictured_calls, recorded, sample
 
 from polling import DEFAULT_TIMEOUT, poll
 from stablewatch.agents.rpc import pool as rpc_pool
@@ -291,10 +291,10 @@ def test_a_break_of_an_outgoing_call_that_ends_before_its_cancel_is_gone(
 
 
 def pictured(agent: RpcAgent) -> tuple[list[str], list[str]]:
-    """The agent's picture of its one pool: the running calls' and the queued calls' names."""
-    (pool,) = agent._pools
-    with agent._lock:
-        return [name.split("#")[0] for name in pool.running], [name.split("#")[0] for name in pool.queued]
+    """The agent's picture of its one pool as a recording reads it: the running calls' and the
+    queued calls' methods."""
+    running, queued = pictured_calls(agent)
+    return [name.split("#")[0] for name in running], [name.split("#")[0] for name in queued]
 
 
 @dataclass

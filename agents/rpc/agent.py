@@ -613,10 +613,10 @@ class RpcAgent:
                     self._carry_out(actions)
                 if pool is not None:
                     if not pool.queued and len(pool.running) < pool.workers:
-                        pool.running[call.name] = None  # pool.arrive(call): it runs at once, written out
+                        pool.running[call.name] = call  # pool.arrive(call): it runs at once, written out
                     else:
-                        pool.arrive(call)
-                        queued = True
+                        self._forget_ended(pool)  # a full picture may hold calls that gRPC ended
+                        queued = pool.arrive(call)
         finally:
             lock.release()
         if queued:
@@ -669,7 +669,8 @@ class RpcAgent:
             call.peer, call.name = peer, name
 
     def call_ended(self, call: IncomingCall) -> None:
-        """gRPC ended ``call`` (its :class:`WorkerExecutor` tells, in grpc's polling thread): if its
+        """gRPC ended the queued ``call`` (its :class:`WorkerExecutor` tells, in grpc's polling
+        thread; a call that ran at once is found by ``_forget_ended`` instead): if its
         handler never started (cancelled by its caller or its deadline before a worker ran it), it
         leaves the pool's picture now, so that it no longer seems to wait for a worker or hold one.
         Its queued work is taken back, so that no worker runs it; a request-stream call whose work
@@ -684,16 +685,35 @@ class RpcAgent:
             call.work = None
             return
         with self._lock:
-            work, call.work = call.work, None
-            if call.started or call.done:
-                return
-            # A break may have taken the work already (then its refusal runs aside: it ends the call).
-            taken = work is not None and work.take()
-            if call.streams_requests and not taken and work is not None:
-                return  # a worker has it: its handler runs, and ends the call's place
-            call.done = True
-            if call.pool is not None:
-                call.pool.end(call.name)
+            self._end_unstarted(call)
+
+    def _end_unstarted(self, call: IncomingCall) -> None:
+        """gRPC ended ``call``, whose handler had not started when it was told: it leaves the pool's
+        picture, unless it streams requests and a worker has its work item (under the lock)."""
+        work, call.work = call.work, None
+        if call.started or call.done:
+            return
+        # A break may have taken the work already (then its refusal runs aside: it ends the call).
+        taken = work is not None and work.take()
+        if call.streams_requests and not taken and work is not None:
+            return  # a worker has it: its handler runs, and ends the call's place
+        call.done = True
+        if call.pool is not None:
+            call.pool.end(call.name)
+
+    def _forget_ended(self, pool: WorkerPool) -> None:
+        """Calls that ran at once leave ``pool``'s picture here if gRPC ended them before their
+        handler started (under the lock).
+
+        A :class:`WorkerExecutor` has gRPC tell the agent when a queued call ends. A call that runs
+        at once is not told of (a callback per call cost grpc's polling thread, which serves every
+        call in turn, about 1 µs a call, warm: ``bench/README.md``): it is found here, where the
+        picture is read (each recording) or fills up (an arrival that would queue). Until then it
+        only holds a place in the picture that a worker has in fact freed: a recording never shows
+        it, and an arrival that finds no room looks for it first.
+        """
+        for call in [c for c in pool.running.values() if not c.started and c.work is not None and c.work.call_over()]:
+            self._end_unstarted(call)
 
     def respond(self, call: IncomingCall, peer_address: str, active: bool) -> tuple[str, str] | None:
         """The handler ended: count the response (when the call is still ``active``) and free the worker.
@@ -865,6 +885,7 @@ class RpcAgent:
                                 began_at_us=began_at_ns // 1000,
                             )
         for pool in self._pools:
+            self._forget_ended(pool)
             state.waits.extend(pool.waits(self.process_id))
         return state
 

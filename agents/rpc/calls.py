@@ -242,7 +242,8 @@ class WorkerPool:
     pool of its own (grpc's ``experimental_thread_pool``) does not queue here: its calls are not in
     it. A call leaves when its handler ends, or, with a
     :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`, when gRPC ends it before its handler
-    started (cancelled by its caller or its deadline). ``breakable``: the pool is a
+    started (cancelled by its caller or its deadline): a queued call as gRPC ends it, a call that
+    ran at once by the time the picture is next read (see ``RpcAgent``). ``breakable``: the pool is a
     :class:`~stablewatch.agents.rpc.pool.WorkerExecutor`, which can take a queued call out of its
     queue; a plain pool's queued calls are reported with instance 0 (a break could only refuse one
     when a worker takes it, which in a deadlock never happens).
@@ -250,26 +251,29 @@ class WorkerPool:
 
     workers: int
     breakable: bool = False
-    running: dict[str, None] = field(default_factory=dict)
+    running: dict[str, IncomingCall] = field(default_factory=dict)
     queued: dict[str, IncomingCall] = field(default_factory=dict)
 
-    def arrive(self, call: IncomingCall) -> None:
-        """``call`` arrived: it runs at once, or queues (and its wait gets an instance and begins now)."""
+    def arrive(self, call: IncomingCall) -> bool:
+        """``call`` arrived: it runs at once, or queues (and its wait gets an instance and begins
+        now). Returns True if it queues."""
         if len(self.running) < self.workers and not self.queued:
-            self.running[call.name] = None
-        else:
-            call.instance, call.began_at_us = breaking.new_instance(), breaking.now_us()
-            self.queued[call.name] = call
+            self.running[call.name] = call
+            return False
+        call.instance, call.began_at_us = breaking.new_instance(), breaking.now_us()
+        self.queued[call.name] = call
+        return True
 
     def start(self, name: str) -> None:
-        if self.queued.pop(name, None) is not None:  # our picture lagged behind the pool
-            self.running[name] = None
+        call = self.queued.pop(name, None)
+        if call is not None:  # our picture lagged behind the pool
+            self.running[name] = call
 
     def rename(self, name: str, new_name: str) -> None:
         """The running call ``name`` is called ``new_name`` from now on (its handler started)."""
-        if name in self.running:
-            del self.running[name]
-            self.running[new_name] = None
+        call = self.running.pop(name, None)
+        if call is not None:
+            self.running[new_name] = call
 
     def leave(self, name: str) -> None:
         """A queued call left the queue without a worker (broken: it runs beside the pool)."""
@@ -281,8 +285,7 @@ class WorkerPool:
             self.queued.pop(name, None)
         while self.queued and len(self.running) < self.workers:
             head = next(iter(self.queued))
-            del self.queued[head]
-            self.running[head] = None
+            self.running[head] = self.queued.pop(head)
 
     def waits(self, process_id: str) -> Iterable[Wait]:
         """Every queued call waits on any running handler (OR)."""

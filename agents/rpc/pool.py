@@ -20,14 +20,19 @@ which takes in, submits and ends every call in turn: it did cost that thread sev
 call (``bench/rpc_overhead.py``, measured in place).
 
 A call gRPC ends before its handler starts (cancelled by its caller, or its deadline passed, while
-it waited for a worker) must leave the agent's picture of the pool then: it no longer exists, and
-a worker it seemed to hold or wait for would hide a pool deadlock or show a call that is gone.
-grpc runs no handler for it (the work item finds the call over and returns), so nothing of the
-interceptor's runs. ``submit`` therefore asks grpc to tell the agent when the call ends, as a
-servicer context's ``add_callback`` does (grpc's per-call state is the work item's third argument;
-its callbacks run once the call is over, whether or not a handler ran). Should a grpc version lay
-its work items out otherwise, the item is wrapped instead, to tell the agent once it has run,
-which for a queued call is when a worker frees up rather than when it was cancelled.
+it waited for a worker) must leave the agent's picture of the pool: it no longer exists, and a
+worker it seemed to hold or wait for would hide a pool deadlock or show a call that is gone. grpc
+runs no handler for it (the work item finds the call over and returns), so nothing of the
+interceptor's runs. For a call queued in the picture, ``submit`` therefore asks grpc to tell the
+agent when the call ends, as a servicer context's ``add_callback`` does (grpc's per-call state is
+the work item's third argument; its callbacks run once the call is over, whether or not a handler
+ran). A call that runs at once has a worker free for it, and is asked no such thing: a callback per
+call cost grpc's polling thread about 1 µs a call, warm (``bench/README.md``). Its work item
+says whether gRPC has ended it (:meth:`QueuedWork.call_over`), which the agent asks of the calls
+that ran at once and never started, each time it reads the picture or the picture fills up. Should
+a grpc version lay its work items out otherwise, every item is wrapped instead, to tell the agent
+once it has run, which for a queued call is when a worker frees up rather than when it was
+cancelled.
 
 Breaking a queued call (:meth:`QueuedWork.take` and :meth:`QueuedWork.run_aside`): its future is
 cancelled, so that no worker will run it (a worker that reaches it skips it; the queue, a
@@ -48,9 +53,10 @@ from typing import Any, NamedTuple
 from stablewatch.agents.rpc.calls import IncomingCall
 
 try:  # grpc's per-call state of its sync server, where a call's end callbacks are kept
+    from grpc._server import _CANCELLED as _GRPC_CANCELLED
     from grpc._server import _RPCState as _GRPC_CALL_STATE
 except ImportError:  # pragma: no cover - another grpc: the work item is wrapped instead
-    _GRPC_CALL_STATE = None
+    _GRPC_CALL_STATE = _GRPC_CANCELLED = None
 
 __all__ = ["QueuedWork", "WorkerExecutor"]
 
@@ -79,6 +85,12 @@ class QueuedWork(NamedTuple):
         Call once: a second call would find the future cancelled and answer True again.
         """
         return self.future.cancel()
+
+    def call_over(self) -> bool:
+        """Whether gRPC has ended the item's call (cancelled it, or finished with it), as grpc's state
+        of the call says; False when the item carries no such state."""
+        state = self.args[2] if len(self.args) > 2 else None
+        return type(state) is _GRPC_CALL_STATE and (state.client is _GRPC_CANCELLED or state.callbacks is None)
 
     def run_aside(self, name: str) -> None:
         """Run the taken item now, on a thread of its own rather than a worker of the pool."""
@@ -120,6 +132,12 @@ class WorkerExecutor(ThreadPoolExecutor):
         # state, ...`` (``_stream_response_in_pool`` alike): the call's state is the third argument.
         state = args[2] if len(args) > 2 else None
         if _GRPC_CALL_STATE is not None and type(state) is _GRPC_CALL_STATE:
+            if not call.instance:  # it runs at once (a queued call's wait has an instance): see above
+                future = super().submit(fn, *args, **kwargs)
+                call.work = _new_work((future, fn, args, kwargs))
+                if call.started:  # a worker started its handler first, and dropped no item
+                    call.work = None
+                return future
             # Tell the agent once the call is over, as ``ServicerContext.add_callback`` would: grpc
             # runs the state's callbacks in its polling thread then (None: it is over already).
             # grpc holds the state's condition while it submits (it is re-entrant); it is taken
