@@ -132,25 +132,21 @@ class WorkerExecutor(ThreadPoolExecutor):
         # state, ...`` (``_stream_response_in_pool`` alike): the call's state is the third argument.
         state = args[2] if len(args) > 2 else None
         if _GRPC_CALL_STATE is not None and type(state) is _GRPC_CALL_STATE:
-            if not call.instance:  # it runs at once (a queued call's wait has an instance): see above
-                future = super().submit(fn, *args, **kwargs)
-                call.work = _new_work((future, fn, args, kwargs))
-                if call.started:  # a worker started its handler first, and dropped no item
-                    call.work = None
-                return future
-            # Tell the agent once the call is over, as ``ServicerContext.add_callback`` would: grpc
-            # runs the state's callbacks in its polling thread then (None: it is over already).
-            # grpc holds the state's condition while it submits (it is re-entrant); it is taken
-            # here by the lock's own acquire and release, which a Condition keeps on itself (its
-            # ``__enter__`` and ``__exit__`` are Python frames).
-            condition = state.condition
-            condition.acquire()
-            try:
-                callbacks = state.callbacks
-                if callbacks is not None:
-                    callbacks.append(functools.partial(self._ended, call))
-            finally:
-                condition.release()
+            callbacks = ()
+            if call.instance:  # queued in the picture (a call that runs at once asks nothing: see above)
+                # Tell the agent once the call is over, as ``ServicerContext.add_callback`` would:
+                # grpc runs the state's callbacks in its polling thread then (None: it is over
+                # already). grpc holds the state's condition while it submits (it is re-entrant); it
+                # is taken here by the lock's own acquire and release, which a Condition keeps on
+                # itself (its ``__enter__`` and ``__exit__`` are Python frames).
+                condition = state.condition
+                condition.acquire()
+                try:
+                    callbacks = state.callbacks
+                    if callbacks is not None:
+                        callbacks.append(functools.partial(self._ended, call))
+                finally:
+                    condition.release()
         else:
             callbacks = ()
             fn, args = _run_then_end, (self._ended, call, fn, *args)
@@ -158,10 +154,13 @@ class WorkerExecutor(ThreadPoolExecutor):
         # Left on the call after the submit: a break reads it only for a call still queued, and a
         # worker that has started the item makes take() fail. The agent drops it when the handler
         # starts (in the worker, so that the call's objects are freed there, as a plain pool frees
-        # them, and not in grpc's polling thread when the call ends) or when gRPC ends the call.
+        # them, and not in grpc's polling thread when the call ends) or when gRPC ends the call
+        # (told, or found by the agent when it reads the picture).
         call.work = _new_work((future, fn, args, kwargs))
         if callbacks is None:  # over already: told now (after the work item, which it drops)
             self._ended(call)
+        elif call.started:  # a worker started its handler first, and found no item to drop
+            call.work = None
         return future
 
 
